@@ -1,0 +1,67 @@
+// Device helpers of the benchmarks: reproducible random fill, error against an fp64 reference
+// rebuilt from the generator, and bitwise comparison.
+#include <cuda_bf16.h>
+
+#include "bench_kernels.h"
+
+namespace mk::bench {
+namespace {
+
+__host__ __device__ inline float gen_value(uint64_t seed, int rank, std::size_t i) {
+  uint64_t x = seed ^ (0x9e3779b97f4a7c15ull * (rank + 1)) ^ (i * 0xbf58476d1ce4e5b9ull);
+  x ^= x >> 31;
+  x *= 0x94d049bb133111ebull;
+  x ^= x >> 29;
+  return static_cast<float>(x & 0xffffff) / 8388608.f - 1.f;  // [-1, 1)
+}
+
+__global__ void fill_kernel(__nv_bfloat16* p, std::size_t n, uint64_t seed, int rank) {
+  for (std::size_t i = blockIdx.x * (std::size_t)blockDim.x + threadIdx.x; i < n;
+       i += (std::size_t)gridDim.x * blockDim.x)
+    p[i] = __float2bfloat16_rn(gen_value(seed, rank, i));
+}
+
+// Max |got - exact| where exact[i] = sum_r bf16(gen(seed, r, base + i)) in fp64.
+__global__ void error_kernel(const __nv_bfloat16* got, std::size_t n, std::size_t base, uint64_t seed,
+                             int world, unsigned long long* max_err_bits) {
+  double local = 0;
+  for (std::size_t i = blockIdx.x * (std::size_t)blockDim.x + threadIdx.x; i < n;
+       i += (std::size_t)gridDim.x * blockDim.x) {
+    double exact = 0;
+    for (int r = 0; r < world; ++r)
+      exact += __bfloat162float(__float2bfloat16_rn(gen_value(seed, r, base + i)));
+    const double g = __bfloat162float(got[i]);
+    local = fmax(local, g == g ? fabs(g - exact) : 1e30);
+  }
+  atomicMax(max_err_bits, __double_as_longlong(local));
+}
+
+__global__ void diff_kernel(const uint4* a, const uint4* b, std::size_t n, unsigned long long* diffs) {
+  unsigned long long local = 0;
+  for (std::size_t i = blockIdx.x * (std::size_t)blockDim.x + threadIdx.x; i < n;
+       i += (std::size_t)gridDim.x * blockDim.x) {
+    const uint4 x = a[i], y = b[i];
+    local += (x.x != y.x) | (x.y != y.y) | (x.z != y.z) | (x.w != y.w);
+  }
+  atomicAdd(diffs, local);
+}
+
+}  // namespace
+
+void launch_fill(void* p, std::size_t n, uint64_t seed, int rank, cudaStream_t s) {
+  fill_kernel<<<264, 512, 0, s>>>(static_cast<__nv_bfloat16*>(p), n, seed, rank);
+}
+
+void launch_max_error(const void* got, std::size_t n, std::size_t base, uint64_t seed, int world,
+                      unsigned long long* max_err_bits, cudaStream_t s) {
+  error_kernel<<<264, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(got), n, base, seed, world,
+                                   max_err_bits);
+}
+
+void launch_count_diff(const void* a, const void* b, std::size_t n16, unsigned long long* diffs,
+                       cudaStream_t s) {
+  diff_kernel<<<264, 256, 0, s>>>(static_cast<const uint4*>(a), static_cast<const uint4*>(b), n16,
+                                  diffs);
+}
+
+}  // namespace mk::bench

@@ -1,0 +1,19 @@
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace mk::bench {
+
+// p[i] = bf16 of a hash of (seed, rank, i) in [-1, 1).
+void launch_fill(void* p, std::size_t n, uint64_t seed, int rank, cudaStream_t s);
+// *max_err_bits = max(previous, max_i |got[i] - sum_r fill(seed, r, base + i)|) as double bits.
+void launch_max_error(const void* got, std::size_t n, std::size_t base, uint64_t seed, int world,
+                      unsigned long long* max_err_bits, cudaStream_t s);
+// *diffs += number of 16-byte vectors that differ between a and b.
+void launch_count_diff(const void* a, const void* b, std::size_t n16, unsigned long long* diffs,
+                       cudaStream_t s);
+
+}  // namespace mk::bench

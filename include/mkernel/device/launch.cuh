@@ -1,0 +1,125 @@
+// mkernel/device/launch.cuh - per-launch context, signals, barriers and time limits.
+//
+// Every mkernel kernel is a persistent grid whose CTAs are "channels": channel c of rank r talks
+// to channel c of its peers. A launch begins with Launch::begin() and ends with Launch::end():
+//
+//   begin: read this rank's epoch (launches completed) -> this launch is epoch + 1
+//   ...    signal(peer, id, step) / wait(src, id, step) with values signal_value(epoch, step)
+//   end:   the last CTA to finish bumps the epoch, so the next launch (or graph replay) uses the
+//          next value without any host involvement and without resetting a single flag.
+//
+// Signal values only grow, so "reached" is a wrap-safe >=. Every wait gives up after the
+// communicator's time limit: it records who waited for whom (first failure wins), raises the
+// abort flag so every other wait of this rank gives up at once, and returns false. Kernels then
+// skip the rest of their work and still call end().
+#pragma once
+
+#include <cstdint>
+
+#include "mkernel/device/sync.cuh"
+#include "mkernel/device_comm.h"
+
+namespace mk::dev {
+
+__host__ __device__ constexpr uint64_t signal_value(uint64_t epoch, uint32_t step) {
+  return (epoch << 32) | step;
+}
+
+__device__ __forceinline__ bool reached(uint64_t value, uint64_t expected) {
+  return static_cast<int64_t>(value - expected) >= 0;
+}
+
+__device__ __forceinline__ uint32_t signal_index(SignalId id, int channel) {
+  return static_cast<uint32_t>(id) + static_cast<uint32_t>(channel);
+}
+
+struct Launch {
+  DeviceComm comm;
+  uint64_t epoch;  // this launch's number (1 for the first launch on a communicator)
+
+  __device__ static Launch begin(const DeviceComm& comm) {
+    return Launch{comm, ld_relaxed_gpu(&comm.state->epoch) + 1};
+  }
+
+  __device__ bool aborted() const { return ld_relaxed_gpu(&comm.state->abort) != 0; }
+
+  // Raise signal `signal` on local rank `peer_local` (this rank's word in the peer's pad) to
+  // signal_value(epoch, step), after every write this thread has made or observed.
+  __device__ void signal(int peer_local, uint32_t signal, uint32_t step) const {
+    uint64_t* pad = comm.peer_signals[peer_local];
+    st_release_sys(pad + static_cast<uint64_t>(signal) * comm.world_size + comm.rank,
+                   signal_value(epoch, step));
+  }
+
+  // Wait until rank `src` raised `signal` to at least (epoch, step). False on time-out / abort.
+  __device__ bool wait(int src, uint32_t signal, uint32_t step) const {
+    const uint64_t* word = comm.signals + static_cast<uint64_t>(signal) * comm.world_size + src;
+    const uint64_t expected = signal_value(epoch, step);
+    uint64_t seen = ld_acquire_sys(word);
+    if (reached(seen, expected)) return true;
+    const uint64_t start = global_timer_ns();
+    for (uint32_t spins = 0;; ++spins) {
+      seen = ld_acquire_sys(word);
+      if (reached(seen, expected)) return true;
+      if ((spins & 63) == 0) {
+        if (aborted()) return false;
+        const uint64_t waited = global_timer_ns() - start;
+        if (comm.timeout_ns != 0 && waited > comm.timeout_ns) {
+          record_timeout(src, signal, expected, seen, waited);
+          return false;
+        }
+      }
+    }
+  }
+
+  // All local ranks' channel `channel` meet: every thread of the CTA calls it. Thread t < local_size
+  // signals local rank t and waits for it. Orders all prior writes of the CTA (to any GPU) before
+  // the peers' subsequent reads. Returns false (on every thread) if any wait failed.
+  __device__ bool channel_barrier(SignalId id, int channel, uint32_t step) const {
+    const uint32_t sig = signal_index(id, channel);
+    __syncthreads();
+    bool ok = true;
+    for (int t = threadIdx.x; t < comm.local_size; t += blockDim.x) {
+      if (t == comm.local_rank) continue;
+      fence_acq_rel_sys();
+      signal(t, sig, step);
+    }
+    for (int t = threadIdx.x; t < comm.local_size; t += blockDim.x) {
+      if (t == comm.local_rank) continue;
+      ok = wait(comm.node_ranks[t], sig, step) && ok;
+    }
+    return __syncthreads_and(ok) != 0;
+  }
+
+  // Every CTA calls this last (all threads). The last CTA to arrive publishes epoch + 1.
+  __device__ void end() const {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      const uint32_t done = atomicAdd(&comm.state->blocks_done, 1u);
+      if (done == gridDim.x * gridDim.y * gridDim.z - 1) {
+        comm.state->blocks_done = 0;
+        comm.state->epoch = epoch;
+        __threadfence();
+      }
+    }
+  }
+
+ private:
+  __device__ void record_timeout(int src, uint32_t signal, uint64_t expected, uint64_t seen,
+                                 uint64_t waited) const {
+    if (atomicCAS(&comm.state->abort, 0, 1) != 0) return;  // someone else reports
+    DeviceErrorRecord* rec = comm.error;
+    rec->rank = comm.rank;
+    rec->peer = src;
+    rec->signal = signal;
+    rec->expected = expected;
+    rec->observed = seen;
+    rec->waited_ns = waited;
+    __threadfence_system();
+    *reinterpret_cast<volatile int32_t*>(&rec->code) = static_cast<int32_t>(DeviceErrorCode::kTimeout);
+    __threadfence_system();
+  }
+};
+
+}  // namespace mk::dev

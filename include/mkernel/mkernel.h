@@ -1,0 +1,9 @@
+// mkernel/mkernel.h - everything a user of the C++ API needs.
+#pragma once
+
+#include "mkernel/bootstrap.h"
+#include "mkernel/collectives.h"
+#include "mkernel/communicator.h"
+#include "mkernel/error.h"
+#include "mkernel/topology.h"
+#include "mkernel/types.h"

@@ -1,0 +1,256 @@
+#!/usr/bin/env bash
+# The one script sent to the GPU machine (see /work/.library/device/README.md).
+#
+#   bash scripts/device_run.sh [build|test|sanitize|bench|all]...     (default: all)
+#
+# Steps run in the order given; `all` = build test sanitize bench. A failed step does not stop
+# the later ones; each ends with one line "== <step>: PASS|FAIL|SKIP (<s> s) ..." and the script
+# exits non-zero when any step failed. Logs go to $OUT (./out when $OUT is unset):
+#   build.log  test.log  topo.txt  sanitize.log  bench.log  and the benchmark JSON files
+# (at most 8 files come back from $OUT: JSON beyond that is packed into bench-json.tar.gz).
+#
+# That machine has nvcc, cmake, ninja and python3 with torch, and no internet. GoogleTest is taken
+# from the system when it has one (its image of 2026-11-30 had 1.14 in /usr), else from `.deps`:
+# run scripts/pack_deps.sh here and carry `.deps` (and `build` to reuse a build made here).
+#
+# Environment knobs: BACKEND (socket), BUILD_TYPE (Release), CMAKE_ARGS, CTEST_ARGS
+# (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), BENCH_RANKS (2), BENCH_ARGS.
+
+# NVLink multicast (NVLS) must stay off on the shared hosts: it can take their GPUs out of service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_NVLS_DISABLE=1
+export PYTHONUNBUFFERED=1
+
+set -uo pipefail  # no -e: every step reports and the later steps still run
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+REPO="$PWD"
+OUT="${OUT:-$REPO/out}"
+mkdir -p "$OUT"
+BUILD="$REPO/build"
+GPU_TESTS="$BUILD/tests/mkernel_gpu_tests"
+BACKEND="${BACKEND:-socket}"
+BUILD_TYPE="${BUILD_TYPE:-Release}"
+read -r -a CMAKE_EXTRA <<<"${CMAKE_ARGS:-}"
+read -r -a CTEST_EXTRA <<<"${CTEST_ARGS:---timeout 300}"
+read -r -a BENCH_EXTRA <<<"${BENCH_ARGS:-}"
+SANITIZE_TIMEOUT="${SANITIZE_TIMEOUT:-300}"
+BENCH_RANKS="${BENCH_RANKS:-2}"
+JOBS="$(nproc 2>/dev/null || echo 8)"
+GENERATOR=Ninja
+command -v ninja >/dev/null || GENERATOR="Unix Makefiles"
+
+if [[ -z "${CUDA_HOME:-}" ]]; then
+  if command -v nvcc >/dev/null; then
+    CUDA_HOME="$(cd "$(dirname "$(command -v nvcc)")/.." && pwd)"
+  else
+    CUDA_HOME=/usr/local/cuda
+  fi
+fi
+export CUDA_HOME PATH="$CUDA_HOME/bin:$PATH"
+
+log() { printf '[device_run %s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
+# Runs a command under `timeout` where coreutils has it.
+limited() {
+  local seconds="$1"
+  shift
+  if command -v timeout >/dev/null; then timeout --kill-after=10 "$seconds" "$@"; else "$@"; fi
+}
+
+# ---- build ----------------------------------------------------------------------------------
+# A build/ carried from the development machine holds absolute paths of its source tree there
+# (CTestTestfile.cmake, MKRUN_PATH): point that path at this checkout when it is free.
+reuse_carried_build() {
+  [[ -f "$BUILD/CTestTestfile.cmake" && -x "$GPU_TESTS" ]] || return 1
+  local src
+  src="$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$BUILD/CMakeCache.txt" 2>/dev/null)"
+  [[ -n "$src" ]] || return 1
+  if [[ ! "$src" -ef "$REPO" ]]; then
+    if [[ -e "$src" || -L "$src" ]]; then
+      log "carried build/ was made in $src, which exists here and is not this checkout"
+      return 1
+    fi
+    mkdir -p "$(dirname "$src")" && ln -s "$REPO" "$src" || return 1
+    log "linked $src -> $REPO (the carried build's source path)"
+  fi
+  log "reusing the carried build/ (made from $src); not rebuilding"
+}
+
+# Prints the GoogleTest root to configure with: nothing when the system has GoogleTest, else the
+# packed libraries when they link with this machine's compiler, else GoogleTest rebuilt from the
+# packed sources.
+gtest_root() {
+  local deps="$REPO/.deps" probe=/tmp/mk-gtest-probe dir
+  for dir in /usr/lib/x86_64-linux-gnu /usr/lib /usr/lib64 /usr/local/lib; do
+    if [[ -f "$dir/cmake/GTest/GTestConfig.cmake" ]]; then
+      log "GoogleTest: the system's ($dir/cmake/GTest)" >&2
+      return 0
+    fi
+  done
+  if [[ -f "$deps/gtest/lib/libgtest.a" ]]; then
+    mkdir -p "$probe"
+    printf '#include <gtest/gtest.h>\nTEST(Probe, Links) { EXPECT_EQ(1, 1); }\n' >"$probe/t.cpp"
+    if "${CXX:-c++}" -std=c++20 -I"$deps/gtest/include" "$probe/t.cpp" \
+      "$deps/gtest/lib/libgtest_main.a" "$deps/gtest/lib/libgtest.a" -pthread -o "$probe/t" &&
+      "$probe/t" >/dev/null; then
+      log "GoogleTest: packed libraries in .deps/gtest" >&2
+      echo "$deps/gtest"
+      return 0
+    fi
+    log "GoogleTest: the packed libraries do not link here" >&2
+  fi
+  if [[ -f "$deps/googletest-src/CMakeLists.txt" ]]; then
+    log "GoogleTest: building it from .deps/googletest-src" >&2
+    local prefix=/tmp/mk-gtest
+    cmake -S "$deps/googletest-src" -B /tmp/mk-gtest-build -G "$GENERATOR" \
+      -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$prefix" -DCMAKE_INSTALL_LIBDIR=lib \
+      -DBUILD_GMOCK=ON >&2 &&
+      cmake --build /tmp/mk-gtest-build -j "$JOBS" >&2 &&
+      cmake --install /tmp/mk-gtest-build >&2 &&
+      echo "$prefix" && return 0
+  fi
+  log "GoogleTest: none usable; run scripts/pack_deps.sh where you develop and carry .deps" >&2
+  return 1
+}
+
+step_build() {
+  if reuse_carried_build; then return 0; fi
+  [[ -x "$CUDA_HOME/bin/nvcc" ]] || { log "no nvcc in $CUDA_HOME/bin"; return 1; }
+  local gtest gtest_args=()
+  gtest="$(gtest_root)" || return 1
+  [[ -z "$gtest" ]] || gtest_args=(-DGTEST_ROOT="$gtest" -DGTest_ROOT="$gtest")
+  # A stale cache (another source path or generator) would stop CMake: start it afresh.
+  rm -rf "$BUILD/CMakeCache.txt" "$BUILD/CMakeFiles"
+  log "configuring: backend=$BACKEND type=$BUILD_TYPE nvcc=$CUDA_HOME/bin/nvcc" \
+    "gtest=${gtest:-system}"
+  cmake -S "$REPO" -B "$BUILD" -G "$GENERATOR" \
+    -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
+    -DMKERNEL_BACKEND="$BACKEND" \
+    -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" \
+    -DCUDAToolkit_ROOT="$CUDA_HOME" \
+    "${gtest_args[@]}" \
+    -DPython3_EXECUTABLE="$(command -v python3)" \
+    "${CMAKE_EXTRA[@]}" || return 1
+  log "building with $JOBS jobs"
+  cmake --build "$BUILD" -j "$JOBS"
+}
+
+# ---- test -----------------------------------------------------------------------------------
+step_test() {
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi -L
+    nvidia-smi topo -m >"$OUT/topo.txt" 2>&1
+    cat "$OUT/topo.txt"
+  else
+    log "no nvidia-smi on PATH" | tee "$OUT/topo.txt"
+  fi
+  if [[ ! -f "$BUILD/CTestTestfile.cmake" ]]; then
+    log "no build/CTestTestfile.cmake: run the build step first"
+    return 1
+  fi
+  ctest --test-dir "$BUILD" --output-on-failure "${CTEST_EXTRA[@]}" 2>&1 | tee "$OUT/test.log"
+}
+
+# ---- sanitize -------------------------------------------------------------------------------
+SKIP=3  # a step's return code for "nothing to do"
+
+step_sanitize() {
+  local sanitizer
+  [[ -x "$GPU_TESTS" ]] || { log "no $GPU_TESTS"; return "$SKIP"; }
+  sanitizer="$(command -v compute-sanitizer ||
+    ls "$CUDA_HOME"/compute-sanitizer/compute-sanitizer 2>/dev/null)" ||
+    { log "no compute-sanitizer"; return 1; }
+  if ! "$GPU_TESTS" --gtest_list_tests --gtest_filter='Sanitize*' | grep -q '^  '; then
+    log "no Sanitize* tests in $GPU_TESTS"
+    return "$SKIP"
+  fi
+  {
+    local tool rc failed=0
+    for tool in memcheck racecheck synccheck; do
+      log "compute-sanitizer --tool $tool"
+      limited "$SANITIZE_TIMEOUT" "$sanitizer" --tool "$tool" --error-exitcode 99 \
+        --print-limit 100 "$GPU_TESTS" --gtest_filter='Sanitize*' --gtest_brief=1
+      rc=$?
+      if ((rc == 0)); then
+        log "sanitize $tool: PASS"
+      else
+        log "sanitize $tool: FAIL (rc $rc)"
+        failed=1
+      fi
+    done
+    ((failed == 0))
+  } 2>&1 | tee "$OUT/sanitize.log"
+}
+
+# ---- bench ----------------------------------------------------------------------------------
+step_bench() {
+  local bin="$BUILD/bench/bench_collectives" mkrun="$BUILD/mkrun" marker rc
+  [[ -x "$bin" ]] || { log "no $bin"; return "$SKIP"; }
+  [[ -x "$mkrun" ]] || { log "no $mkrun"; return 1; }
+  marker="$(mktemp)"
+  # The benchmark may write its JSON to $MKERNEL_BENCH_JSON_DIR; files it writes under
+  # bench/results/ during this run are collected too.
+  MKERNEL_BENCH_JSON_DIR="$OUT" "$mkrun" -n "$BENCH_RANKS" -- "$bin" "${BENCH_EXTRA[@]}" 2>&1 |
+    tee "$OUT/bench.log"
+  rc=$?
+  if [[ -d "$REPO/bench/results" ]]; then
+    find "$REPO/bench/results" -maxdepth 1 -name '*.json' -newer "$marker" -exec cp -t "$OUT" {} +
+  fi
+  rm -f "$marker"
+  log "JSON files: $(find "$OUT" -maxdepth 1 -name '*.json' | wc -l)"
+  return "$rc"
+}
+
+# At most 8 files come back from $OUT: pack the JSON files when there are more.
+fit_out() {
+  local n
+  n="$(find "$OUT" -type f | wc -l)"
+  ((n > 8)) || return 0
+  (cd "$OUT" &&
+    find . -maxdepth 1 -name '*.json' -printf '%P\n' | tar -czf bench-json.tar.gz -T - &&
+    find . -maxdepth 1 -name '*.json' -delete)
+  log "packed the JSON files of $OUT into bench-json.tar.gz ($n files were there)"
+}
+
+# ---- main -----------------------------------------------------------------------------------
+steps=("$@")
+((${#steps[@]})) || steps=(all)
+plan=()
+for s in "${steps[@]}"; do
+  case "$s" in
+    all) plan+=(build test sanitize bench) ;;
+    build | test | sanitize | bench) plan+=("$s") ;;
+    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|bench|all]..." >&2; exit 2 ;;
+  esac
+done
+
+log "steps: ${plan[*]}; OUT=$OUT; $(nproc) cores; nvcc $(nvcc --version 2>/dev/null |
+  sed -n 's/.*release \([0-9.]*\).*/\1/p'); $(cmake --version 2>/dev/null | head -n 1)"
+
+summary=()
+any_failed=0
+for s in "${plan[@]}"; do
+  log "==== $s ===="
+  start=$SECONDS
+  case "$s" in
+    build) step_build 2>&1 | tee -a "$OUT/build.log" ;;
+    test) step_test ;;
+    sanitize) step_sanitize ;;
+    bench) step_bench ;;
+  esac
+  rc=$?
+  case "$rc" in
+    0) verdict=PASS ;;
+    "$SKIP") verdict=SKIP ;;
+    *) verdict="FAIL (rc $rc)"; any_failed=1 ;;
+  esac
+  line="== $s: $verdict ($((SECONDS - start)) s)"
+  echo "$line"
+  summary+=("$line")
+done
+fit_out
+
+echo
+log "summary"
+printf '%s\n' "${summary[@]}"
+exit "$any_failed"

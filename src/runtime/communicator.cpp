@@ -1,0 +1,241 @@
+#include "mkernel/communicator.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <string>
+
+#include "mkernel/error.h"
+#include "runtime/comm_state.h"
+#include "runtime/cuda_check.h"
+#include "runtime/device_guard.h"
+
+namespace mk {
+namespace {
+
+uint64_t this_host_id() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  std::string boot_id;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
+  return std::hash<std::string>{}(std::string(host) + "/" + boot_id);
+}
+
+double env_double(const char* name, double fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  double d = std::strtod(v, &end);
+  if (end == v || *end != '\0' || d < 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(name) + "='" + v + "' is not a non-negative number");
+  }
+  return d;
+}
+
+std::string describe_value(uint64_t v) {
+  return "launch " + std::to_string(v >> 32) + " step " + std::to_string(v & 0xffffffffu);
+}
+
+}  // namespace
+
+std::string describe_signal(uint32_t signal) {
+  const uint32_t range = signal / kMaxChannels;
+  const uint32_t channel = signal % kMaxChannels;
+  const char* name = range == 0 ? "entry barrier" : range == 1 ? "exit barrier" : "op signal";
+  return std::string(name) + ", channel " + std::to_string(channel);
+}
+
+// ---- SymmetricBuffer ---------------------------------------------------------------------------
+
+void* SymmetricBuffer::data() const {
+  if (!impl_) return nullptr;
+  return reinterpret_cast<void*>(impl_->bases.at(impl_->local_rank));
+}
+std::size_t SymmetricBuffer::size() const { return impl_ ? impl_->size : 0; }
+void* SymmetricBuffer::peer(int local_rank) const {
+  if (!impl_ || local_rank < 0 || local_rank >= static_cast<int>(impl_->bases.size())) {
+    throw Error(ErrorCode::kInvalidArgument, "SymmetricBuffer::peer: local rank " +
+                                                 std::to_string(local_rank) + " out of range");
+  }
+  return reinterpret_cast<void*>(impl_->bases[local_rank]);
+}
+void* const* SymmetricBuffer::device_peers() const { return impl_ ? impl_->d_peers : nullptr; }
+
+// ---- Communicator ------------------------------------------------------------------------------
+
+Communicator::Communicator() : state_(std::make_unique<detail::CommState>()) {}
+
+Communicator::~Communicator() {
+  if (!state_) return;
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(state_->device);
+  cudaDeviceSynchronize();  // kernels may still use the pad; they end within the time limit
+  state_->signal_pad.reset();
+  cudaFree(state_->launch_state);
+  cudaFree(state_->d_node_ranks);
+  cudaFreeHost(state_->error_host);
+  state_->fd_exchange.reset();
+  cudaSetDevice(previous);
+}
+
+std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bootstrap,
+                                                   const CommOptions& options) {
+  if (!bootstrap) {
+    throw Error(ErrorCode::kInvalidArgument, "Communicator::create: bootstrap is null");
+  }
+  std::shared_ptr<Communicator> comm(new Communicator());
+  detail::CommState& s = *comm->state_;
+  s.bootstrap = std::move(bootstrap);
+
+  int device = options.device;
+  if (device < 0) MK_CUDA_CHECK(cudaGetDevice(&device));
+  int device_count = 0;
+  MK_CUDA_CHECK(cudaGetDeviceCount(&device_count));
+  if (device >= device_count) {
+    throw Error(ErrorCode::kInvalidArgument, "Communicator::create: device " +
+                                                 std::to_string(device) + " does not exist (" +
+                                                 std::to_string(device_count) + " visible)");
+  }
+  s.device = device;
+  detail::DeviceGuard guard(device);
+
+  s.timeout_seconds = options.timeout_seconds >= 0 ? options.timeout_seconds
+                                                   : env_double("MKERNEL_TIMEOUT_S", 60.0);
+  int ranks_per_node = options.ranks_per_node;
+  if (ranks_per_node < 0) ranks_per_node = static_cast<int>(env_double("MKERNEL_GPUS_PER_NODE", 0));
+
+  // Who is where.
+  cudaDeviceProp prop{};
+  MK_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  RankInfo mine{};
+  mine.host_id = this_host_id();
+  mine.pid = static_cast<int32_t>(getpid());
+  mine.device = device;
+  std::memcpy(mine.device_uuid, prop.uuid.bytes, sizeof(mine.device_uuid));
+  mine.sm_count = prop.multiProcessorCount;
+  mine.ranks_per_node = ranks_per_node;
+  std::vector<RankInfo> infos(s.bootstrap->size());
+  s.bootstrap->allgather(&mine, infos.data(), sizeof(RankInfo));
+  s.topo = compute_topology(s.bootstrap->rank(), infos);
+  if (prop.major < 9) {
+    throw Error(ErrorCode::kUnsupported, "Communicator::create: GPU " + std::to_string(device) +
+                                             " (" + prop.name + ") has compute capability " +
+                                             std::to_string(prop.major) + "." +
+                                             std::to_string(prop.minor) +
+                                             "; mkernel needs Hopper (9.0)");
+  }
+
+  s.fd_exchange = std::make_unique<detail::FdExchange>(*s.bootstrap, s.timeout_seconds > 0
+                                                                         ? s.timeout_seconds
+                                                                         : 300.0);
+
+  // Signal pad, launch state, error record.
+  s.signal_pad = detail::create_symmetric(s, sizeof(uint64_t) * kNumSignals * s.topo.world_size);
+  MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&s.launch_state), sizeof(DeviceLaunchState)));
+  MK_CUDA_CHECK(cudaMemset(s.launch_state, 0, sizeof(DeviceLaunchState)));
+  MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&s.d_node_ranks), sizeof(int32_t) * s.topo.local_size));
+  std::vector<int32_t> node_ranks(s.topo.node_ranks.begin(), s.topo.node_ranks.end());
+  MK_CUDA_CHECK(cudaMemcpy(s.d_node_ranks, node_ranks.data(), sizeof(int32_t) * node_ranks.size(),
+                           cudaMemcpyHostToDevice));
+  MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.error_host), sizeof(DeviceErrorRecord), cudaHostAllocMapped));
+  std::memset(s.error_host, 0, sizeof(DeviceErrorRecord));
+  MK_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.error_device), s.error_host, 0));
+  MK_CUDA_CHECK(cudaDeviceSynchronize());
+  s.bootstrap->barrier();  // nobody signals into a pad before its owner has zeroed it
+  return comm;
+}
+
+const Topology& Communicator::topology() const { return state_->topo; }
+int Communicator::device() const { return state_->device; }
+double Communicator::timeout_seconds() const { return state_->timeout_seconds; }
+Bootstrap& Communicator::bootstrap() { return *state_->bootstrap; }
+
+SymmetricBuffer Communicator::alloc(std::size_t bytes) {
+  ensure_usable("alloc");
+  detail::DeviceGuard guard(state_->device);
+  return SymmetricBuffer(detail::create_symmetric(*state_, bytes));
+}
+
+SymmetricRange Communicator::find_symmetric(const void* ptr, std::size_t bytes) const {
+  const auto p = reinterpret_cast<uintptr_t>(ptr);
+  std::lock_guard<std::mutex> lock(state_->registry_mutex);
+  auto& reg = state_->registry;
+  for (auto it = reg.begin(); it != reg.end();) {
+    auto alloc = it->lock();
+    if (!alloc) {
+      it = reg.erase(it);
+      continue;
+    }
+    const uintptr_t base = alloc->bases[state_->topo.local_rank];
+    if (p >= base && p + bytes <= base + alloc->size && p + bytes >= p) {
+      return SymmetricRange{alloc->d_peers, static_cast<std::size_t>(p - base), alloc->size};
+    }
+    ++it;
+  }
+  return {};
+}
+
+DeviceComm Communicator::device_comm() const {
+  const detail::CommState& s = *state_;
+  DeviceComm d{};
+  d.rank = s.topo.rank;
+  d.world_size = s.topo.world_size;
+  d.node = s.topo.node;
+  d.local_rank = s.topo.local_rank;
+  d.local_size = s.topo.local_size;
+  d.node_ranks = s.d_node_ranks;
+  d.signals = reinterpret_cast<uint64_t*>(s.signal_pad->bases[s.topo.local_rank]);
+  d.peer_signals = reinterpret_cast<uint64_t* const*>(s.signal_pad->d_peers);
+  d.state = s.launch_state;
+  d.error = s.error_device;
+  d.timeout_ns = static_cast<uint64_t>(s.timeout_seconds * 1e9);
+  return d;
+}
+
+void Communicator::check() {
+  detail::CommState& s = *state_;
+  const volatile DeviceErrorRecord* rec = s.error_host;
+  if (s.broken.empty() && rec->code != static_cast<int32_t>(DeviceErrorCode::kNone)) {
+    std::ostringstream msg;
+    msg << "rank " << rec->rank << " waited " << static_cast<double>(rec->waited_ns) * 1e-9
+        << " s for rank " << rec->peer << " on the " << describe_signal(rec->signal)
+        << " (expected " << describe_value(rec->expected) << ", last saw "
+        << describe_value(rec->observed) << "); time limit " << s.timeout_seconds
+        << " s (MKERNEL_TIMEOUT_S). Is rank " << rec->peer
+        << " alive and issuing the same operations in the same order?";
+    s.broken = msg.str();
+  }
+  if (!s.broken.empty()) throw Error(ErrorCode::kTimeout, s.broken);
+}
+
+void Communicator::synchronize(cudaStream_t stream) {
+  detail::DeviceGuard guard(state_->device);
+  cudaError_t err = cudaStreamSynchronize(stream);
+  check();  // a recorded time-out explains a failed stream better than the CUDA error does
+  if (err != cudaSuccess) {
+    state_->broken = std::string("stream failed: ") + cudaGetErrorString(err);
+    throw Error(ErrorCode::kCuda, state_->broken);
+  }
+}
+
+void Communicator::ensure_usable(const char* op) const {
+  if (!state_->broken.empty()) {
+    throw Error(ErrorCode::kNotInitialized,
+                std::string(op) + ": the communicator is broken by an earlier error (" +
+                    state_->broken + "); create a new one");
+  }
+  const volatile DeviceErrorRecord* rec = state_->error_host;
+  if (rec->code != 0) {
+    throw Error(ErrorCode::kNotInitialized,
+                std::string(op) + ": a kernel of this communicator timed out; call check() for "
+                                  "details and create a new communicator");
+  }
+}
+
+}  // namespace mk

@@ -1,0 +1,38 @@
+// Internal: argument checks shared by every op. Each throws mk::Error naming the op, the argument,
+// what it was and what was expected. All run on the host before anything is launched.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "mkernel/communicator.h"
+#include "mkernel/types.h"
+
+namespace mk::detail {
+
+std::string hex(const void* p);
+
+// The communicator is usable and single-node (the NVLink-only paths).
+void require_usable(const Communicator& comm, const char* op);
+void require_single_node(const Communicator& comm, const char* op);
+void require_dtype(DType dtype, const char* op);
+
+// a * b without overflow, else kInvalidArgument naming `what`.
+std::size_t checked_mul(std::size_t a, std::size_t b, const char* op, const char* what);
+
+// `ptr` is device memory of the communicator's GPU (or a symmetric buffer of it) and aligned to
+// `alignment` bytes.
+void require_device_pointer(const Communicator& comm, const void* ptr, std::size_t alignment,
+                            const char* op, const char* name);
+// [ptr, ptr + bytes) lies in one symmetric buffer of `comm`: returns where.
+SymmetricRange require_symmetric(const Communicator& comm, const void* ptr, std::size_t bytes,
+                                 const char* op, const char* name);
+// The stream belongs to the communicator's GPU.
+void require_stream(const Communicator& comm, cudaStream_t stream, const char* op);
+
+bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes);
+
+}  // namespace mk::detail

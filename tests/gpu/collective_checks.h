@@ -1,0 +1,159 @@
+// Bodies of the collective tests, shared by the in-process (threads) and mkrun (processes) suites.
+// Inputs are fresh random data per rank (the seed mixes rank and case, so every rank can rebuild
+// everyone's inputs), outputs are poisoned before each call, and every element is checked.
+#pragma once
+
+#include "gpu_test_util.h"
+
+namespace mk::test {
+
+struct Case {
+  std::size_t count;
+  DType dtype;
+};
+
+// Sizes: a single element, odd counts (vector tails), one not a multiple of any tile, and ~1M.
+inline std::vector<Case> collective_cases() {
+  std::vector<Case> cases;
+  for (DType t : {DType::kBF16, DType::kF16, DType::kF32}) {
+    for (std::size_t n : {std::size_t{1}, std::size_t{7}, std::size_t{1000}, std::size_t{4097},
+                          std::size_t{(1 << 20) + 3}}) {
+      cases.push_back({n, t});
+    }
+  }
+  return cases;
+}
+
+// Draws a fresh base seed on rank 0 and shares it, so data differ on every run.
+inline uint64_t shared_seed(Communicator& comm) {
+  uint64_t mine = std::random_device{}() * 0x100000001ull + std::random_device{}();
+  std::vector<uint64_t> all(comm.world_size());
+  comm.bootstrap().allgather(&mine, all.data(), sizeof(mine));
+  return all[0];
+}
+
+inline void expect_all_gather(Communicator& comm, const Case& c, uint64_t seed, bool in_place) {
+  const int world = comm.world_size(), rank = comm.rank();
+  const std::size_t es = dtype_size(c.dtype), bytes = c.count * es;
+  SymmetricBuffer out = comm.alloc(bytes * world);
+  cudaStream_t stream;
+  MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<unsigned char> expected;
+  for (int r = 0; r < world; ++r) {
+    auto d = random_elements(c.count, c.dtype, seed + r);
+    expected.insert(expected.end(), d.begin(), d.end());
+  }
+  char* out_ptr = static_cast<char*>(out.data());
+  void* input = out_ptr + rank * bytes;
+  if (!in_place) MKT_CUDA(cudaMalloc(&input, bytes));
+  MKT_CUDA(cudaMemsetAsync(out_ptr, 0xFF, bytes * world, stream));  // poison
+  MKT_CUDA(cudaMemcpyAsync(input, expected.data() + rank * bytes, bytes, cudaMemcpyHostToDevice,
+                           stream));
+  all_gather(comm, input, out_ptr, c.count, c.dtype, stream);
+  comm.synchronize(stream);
+  std::vector<unsigned char> got(bytes * world);
+  MKT_CUDA(cudaMemcpy(got.data(), out_ptr, got.size(), cudaMemcpyDeviceToHost));
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != expected[i] && bad++ == 0) first = i;
+  }
+  EXPECT_EQ(bad, 0u) << "all_gather rank " << rank << " world " << world << " count " << c.count
+                     << " " << dtype_name(c.dtype) << (in_place ? " in place" : "")
+                     << ": first wrong byte " << first << " (source rank " << first / bytes << ")";
+  if (!in_place) cudaFree(input);
+  cudaStreamDestroy(stream);
+}
+
+// Checks `got` (count elements) against the exact sum of `inputs` at [offset, offset + count).
+inline std::size_t count_bad_sums(const std::vector<unsigned char>& got,
+                                  const std::vector<std::vector<unsigned char>>& inputs,
+                                  std::size_t offset, std::size_t count, DType t,
+                                  std::size_t* first_bad) {
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    double exact = 0, abs_sum = 0;
+    for (const auto& in : inputs) {
+      const double x = element(in, offset + i, t);
+      exact += x;
+      abs_sum += std::fabs(x);
+    }
+    if (!sum_close(element(got, i, t), exact, abs_sum, t) && bad++ == 0) *first_bad = i;
+  }
+  return bad;
+}
+
+inline void expect_reduce_scatter(Communicator& comm, const Case& c, uint64_t seed) {
+  const int world = comm.world_size(), rank = comm.rank();
+  const std::size_t es = dtype_size(c.dtype), bytes = c.count * es;
+  SymmetricBuffer in = comm.alloc(bytes * world);
+  cudaStream_t stream;
+  MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<std::vector<unsigned char>> inputs;
+  for (int r = 0; r < world; ++r) inputs.push_back(random_elements(c.count * world, c.dtype, seed + r));
+  void* out = nullptr;
+  MKT_CUDA(cudaMalloc(&out, bytes));
+  MKT_CUDA(cudaMemsetAsync(out, 0xFF, bytes, stream));
+  MKT_CUDA(cudaMemcpyAsync(in.data(), inputs[rank].data(), bytes * world, cudaMemcpyHostToDevice,
+                           stream));
+  std::vector<unsigned char> first_run;
+  for (int repeat = 0; repeat < 2; ++repeat) {
+    reduce_scatter(comm, in.data(), out, c.count, c.dtype, stream);
+    comm.synchronize(stream);
+    std::vector<unsigned char> got(bytes);
+    MKT_CUDA(cudaMemcpy(got.data(), out, bytes, cudaMemcpyDeviceToHost));
+    std::size_t first = 0;
+    const std::size_t bad = count_bad_sums(got, inputs, rank * c.count, c.count, c.dtype, &first);
+    EXPECT_EQ(bad, 0u) << "reduce_scatter rank " << rank << " world " << world << " count "
+                       << c.count << " " << dtype_name(c.dtype) << ": first bad element " << first;
+    if (repeat == 0) first_run = got;
+    else EXPECT_EQ(first_run, got) << "reduce_scatter is not deterministic";
+  }
+  cudaFree(out);
+  cudaStreamDestroy(stream);
+}
+
+inline void expect_all_reduce(Communicator& comm, const Case& c, uint64_t seed, bool in_place) {
+  const int world = comm.world_size(), rank = comm.rank();
+  const std::size_t es = dtype_size(c.dtype), bytes = c.count * es;
+  SymmetricBuffer in = comm.alloc(bytes);
+  SymmetricBuffer out_buf = in_place ? SymmetricBuffer() : comm.alloc(bytes);
+  void* out = in_place ? in.data() : out_buf.data();
+  cudaStream_t stream;
+  MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<std::vector<unsigned char>> inputs;
+  for (int r = 0; r < world; ++r) inputs.push_back(random_elements(c.count, c.dtype, seed + r));
+  if (!in_place) MKT_CUDA(cudaMemsetAsync(out, 0xFF, bytes, stream));
+  MKT_CUDA(cudaMemcpyAsync(in.data(), inputs[rank].data(), bytes, cudaMemcpyHostToDevice, stream));
+  all_reduce(comm, in.data(), out, c.count, c.dtype, stream);
+  comm.synchronize(stream);
+  std::vector<unsigned char> got(bytes);
+  MKT_CUDA(cudaMemcpy(got.data(), out, bytes, cudaMemcpyDeviceToHost));
+  std::size_t first = 0;
+  const std::size_t bad = count_bad_sums(got, inputs, 0, c.count, c.dtype, &first);
+  EXPECT_EQ(bad, 0u) << "all_reduce rank " << rank << " world " << world << " count " << c.count
+                     << " " << dtype_name(c.dtype) << (in_place ? " in place" : "")
+                     << ": first bad element " << first;
+  // Every rank must hold bitwise the same result.
+  const uint64_t h = fnv1a(got.data(), got.size());
+  std::vector<uint64_t> hashes(world);
+  comm.bootstrap().allgather(&h, hashes.data(), sizeof(h));
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(hashes[r], hashes[0]) << "all_reduce results differ between rank 0 and rank " << r;
+  }
+  cudaStreamDestroy(stream);
+}
+
+inline void expect_collectives(Communicator& comm) {
+  const uint64_t seed = shared_seed(comm);
+  const auto cases = collective_cases();
+  for (std::size_t k = 0; k < cases.size(); ++k) {
+    const uint64_t s = seed + 1000 * k;
+    expect_all_gather(comm, cases[k], s, /*in_place=*/false);
+    expect_all_gather(comm, cases[k], s + 1, /*in_place=*/true);
+    expect_reduce_scatter(comm, cases[k], s + 2);
+    expect_all_reduce(comm, cases[k], s + 3, /*in_place=*/false);
+    expect_all_reduce(comm, cases[k], s + 4, /*in_place=*/true);
+  }
+}
+
+}  // namespace mk::test
