@@ -54,7 +54,7 @@ constexpr int kMaxRanks = 1024;
 constexpr double kDefaultGraceSeconds = 30;
 constexpr double kTermToKillSeconds = 5;         // after SIGTERM, SIGKILL follows this much later
 constexpr std::size_t kReadChunk = 64 << 10;     // bytes per read() of a pipe or socket
-constexpr std::size_t kMaxLineBytes = 64 << 10;  // longer output lines are split
+constexpr std::size_t kMaxLineBytes = 64 << 10;  // a line is cut once this much lacks a newline
 
 constexpr const char kHelp[] =
     R"(mkrun - start the ranks of an mkernel job on this host, one process per rank.
@@ -469,8 +469,8 @@ std::vector<char*> pointers_to(std::vector<std::string>& strings) {
   return p;
 }
 
-// In the forked child: wires up stdio and the launcher socket, then runs the program.
-// Only async-signal-safe calls from here on (fork of a single-threaded parent, but still).
+// In the forked child: wires up stdio and the launcher socket, then runs the program. (mkrun is
+// single-threaded, so the child may call anything; it keeps to plain system calls regardless.)
 // `mask` is the signal mask to restore once mkrun's handlers are gone (spawn() blocks the signals
 // it handles across fork(), lest a signal meant for the rank run mkrun's handler in the child).
 [[noreturn]] void exec_rank(char* const* argv, char* const* envp, int stdin_fd, int stdout_fd,
@@ -561,8 +561,9 @@ class Job {
     UniqueFd devnull(open("/dev/null", O_RDONLY | O_CLOEXEC));
     if (!devnull) mk::detail::throw_system_error("mkrun: open /dev/null", errno);
     try {
-      for (Rank& r : ranks_)
+      for (Rank& r : ranks_) {
         server_.attach(r.rank, spawn(options_.command, options_.ranks, devnull.get(), r));
+      }
     } catch (...) {
       send_signal(SIGKILL, running_ranks());
       while (!running_ranks().empty()) reap(/*block=*/true);
@@ -684,7 +685,7 @@ class Job {
   void on_first_failure(const Rank& r) {
     first_failure_ = r.rank;
     const std::vector<int> others = running_ranks();
-    if (others.empty() || terminating_) return;
+    if (others.empty() || terminating_ || interrupted_by_ != 0) return;  // already stopping
     note("rank " + std::to_string(r.rank) + " failed (" + r.how_it_ended() + "); ranks " +
          format_ranks(others) + " get " + format_seconds(options_.grace_seconds) +
          " s (--grace) to finish");

@@ -107,8 +107,8 @@ std::unique_ptr<Bootstrap> make_callback_bootstrap(int rank, int size, Allgather
 // The ranks meet in a generation-counted rendezvous: each allgather call registers its buffers in
 // the current generation's slots; the last rank to arrive copies every contribution into every
 // receive buffer, records the outcome, bumps the generation and wakes the others. A rank that
-// times out, or whose Bootstrap is destroyed while others wait, breaks the group for good: the
-// pointers it registered may dangle, so no later allgather may complete.
+// times out breaks the group for good (the buffers it registered may be gone by the time the
+// others arrive), and so does a rank whose Bootstrap is destroyed (it can never join again).
 
 struct InProcessGroup::State {
   struct Slot {
@@ -228,8 +228,9 @@ class InProcessBootstrap final : public Bootstrap {
                                                " cannot complete: " + s.broken);
       }
     }
-    if (!s.last_error.empty())
+    if (!s.last_error.empty()) {
       throw Error(ErrorCode::kBootstrap, rank_prefix(rank_) + s.last_error);
+    }
   }
 
  private:

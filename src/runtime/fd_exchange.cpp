@@ -117,7 +117,11 @@ FdExchange::~FdExchange() {
   for (const auto& [key, fds] : stash_) close_all({fds.begin(), fds.end()});
 }
 
-std::string FdExchange::address(int rank) const { return "@" + socket_name(session_, rank); }
+std::string FdExchange::address(int rank) const {
+  std::string address = "@";  // (appending avoids a false -Wrestrict of GCC 12 on "@" + string)
+  address += socket_name(session_, rank);
+  return address;
+}
 
 std::vector<int> FdExchange::exchange(int fd, const std::vector<int>& to,
                                       const std::vector<int>& from, uint64_t tag) {
