@@ -41,6 +41,18 @@ std::string describe_value(uint64_t v) {
   return "launch " + std::to_string(v >> 32) + " step " + std::to_string(v & 0xffffffffu);
 }
 
+// The current value of this rank's signal word (signal, src), read from the host for diagnostics.
+uint64_t read_signal(const detail::CommState& s, uint32_t signal, int src) {
+  uint64_t value = 0;
+  const auto* word = reinterpret_cast<const uint64_t*>(s.signal_pad->bases[s.topo.local_rank]) +
+                     static_cast<uint64_t>(signal) * s.topo.world_size + src;
+  detail::DeviceGuard guard(s.device);
+  if (cudaMemcpy(&value, word, sizeof(value), cudaMemcpyDeviceToHost) != cudaSuccess) {
+    cudaGetLastError();
+  }
+  return value;
+}
+
 }  // namespace
 
 std::string describe_signal(uint32_t signal) {
@@ -206,7 +218,8 @@ void Communicator::check() {
     msg << "rank " << rec->rank << " waited " << static_cast<double>(rec->waited_ns) * 1e-9
         << " s for rank " << rec->peer << " on the " << describe_signal(rec->signal)
         << " (expected " << describe_value(rec->expected) << ", last saw "
-        << describe_value(rec->observed) << "); time limit " << s.timeout_seconds
+        << describe_value(rec->observed) << ", now " << describe_value(read_signal(s, rec->signal, rec->peer))
+        << "); time limit " << s.timeout_seconds
         << " s (MKERNEL_TIMEOUT_S). Is rank " << rec->peer
         << " alive and issuing the same operations in the same order?";
     s.broken = msg.str();

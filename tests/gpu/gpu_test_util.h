@@ -51,6 +51,13 @@ inline int device_count() {
   return n;
 }
 
+// GPUs the in-process tests spread ranks over: all, or MKERNEL_TEST_DEVICES of them.
+inline int test_devices() {
+  const char* env = std::getenv("MKERNEL_TEST_DEVICES");
+  const int n = device_count();
+  return env ? std::max(1, std::min(n, std::atoi(env))) : n;
+}
+
 // Runs fn(comm) on `world` ranks, one thread each, rank r on GPU r % device_count().
 // Failures inside fn are reported through gtest (EXPECT_* is thread-safe); exceptions are
 // caught and reported with the rank.
@@ -61,7 +68,7 @@ inline void run_in_process(int world, const std::function<void(Communicator&)>& 
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       try {
-        cudaSetDevice(r % device_count());
+        cudaSetDevice(r % test_devices());
         auto comm = Communicator::create(group.bootstrap(r), options);
         fn(*comm);
       } catch (const std::exception& e) {

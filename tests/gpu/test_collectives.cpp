@@ -37,3 +37,26 @@ TEST(SanitizeCollectives, SmallWorld2) {
 
 }  // namespace
 }  // namespace mk::test
+
+namespace mk::test {
+namespace {
+
+// Many back-to-back launches of two ranks: on two GPUs, or both on one GPU in one process
+// (MKERNEL_TEST_DEVICES=1), where the ranks' kernels must run side by side.
+TEST(InProcessCollectives, ManyLaunchesTwoRanks) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) {
+    SymmetricBuffer buf = comm.alloc(1 << 20);
+    cudaStream_t stream;
+    MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    for (int i = 0; i < 300; ++i) {
+      all_reduce(comm, buf.data(), buf.data(), 4096, DType::kF32, stream);
+      if (i % 3 == 0) comm.synchronize(stream);
+    }
+    comm.synchronize(stream);
+    cudaStreamDestroy(stream);
+  });
+}
+
+}  // namespace
+}  // namespace mk::test
