@@ -1,5 +1,6 @@
 # mkernel - the make front of the original mKernel, driving the CMake build in build/.
 #
+#   make setup                                          install build dependencies (Debian 12)
 #   make [BACKEND=socket|cx7|efa] [PYTHON=python3] all   configure (when needed) and build
 #   make test | test-cpu | test-gpu                     build, then run ctest
 #   make bench | check | plots                          bench/run.sh and bench/plot.py
@@ -43,7 +44,11 @@ STAMP  := $(BUILD_DIR)/.mkernel-config
 CACHE  := $(BUILD_DIR)/CMakeCache.txt
 
 .DEFAULT_GOAL := all
-.PHONY: all configure test test-cpu test-gpu bench check plots format format-check clean distclean \
+
+# Installs what a fresh Debian 12 machine needs (scripts/setup.sh says what).
+setup:
+	bash scripts/setup.sh
+.PHONY: setup all configure test test-cpu test-gpu bench check plots format format-check clean distclean \
         help FORCE
 
 all: $(CACHE)
@@ -115,7 +120,7 @@ distclean: clean
 	rm -rf $(wildcard build*/) .deps out
 
 help:
-	@sed -n '3,13s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,14s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 	@echo
 	@echo "now: BACKEND=$(BACKEND) CUDA_HOME=$(CUDA_HOME) EFA_HOME=$(EFA_HOME) PYTHON=$(PYTHON)" \
 	      "BUILD_DIR=$(BUILD_DIR) JOBS=$(JOBS) generator=$(GENERATOR)"

@@ -1,5 +1,5 @@
 // Benchmark of the standalone collectives against NCCL, one process per rank under mkrun:
-//   mkrun -n 2 -- bench_collectives [--sizes-mib 8,64,512] [--iters 20] [--json FILE]
+//   mkrun -n 2 -- bench_collectives [--sizes-mib 8,64,512] [--iters 20] [--json FILE] [--check]
 // Per size (bytes contributed per rank) and op: mkernel at several channel counts, NCCL, and a
 // copy-engine peer copy (cudaMemcpyAsync into the peer's mapping) as the link's ceiling.
 // Correctness in the same run: all_gather bitwise equal to NCCL; reductions compared with an fp64
@@ -43,6 +43,8 @@ struct Args {
   int iters = 20;
   int warmup = 5;
   std::string json;
+  bool check_only = false;  // correctness against NCCL only, no timing
+  std::string ops = "all_gather,reduce_scatter,all_reduce";
 };
 
 Args parse(int argc, char** argv) {
@@ -61,6 +63,8 @@ Args parse(int argc, char** argv) {
     else if (k == "--iters") a.iters = std::stoi(v), ++i;
     else if (k == "--warmup") a.warmup = std::stoi(v), ++i;
     else if (k == "--json") a.json = v, ++i;
+    else if (k == "--check") a.check_only = true;
+    else if (k == "--ops") a.ops = v, ++i;
     else { std::fprintf(stderr, "unknown argument %s\n", k.c_str()); std::exit(2); }
   }
   return a;
@@ -208,7 +212,7 @@ int main(int argc, char** argv) {
     const std::size_t bytes = mib << 20, count = bytes / 2;
     // Copy-engine peer copy into the next rank's mapping: the link's one-way ceiling.
     double peer_ms = 0;
-    {
+    if (!args.check_only) {
       const int peer = (comm->topology().local_rank + 1) % comm->topology().local_size;
       void* dst = sym_big.peer(peer);
       peer_ms = bench.time_ms([&] {
@@ -267,9 +271,17 @@ int main(int argc, char** argv) {
         }});
 
     for (Op& op : ops) {
+      if (("," + args.ops + ",").find(std::string(",") + op.name + ",") == std::string::npos) continue;
       std::string why;
       const bool correct = op.check(&why);
       all_correct = all_correct && correct;
+      if (args.check_only) {
+        if (root) {
+          std::printf("%-15s %5zu MiB  %s  %s\n", op.name, mib, correct ? "ok" : "WRONG",
+                      why.c_str());
+        }
+        continue;
+      }
       std::ostringstream sweep;
       double best_ms = 1e30;
       int best_channels = 0;
@@ -306,7 +318,7 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (root && !args.json.empty()) {
+  if (root && !args.json.empty() && !args.check_only) {
     FILE* f = std::fopen(args.json.c_str(), "w");
     const char* commit = std::getenv("MKERNEL_COMMIT");
     std::fprintf(f,

@@ -7,6 +7,12 @@
 // Stream semantics: operations on one communicator must be issued in the same order on every
 // rank, one at a time (as with NCCL); they are stream-ordered and never synchronise the host,
 // so they can be captured in CUDA graphs and replayed.
+//
+// Several ranks may share one GPU. In one process (InProcessGroup) their persistent kernels run
+// side by side, and a rank must not make an implicitly synchronising CUDA call (cudaMalloc,
+// cudaFree, cudaMemset, ...) while a peer's kernel may already wait for its next launch: the GPU
+// would hold the rank's launch behind the waiting kernel until the time limit. Finish setup, then
+// meet (e.g. bootstrap().barrier()), then launch. Separate processes sharing a GPU are not affected.
 #pragma once
 
 #include <cuda_runtime_api.h>

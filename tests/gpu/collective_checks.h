@@ -7,6 +7,14 @@
 
 namespace mk::test {
 
+// Ends a test's setup: its stream is idle and every rank is ready. Ranks sharing a GPU inside one
+// process need this: an implicitly synchronising call (cudaMalloc, cudaFree, cudaMemset) made by
+// one rank while a peer's kernel already waits for it would stall both until the time limit.
+inline void ready(Communicator& comm, cudaStream_t stream) {
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  comm.bootstrap().barrier();
+}
+
 struct Case {
   std::size_t count;
   DType dtype;
@@ -49,6 +57,7 @@ inline void expect_all_gather(Communicator& comm, const Case& c, uint64_t seed, 
   MKT_CUDA(cudaMemsetAsync(out_ptr, 0xFF, bytes * world, stream));  // poison
   MKT_CUDA(cudaMemcpyAsync(input, expected.data() + rank * bytes, bytes, cudaMemcpyHostToDevice,
                            stream));
+  ready(comm, stream);
   all_gather(comm, input, out_ptr, c.count, c.dtype, stream);
   comm.synchronize(stream);
   std::vector<unsigned char> got(bytes * world);
@@ -97,6 +106,7 @@ inline void expect_reduce_scatter(Communicator& comm, const Case& c, uint64_t se
                            stream));
   std::vector<unsigned char> first_run;
   for (int repeat = 0; repeat < 2; ++repeat) {
+    ready(comm, stream);
     reduce_scatter(comm, in.data(), out, c.count, c.dtype, stream);
     comm.synchronize(stream);
     std::vector<unsigned char> got(bytes);
@@ -124,6 +134,7 @@ inline void expect_all_reduce(Communicator& comm, const Case& c, uint64_t seed, 
   for (int r = 0; r < world; ++r) inputs.push_back(random_elements(c.count, c.dtype, seed + r));
   if (!in_place) MKT_CUDA(cudaMemsetAsync(out, 0xFF, bytes, stream));
   MKT_CUDA(cudaMemcpyAsync(in.data(), inputs[rank].data(), bytes, cudaMemcpyHostToDevice, stream));
+  ready(comm, stream);
   all_reduce(comm, in.data(), out, c.count, c.dtype, stream);
   comm.synchronize(stream);
   std::vector<unsigned char> got(bytes);

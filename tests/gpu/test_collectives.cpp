@@ -49,6 +49,7 @@ TEST(InProcessCollectives, ManyLaunchesTwoRanks) {
     SymmetricBuffer buf = comm.alloc(1 << 20);
     cudaStream_t stream;
     MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    ready(comm, stream);
     for (int i = 0; i < 300; ++i) {
       all_reduce(comm, buf.data(), buf.data(), 4096, DType::kF32, stream);
       if (i % 3 == 0) comm.synchronize(stream);

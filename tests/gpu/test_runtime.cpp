@@ -84,6 +84,7 @@ TEST(LaunchedRuntime, SymmetricMemoryIsVisibleToPeers) {
 void create_use_destroy(int world) {
   run_in_process(world, [](Communicator& comm) {
     SymmetricBuffer a = comm.alloc(1 << 20), b = comm.alloc(5 << 20);
+    comm.bootstrap().barrier();
     all_reduce(comm, a.data(), a.data(), 1024, DType::kF32, nullptr);
     comm.synchronize(nullptr);
   });
@@ -199,6 +200,7 @@ void expect_timeout_on_missing_rank(Communicator& comm) {
   SymmetricBuffer buf = comm.alloc(1 << 20);
   cudaStream_t stream;
   MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  ready(comm, stream);
   if (rank != missing) {
     const auto start = std::chrono::steady_clock::now();
     all_gather(comm, static_cast<char*>(buf.data()) + rank * 1024, buf.data(), 256, DType::kF32,
@@ -263,6 +265,7 @@ void expect_graph_replays(Communicator& comm, int replays) {
   launch_record(out.data(), count, history, counter, stream);
   MKT_CUDA(cudaStreamEndCapture(stream, &graph));
   MKT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  ready(comm, stream);
   for (int k = 0; k < replays; ++k) MKT_CUDA(cudaGraphLaunch(exec, stream));
   comm.synchronize(stream);
   std::vector<uint16_t> host(count * replays);

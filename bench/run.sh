@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The benchmark front, as in the original mKernel:
+#
+#   bash bench/run.sh <kernel|all> <check|bench> <num_nodes> [sizes]
+#
+# kernel: all, collectives, all_gather, reduce_scatter, all_reduce (the fused kernels join as they
+#         land). check = correctness against NCCL on the GPUs present; bench = timings against NCCL
+#         and the peer-copy ceiling, written to bench/results/<kernel>-<gpu>-w<world>.json
+#         (../shared/BENCH_SCHEMA.md). sizes: MiB per rank, comma-separated (bench: 8,64,512).
+# One rank per GPU of this machine (MKERNEL_RANKS overrides; ranks may share GPUs).
+# Environment: BUILD_DIR (build), MKERNEL_NCCL_LIB (NCCL to compare with; default: PyTorch's).
+set -euo pipefail
+export NCCL_NVLS_ENABLE=0 NCCL_NVLS_DISABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+usage() { sed -n '2,12s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+[[ $# -ge 3 ]] || usage
+kernel="$1" mode="$2" nodes="$3" sizes="${4:-}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+build="${BUILD_DIR:-build}"
+
+case "$kernel" in
+  all | collectives | all_gather | reduce_scatter | all_reduce) ;;
+  ag_gemm | gemm_rs | gemm_ar | moe_dispatch_gemm | moe_layer | ring_attention)
+    echo "bench/run.sh: $kernel is not implemented yet (see the open issues)" >&2; exit 2 ;;
+  *) echo "bench/run.sh: unknown kernel '$kernel'" >&2; usage ;;
+esac
+[[ "$mode" == check || "$mode" == bench ]] || usage
+if [[ "$nodes" != 1 ]]; then
+  echo "bench/run.sh: $nodes nodes asked; multi-node runs need the inter-node transport, which is" \
+       "not built yet (only 1 node is supported today)" >&2
+  exit 2
+fi
+
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [[ "$gpus" -eq 0 ]]; then
+  echo "bench/run.sh: no NVIDIA GPU found on this machine. mkernel's kernels need Hopper GPUs" \
+       "(H100/H200); nothing was checked." >&2
+  exit 3
+fi
+ranks="${MKERNEL_RANKS:-$gpus}"
+if [[ ! -x "$build/bench/bench_collectives" || ! -x "$build/mkrun" ]]; then
+  echo "bench/run.sh: $build/bench/bench_collectives is missing: run 'make' first" >&2
+  exit 2
+fi
+if [[ -z "${MKERNEL_NCCL_LIB:-}" ]]; then
+  # NCCL is only the baseline. Prefer the one PyTorch ships (what torch.distributed users run).
+  dir=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
+  [[ -n "$dir" && -f "$dir/lib/libnccl.so.2" ]] && export MKERNEL_NCCL_LIB="$dir/lib/libnccl.so.2"
+fi
+
+args=()
+[[ "$kernel" == all || "$kernel" == collectives ]] || args+=(--ops "$kernel")
+if [[ "$mode" == check ]]; then
+  args+=(--check --sizes-mib "${sizes:-1,8}")
+else
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
+  mkdir -p bench/results
+  json="bench/results/collectives-${gpu}-w${ranks}.json"
+  export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+  args+=(--json "$json" --sizes-mib "${sizes:-8,64,512}")
+fi
+echo "bench/run.sh: $kernel $mode on $ranks rank(s), $gpus GPU(s)"
+"$build/mkrun" -n "$ranks" --timeout 900 -- "$build/bench/bench_collectives" "${args[@]}"
