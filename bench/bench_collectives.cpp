@@ -189,7 +189,13 @@ int main(int argc, char** argv) {
   std::ostringstream rows;
   bool all_correct = true;
   std::vector<std::string> summary;
-  const uint64_t seed = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  // Fresh data every run, the same generator on every rank: rank 0 draws the seed.
+  uint64_t seed = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  {
+    std::vector<uint64_t> seeds(world);
+    bootstrap.allgather(&seed, seeds.data(), sizeof(seed));
+    seed = seeds[0];
+  }
   auto fill = [&](void* p, std::size_t elems, uint64_t sd) {
     launch_fill(p, elems, sd, rank, s);
   };

@@ -91,6 +91,37 @@ void common_checks(Communicator& comm, DType dtype, cudaStream_t stream, const c
 
 }  // namespace
 
+namespace detail {
+
+// Loads every collective kernel into the current context now. Under CUDA's lazy loading a kernel's
+// first launch loads it, and loading waits for the GPU's running kernels: with several ranks on one
+// GPU in one process, a rank's first launch of a kernel would then wait behind a peer's kernel that
+// waits for it. Called by Communicator::create.
+void preload_collective_kernels() {
+  auto load = [](const void* fn) {
+    cudaFuncAttributes attr{};
+    MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, fn));
+  };
+  load(reinterpret_cast<const void*>(&coll::all_gather_kernel<1>));
+  load(reinterpret_cast<const void*>(&coll::all_gather_kernel<2>));
+  load(reinterpret_cast<const void*>(&coll::all_gather_kernel<4>));
+  load(reinterpret_cast<const void*>(&coll::all_gather_kernel<8>));
+  load(reinterpret_cast<const void*>(&coll::all_gather_kernel<16>));
+  for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+    dispatch_dtype(dtype, [&]<typename T>() {
+      for (int bytes : {2, 4, 8, 16}) {
+        if (bytes < static_cast<int>(sizeof(T))) continue;
+        dispatch_vector<T>(bytes, [&]<typename U, int kBytes>() {
+          load(reinterpret_cast<const void*>(&coll::reduce_scatter_kernel<U, kBytes>));
+          load(reinterpret_cast<const void*>(&coll::all_reduce_kernel<U, kBytes>));
+        });
+      }
+    });
+  }
+}
+
+}  // namespace detail
+
 void all_gather(Communicator& comm, const void* input, void* output, std::size_t count,
                 DType dtype, cudaStream_t stream, const CollectiveConfig& config) {
   constexpr const char* op = "all_gather";

@@ -53,6 +53,9 @@ struct CommState {
   std::string broken;  // non-empty once an error broke the communicator
 };
 
+// Loads the collectives' kernels into the current context (collectives.cu).
+void preload_collective_kernels();
+
 // Collective: allocate and map a symmetric buffer (symmetric.cpp).
 std::shared_ptr<SymAllocation> create_symmetric(CommState& comm, std::size_t bytes);
 

@@ -158,6 +158,7 @@ std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
   MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.error_host), sizeof(DeviceErrorRecord), cudaHostAllocMapped));
   std::memset(s.error_host, 0, sizeof(DeviceErrorRecord));
   MK_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.error_device), s.error_host, 0));
+  detail::preload_collective_kernels();  // no lazy loading behind a peer's waiting kernel
   MK_CUDA_CHECK(cudaDeviceSynchronize());
   s.bootstrap->barrier();  // nobody signals into a pad before its owner has zeroed it
   return comm;
