@@ -3,8 +3,7 @@
 // exit barrier (everything this channel wrote into peers, or read from them, is done).
 //
 //   all_gather (push):      rank r: for each vector i of its input -> output[r*count + i] on every rank
-//   reduce_scatter (push):  rank r: input_r[q*count + i] -> staging on rank q; rank q sums its own
-//                           partial and the staged ones -> its output[i], pipelined per slice
+//   reduce_scatter (pull):  rank r: sum over ranks p of input_p[r*count + i] -> its output[i]
 //   all_reduce:             rank r owns chunk r: pull-reduce it from every rank, push the sum to
 //                           every rank's output (so all ranks hold bitwise identical results)
 #pragma once
@@ -165,99 +164,19 @@ __device__ __forceinline__ void reduce_range(const DeviceComm& comm, void* const
   }
 }
 
-// reduce_scatter by pushes (NVLink writes are posted; reads would spend each direction's
-// bandwidth on the other rank's read requests too). Rank r's input holds its partial of every
-// chunk; chunk q belongs to rank q. Each channel walks its slices (slice j: vectors
-// [j * kSlice, (j + 1) * kSlice) of a chunk, channel c takes j = c, c + C, ...) as a pipeline:
-//
-//   step k:  push slice k of my partial of every chunk q != r into staging_q[r] on rank q
-//            signal every peer (op signal, channel c) = step k + 1
-//            wait every peer's step >= k, then out[slice k-1] = sum over ranks p (rank order) of
-//            (p == r ? my partial : staging_r[p])   -- the pushes of step k overlap this wait
-//
-// staging (symmetric workspace) on each rank: [world][count] elements, slot p written by rank p.
+// reduce_scatter: this rank's elements are [rank * count, rank * count + count) of every input.
 template <typename T, int kBytes>
-__global__ void __launch_bounds__(512) reduce_scatter_kernel(DeviceComm comm, const T* in,
-                                                             std::size_t count,
-                                                             void* const* staging_peers,
-                                                             std::size_t staging_offset, T* out) {
-  using V = Vec<kBytes>;
-  constexpr int kElems = kBytes / sizeof(T);
-  constexpr int kUnrollRs = kUnroll;
+__global__ void __launch_bounds__(512) reduce_scatter_kernel(DeviceComm comm, void* const* in_peers,
+                                                             std::size_t in_offset, std::size_t count,
+                                                             T* out) {
   const dev::Launch launch = dev::Launch::begin(comm);
   const int channel = blockIdx.x;
-  if (!launch.channel_barrier(SignalId::kEntry, channel, 0)) {  // staging is free again
-    launch.end();
-    return;
+  if (launch.channel_barrier(SignalId::kEntry, channel, 0)) {
+    const std::size_t begin = static_cast<std::size_t>(comm.rank) * count;
+    reduce_range<T, kBytes>(comm, in_peers, in_offset, begin, begin + count, out, nullptr, 0);
+    // Peers may overwrite their inputs only after we are done reading them.
+    launch.channel_barrier(SignalId::kExit, channel, 0);
   }
-  const std::size_t n_vec = count / kElems;
-  const std::size_t slice = static_cast<std::size_t>(blockDim.x) * kUnrollRs;  // vectors
-  const std::size_t n_slices = (n_vec + slice - 1) / slice;
-  const std::size_t my_slices =
-      channel < n_slices ? (n_slices - channel + gridDim.x - 1) / gridDim.x : 0;
-  const uint32_t sig = dev::signal_index(SignalId::kOp, channel);
-  const std::size_t chunk_bytes = count * sizeof(T);
-  const int me = comm.local_rank;
-  const V* my_staging = at<const V>(staging_peers[me], staging_offset);
-  bool ok = true;
-  for (std::size_t k = 0; k <= my_slices && ok; ++k) {
-    if (k < my_slices) {
-      const std::size_t first = (channel + k * gridDim.x) * slice;
-      for (int d = 1; d < comm.local_size; ++d) {
-        const int q = (me + d) % comm.local_size;  // chunk owner
-        const V* src = reinterpret_cast<const V*>(in + static_cast<std::size_t>(q) * count);
-        V* dst = at<V>(staging_peers[q], staging_offset + me * chunk_bytes);
-        V v[kUnrollRs];
-#pragma unroll
-        for (int u = 0; u < kUnrollRs; ++u) {
-          const std::size_t i = first + u * blockDim.x + threadIdx.x;
-          if (i < n_vec) v[u] = src[i];
-        }
-#pragma unroll
-        for (int u = 0; u < kUnrollRs; ++u) {
-          const std::size_t i = first + u * blockDim.x + threadIdx.x;
-          if (i < n_vec) dst[i] = v[u];
-        }
-      }
-      __syncthreads();
-      for (int t = threadIdx.x; t < comm.local_size; t += blockDim.x) {
-        if (t == me) continue;
-        dev::fence_acq_rel_sys();
-        launch.signal(t, sig, static_cast<uint32_t>(k + 1));
-      }
-    }
-    if (k == 0) continue;
-    // Reduce slice k - 1 once every peer has pushed it.
-    bool arrived = true;
-    for (int t = threadIdx.x; t < comm.local_size; t += blockDim.x) {
-      if (t != me) arrived = launch.wait(comm.node_ranks[t], sig, static_cast<uint32_t>(k)) && arrived;
-    }
-    ok = __syncthreads_and(arrived) != 0;
-    if (!ok) break;
-    const std::size_t first = (channel + (k - 1) * gridDim.x) * slice;
-    const V* mine = reinterpret_cast<const V*>(in + static_cast<std::size_t>(me) * count);
-#pragma unroll
-    for (int u = 0; u < kUnrollRs; ++u) {
-      const std::size_t i = first + u * blockDim.x + threadIdx.x;
-      if (i >= n_vec) continue;
-      float acc[kElems];
-#pragma unroll
-      for (int e = 0; e < kElems; ++e) acc[e] = 0.f;
-      for (int p = 0; p < comm.local_size; ++p) {
-        const V v = p == me ? mine[i] : my_staging[p * (chunk_bytes / kBytes) + i];
-        const T* x = reinterpret_cast<const T*>(&v);
-#pragma unroll
-        for (int e = 0; e < kElems; ++e) acc[e] += to_float(x[e]);
-      }
-      V y;
-      T* yy = reinterpret_cast<T*>(&y);
-#pragma unroll
-      for (int e = 0; e < kElems; ++e) yy[e] = from_float<T>(acc[e]);
-      reinterpret_cast<V*>(out)[i] = y;
-    }
-  }
-  // No exit barrier: peers never read our input, and a peer pushes into our staging again only
-  // after we entered the next launch (its entry barrier).
   launch.end();
 }
 
