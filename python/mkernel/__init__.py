@@ -1,0 +1,364 @@
+"""mkernel: fused multi-GPU kernels for NVIDIA Hopper, from PyTorch.
+
+A communicator is built on torch.distributed (any backend: mkernel only borrows its c10d store to
+exchange a few hundred bytes at creation and at each symmetric allocation) and runs its own
+NVLink kernels, without NCCL::
+
+    import torch, torch.distributed as dist, mkernel
+    dist.init_process_group("nccl")            # torchrun; "gloo" is enough for mkernel
+    torch.cuda.set_device(local_rank)
+    comm = mkernel.init()                      # collective over the default group
+    out = comm.alloc_tensor((comm.world_size, n), torch.bfloat16)   # symmetric memory
+    comm.all_gather(x, out)                    # x: (n,) bf16 on this GPU
+    comm.synchronize()                         # optional: wait, and surface time-outs
+
+Stream semantics: every op is enqueued on the current CUDA stream (torch.cuda.current_stream())
+and returns without synchronising the host; ops of one communicator must be issued in the same
+order on every rank. A peer that never arrives makes the kernel give up after timeout_seconds
+and record who waited for whom: call comm.synchronize(), or torch.cuda.synchronize() then
+comm.check(), to raise it as MkernelError(code="timeout").
+
+Intra-node only for now (all ranks of a communicator on one host, NVLink or PCIe P2P).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from typing import Optional, Sequence, Union
+
+from mkernel import _C
+from mkernel._C import DTYPES, ERROR_CODES, MkernelError
+
+try:  # `import mkernel` works without torch (the C++ layer needs none); the API below needs it
+    import torch
+except ImportError:  # pragma: no cover - exercised on machines without torch
+    torch = None
+
+__all__ = ["Communicator", "MkernelError", "init", "dtype_name", "DTYPES", "ERROR_CODES"]
+__version__ = "0.1.0"
+
+
+def _require_torch(what: str):
+    if torch is None:
+        raise ImportError(f"mkernel.{what} needs PyTorch, which is not installed")
+    return torch
+
+
+def dtype_name(dtype) -> str:
+    """The mkernel name of a torch dtype: bfloat16 -> 'bf16', float16 -> 'f16', float32 -> 'f32'.
+
+    Raises ValueError for any other dtype.
+    """
+    t = _require_torch("dtype_name")
+    names = {t.bfloat16: "bf16", t.float16: "f16", t.float32: "f32"}
+    if dtype not in names:
+        raise ValueError(
+            f"dtype {dtype} is not supported; expected torch.bfloat16, torch.float16 or torch.float32")
+    return names[dtype]
+
+
+# ---- bootstrap over a c10d store ---------------------------------------------------------------
+
+class _StoreAllgather:
+    """allgather(bytes) -> bytes over a c10d Store, for the C++ bootstrap.
+
+    Round n: every rank sets `{prefix}/{n}/{rank}`, reads all ranks' keys (Store.get blocks until
+    a key exists, up to the store's own timeout), then adds 1 to `{prefix}/{n}/done`; the rank
+    that brings it to world_size has seen everyone done reading and deletes the round's keys.
+    Stores without delete_key (FileStore) keep them: a few hundred bytes per communicator and per
+    symmetric allocation. Rounds happen at creation, at every alloc and when an op grows the
+    workspace, in the same order on every rank (the ops' contract), so `n` agrees across ranks.
+    """
+
+    def __init__(self, store, prefix: str, rank: int, world_size: int):
+        self._store = store
+        self._prefix = prefix
+        self._rank = rank
+        self._world = world_size
+        self._rounds = itertools.count()
+        self._can_delete = True
+
+    def __call__(self, data: bytes) -> bytes:
+        base = f"{self._prefix}/{next(self._rounds)}"
+        keys = [f"{base}/{r}" for r in range(self._world)]
+        self._store.set(keys[self._rank], data)
+        parts = [self._store.get(k) for k in keys]
+        if self._store.add(f"{base}/done", 1) == self._world:
+            self._delete(keys + [f"{base}/done"])
+        return b"".join(parts)
+
+    def _delete(self, keys):
+        if not self._can_delete:
+            return
+        try:
+            for k in keys:
+                self._store.delete_key(k)
+        except (RuntimeError, NotImplementedError):  # FileStore: "only implemented for TCPStore"
+            self._can_delete = False
+
+
+_init_lock = threading.Lock()
+_init_counts: dict = {}  # group name -> communicators created on it by this process
+
+
+def _group_name(dist, group) -> str:
+    pg = group if group is not None else dist.group.WORLD
+    name = getattr(pg, "group_name", None)
+    if not name:
+        name = dist.distributed_c10d._get_process_group_name(pg)
+    return str(name)
+
+
+def _device_index(t, device) -> int:
+    if device is None:
+        return t.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    d = t.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"mkernel.init: device {device!r} is not a CUDA device")
+    return d.index if d.index is not None else t.cuda.current_device()
+
+
+def init(group=None, *, store=None, device=None, timeout_seconds: Optional[float] = None,
+         ranks_per_node: Optional[int] = None) -> "Communicator":
+    """Create a communicator over a torch.distributed group (collective over its ranks).
+
+    group: a ProcessGroup (e.g. from dist.new_group; a tensor-parallel group smaller than the
+        world works) or None for the default group. Rank and size are the group's
+        (dist.get_rank(group), dist.get_world_size(group)); only its members call init().
+    store: the c10d Store to exchange through; default: the default group's store (the one
+        torchrun / init_process_group set up, reachable from every node).
+    device: this rank's GPU (int, 'cuda:N' or torch.device); default torch.cuda.current_device().
+    timeout_seconds: limit of every wait on a peer inside a kernel; None: MKERNEL_TIMEOUT_S or
+        60 s; 0: wait forever.
+    ranks_per_node: split the ranks into virtual nodes of this many; None:
+        MKERNEL_GPUS_PER_NODE or by host.
+
+    Every member must call init() for a group the same number of times, in the same order
+    (keys in the store are namespaced by group name and by that sequence number).
+    Raises MkernelError (code 'bootstrap', 'unsupported', ...) if creation fails on any rank.
+    """
+    t = _require_torch("init")
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "mkernel.init: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() first (any backend, e.g. 'gloo')")
+    rank = dist.get_rank(group)
+    world_size = dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError(
+            f"mkernel.init: this process (global rank {dist.get_rank()}) is not a member of the "
+            "group; only the group's members call init()")
+    if store is None:
+        store = dist.distributed_c10d._get_default_store()
+    name = _group_name(dist, group)
+    with _init_lock:
+        seq = _init_counts.get(name, 0)
+        _init_counts[name] = seq + 1
+    allgather = _StoreAllgather(store, f"mkernel/{name}/{seq}", rank, world_size)
+    impl = _C.Communicator.create(
+        rank, world_size, allgather, _device_index(t, device),
+        -1.0 if timeout_seconds is None else float(timeout_seconds),
+        -1 if ranks_per_node is None else int(ranks_per_node))
+    return Communicator(impl, group=group)
+
+
+# ---- validation (host only: runs before anything touches a GPU) --------------------------------
+
+def _check_tensor(op: str, name: str, x, written: bool) -> str:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    try:
+        dtype = dtype_name(x.dtype)
+    except ValueError:
+        raise ValueError(f"{op}: {name} has dtype {x.dtype}; expected torch.bfloat16, "
+                         "torch.float16 or torch.float32") from None
+    if not x.is_contiguous():
+        hint = ("it is written in place, so pass a contiguous tensor" if written
+                else "call .contiguous() first")
+        raise ValueError(f"{op}: {name} is not contiguous (shape {tuple(x.shape)}, stride "
+                         f"{tuple(x.stride())}); {hint}")
+    return dtype
+
+
+def _check_same_dtype(op: str, input, output):
+    if input.dtype != output.dtype:
+        raise ValueError(f"{op}: input has dtype {input.dtype} but output has {output.dtype}; "
+                         "expected the same dtype")
+
+
+def _check_device(op: str, name: str, x, device: int):
+    if x.device.type != "cuda" or x.device.index != device:
+        raise ValueError(f"{op}: {name} is on {x.device}; expected cuda:{device} "
+                         "(the communicator's GPU)")
+
+
+def _validate(op: str, world: int, device: int, input, output, in_factor: int, out_factor: int):
+    """Common checks; in_factor * input.numel() == out_factor * output.numel() must hold."""
+    dtype = _check_tensor(op, "input", input, written=False)
+    _check_tensor(op, "output", output, written=True)
+    _check_same_dtype(op, input, output)
+    if input.numel() * in_factor != output.numel() * out_factor:
+        rule = {
+            "all_gather": f"output.numel() == world_size * input.numel() ({world} x "
+                          f"{input.numel()} = {world * input.numel()})",
+            "reduce_scatter": f"input.numel() == world_size * output.numel() ({world} x "
+                              f"{output.numel()} = {world * output.numel()})",
+            "all_reduce": "output.numel() == input.numel()",
+        }[op]
+        raise ValueError(f"{op}: input has {input.numel()} elements and output "
+                         f"{output.numel()}; expected {rule}")
+    _check_device(op, "input", input, device)
+    _check_device(op, "output", output, device)
+    return dtype
+
+
+# ---- communicator ----------------------------------------------------------------------------
+
+Shape = Union[int, Sequence[int]]
+
+
+class Communicator:
+    """A communicator over the ranks of a torch.distributed group (create it with mkernel.init).
+
+    Collectives take torch tensors on this rank's GPU (bf16, f16 or f32, contiguous), run on the
+    current CUDA stream, never synchronise the host, and must be issued in the same order on every
+    rank. Tensors that must be symmetric (allocated with alloc_tensor on every rank) are named in
+    each method. Errors in the arguments raise ValueError/TypeError here, or MkernelError from the
+    C++ checks, before anything is launched.
+    """
+
+    def __init__(self, impl, group=None):
+        self._impl = impl  # mkernel._C.Communicator
+        self.group = group
+
+    # topology
+    @property
+    def rank(self) -> int:
+        return self._impl.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._impl.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._impl.local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self._impl.local_size
+
+    @property
+    def node(self) -> int:
+        return self._impl.node
+
+    @property
+    def num_nodes(self) -> int:
+        return self._impl.num_nodes
+
+    @property
+    def device(self) -> int:
+        """CUDA device ordinal of this rank."""
+        return self._impl.device
+
+    @property
+    def timeout_seconds(self) -> float:
+        return self._impl.timeout_seconds
+
+    def __repr__(self) -> str:
+        return (f"mkernel.Communicator(rank={self.rank}, world_size={self.world_size}, "
+                f"device=cuda:{self.device}, timeout_seconds={self.timeout_seconds})")
+
+    # memory
+    def alloc_tensor(self, shape: Shape, dtype) -> "torch.Tensor":
+        """Collective: a new tensor of `shape` and `dtype` in symmetric memory.
+
+        Every rank must call it with the same shape and dtype. The tensor (and views of it) can
+        be the symmetric argument of any op; its contents are uninitialised. The memory is
+        released when the last tensor viewing it is freed: keep it alive until the kernels that
+        use it have finished (as with any tensor used on a side stream).
+        """
+        t = _require_torch("Communicator.alloc_tensor")
+        size = t.Size([shape] if isinstance(shape, int) else shape)
+        numel = math.prod(size)
+        itemsize = t.empty((), dtype=dtype).element_size()
+        # One allocation even for zero elements: the C++ layer refuses 0 bytes.
+        buffer = self._impl.alloc(max(numel, 1) * itemsize)
+        # DLPack: the C++ side exports the buffer's bytes as a uint8 capsule whose owner is the
+        # buffer object; torch takes the capsule and calls its deleter when the storage dies, so
+        # the tensor, and every view of it, keeps the symmetric memory mapped. (A storage made from
+        # a raw pointer would need a separate keep-alive; DLPack is the supported way.)
+        raw = t.from_dlpack(buffer.dlpack_bytes())
+        return raw.view(dtype)[:numel].view(size)
+
+    # collectives
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def all_gather(self, input: "torch.Tensor", output: "torch.Tensor", *,
+                   channels: int = 0) -> "torch.Tensor":
+        """output = concatenation of every rank's input, in rank order.
+
+        input:  any shape, n elements, on this GPU (any memory; may be this rank's slot of
+                output, i.e. output.view(world_size, n)[rank]).
+        output: world_size * n elements, same dtype, symmetric (from alloc_tensor); e.g. shape
+                (world_size, *input.shape). Bitwise copy.
+        channels: CTAs per rank, 0 = heuristic. Returns output.
+        """
+        _require_torch("Communicator.all_gather")
+        dtype = _validate("all_gather", self.world_size, self.device, input, output,
+                          self.world_size, 1)
+        _C.all_gather(self._impl, input.data_ptr(), output.data_ptr(), input.numel(), dtype,
+                      self._stream(), channels)
+        return output
+
+    def reduce_scatter(self, input: "torch.Tensor", output: "torch.Tensor", *,
+                       channels: int = 0) -> "torch.Tensor":
+        """output = sum over ranks of their input's slice [rank * n, (rank + 1) * n).
+
+        input:  world_size * n elements on this GPU; a symmetric tensor (alloc_tensor) always
+                works (whether plain device memory is accepted is the C++ layer's contract,
+                include/mkernel/collectives.h).
+        output: n elements, same dtype, any memory of this GPU, not overlapping input.
+        Sums in fp32 in rank order, then rounds once to the dtype. Returns output.
+        """
+        _require_torch("Communicator.reduce_scatter")
+        dtype = _validate("reduce_scatter", self.world_size, self.device, input, output, 1,
+                          self.world_size)
+        _C.reduce_scatter(self._impl, input.data_ptr(), output.data_ptr(), output.numel(),
+                          dtype, self._stream(), channels)
+        return output
+
+    def all_reduce(self, input: "torch.Tensor", output: Optional["torch.Tensor"] = None, *,
+                   channels: int = 0) -> "torch.Tensor":
+        """output = sum over ranks of input, bitwise identical on every rank.
+
+        input, output: n elements each, same dtype, both symmetric (alloc_tensor); output=None
+        (or output is input) reduces in place. Sums in fp32 in rank order. Returns output.
+        """
+        _require_torch("Communicator.all_reduce")
+        if output is None:
+            output = input
+        dtype = _validate("all_reduce", self.world_size, self.device, input, output, 1, 1)
+        _C.all_reduce(self._impl, input.data_ptr(), output.data_ptr(), input.numel(), dtype,
+                      self._stream(), channels)
+        return output
+
+    # errors
+    def check(self) -> None:
+        """Non-blocking: raise MkernelError if a kernel recorded an error (code 'timeout', naming
+        the rank that waited, the rank it waited for and the signal). Afterwards the communicator
+        refuses new work (code 'not_initialized'): create a new one."""
+        self._impl.check()
+
+    def synchronize(self, stream: Optional["torch.cuda.Stream"] = None) -> None:
+        """Wait for `stream` (default: the current stream), then check()."""
+        _require_torch("Communicator.synchronize")
+        s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        self._impl.synchronize(s.cuda_stream)

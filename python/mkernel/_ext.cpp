@@ -1,0 +1,332 @@
+// mkernel._C - nanobind bindings of the public C++ API (include/mkernel/*.h).
+//
+// Thin on purpose: device pointers and CUDA streams cross as Python ints, dtypes as the names
+// "bf16" / "f16" / "f32", and torch appears only in mkernel/__init__.py, which validates tensors
+// before calling in here (the C++ layer validates again). mk::Error becomes mkernel.MkernelError
+// (a RuntimeError) whose `code` is the ErrorCode's name ("timeout", "invalid_argument", ...).
+//
+// GIL: Communicator.create() and alloc() keep it (their allgathers call back into Python); the
+// collectives and synchronize() release it. The allgather wrapper acquires it either way, since
+// an op may allocate collectively (reduce_scatter grows the communicator's workspace).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "mkernel/mkernel.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+// ---- errors ---------------------------------------------------------------------------------
+
+struct CodeName {
+  mk::ErrorCode code;
+  const char* name;
+};
+// The Python names of mk::ErrorCode: the enumerator without its k, in snake case.
+constexpr CodeName kCodeNames[] = {
+    {mk::ErrorCode::kInvalidArgument, "invalid_argument"},
+    {mk::ErrorCode::kNotInitialized, "not_initialized"},
+    {mk::ErrorCode::kOutOfMemory, "out_of_memory"},
+    {mk::ErrorCode::kUnsupported, "unsupported"},
+    {mk::ErrorCode::kTimeout, "timeout"},
+    {mk::ErrorCode::kBootstrap, "bootstrap"},
+    {mk::ErrorCode::kCuda, "cuda"},
+    {mk::ErrorCode::kSystem, "system"},
+    {mk::ErrorCode::kInternal, "internal"},
+};
+
+const char* code_name(mk::ErrorCode code) {
+  for (const CodeName& c : kCodeNames) {
+    if (c.code == code) return c.name;
+  }
+  return "internal";
+}
+
+// mkernel.MkernelError; owned by the module (its attribute), which outlives every translation.
+PyObject* g_error_type = nullptr;
+
+// Raises MkernelError(e.what()) with .code set; on failure leaves the Python error that occurred.
+void raise_mkernel_error(const mk::Error& e) {
+  PyObject* message = PyUnicode_DecodeUTF8(e.what(), std::strlen(e.what()), "replace");
+  if (message == nullptr) return;
+  PyObject* exc = PyObject_CallOneArg(g_error_type, message);
+  Py_DECREF(message);
+  if (exc == nullptr) return;
+  PyObject* code = PyUnicode_FromString(code_name(e.code()));
+  if (code == nullptr || PyObject_SetAttrString(exc, "code", code) != 0) {
+    Py_XDECREF(code);
+    Py_DECREF(exc);
+    return;
+  }
+  Py_DECREF(code);
+  PyErr_SetObject(g_error_type, exc);
+  Py_DECREF(exc);
+}
+
+// ---- dtypes, pointers -----------------------------------------------------------------------
+
+mk::DType parse_dtype(std::string_view name) {
+  if (name == "bf16") return mk::DType::kBF16;
+  if (name == "f16") return mk::DType::kF16;
+  if (name == "f32") return mk::DType::kF32;
+  throw nb::value_error(("dtype '" + std::string(name) +
+                         "' is not supported; expected one of 'bf16', 'f16', 'f32'")
+                            .c_str());
+}
+
+template <typename T = void>
+T* as_pointer(std::uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+cudaStream_t as_stream(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
+
+// ---- bootstrap through a Python callable ----------------------------------------------------
+
+// allgather(bytes) -> bytes: receives this rank's bytes, returns every rank's in rank order.
+// Python exceptions and wrong results become mk::Error(kBootstrap), which every rank sees as a
+// failed create()/alloc() rather than a hang.
+mk::AllgatherFn python_allgather(nb::callable fn, int rank, int world_size) {
+  // The callable is released with the GIL held, wherever the last copy of the std::function dies.
+  std::shared_ptr<nb::object> holder(new nb::object(std::move(fn)), [](nb::object* p) {
+    nb::gil_scoped_acquire gil;
+    delete p;
+  });
+  return [holder, rank, world_size](const void* send, void* recv, std::size_t bytes) {
+    const std::size_t expected = bytes * static_cast<std::size_t>(world_size);
+    std::string problem;
+    {
+      nb::gil_scoped_acquire gil;
+      try {
+        nb::object result = (*holder)(nb::bytes(static_cast<const char*>(send), bytes));
+        if (!nb::isinstance<nb::bytes>(result)) {
+          problem = "returned a " + std::string(nb::type_name(result.type()).c_str()) +
+                    "; expected bytes";
+        } else {
+          nb::bytes all = nb::borrow<nb::bytes>(result);
+          if (all.size() != expected) {
+            problem = "returned " + std::to_string(all.size()) + " bytes; expected " +
+                      std::to_string(expected) + " (" + std::to_string(world_size) +
+                      " ranks x " + std::to_string(bytes) + " bytes, in rank order)";
+          } else if (expected > 0) {
+            std::memcpy(recv, all.c_str(), expected);
+          }
+        }
+      } catch (nb::python_error& e) {
+        problem = std::string("raised ") + e.what();
+      }
+    }
+    if (!problem.empty()) {
+      throw mk::Error(mk::ErrorCode::kBootstrap,
+                      "rank " + std::to_string(rank) + ": the Python allgather callback " + problem);
+    }
+  };
+}
+
+// ---- symmetric buffers ----------------------------------------------------------------------
+
+// A symmetric buffer and the GPU it lives on (for DLPack).
+struct PyBuffer {
+  mk::SymmetricBuffer buffer;
+  int device = 0;
+};
+
+// DLPack view of a buffer's bytes: uint8 [size] on its GPU. Exported without a framework it is a
+// plain "dltensor" capsule; its deleter drops the reference to `owner`, the Python PyBuffer, so
+// the memory stays mapped for as long as the consumer (e.g. a torch tensor) lives.
+using ByteView = nb::ndarray<std::uint8_t, nb::ndim<1>, nb::device::cuda>;
+
+ByteView dlpack_bytes(nb::handle owner) {
+  const PyBuffer& b = nb::cast<const PyBuffer&>(owner);
+  if (!b.buffer) throw nb::value_error("SymmetricBuffer.dlpack_bytes: the buffer is empty");
+  const std::size_t shape[1] = {b.buffer.size()};
+  return ByteView(b.buffer.data(), 1, shape, owner, /*strides=*/nullptr,
+                  nb::dtype<std::uint8_t>(), nb::device::cuda::value, b.device);
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "mkernel C++ bindings (use the mkernel package; this module takes raw pointers)";
+
+  // ---- errors ----
+  {
+    nb::dict attrs;
+    attrs["code"] = nb::none();
+    g_error_type = PyErr_NewExceptionWithDoc(
+        "mkernel.MkernelError",
+        "An error reported by mkernel's C++ layer. `code` names its kind: one of ERROR_CODES\n"
+        "('timeout' when a peer never arrived within the communicator's time limit, ...);\n"
+        "str(error) is the C++ message, naming the op, the argument or rank, and what was\n"
+        "expected.",
+        PyExc_RuntimeError, attrs.ptr());
+    if (g_error_type == nullptr) throw nb::python_error();
+    m.attr("MkernelError") = nb::steal(g_error_type);
+  }
+  nb::list codes;
+  for (const CodeName& c : kCodeNames) codes.append(c.name);
+  m.attr("ERROR_CODES") = nb::tuple(codes);
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const mk::Error& e) {
+      raise_mkernel_error(e);
+    }
+  });
+  m.def(
+      "_raise_error",
+      [](std::string_view code, const std::string& message) {
+        for (const CodeName& c : kCodeNames) {
+          if (code == c.name) throw mk::Error(c.code, message);
+        }
+        throw nb::value_error(("unknown error code '" + std::string(code) + "'").c_str());
+      },
+      "code"_a, "message"_a, "Test hook: raises MkernelError(code, message) through C++.");
+
+  m.def(
+      "_callback_allgather",
+      [](int rank, int world_size, nb::callable allgather, nb::bytes data) {
+        auto bootstrap = mk::make_callback_bootstrap(
+            rank, world_size, python_allgather(std::move(allgather), rank, world_size));
+        std::string send(data.c_str(), data.size());
+        std::string recv(send.size() * static_cast<std::size_t>(world_size), '\0');
+        {
+          nb::gil_scoped_release nogil;  // as inside an op: the wrapper must take the GIL back
+          bootstrap->allgather(send.data(), recv.data(), send.size());
+        }
+        return nb::bytes(recv.data(), recv.size());
+      },
+      "rank"_a, "world_size"_a, "allgather"_a, "data"_a,
+      "Test hook: one allgather of `data` through the callback bootstrap, GIL released.");
+
+  // ---- dtypes ----
+  m.attr("DTYPES") = nb::make_tuple("bf16", "f16", "f32");
+  m.def(
+      "dtype_size", [](std::string_view dtype) { return mk::dtype_size(parse_dtype(dtype)); },
+      "dtype"_a, "Bytes per element of 'bf16', 'f16' or 'f32'; ValueError for other names.");
+
+  // ---- SymmetricBuffer ----
+  nb::class_<PyBuffer>(m, "SymmetricBuffer",
+                       "A buffer of the same size on every rank, mapped into every rank of the "
+                       "node. Released when the last reference (this object or a DLPack view) "
+                       "goes away.")
+      .def_prop_ro("data_ptr",
+                   [](const PyBuffer& b) { return reinterpret_cast<std::uintptr_t>(b.buffer.data()); },
+                   "This rank's copy (device pointer, int).")
+      .def_prop_ro("size", [](const PyBuffer& b) { return b.buffer.size(); },
+                   "Bytes, equal on every rank.")
+      .def_prop_ro("device", [](const PyBuffer& b) { return b.device; }, "CUDA device ordinal.")
+      .def(
+          "peer",
+          [](const PyBuffer& b, int local_rank) {
+            return reinterpret_cast<std::uintptr_t>(b.buffer.peer(local_rank));
+          },
+          "local_rank"_a,
+          "Local rank `local_rank`'s copy as mapped into this process (device pointer, int).")
+      .def("dlpack_bytes", &dlpack_bytes,
+           "A DLPack capsule viewing the buffer's bytes (uint8, shape [size], on its GPU) that "
+           "keeps the buffer alive; consume it once, e.g. torch.from_dlpack(capsule).");
+
+  // ---- Communicator ----
+  nb::class_<mk::Communicator>(m, "Communicator",
+                               "A communicator over `world_size` ranks (C++ mk::Communicator). "
+                               "Operations must be issued in the same order on every rank.")
+      .def_static(
+          "create",
+          [](int rank, int world_size, nb::callable allgather, int device, double timeout_seconds,
+             int ranks_per_node) {
+            mk::CommOptions options;
+            options.device = device;
+            options.timeout_seconds = timeout_seconds;
+            options.ranks_per_node = ranks_per_node;
+            auto bootstrap = mk::make_callback_bootstrap(
+                rank, world_size, python_allgather(std::move(allgather), rank, world_size));
+            return mk::Communicator::create(std::move(bootstrap), options);
+          },
+          "rank"_a, "world_size"_a, "allgather"_a, "device"_a, "timeout_seconds"_a = -1.0,
+          "ranks_per_node"_a = -1,
+          "Collective over all ranks. allgather(data: bytes) -> bytes must return every rank's "
+          "data concatenated in rank order (it is also called later, by alloc() and ops that "
+          "grow the workspace). timeout_seconds: limit of every wait on a peer (-1: "
+          "MKERNEL_TIMEOUT_S or 60 s; 0: none). ranks_per_node: virtual nodes (-1: "
+          "MKERNEL_GPUS_PER_NODE or by host).")
+      .def_prop_ro("rank", &mk::Communicator::rank)
+      .def_prop_ro("world_size", &mk::Communicator::world_size)
+      .def_prop_ro("local_rank", [](const mk::Communicator& c) { return c.topology().local_rank; })
+      .def_prop_ro("local_size", [](const mk::Communicator& c) { return c.topology().local_size; })
+      .def_prop_ro("node", [](const mk::Communicator& c) { return c.topology().node; })
+      .def_prop_ro("num_nodes", [](const mk::Communicator& c) { return c.topology().num_nodes; })
+      .def_prop_ro("device", &mk::Communicator::device)
+      .def_prop_ro("timeout_seconds", &mk::Communicator::timeout_seconds)
+      .def(
+          "alloc",
+          [](mk::Communicator& c, std::size_t bytes) {
+            return PyBuffer{c.alloc(bytes), c.device()};
+          },
+          "bytes"_a, "Collective: a symmetric buffer of `bytes` (> 0, equal on every rank).")
+      .def("check", &mk::Communicator::check,
+           "Non-blocking: raises the error a kernel recorded (code 'timeout' naming the ranks "
+           "and the signal); the communicator then refuses new work.")
+      .def(
+          "synchronize",
+          [](mk::Communicator& c, std::uintptr_t stream) { c.synchronize(as_stream(stream)); },
+          "stream"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "Waits for the stream (cudaStream_t as int), then check().");
+
+  // ---- collectives ----
+  // The dtype is parsed before the GIL is released, so a bad name raises ValueError.
+  m.def(
+      "all_gather",
+      [](mk::Communicator& comm, std::uintptr_t input, std::uintptr_t output, std::size_t count,
+         std::string_view dtype, std::uintptr_t stream, int channels) {
+        const mk::DType t = parse_dtype(dtype);
+        mk::CollectiveConfig config;
+        config.channels = channels;
+        nb::gil_scoped_release nogil;
+        mk::all_gather(comm, as_pointer<const void>(input), as_pointer(output), count, t,
+                       as_stream(stream), config);
+      },
+      "comm"_a, "input"_a, "output"_a, "count"_a, "dtype"_a, "stream"_a, "channels"_a = 0,
+      "output[r * count + i] = input of rank r [i]; output lies in a symmetric buffer. "
+      "Stream-ordered; no host synchronisation.");
+  m.def(
+      "reduce_scatter",
+      [](mk::Communicator& comm, std::uintptr_t input, std::uintptr_t output, std::size_t count,
+         std::string_view dtype, std::uintptr_t stream, int channels) {
+        const mk::DType t = parse_dtype(dtype);
+        mk::CollectiveConfig config;
+        config.channels = channels;
+        nb::gil_scoped_release nogil;
+        mk::reduce_scatter(comm, as_pointer<const void>(input), as_pointer(output), count, t,
+                           as_stream(stream), config);
+      },
+      "comm"_a, "input"_a, "output"_a, "count"_a, "dtype"_a, "stream"_a, "channels"_a = 0,
+      "output[i] = sum over ranks r of input of rank r [rank * count + i] (fp32 accumulation). "
+      "Stream-ordered; no host synchronisation.");
+  m.def(
+      "all_reduce",
+      [](mk::Communicator& comm, std::uintptr_t input, std::uintptr_t output, std::size_t count,
+         std::string_view dtype, std::uintptr_t stream, int channels) {
+        const mk::DType t = parse_dtype(dtype);
+        mk::CollectiveConfig config;
+        config.channels = channels;
+        nb::gil_scoped_release nogil;
+        mk::all_reduce(comm, as_pointer<const void>(input), as_pointer(output), count, t,
+                       as_stream(stream), config);
+      },
+      "comm"_a, "input"_a, "output"_a, "count"_a, "dtype"_a, "stream"_a, "channels"_a = 0,
+      "output[i] = sum over ranks of input[i], bitwise equal on every rank; input and output "
+      "lie in symmetric buffers (may be equal). Stream-ordered; no host synchronisation.");
+}

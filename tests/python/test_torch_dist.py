@@ -1,0 +1,285 @@
+"""mkernel from torch.distributed on Hopper GPUs: ranks are processes (torch.multiprocessing,
+spawn) that meet through a TCPStore on 127.0.0.1, rank r on GPU r % device_count (two ranks
+share a GPU when only one exists).
+
+Checks, with fresh random inputs every run (the seed is printed) and poisoned outputs:
+  all_gather      bitwise against every rank's input, and against NCCL when each rank has a GPU
+  reduce_scatter  against the fp64 sum: |ours - exact| <= ulp(exact) + 4 * 6e-8 * sum |x|
+  all_reduce      (tests/gpu/gpu_test_util.h sum_close), max error <= 2 x NCCL's + 1e-6 when
+                  NCCL runs, bitwise equal on every rank and from run to run
+  subgroups, two communicators on one group, and a time-out naming the rank that never came.
+"""
+
+import datetime
+import os
+import random
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+mkernel = pytest.importorskip("mkernel", reason="mkernel is not installed (pip install .)")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+WORLD = 2
+JOB_TIMEOUT_S = 300  # per spawned job: a hang is a bug, reported as a failure, never waited out
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+COUNTS = [1, 4099, 1 << 20]  # one element, not a multiple of 8 or 16 bytes, 2-4 MiB
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "NCCL_NVLS_DISABLE": "1",
+                 "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _skip_reason():
+    if not dist.is_available():
+        return "torch.distributed is not available in this torch build"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
+    major, minor = torch.cuda.get_device_capability(0)
+    if major < 9:
+        return (f"GPU 0 ({torch.cuda.get_device_name(0)}) is sm_{major}{minor}; "
+                "mkernel needs Hopper (sm_90)")
+    return None
+
+
+_REASON = _skip_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+
+
+# ---- spawning ---------------------------------------------------------------------------------
+
+def _entry(rank, world, port, seed, body, kwargs):
+    os.environ.update(MULTICAST_OFF)
+    ndev = torch.cuda.device_count()
+    torch.cuda.set_device(rank % ndev)
+    timeout = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    use_nccl = dist.is_nccl_available() and ndev >= world  # NCCL needs a GPU per rank
+    backend = "cpu:gloo,cuda:nccl" if use_nccl else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        body(rank, world, seed, use_nccl, **kwargs)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(body, world=WORLD, **kwargs):
+    """Runs body(rank, world, seed, use_nccl, **kwargs) in `world` processes; fails on any
+    rank's exception or when the job outlives JOB_TIMEOUT_S."""
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=120),
+                           wait_for_workers=False)
+    seed = random.randrange(1 << 31)
+    print(f"{body.__name__}: seed {seed}, {torch.cuda.device_count()} GPU(s)")
+    ctx = mp.start_processes(_entry, args=(world, server.port, seed, body, kwargs),
+                             nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{body.__name__}: ranks still running after "
+                                     f"{JOB_TIMEOUT_S} s (seed {seed})")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+# ---- data and checks (run in the ranks) -------------------------------------------------------
+
+def _inputs(seed, case, rank, shape, dtype):
+    """Rank `rank`'s input of test case `case`: uniform in [-1, 1), on the CPU; any rank can
+    rebuild any other rank's."""
+    g = torch.Generator().manual_seed((seed * 7919 + case * 131 + rank) % (1 << 62))
+    return (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1).to(dtype)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _assert_bitwise(got, want, what):
+    got, want = _bits(got.cpu()), _bits(want.cpu())
+    diff = (got != want).nonzero()
+    assert diff.numel() == 0, (f"{what}: {diff.shape[0]} of {got.numel()} elements differ; "
+                               f"first at {diff[0].tolist()}")
+
+
+def _assert_sum_close(got, exact, abs_sum, dtype, what):
+    """tests/gpu/gpu_test_util.h sum_close: fp32 accumulation then one rounding to the dtype is
+    off from the exact sum by at most one ulp of the result plus the fp32 accumulation error."""
+    mant = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}[dtype]
+    floor = 6.1e-5 if dtype == torch.float16 else 1.2e-38
+    got = got.cpu().double()
+    _, exp = torch.frexp(exact.abs().clamp_min(floor))  # |x| = m * 2**exp, m in [0.5, 1)
+    tol = torch.pow(2.0, (exp - mant).double()) + 4 * 6e-8 * abs_sum + 1e-30
+    bad = ~((got - exact).abs() <= tol)  # NaN (an unwritten element) is bad
+    if bad.any():
+        i = bad.nonzero()[0, 0].item()
+        raise AssertionError(f"{what}: {int(bad.sum())} of {got.numel()} elements off; first "
+                             f"[{i}]: got {got[i].item()!r}, exact {exact[i].item()!r}, "
+                             f"tolerance {tol[i].item():.3g}")
+
+
+def _assert_err_vs_nccl(ours, nccl, exact, what):
+    """FlashAttention's rule: max |ours - exact| <= 2 * max |nccl - exact| + 1e-6."""
+    err = (ours.cpu().double() - exact).abs().max().item()
+    ref = (nccl.cpu().double() - exact).abs().max().item()
+    assert err <= 2 * ref + 1e-6, f"{what}: max error {err:.3g}, NCCL's {ref:.3g}"
+
+
+def _assert_same_on_all_ranks(t, what):
+    mine = _bits(t.cpu()).flatten().to(torch.int64)  # gloo need not know int16
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)  # CPU tensors: through gloo
+    for r, other in enumerate(everyone):
+        assert torch.equal(other, mine), f"{what}: rank {r}'s result differs from this rank's"
+
+
+def _nan(shape, dtype, comm=None):
+    if comm is not None:
+        return comm.alloc_tensor(shape, dtype).fill_(float("nan"))
+    return torch.full(shape if isinstance(shape, tuple) else (shape,), float("nan"), dtype=dtype,
+                      device="cuda")
+
+
+# ---- bodies -----------------------------------------------------------------------------------
+
+def _collectives(rank, world, seed, use_nccl):
+    comm = mkernel.init(timeout_seconds=30)
+    assert (comm.rank, comm.world_size) == (rank, world)
+    assert comm.device == torch.cuda.current_device()
+    assert (comm.num_nodes, comm.node, comm.local_size, comm.local_rank) == (1, 0, world, rank)
+    case = 0
+    for dtype in DTYPES:
+        for count in COUNTS:
+            tag = f"{mkernel.dtype_name(dtype)} count {count}"
+            case += 1
+            # all_gather: plain input -> symmetric output (world, count)
+            x = _inputs(seed, case, rank, count, dtype).cuda()
+            want = torch.stack([_inputs(seed, case, r, count, dtype) for r in range(world)])
+            out = _nan((world, count), dtype, comm)
+            assert comm.all_gather(x, out) is out
+            comm.synchronize()
+            _assert_bitwise(out, want, f"all_gather {tag}")
+            if use_nccl:
+                ref = _nan(world * count, dtype)
+                dist.all_gather_into_tensor(ref, x)
+                _assert_bitwise(out.flatten(), ref, f"all_gather {tag} vs NCCL")
+            # all_gather in place: the input is this rank's slot of the output
+            out2 = _nan((world, count), dtype, comm)
+            out2[rank].copy_(x)
+            comm.all_gather(out2[rank], out2)
+            comm.synchronize()
+            _assert_bitwise(out2, want, f"all_gather in place {tag}")
+
+            # reduce_scatter: symmetric input (world, count) -> plain output (count)
+            case += 1
+            ins = [_inputs(seed, case, r, (world, count), dtype) for r in range(world)]
+            exact = sum(a.double() for a in ins)[rank]
+            abs_sum = sum(a.double().abs() for a in ins)[rank]
+            inp = comm.alloc_tensor((world, count), dtype)
+            inp.copy_(ins[rank])
+            res = _nan(count, dtype)
+            assert comm.reduce_scatter(inp, res) is res
+            comm.synchronize()
+            _assert_sum_close(res, exact, abs_sum, dtype, f"reduce_scatter {tag}")
+            if use_nccl:
+                ref = _nan(count, dtype)
+                dist.reduce_scatter_tensor(ref, ins[rank].flatten().cuda())
+                _assert_err_vs_nccl(res, ref, exact, f"reduce_scatter {tag}")
+
+            # all_reduce: out of place twice (deterministic), then in place
+            case += 1
+            ins = [_inputs(seed, case, r, count, dtype) for r in range(world)]
+            exact = sum(a.double() for a in ins)
+            abs_sum = sum(a.double().abs() for a in ins)
+            buf = comm.alloc_tensor(count, dtype)
+            buf.copy_(ins[rank])
+            outs = [_nan(count, dtype, comm) for _ in range(2)]
+            for o in outs:
+                assert comm.all_reduce(buf, o) is o
+            assert comm.all_reduce(buf) is buf
+            comm.synchronize()
+            _assert_sum_close(outs[0], exact, abs_sum, dtype, f"all_reduce {tag}")
+            _assert_bitwise(outs[1], outs[0], f"all_reduce {tag}: second run")
+            _assert_bitwise(buf, outs[0], f"all_reduce {tag}: in place")
+            _assert_same_on_all_ranks(outs[0], f"all_reduce {tag}")
+            if use_nccl:
+                ref = ins[rank].cuda()
+                dist.all_reduce(ref)
+                _assert_err_vs_nccl(outs[0], ref, exact, f"all_reduce {tag}")
+
+
+def _subgroups(rank, world, seed, use_nccl):
+    solo = dist.new_group([1], backend="gloo")  # every rank calls new_group, members use it
+    pair = dist.new_group([0, 1], backend="gloo")
+    dtype = torch.bfloat16
+    if rank == 1:
+        comm = mkernel.init(solo)  # global rank 1 is rank 0 of a world of one
+        assert (comm.rank, comm.world_size) == (0, 1)
+        x = _inputs(seed, 1, rank, 1000, dtype).cuda()
+        out = _nan((1, 1000), dtype, comm)
+        comm.all_gather(x, out)
+        buf = comm.alloc_tensor(1000, dtype)
+        buf.copy_(x)
+        red = _nan(1000, dtype, comm)
+        comm.all_reduce(buf, red)
+        rs = _nan(1000, dtype)
+        comm.reduce_scatter(buf.view(1, 1000), rs)
+        comm.synchronize()
+        for name, got in (("all_gather", out[0]), ("all_reduce", red), ("reduce_scatter", rs)):
+            _assert_bitwise(got, x, f"world-1 {name}")
+    else:
+        with pytest.raises(ValueError, match="not a member"):
+            mkernel.init(solo)
+    # Two communicators on one group: their store keys must not collide.
+    comms = [mkernel.init(pair), mkernel.init(pair)]
+    ins = [_inputs(seed, 2, r, 5000, torch.float32) for r in range(world)]
+    exact = sum(a.double() for a in ins)
+    abs_sum = sum(a.double().abs() for a in ins)
+    for i, comm in enumerate(comms):
+        assert (comm.rank, comm.world_size) == (rank, world)
+        buf = comm.alloc_tensor(5000, torch.float32)
+        buf.copy_(ins[rank])
+        comm.all_reduce(buf)
+        comm.synchronize()
+        _assert_sum_close(buf, exact, abs_sum, torch.float32, f"communicator {i} on the pair group")
+    dist.barrier()
+
+
+def _timeout(rank, world, seed, use_nccl):
+    comm = mkernel.init(timeout_seconds=2)
+    assert comm.timeout_seconds == 2
+    x = comm.alloc_tensor(4096, torch.float32)
+    x.fill_(rank + 1)
+    comm.all_reduce(x)
+    comm.synchronize()  # both ranks: the communicator works
+    assert x[0].item() == sum(range(1, world + 1))
+    dist.barrier()
+    if rank == 0:  # rank 1 skips this all_reduce
+        comm.all_reduce(x)
+        start = time.monotonic()
+        with pytest.raises(mkernel.MkernelError) as info:
+            comm.synchronize()
+        elapsed = time.monotonic() - start
+        assert info.value.code == "timeout", str(info.value)
+        assert "for rank 1" in str(info.value), str(info.value)
+        assert elapsed < 2 + 30, f"the time-out came after {elapsed:.1f} s (limit 2 s)"
+        with pytest.raises(mkernel.MkernelError) as again:  # broken for good
+            comm.all_reduce(x)
+        assert again.value.code == "not_initialized", str(again.value)
+    dist.barrier()  # rank 1 stays until rank 0 has seen the time-out
+
+
+# ---- tests ------------------------------------------------------------------------------------
+
+def test_collectives_match_references():
+    _spawn(_collectives)
+
+
+def test_subgroups_and_repeated_init():
+    _spawn(_subgroups)
+
+
+def test_timeout_names_the_missing_rank():
+    _spawn(_timeout)
