@@ -17,7 +17,7 @@ namespace mk {
 
 struct CollectiveConfig {
   int channels = 0;  // CTAs per rank; 0 = heuristic (MKERNEL_COLL_CHANNELS overrides)
-  int threads = 512;  // per CTA, a multiple of 64 in [64, 512]
+  int threads = 512;
 };
 
 // output[r * count + i] = input_of_rank_r[i] for every rank r.
@@ -28,11 +28,8 @@ void all_gather(Communicator& comm, const void* input, void* output, std::size_t
                 DType dtype, cudaStream_t stream, const CollectiveConfig& config = {});
 
 // output[i] = sum over ranks r of input_of_rank_r[rank * count + i], summed in fp32 in rank order.
-//   input:  `world * count` elements, any device memory of this rank's GPU
+//   input:  `world * count` elements inside a symmetric buffer
 //   output: `count` elements, any device memory of this rank's GPU (not overlapping input)
-// Stages peers' partials in the communicator's workspace (reduce_scatter_workspace bytes), which
-// grows collectively on first use; reserve it before capturing a CUDA graph.
-std::size_t reduce_scatter_workspace(const Communicator& comm, std::size_t count, DType dtype);
 void reduce_scatter(Communicator& comm, const void* input, void* output, std::size_t count,
                     DType dtype, cudaStream_t stream, const CollectiveConfig& config = {});
 

@@ -84,11 +84,6 @@ class Communicator {
 
   // Collective: a symmetric buffer of `bytes` on every rank (all ranks must pass the same size).
   SymmetricBuffer alloc(std::size_t bytes);
-  // The communicator's scratch symmetric buffer, at least `bytes` long (ops stage data in it).
-  // Collective when it must grow (every rank passes the same size): call it once before capturing
-  // a CUDA graph of an op that needs workspace; ops report their needs (e.g. reduce_scatter_workspace).
-  SymmetricBuffer reserve_workspace(std::size_t bytes);
-  std::size_t workspace_size() const;
   // The symmetric buffer holding [ptr, ptr + bytes), or nullopt-like (device_peers == nullptr).
   SymmetricRange find_symmetric(const void* ptr, std::size_t bytes) const;
 

@@ -68,8 +68,8 @@ class _StoreAllgather:
     a key exists, up to the store's own timeout), then adds 1 to `{prefix}/{n}/done`; the rank
     that brings it to world_size has seen everyone done reading and deletes the round's keys.
     Stores without delete_key (FileStore) keep them: a few hundred bytes per communicator and per
-    symmetric allocation. Rounds happen at creation, at every alloc and when an op grows the
-    workspace, in the same order on every rank (the ops' contract), so `n` agrees across ranks.
+    symmetric allocation. Rounds happen at creation and at every alloc, in the same order on
+    every rank (the ops' contract), so `n` agrees across ranks.
     """
 
     def __init__(self, store, prefix: str, rank: int, world_size: int):
@@ -322,9 +322,7 @@ class Communicator:
                        channels: int = 0) -> "torch.Tensor":
         """output = sum over ranks of their input's slice [rank * n, (rank + 1) * n).
 
-        input:  world_size * n elements on this GPU; a symmetric tensor (alloc_tensor) always
-                works (whether plain device memory is accepted is the C++ layer's contract,
-                include/mkernel/collectives.h).
+        input:  world_size * n elements in a symmetric tensor (alloc_tensor): peers read it.
         output: n elements, same dtype, any memory of this GPU, not overlapping input.
         Sums in fp32 in rank order, then rounds once to the dtype. Returns output.
         """

@@ -6,8 +6,8 @@
 // (a RuntimeError) whose `code` is the ErrorCode's name ("timeout", "invalid_argument", ...).
 //
 // GIL: Communicator.create() and alloc() keep it (their allgathers call back into Python); the
-// collectives and synchronize() release it. The allgather wrapper acquires it either way, since
-// an op may allocate collectively (reduce_scatter grows the communicator's workspace).
+// collectives and synchronize() release it. The allgather wrapper acquires it either way, so a
+// future op that allocates collectively from a released-GIL path stays safe.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/shared_ptr.h>
@@ -258,8 +258,7 @@ NB_MODULE(_C, m) {
           "rank"_a, "world_size"_a, "allgather"_a, "device"_a, "timeout_seconds"_a = -1.0,
           "ranks_per_node"_a = -1,
           "Collective over all ranks. allgather(data: bytes) -> bytes must return every rank's "
-          "data concatenated in rank order (it is also called later, by alloc() and ops that "
-          "grow the workspace). timeout_seconds: limit of every wait on a peer (-1: "
+          "data concatenated in rank order (it is also called later, by alloc()). timeout_seconds: limit of every wait on a peer (-1: "
           "MKERNEL_TIMEOUT_S or 60 s; 0: none). ranks_per_node: virtual nodes (-1: "
           "MKERNEL_GPUS_PER_NODE or by host).")
       .def_prop_ro("rank", &mk::Communicator::rank)

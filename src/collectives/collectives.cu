@@ -36,11 +36,10 @@ int pick_channels(const Communicator& comm, const CollectiveConfig& config, std:
   }
   const int budget = std::max(1, std::min(comm.topology().sm_budget(), kMaxChannels));
   channels = std::min(channels, budget);
-  // Multiples of 64: reduce_scatter splits each CTA into two roles of whole warps.
-  if (config.threads % 64 != 0 || config.threads < 64 || config.threads > 512) {
+  if (config.threads % 32 != 0 || config.threads < 64 || config.threads > 512) {
     throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": threads = " +
                                                  std::to_string(config.threads) +
-                                                 "; expected a multiple of 64 in [64, 512]");
+                                                 "; expected a multiple of 32 in [64, 512]");
   }
   if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr && comm.rank() == 0) {
     std::fprintf(stderr, "[mkernel] %s: %zu bytes, %d channels x %d threads\n", op, bytes,
@@ -160,11 +159,6 @@ void all_gather(Communicator& comm, const void* input, void* output, std::size_t
   launch_check(op);
 }
 
-std::size_t reduce_scatter_workspace(const Communicator& comm, std::size_t count, DType dtype) {
-  return detail::checked_mul(detail::checked_mul(count, dtype_size(dtype), "reduce_scatter", "count"),
-                             comm.world_size(), "reduce_scatter", "workspace size");
-}
-
 void reduce_scatter(Communicator& comm, const void* input, void* output, std::size_t count,
                     DType dtype, cudaStream_t stream, const CollectiveConfig& config) {
   constexpr const char* op = "reduce_scatter";
@@ -176,32 +170,20 @@ void reduce_scatter(Communicator& comm, const void* input, void* output, std::si
   if (count == 0) return;
   require_device_pointer(comm, input, elem, op, "input");
   require_device_pointer(comm, output, elem, op, "output");
+  const SymmetricRange in = require_symmetric(comm, input, total, op, "input");
   if (detail::overlaps(input, total, output, chunk)) {
     throw Error(ErrorCode::kInvalidArgument,
-                std::string(op) + ": output overlaps input; use separate buffers");
+                std::string(op) + ": output overlaps input; peers read the whole input, so the "
+                                  "output must be a separate buffer");
   }
-  if (comm.workspace_size() < total) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
-        capture != cudaStreamCaptureStatusNone) {
-      throw Error(ErrorCode::kOutOfMemory,
-                  std::string(op) + ": needs a " + std::to_string(total) +
-                      "-byte workspace but the communicator has " +
-                      std::to_string(comm.workspace_size()) +
-                      "; call reserve_workspace(reduce_scatter_workspace(...)) before capturing");
-    }
-  }
-  const SymmetricBuffer staging = comm.reserve_workspace(total);  // collective only when growing
   const int channels = pick_channels(comm, config, chunk, op);
-  // The vector width divides the chunk too, so slices never straddle chunks and no tail is left.
-  const int vb = vector_bytes({reinterpret_cast<uintptr_t>(input),
-                               reinterpret_cast<uintptr_t>(output), chunk});
+  const std::size_t begin_bytes = chunk * comm.rank();
+  const int vb = vector_bytes({in.offset, begin_bytes, reinterpret_cast<uintptr_t>(output)});
   const DeviceComm dc = comm.device_comm();
   dispatch_dtype(dtype, [&]<typename T>() {
     dispatch_vector<T>(std::max<int>(vb, sizeof(T)), [&]<typename U, int kBytes>() {
       coll::reduce_scatter_kernel<U, kBytes><<<channels, config.threads, 0, stream>>>(
-          dc, static_cast<const U*>(input), count, staging.device_peers(), 0,
-          static_cast<U*>(output));
+          dc, in.device_peers, in.offset, count, static_cast<U*>(output));
     });
   });
   launch_check(op);

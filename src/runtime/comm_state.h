@@ -42,7 +42,6 @@ struct CommState {
   uint64_t next_tag = 1;
 
   std::shared_ptr<SymAllocation> signal_pad;  // [kNumSignals][world] uint64 per rank
-  std::shared_ptr<SymAllocation> workspace;   // scratch for ops (reserve_workspace)
   DeviceLaunchState* launch_state = nullptr;  // device
   int32_t* d_node_ranks = nullptr;            // device [local_size]
   DeviceErrorRecord* error_host = nullptr;    // pinned, mapped

@@ -88,7 +88,6 @@ Communicator::~Communicator() {
   cudaGetDevice(&previous);
   cudaSetDevice(state_->device);
   cudaDeviceSynchronize();  // kernels may still use the pad; they end within the time limit
-  state_->workspace.reset();
   state_->signal_pad.reset();
   cudaFree(state_->launch_state);
   cudaFree(state_->d_node_ranks);
@@ -174,22 +173,6 @@ SymmetricBuffer Communicator::alloc(std::size_t bytes) {
   ensure_usable("alloc");
   detail::DeviceGuard guard(state_->device);
   return SymmetricBuffer(detail::create_symmetric(*state_, bytes));
-}
-
-SymmetricBuffer Communicator::reserve_workspace(std::size_t bytes) {
-  detail::CommState& s = *state_;
-  if (!s.workspace || s.workspace->size < bytes) {
-    ensure_usable("reserve_workspace");
-    detail::DeviceGuard guard(s.device);
-    MK_CUDA_CHECK(cudaDeviceSynchronize());  // no kernel of ours may still use the old one
-    s.workspace.reset();  // free first: peak memory is the new size, not old + new
-    s.workspace = detail::create_symmetric(s, bytes);
-  }
-  return SymmetricBuffer(s.workspace);
-}
-
-std::size_t Communicator::workspace_size() const {
-  return state_->workspace ? state_->workspace->size : 0;
 }
 
 SymmetricRange Communicator::find_symmetric(const void* ptr, std::size_t bytes) const {

@@ -143,6 +143,8 @@ TEST(InProcessRuntime, RejectsBadArgumentsBeforeLaunch) {
                  ErrorCode::kInvalidArgument, "unknown dtype");
     expect_error([&] { all_gather(comm, s + 8, s, n, DType::kBF16, nullptr); },
                  ErrorCode::kInvalidArgument, "overlaps");
+    expect_error([&] { reduce_scatter(comm, plain, s, n, DType::kBF16, nullptr); },
+                 ErrorCode::kInvalidArgument, "not inside a symmetric buffer");
     expect_error([&] { reduce_scatter(comm, s, s + 2, n, DType::kBF16, nullptr); },
                  ErrorCode::kInvalidArgument, "overlaps");
     expect_error([&] { all_reduce(comm, s, plain, n, DType::kBF16, nullptr); },

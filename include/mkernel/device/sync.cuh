@@ -34,15 +34,6 @@ __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 
-// Named barriers (bar.sync id, count). Every id a kernel uses is listed here, never a bare number.
-// kCta (0) is __syncthreads(); the others synchronise the warps of one role in a CTA.
-enum class NamedBarrier : uint32_t { kCta = 0, kProducers = 1, kConsumers = 2 };
-
-// All `threads` threads of the role (a multiple of 32) meet; orders their shared/global accesses.
-__device__ __forceinline__ void named_barrier_sync(NamedBarrier id, uint32_t threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(threads) : "memory");
-}
-
 // Nanoseconds since an arbitrary origin, comparable across the SMs of one GPU.
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
