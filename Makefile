@@ -2,7 +2,8 @@
 #
 #   make setup                                          install build dependencies (Debian 12)
 #   make [BACKEND=socket|cx7|efa] [PYTHON=python3] all   configure (when needed) and build
-#   make test | test-cpu | test-gpu                     build, then run ctest
+#   make test | test-cpu | test-gpu                     build, then run ctest (test: + pytest)
+#   make python                                         pip-install the Python package
 #   make bench | check | plots                          bench/run.sh and bench/plot.py
 #   make format | format-check | clean | distclean | help
 #
@@ -48,7 +49,7 @@ CACHE  := $(BUILD_DIR)/CMakeCache.txt
 # Installs what a fresh Debian 12 machine needs (scripts/setup.sh says what).
 setup:
 	bash scripts/setup.sh
-.PHONY: setup all configure test test-cpu test-gpu bench check plots format format-check clean distclean \
+.PHONY: setup all configure python test test-cpu test-gpu bench check plots format format-check clean distclean \
         help FORCE
 
 all: $(CACHE)
@@ -75,8 +76,13 @@ $(CACHE): $(STAMP)
 	  $(if $(PYTHON_EXE),-DPython3_EXECUTABLE=$(PYTHON_EXE)) \
 	  $(CMAKE_ARGS) || { rm -f $@; exit 1; }
 
-test: all
+test: all python
 	$(CTEST) --test-dir $(BUILD_DIR) --output-on-failure $(CTEST_ARGS)
+	$(PYTHON) -m pytest -q -rs tests/python
+
+# The Python package (import mkernel), built by scikit-build-core into the current interpreter.
+python:
+	CUDA_HOME=$(CUDA_HOME) $(PYTHON) -m pip install -q --no-build-isolation --no-deps .
 
 test-cpu: all
 	$(CTEST) --test-dir $(BUILD_DIR) --output-on-failure -LE gpu $(CTEST_ARGS)
@@ -120,7 +126,7 @@ distclean: clean
 	rm -rf $(wildcard build*/) .deps out
 
 help:
-	@sed -n '3,14s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,15s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 	@echo
 	@echo "now: BACKEND=$(BACKEND) CUDA_HOME=$(CUDA_HOME) EFA_HOME=$(EFA_HOME) PYTHON=$(PYTHON)" \
 	      "BUILD_DIR=$(BUILD_DIR) JOBS=$(JOBS) generator=$(GENERATOR)"
