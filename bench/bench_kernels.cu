@@ -46,7 +46,27 @@ __global__ void diff_kernel(const uint4* a, const uint4* b, std::size_t n, unsig
   atomicAdd(diffs, local);
 }
 
+__global__ void max_diff_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, std::size_t n,
+                                unsigned int* out) {
+  float diff = 0.f, mag = 0.f;
+  for (std::size_t i = blockIdx.x * (std::size_t)blockDim.x + threadIdx.x; i < n;
+       i += (std::size_t)gridDim.x * blockDim.x) {
+    const float x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    const float d = fabsf(x - y);
+    diff = fmaxf(diff, d == d ? d : 3e38f);
+    mag = fmaxf(mag, fabsf(y));
+  }
+  atomicMax(&out[0], __float_as_uint(diff));  // non-negative floats order like their bits
+  atomicMax(&out[1], __float_as_uint(mag));
+}
+
 }  // namespace
+
+void launch_max_diff_bf16(const void* a, const void* b, std::size_t n, unsigned int* out,
+                          cudaStream_t s) {
+  max_diff_kernel<<<528, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(a),
+                                      static_cast<const __nv_bfloat16*>(b), n, out);
+}
 
 void launch_fill(void* p, std::size_t n, uint64_t seed, int rank, cudaStream_t s) {
   fill_kernel<<<264, 512, 0, s>>>(static_cast<__nv_bfloat16*>(p), n, seed, rank);

@@ -17,3 +17,11 @@ void launch_count_diff(const void* a, const void* b, std::size_t n16, unsigned l
                        cudaStream_t s);
 
 }  // namespace mk::bench
+
+namespace mk::bench {
+
+// out[0] = max |a[i] - b[i]|, out[1] = max |b[i]| over `n` bf16 values (as float bits, >= 0).
+void launch_max_diff_bf16(const void* a, const void* b, std::size_t n, unsigned int* out,
+                          cudaStream_t s);
+
+}  // namespace mk::bench

@@ -3,8 +3,8 @@
 #
 #   bash bench/run.sh <kernel|all> <check|bench> <num_nodes> [sizes]
 #
-# kernel: all, collectives, all_gather, reduce_scatter, all_reduce (the fused kernels join as they
-#         land). check = correctness against NCCL on the GPUs present; bench = timings against NCCL
+# kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm (the fused kernels join as
+#         they land; `all` takes gemm once its first GPU run has passed - see docs/PERFORMANCE.md). check = correctness against NCCL on the GPUs present; bench = timings against NCCL
 #         and the peer-copy ceiling, written to bench/results/<kernel>-<gpu>-w<world>.json
 #         (../shared/BENCH_SCHEMA.md). sizes: MiB per rank, comma-separated (bench: 8,64,512).
 # One rank per GPU of this machine (MKERNEL_RANKS overrides; ranks may share GPUs).
@@ -19,7 +19,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 build="${BUILD_DIR:-build}"
 
 case "$kernel" in
-  all | collectives | all_gather | reduce_scatter | all_reduce) ;;
+  all | collectives | all_gather | reduce_scatter | all_reduce | gemm) ;;
   ag_gemm | gemm_rs | gemm_ar | moe_dispatch_gemm | moe_layer | ring_attention)
     echo "bench/run.sh: $kernel is not implemented yet (see the open issues)" >&2; exit 2 ;;
   *) echo "bench/run.sh: unknown kernel '$kernel'" >&2; usage ;;
@@ -46,6 +46,21 @@ if [[ -z "${MKERNEL_NCCL_LIB:-}" ]]; then
   # NCCL is only the baseline. Prefer the one PyTorch ships (what torch.distributed users run).
   dir=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
   [[ -n "$dir" && -f "$dir/lib/libnccl.so.2" ]] && export MKERNEL_NCCL_LIB="$dir/lib/libnccl.so.2"
+fi
+
+if [[ "$kernel" == gemm ]]; then
+  [[ -x "$build/bench/bench_gemm" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
+  gemm_args=()
+  if [[ "$mode" == check ]]; then
+    gemm_args+=(--check)
+  else
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
+    mkdir -p bench/results
+    export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+    gemm_args+=(--json "bench/results/gemm-${gpu}-w1.json")
+  fi
+  echo "bench/run.sh: gemm $mode on 1 GPU"
+  exec "$build/bench/bench_gemm" "${gemm_args[@]}"
 fi
 
 args=()
