@@ -114,15 +114,6 @@ class Bench {
   std::vector<cudaEvent_t> start_, stop_;
 };
 
-// A non-owning view, so the mkrun connection also serves NCCL's id exchange.
-struct Borrowed : Bootstrap {
-  Bootstrap& b;
-  explicit Borrowed(Bootstrap& b) : b(b) {}
-  int rank() const override { return b.rank(); }
-  int size() const override { return b.size(); }
-  void allgather(const void* s, void* r, std::size_t n) override { b.allgather(s, r, n); }
-};
-
 struct Op {
   const char* name;
   double bus_factor;  // busbw = bytes_per_rank * factor / time  (nccl-tests convention)
@@ -151,7 +142,8 @@ int main(int argc, char** argv) {
   int ndev = 0;
   CK(cudaGetDeviceCount(&ndev));
   CK(cudaSetDevice(bootstrap.rank() % ndev));
-  auto comm = Communicator::create(std::make_unique<Borrowed>(bootstrap));
+  // Borrowed: the mkrun connection also serves NCCL's id exchange below.
+  auto comm = Communicator::create(borrow_bootstrap(bootstrap));
   const int rank = comm->rank(), world = comm->world_size();
   const bool root = rank == 0;
 

@@ -51,6 +51,10 @@ class InProcessGroup {
   std::shared_ptr<State> state_;
 };
 
+// A non-owning view of `inner`, so one connection (e.g. the mkrun launcher's, of which a process
+// has one) can serve several communicators in turn. `inner` must outlive the view.
+std::unique_ptr<Bootstrap> borrow_bootstrap(Bootstrap& inner);
+
 // True when this process was started by tools/mkrun (MKERNEL_LAUNCHER_FD is set).
 bool launched_by_mkrun();
 // The bootstrap of a process started by tools/mkrun. Throws mk::Error(kBootstrap) otherwise.

@@ -422,4 +422,25 @@ std::unique_ptr<Bootstrap> bootstrap_from_launcher() {
   return std::make_unique<LauncherBootstrap>(rank, size, fd, timeout);
 }
 
+namespace {
+
+class BorrowedBootstrap final : public Bootstrap {
+ public:
+  explicit BorrowedBootstrap(Bootstrap& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  void allgather(const void* send, void* recv, std::size_t bytes) override {
+    inner_.allgather(send, recv, bytes);
+  }
+
+ private:
+  Bootstrap& inner_;
+};
+
+}  // namespace
+
+std::unique_ptr<Bootstrap> borrow_bootstrap(Bootstrap& inner) {
+  return std::make_unique<BorrowedBootstrap>(inner);
+}
+
 }  // namespace mk

@@ -79,20 +79,6 @@ inline void run_in_process(int world, const std::function<void(Communicator&)>& 
   for (auto& t : threads) t.join();
 }
 
-// A non-owning view of a bootstrap, so one mkrun connection serves many communicators.
-class BorrowedBootstrap : public Bootstrap {
- public:
-  explicit BorrowedBootstrap(Bootstrap& inner) : inner_(inner) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  void allgather(const void* send, void* recv, std::size_t bytes) override {
-    inner_.allgather(send, recv, bytes);
-  }
-
- private:
-  Bootstrap& inner_;
-};
-
 // The process-wide mkrun bootstrap (nullptr when not launched by mkrun).
 inline Bootstrap* launcher_bootstrap() {
   static std::unique_ptr<Bootstrap> boot = launched_by_mkrun() ? bootstrap_from_launcher() : nullptr;
@@ -109,7 +95,19 @@ inline Bootstrap* launcher_bootstrap() {
 inline std::shared_ptr<Communicator> launched_comm(CommOptions options = {}) {
   Bootstrap* boot = launcher_bootstrap();
   cudaSetDevice(boot->rank() % device_count());
-  return Communicator::create(std::make_unique<BorrowedBootstrap>(*boot), options);
+  return Communicator::create(borrow_bootstrap(*boot), options);
+}
+
+// Runs fn() and expects mk::Error with `code` and a message containing `needle`.
+template <typename Fn>
+void expect_error(Fn&& fn, ErrorCode code, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error containing '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
 }
 
 // ---- data ---------------------------------------------------------------------------------------

@@ -107,17 +107,6 @@ TEST(InProcessRuntime, DestroyLeaksNoFdsOrMemory) {
 
 // ---- argument errors: thrown before launch, nothing written ----------------------------------------
 
-template <typename Fn>
-void expect_error(Fn&& fn, ErrorCode code, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an error containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
-
 TEST(InProcessRuntime, RejectsBadArgumentsBeforeLaunch) {
   MKT_REQUIRE_GPU();
   run_in_process(2, [](Communicator& comm) {
