@@ -22,7 +22,7 @@ struct GemmConfig {
 //   B: [N, K] (BLayout::kNK) or [K, N] (kKN) row-major bf16, 16-byte aligned.
 //   C: [M, N] row-major bf16 (leading dimension N).
 //   N and K multiples of 8 (16-byte rows); partial tiles are handled.
-// Throws mk::Error before launching on anything else. Not yet: kKN (throws kUnsupported).
+// Throws mk::Error before launching on anything else.
 void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout,
           cudaStream_t stream, const GemmConfig& config = {});
 

@@ -53,17 +53,18 @@ CUtensorMap make_map(const void* base, int64_t rows, int64_t cols, int box_rows)
   return map;
 }
 
-template <int kBlockN>
+template <int kBlockN, bool kTransB>
 void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, int sms,
             cudaStream_t stream) {
   using Cfg = gemm_engine::TileConfig<kBlockN>;
   const CUtensorMap map_a = make_map(a, m, k, Cfg::kBlockM);
-  const CUtensorMap map_b = make_map(b, n, k, Cfg::kBlockN);
+  // [N, K]: boxes of kBlockN rows x 64 K; [K, N]: boxes of 64 K rows x 64 N.
+  const CUtensorMap map_b = kTransB ? make_map(b, k, n, 64) : make_map(b, n, k, Cfg::kBlockN);
   gemm_engine::TileScheduler scheduler{static_cast<int>((m + Cfg::kBlockM - 1) / Cfg::kBlockM),
                                 static_cast<int>((n + Cfg::kBlockN - 1) / Cfg::kBlockN)};
   gemm_engine::StoreEpilogue epilogue{static_cast<__nv_bfloat16*>(c), n, static_cast<int>(m),
                                static_cast<int>(n)};
-  auto kernel = gemm_engine::gemm_kernel<Cfg, gemm_engine::StoreEpilogue>;
+  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, gemm_engine::StoreEpilogue>;
   MK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      Cfg::kSmemBytes));
   const int tiles = scheduler.tiles_m * scheduler.tiles_n;
@@ -101,12 +102,7 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   if (k < 8 || k % 8 != 0) invalid("K = " + std::to_string(k) + "; expected a multiple of 8");
   constexpr int64_t kMax = int64_t{1} << 31;
   if (m >= kMax || n >= kMax || k >= kMax) invalid("M, N and K must each be < 2^31");
-  if (b_layout == BLayout::kKN) {
-    throw Error(ErrorCode::kUnsupported,
-                std::string(kOp) + ": B as [K, N] is not implemented yet; pass B as [N, K] "
-                                   "(BLayout::kNK, the nn.Linear weight layout)");
-  }
-  if (b_layout != BLayout::kNK) invalid("unknown B layout");
+  if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) invalid("unknown B layout");
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
   require_pointer(a, "A", device);
@@ -120,10 +116,13 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
                  static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
                  block_n, sms);
   }
+  const bool trans_b = b_layout == BLayout::kKN;
   if (block_n == 256) {
-    launch<256>(a, b, c, m, n, k, sms, stream);
+    trans_b ? launch<256, true>(a, b, c, m, n, k, sms, stream)
+            : launch<256, false>(a, b, c, m, n, k, sms, stream);
   } else {
-    launch<128>(a, b, c, m, n, k, sms, stream);
+    trans_b ? launch<128, true>(a, b, c, m, n, k, sms, stream)
+            : launch<128, false>(a, b, c, m, n, k, sms, stream);
   }
 }
 

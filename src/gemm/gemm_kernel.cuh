@@ -1,7 +1,8 @@
 // The GEMM engine's kernel: persistent, warp-specialised, TMA + wgmma (sm_90a).
 //
-//   C[M, N] (bf16) = A[M, K] (bf16, row-major) * B[N, K]^T (bf16, the nn.Linear weight layout),
-//   fp32 accumulation.
+//   C[M, N] (bf16) = A[M, K] (bf16, row-major) * B^T, fp32 accumulation, where B is [N, K]
+//   row-major (the nn.Linear weight layout, K-major tiles) or, with kTransB, [K, N] row-major
+//   (N-major tiles: the B stage holds kBlockN / 64 boxes of [64 K rows][64 N values]).
 //
 // One CTA per SM. Warpgroup 0 is the producer (one thread issues TMA loads of A and B tiles into
 // a ring of kStages shared-memory stages); warpgroups 1..kConsumers are consumers, each owning 64
@@ -98,17 +99,20 @@ struct StoreEpilogue {
   }
 };
 
-template <int kBlockN>
+template <int kBlockN, bool kTransB>
 __device__ __forceinline__ void wgmma_tile_k16(float (&acc)[kBlockN / 2], uint64_t da, uint64_t db,
                                                bool accumulate) {
   if constexpr (kBlockN == 256) {
-    dev::wgmma_m64n256k16_bf16(acc, da, db, accumulate);
+    dev::wgmma_m64n256k16_bf16<kTransB>(acc, da, db, accumulate);
   } else {
-    dev::wgmma_m64n128k16_bf16(acc, da, db, accumulate);
+    dev::wgmma_m64n128k16_bf16<kTransB>(acc, da, db, accumulate);
   }
 }
 
-template <class Cfg, class Epilogue>
+// B box of an N-major stage: 64 K rows x 64 N values (128 bytes a row).
+constexpr int kMnBoxBytes = 64 * 128;
+
+template <class Cfg, bool kTransB, class Epilogue>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                 int k, TileScheduler scheduler, Epilogue epilogue) {
@@ -148,7 +152,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           dev::mbarrier_wait(&empty[s], phase ^ 1);  // first lap passes at once
           dev::mbarrier_arrive_expect_tx(&full[s], Cfg::kStageBytes);
           dev::tma_load_2d(stage_a(s), &tma_a, &full[s], kb * Cfg::kBlockK, tm * Cfg::kBlockM);
-          dev::tma_load_2d(stage_b(s), &tma_b, &full[s], kb * Cfg::kBlockK, tn * Cfg::kBlockN);
+          if constexpr (kTransB) {
+#pragma unroll
+            for (int j = 0; j < Cfg::kBlockN / 64; ++j) {
+              dev::tma_load_2d(stage_b(s) + j * kMnBoxBytes, &tma_b, &full[s],
+                               tn * Cfg::kBlockN + j * 64, kb * Cfg::kBlockK);
+            }
+          } else {
+            dev::tma_load_2d(stage_b(s), &tma_b, &full[s], kb * Cfg::kBlockK, tn * Cfg::kBlockN);
+          }
         }
       }
     }
@@ -171,8 +183,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < Cfg::kBlockK / 16; ++kk) {
           const uint64_t da = dev::wgmma_desc_sw128(stage_a(s) + consumer * 64 * 128 + kk * 32);
-          const uint64_t db = dev::wgmma_desc_sw128(stage_b(s) + kk * 32);
-          wgmma_tile_k16<Cfg::kBlockN>(acc, da, db, kb > 0 || kk > 0);
+          const uint64_t db =
+              kTransB ? dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes)
+                      : dev::wgmma_desc_sw128(stage_b(s) + kk * 32);
+          wgmma_tile_k16<Cfg::kBlockN, kTransB>(acc, da, db, kb > 0 || kk > 0);
         }
         dev::wgmma_commit();
         dev::wgmma_fence_operands(acc);

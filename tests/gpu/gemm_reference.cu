@@ -7,15 +7,16 @@ namespace mk::test {
 namespace {
 
 __global__ void reference_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n,
-                                 int64_t k, const int64_t* rows, int nrows, double* out) {
+                                 int64_t k, bool b_kn, const int64_t* rows, int nrows,
+                                 double* out) {
   const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (idx >= nrows * n) return;
   const int64_t r = idx / n, j = idx % n;
   const __nv_bfloat16* ar = a + rows[r] * k;
-  const __nv_bfloat16* bj = b + j * k;
   double acc = 0;
   for (int64_t i = 0; i < k; ++i) {
-    acc += static_cast<double>(__bfloat162float(ar[i])) * __bfloat162float(bj[i]);
+    const __nv_bfloat16 bv = b_kn ? b[i * n + j] : b[j * k + i];
+    acc += static_cast<double>(__bfloat162float(ar[i])) * __bfloat162float(bv);
   }
   out[idx] = acc;
 }
@@ -43,12 +44,12 @@ __global__ void fill_kernel(__nv_bfloat16* p, int64_t count, uint64_t seed) {
 
 }  // namespace
 
-void gemm_reference_rows(const void* a, const void* b, int64_t n, int64_t k, const int64_t* rows,
-                         int nrows, double* out, cudaStream_t s) {
+void gemm_reference_rows(const void* a, const void* b, int64_t n, int64_t k, bool b_kn,
+                         const int64_t* rows, int nrows, double* out, cudaStream_t s) {
   const int64_t total = nrows * n;
   reference_kernel<<<static_cast<unsigned>((total + 255) / 256), 256, 0, s>>>(
-      static_cast<const __nv_bfloat16*>(a), static_cast<const __nv_bfloat16*>(b), n, k, rows, nrows,
-      out);
+      static_cast<const __nv_bfloat16*>(a), static_cast<const __nv_bfloat16*>(b), n, k, b_kn, rows,
+      nrows, out);
 }
 
 uint64_t count_nans_bf16(const void* p, int64_t count, cudaStream_t s) {

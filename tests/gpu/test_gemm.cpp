@@ -40,17 +40,22 @@ double max_error(const void* c, int64_t n, const std::vector<int64_t>& rows,
   return worst;
 }
 
-// C = A @ B^T through cuBLAS (row-major [m, n] = column-major [n, m] = B_cm^T A_cm).
-void cublas_gemm(cublasHandle_t h, const void* a, const void* b, void* c, const Shape& s) {
+// The same product through cuBLAS. Row-major [m, n] is column-major [n, m]: C_cm = op(B_cm) A_cm,
+// with B_cm [k, n] transposed for B [n, k] and used as is for B [k, n].
+void cublas_gemm(cublasHandle_t h, const void* a, const void* b, void* c, const Shape& s,
+                 BLayout layout) {
   const float one = 1.f, zero = 0.f;
-  ASSERT_EQ(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, s.n, s.m, s.k, &one, b, CUDA_R_16BF, s.k, a,
-                         CUDA_R_16BF, s.k, &zero, c, CUDA_R_16BF, s.n, CUBLAS_COMPUTE_32F,
-                         CUBLAS_GEMM_DEFAULT),
+  const bool nk = layout == BLayout::kNK;
+  ASSERT_EQ(cublasGemmEx(h, nk ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, s.n, s.m, s.k, &one, b,
+                         CUDA_R_16BF, nk ? s.k : s.n, a, CUDA_R_16BF, s.k, &zero, c, CUDA_R_16BF,
+                         s.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
             CUBLAS_STATUS_SUCCESS);
 }
 
-void expect_gemm_matches(const Shape& s, uint64_t seed, GemmConfig config = {}) {
-  SCOPED_TRACE(name(s) + " block_n " + std::to_string(config.block_n));
+void expect_gemm_matches(const Shape& s, uint64_t seed, GemmConfig config = {},
+                         BLayout layout = BLayout::kNK) {
+  SCOPED_TRACE(name(s) + " block_n " + std::to_string(config.block_n) +
+               (layout == BLayout::kKN ? " B [K, N]" : " B [N, K]"));
   cudaStream_t stream;
   MKT_CUDA(cudaStreamCreate(&stream));
   void *a, *b, *c, *c_blas;
@@ -62,11 +67,11 @@ void expect_gemm_matches(const Shape& s, uint64_t seed, GemmConfig config = {}) 
   fill_random_bf16(b, s.n * s.k, seed ^ 0x5555, stream);
   MKT_CUDA(cudaMemsetAsync(c, 0xFF, s.m * s.n * 2, stream));  // bf16 NaN everywhere
 
-  gemm(a, b, c, s.m, s.n, s.k, BLayout::kNK, stream, config);
+  gemm(a, b, c, s.m, s.n, s.k, layout, stream, config);
   cublasHandle_t h;
   ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
   cublasSetStream(h, stream);
-  cublas_gemm(h, a, b, c_blas, s);
+  cublas_gemm(h, a, b, c_blas, s, layout);
   MKT_CUDA(cudaStreamSynchronize(stream));
   MKT_CUDA(cudaGetLastError());
 
@@ -84,7 +89,8 @@ void expect_gemm_matches(const Shape& s, uint64_t seed, GemmConfig config = {}) 
   MKT_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_rows), rows.size() * sizeof(int64_t)));
   MKT_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_ref), rows.size() * s.n * sizeof(double)));
   MKT_CUDA(cudaMemcpy(d_rows, rows.data(), rows.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
-  gemm_reference_rows(a, b, s.n, s.k, d_rows, static_cast<int>(rows.size()), d_ref, stream);
+  gemm_reference_rows(a, b, s.n, s.k, layout == BLayout::kKN, d_rows, static_cast<int>(rows.size()),
+                      d_ref, stream);
   std::vector<double> ref(rows.size() * s.n);
   MKT_CUDA(cudaMemcpyAsync(ref.data(), d_ref, ref.size() * sizeof(double), cudaMemcpyDeviceToHost,
                            stream));
@@ -97,7 +103,7 @@ void expect_gemm_matches(const Shape& s, uint64_t seed, GemmConfig config = {}) 
   // Deterministic: a second run is bitwise identical.
   std::vector<uint16_t> first(s.m * s.n), second(s.m * s.n);
   MKT_CUDA(cudaMemcpy(first.data(), c, first.size() * 2, cudaMemcpyDeviceToHost));
-  gemm(a, b, c, s.m, s.n, s.k, BLayout::kNK, stream, config);
+  gemm(a, b, c, s.m, s.n, s.k, layout, stream, config);
   MKT_CUDA(cudaStreamSynchronize(stream));
   MKT_CUDA(cudaMemcpy(second.data(), c, second.size() * 2, cudaMemcpyDeviceToHost));
   EXPECT_TRUE(first == second) << "two runs differ";
@@ -130,13 +136,25 @@ TEST(Gemm, EdgeShapesBothTileWidths) {
   }
 }
 
+// B as [K, N] (N-major tiles, transposed wgmma operand).
+TEST(Gemm, BLayoutKN) {
+  MKT_REQUIRE_GPU();
+  const std::vector<Shape> shapes = {{4096, 4096, 4096}, {8192, 2048, 8192}, {1, 8, 8},
+                                     {129, 264, 72},     {1000, 1000, 1000}, {3000, 5120, 3584}};
+  for (int block_n : {128, 256}) {
+    GemmConfig config;
+    config.block_n = block_n;
+    for (const Shape& s : shapes) expect_gemm_matches(s, fresh_seed(), config, BLayout::kKN);
+  }
+}
+
 TEST(Gemm, RandomShapes) {
   MKT_REQUIRE_GPU();
   std::mt19937_64 gen(fresh_seed());
   for (int i = 0; i < 12; ++i) {
     const Shape s{static_cast<int64_t>(1 + gen() % 3000), static_cast<int64_t>(8 * (1 + gen() % 500)),
                   static_cast<int64_t>(8 * (1 + gen() % 500))};
-    expect_gemm_matches(s, gen());
+    expect_gemm_matches(s, gen(), {}, gen() % 2 ? BLayout::kKN : BLayout::kNK);
   }
 }
 
@@ -157,8 +175,8 @@ TEST(Gemm, RejectsBadArgumentsBeforeLaunch) {
          "A is not 16-byte aligned");
   expect([&] { gemm(q, host.data(), q, 8, 8, 8, BLayout::kNK, nullptr); },
          ErrorCode::kInvalidArgument, "B is not");
-  expect([&] { gemm(q, q, q, 8, 8, 8, BLayout::kKN, nullptr); }, ErrorCode::kUnsupported,
-         "not implemented yet");
+  expect([&] { gemm(q, q, q, 8, 8, 8, static_cast<BLayout>(9), nullptr); },
+         ErrorCode::kInvalidArgument, "unknown B layout");
   GemmConfig bad;
   bad.block_n = 64;
   expect([&] { gemm(q, q, q, 8, 8, 8, BLayout::kNK, nullptr, bad); }, ErrorCode::kInvalidArgument,
