@@ -14,7 +14,7 @@
 # run scripts/pack_deps.sh here and carry `.deps` (and `build` to reuse a build made here).
 #
 # Environment knobs: BACKEND (socket), BUILD_TYPE (Release), CMAKE_ARGS, CTEST_ARGS
-# (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), BENCH_RANKS (2), BENCH_ARGS.
+# (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), BENCH_KERNELS ("all gemm": bench/run.sh kernels).
 
 # NVLink multicast (NVLS) must stay off on the shared hosts: it can take their GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -33,9 +33,7 @@ BACKEND="${BACKEND:-socket}"
 BUILD_TYPE="${BUILD_TYPE:-Release}"
 read -r -a CMAKE_EXTRA <<<"${CMAKE_ARGS:-}"
 read -r -a CTEST_EXTRA <<<"${CTEST_ARGS:---timeout 300}"
-read -r -a BENCH_EXTRA <<<"${BENCH_ARGS:-}"
 SANITIZE_TIMEOUT="${SANITIZE_TIMEOUT:-300}"
-BENCH_RANKS="${BENCH_RANKS:-2}"
 JOBS="$(nproc 2>/dev/null || echo 8)"
 GENERATOR=Ninja
 command -v ninja >/dev/null || GENERATOR="Unix Makefiles"
@@ -184,15 +182,14 @@ step_sanitize() {
 
 # ---- bench ----------------------------------------------------------------------------------
 step_bench() {
-  local bin="$BUILD/bench/bench_collectives" mkrun="$BUILD/mkrun" marker rc
-  [[ -x "$bin" ]] || { log "no $bin"; return "$SKIP"; }
-  [[ -x "$mkrun" ]] || { log "no $mkrun"; return 1; }
+  local marker rc=0 kernel
+  [[ -x "$BUILD/bench/bench_collectives" ]] || { log "no benchmarks in $BUILD"; return "$SKIP"; }
   marker="$(mktemp)"
-  # The benchmark may write its JSON to $MKERNEL_BENCH_JSON_DIR; files it writes under
-  # bench/results/ during this run are collected too.
-  MKERNEL_BENCH_JSON_DIR="$OUT" "$mkrun" -n "$BENCH_RANKS" -- "$bin" "${BENCH_EXTRA[@]}" 2>&1 |
-    tee "$OUT/bench.log"
-  rc=$?
+  # The front users run, once per kernel family; each writes bench/results/<kernel>-*.json.
+  for kernel in ${BENCH_KERNELS:-all gemm}; do
+    BUILD_DIR="$BUILD" bash "$REPO/bench/run.sh" "$kernel" bench 1 2>&1 | tee -a "$OUT/bench.log"
+    ((PIPESTATUS[0] == 0)) || rc=1
+  done
   if [[ -d "$REPO/bench/results" ]]; then
     find "$REPO/bench/results" -maxdepth 1 -name '*.json' -newer "$marker" -exec cp -t "$OUT" {} +
   fi
