@@ -8,9 +8,9 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <cstring>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <functional>
 #include <memory>
@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "mkernel/mkernel.h"
 #include "bench_kernels.h"
+#include "mkernel/mkernel.h"
 #include "nccl_dl.h"
 
 namespace {
@@ -27,14 +27,14 @@ namespace {
 using namespace mk;
 using namespace mk::bench;
 
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
+#define CK(x)                                                                               \
+  do {                                                                                      \
+    cudaError_t e_ = (x);                                                                   \
+    if (e_ != cudaSuccess) {                                                                \
       std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #x, cudaGetErrorString(e_), __FILE__, \
-                   __LINE__);                                                              \
-      std::exit(2);                                                                        \
-    }                                                                                      \
+                   __LINE__);                                                               \
+      std::exit(2);                                                                         \
+    }                                                                                       \
   } while (0)
 
 struct Args {
@@ -58,14 +58,26 @@ Args parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string k = argv[i];
     std::string v = i + 1 < argc ? argv[i + 1] : "";
-    if (k == "--sizes-mib") a.sizes_mib = list(v), ++i;
-    else if (k == "--channels") { a.channels.clear(); for (auto c : list(v)) a.channels.push_back((int)c); ++i; }
-    else if (k == "--iters") a.iters = std::stoi(v), ++i;
-    else if (k == "--warmup") a.warmup = std::stoi(v), ++i;
-    else if (k == "--json") a.json = v, ++i;
-    else if (k == "--check") a.check_only = true;
-    else if (k == "--ops") a.ops = v, ++i;
-    else { std::fprintf(stderr, "unknown argument %s\n", k.c_str()); std::exit(2); }
+    if (k == "--sizes-mib")
+      a.sizes_mib = list(v), ++i;
+    else if (k == "--channels") {
+      a.channels.clear();
+      for (auto c : list(v)) a.channels.push_back((int)c);
+      ++i;
+    } else if (k == "--iters")
+      a.iters = std::stoi(v), ++i;
+    else if (k == "--warmup")
+      a.warmup = std::stoi(v), ++i;
+    else if (k == "--json")
+      a.json = v, ++i;
+    else if (k == "--check")
+      a.check_only = true;
+    else if (k == "--ops")
+      a.ops = v, ++i;
+    else {
+      std::fprintf(stderr, "unknown argument %s\n", k.c_str());
+      std::exit(2);
+    }
   }
   return a;
 }
@@ -157,10 +169,11 @@ int main(int argc, char** argv) {
   ncclComm_t nc;
   nccl.check(nccl.CommInitRank(&nc, world, ids[0], rank), "ncclCommInitRank");
 
-  const std::size_t max_bytes = *std::max_element(args.sizes_mib.begin(), args.sizes_mib.end()) << 20;
+  const std::size_t max_bytes = *std::max_element(args.sizes_mib.begin(), args.sizes_mib.end())
+                                << 20;
   // Symmetric buffers for mkernel, plain ones for NCCL.
-  SymmetricBuffer sym_big = comm->alloc(max_bytes * world);   // AG output / RS input
-  SymmetricBuffer sym_ar = comm->alloc(max_bytes);            // AR in place
+  SymmetricBuffer sym_big = comm->alloc(max_bytes * world);  // AG output / RS input
+  SymmetricBuffer sym_ar = comm->alloc(max_bytes);           // AR in place
   void *plain_in, *plain_big, *plain_small, *scratch;
   CK(cudaMalloc(&plain_in, max_bytes));
   CK(cudaMalloc(&plain_big, max_bytes * world));
@@ -182,15 +195,14 @@ int main(int argc, char** argv) {
   bool all_correct = true;
   std::vector<std::string> summary;
   // Fresh data every run, the same generator on every rank: rank 0 draws the seed.
-  uint64_t seed = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  uint64_t seed =
+      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   {
     std::vector<uint64_t> seeds(world);
     bootstrap.allgather(&seed, seeds.data(), sizeof(seed));
     seed = seeds[0];
   }
-  auto fill = [&](void* p, std::size_t elems, uint64_t sd) {
-    launch_fill(p, elems, sd, rank, s);
-  };
+  auto fill = [&](void* p, std::size_t elems, uint64_t sd) { launch_fill(p, elems, sd, rank, s); };
   auto max_error = [&](const void* got, std::size_t n, std::size_t base, uint64_t sd) {
     CK(cudaMemsetAsync(d_stat, 0, sizeof(*d_stat), s));
     launch_max_error(got, n, base, sd, world, d_stat, s);
@@ -221,46 +233,69 @@ int main(int argc, char** argv) {
 
     const double f_ag = world - 1.0;  // (w * S) * (w - 1) / w
     std::vector<Op> ops;
-    ops.push_back(Op{"all_gather", f_ag,
-        [&](const CollectiveConfig& c) { all_gather(*comm, plain_in, sym_big.data(), count, DType::kBF16, s, c); },
-        [&] { nccl.check(nccl.AllGather(plain_in, plain_big, count, ncclBfloat16, nc, s), "ncclAllGather"); },
-        [&](std::string* why) {
-          fill(plain_in, count, seed + mib);
-          all_gather(*comm, plain_in, sym_big.data(), count, DType::kBF16, s);
-          nccl.check(nccl.AllGather(plain_in, plain_big, count, ncclBfloat16, nc, s), "ncclAllGather");
-          CK(cudaMemsetAsync(d_stat, 0, sizeof(*d_stat), s));
-          launch_count_diff(sym_big.data(), plain_big, bytes * world / 16, d_stat, s);
-          unsigned long long diffs = 0;
-          CK(cudaMemcpyAsync(&diffs, d_stat, sizeof(diffs), cudaMemcpyDeviceToHost, s));
-          comm->synchronize(s);
-          *why = std::to_string(diffs) + " vectors differ from NCCL";
-          unsigned long long all_diffs[64] = {};
-          comm->bootstrap().allgather(&diffs, all_diffs, sizeof(diffs));
-          for (int r = 0; r < world; ++r) if (all_diffs[r]) return false;
-          return true;
-        }});
-    ops.push_back(Op{"reduce_scatter", f_ag,
-        [&](const CollectiveConfig& c) { reduce_scatter(*comm, sym_big.data(), plain_small, count, DType::kBF16, s, c); },
-        [&] { nccl.check(nccl.ReduceScatter(plain_big, scratch, count, ncclBfloat16, ncclSum, nc, s), "ncclReduceScatter"); },
-        [&](std::string* why) {
-          fill(sym_big.data(), count * world, seed + 7 * mib);
-          CK(cudaMemcpyAsync(plain_big, sym_big.data(), bytes * world, cudaMemcpyDeviceToDevice, s));
-          reduce_scatter(*comm, sym_big.data(), plain_small, count, DType::kBF16, s);
-          nccl.check(nccl.ReduceScatter(plain_big, scratch, count, ncclBfloat16, ncclSum, nc, s), "ncclReduceScatter");
-          comm->synchronize(s);
-          const double ours = max_error(plain_small, count, rank * count, seed + 7 * mib);
-          const double theirs = max_error(scratch, count, rank * count, seed + 7 * mib);
-          *why = "max error " + std::to_string(ours) + " vs NCCL " + std::to_string(theirs);
-          return ours <= 2 * theirs + 1e-6;
-        }});
-    ops.push_back(Op{"all_reduce", 2.0 * (world - 1) / world,
-        [&](const CollectiveConfig& c) { all_reduce(*comm, sym_ar.data(), sym_ar.data(), count, DType::kBF16, s, c); },
-        [&] { nccl.check(nccl.AllReduce(plain_small, plain_small, count, ncclBfloat16, ncclSum, nc, s), "ncclAllReduce"); },
+    ops.push_back(
+        Op{"all_gather", f_ag,
+           [&](const CollectiveConfig& c) {
+             all_gather(*comm, plain_in, sym_big.data(), count, DType::kBF16, s, c);
+           },
+           [&] {
+             nccl.check(nccl.AllGather(plain_in, plain_big, count, ncclBfloat16, nc, s),
+                        "ncclAllGather");
+           },
+           [&](std::string* why) {
+             fill(plain_in, count, seed + mib);
+             all_gather(*comm, plain_in, sym_big.data(), count, DType::kBF16, s);
+             nccl.check(nccl.AllGather(plain_in, plain_big, count, ncclBfloat16, nc, s),
+                        "ncclAllGather");
+             CK(cudaMemsetAsync(d_stat, 0, sizeof(*d_stat), s));
+             launch_count_diff(sym_big.data(), plain_big, bytes * world / 16, d_stat, s);
+             unsigned long long diffs = 0;
+             CK(cudaMemcpyAsync(&diffs, d_stat, sizeof(diffs), cudaMemcpyDeviceToHost, s));
+             comm->synchronize(s);
+             *why = std::to_string(diffs) + " vectors differ from NCCL";
+             unsigned long long all_diffs[64] = {};
+             comm->bootstrap().allgather(&diffs, all_diffs, sizeof(diffs));
+             for (int r = 0; r < world; ++r)
+               if (all_diffs[r]) return false;
+             return true;
+           }});
+    ops.push_back(
+        Op{"reduce_scatter", f_ag,
+           [&](const CollectiveConfig& c) {
+             reduce_scatter(*comm, sym_big.data(), plain_small, count, DType::kBF16, s, c);
+           },
+           [&] {
+             nccl.check(nccl.ReduceScatter(plain_big, scratch, count, ncclBfloat16, ncclSum, nc, s),
+                        "ncclReduceScatter");
+           },
+           [&](std::string* why) {
+             fill(sym_big.data(), count * world, seed + 7 * mib);
+             CK(cudaMemcpyAsync(plain_big, sym_big.data(), bytes * world, cudaMemcpyDeviceToDevice,
+                                s));
+             reduce_scatter(*comm, sym_big.data(), plain_small, count, DType::kBF16, s);
+             nccl.check(nccl.ReduceScatter(plain_big, scratch, count, ncclBfloat16, ncclSum, nc, s),
+                        "ncclReduceScatter");
+             comm->synchronize(s);
+             const double ours = max_error(plain_small, count, rank * count, seed + 7 * mib);
+             const double theirs = max_error(scratch, count, rank * count, seed + 7 * mib);
+             *why = "max error " + std::to_string(ours) + " vs NCCL " + std::to_string(theirs);
+             return ours <= 2 * theirs + 1e-6;
+           }});
+    ops.push_back(Op{
+        "all_reduce", 2.0 * (world - 1) / world,
+        [&](const CollectiveConfig& c) {
+          all_reduce(*comm, sym_ar.data(), sym_ar.data(), count, DType::kBF16, s, c);
+        },
+        [&] {
+          nccl.check(nccl.AllReduce(plain_small, plain_small, count, ncclBfloat16, ncclSum, nc, s),
+                     "ncclAllReduce");
+        },
         [&](std::string* why) {
           fill(sym_ar.data(), count, seed + 13 * mib);
           CK(cudaMemcpyAsync(plain_small, sym_ar.data(), bytes, cudaMemcpyDeviceToDevice, s));
           all_reduce(*comm, sym_ar.data(), sym_ar.data(), count, DType::kBF16, s);
-          nccl.check(nccl.AllReduce(plain_small, plain_small, count, ncclBfloat16, ncclSum, nc, s), "ncclAllReduce");
+          nccl.check(nccl.AllReduce(plain_small, plain_small, count, ncclBfloat16, ncclSum, nc, s),
+                     "ncclAllReduce");
           comm->synchronize(s);
           const double ours = max_error(sym_ar.data(), count, 0, seed + 13 * mib);
           const double theirs = max_error(plain_small, count, 0, seed + 13 * mib);
@@ -269,7 +304,8 @@ int main(int argc, char** argv) {
         }});
 
     for (Op& op : ops) {
-      if (("," + args.ops + ",").find(std::string(",") + op.name + ",") == std::string::npos) continue;
+      if (("," + args.ops + ",").find(std::string(",") + op.name + ",") == std::string::npos)
+        continue;
       std::string why;
       const bool correct = op.check(&why);
       all_correct = all_correct && correct;
@@ -305,13 +341,14 @@ int main(int argc, char** argv) {
         summary.push_back(line);
         rows << (rows.tellp() > 0 ? ",\n" : "") << "    {\"op\": \"" << op.name
              << "\", \"shape\": {\"bytes_per_rank\": " << bytes << "}, \"dtype\": \"bf16\", "
-             << "\"ms\": {\"mkernel\": " << best_ms << ", \"mkernel_default_config\": " << default_ms
-             << ", \"nccl\": " << nccl_ms << ", \"peer_copy\": " << peer_ms << "}, "
+             << "\"ms\": {\"mkernel\": " << best_ms
+             << ", \"mkernel_default_config\": " << default_ms << ", \"nccl\": " << nccl_ms
+             << ", \"peer_copy\": " << peer_ms << "}, "
              << "\"busbw_gbps\": {\"mkernel\": " << bus / best_ms << ", \"nccl\": " << bus / nccl_ms
              << ", \"peer_copy_one_way\": " << peer_gbps << "}, "
              << "\"best_channels\": " << best_channels << ", \"channel_sweep_ms\": {" << sweep.str()
-             << "}, \"speedup_vs_nccl\": " << nccl_ms / best_ms << ", \"correct\": "
-             << (correct ? "true" : "false") << "}";
+             << "}, \"speedup_vs_nccl\": " << nccl_ms / best_ms
+             << ", \"correct\": " << (correct ? "true" : "false") << "}";
       }
     }
   }
@@ -319,12 +356,13 @@ int main(int argc, char** argv) {
   if (root && !args.json.empty() && !args.check_only) {
     FILE* f = std::fopen(args.json.c_str(), "w");
     const char* commit = std::getenv("MKERNEL_COMMIT");
-    std::fprintf(f,
-                 "{\n  \"kernel\": \"collectives\",\n  \"commit\": \"%s\",\n  \"date\": \"%s\",\n"
-                 "  \"device\": \"%s\",\n  \"world_size\": %d,\n  \"num_nodes\": 1,\n"
-                 "  \"transport\": \"nvlink\",\n  \"baseline\": \"NCCL %d\",\n  \"rows\": [\n%s\n  ]\n}\n",
-                 commit ? commit : "unknown", now_utc().c_str(), prop.name, world, nccl_version,
-                 rows.str().c_str());
+    std::fprintf(
+        f,
+        "{\n  \"kernel\": \"collectives\",\n  \"commit\": \"%s\",\n  \"date\": \"%s\",\n"
+        "  \"device\": \"%s\",\n  \"world_size\": %d,\n  \"num_nodes\": 1,\n"
+        "  \"transport\": \"nvlink\",\n  \"baseline\": \"NCCL %d\",\n  \"rows\": [\n%s\n  ]\n}\n",
+        commit ? commit : "unknown", now_utc().c_str(), prop.name, world, nccl_version,
+        rows.str().c_str());
     std::fclose(f);
     std::printf("wrote %s\n", args.json.c_str());
   }

@@ -22,14 +22,14 @@
 
 namespace {
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    auto e_ = (x);                                                                              \
-    if (e_ != decltype(e_){}) {                                                                 \
-      std::fprintf(stderr, "%s failed (%d) at %s:%d\n", #x, static_cast<int>(e_), __FILE__,     \
-                   __LINE__);                                                                   \
-      std::exit(2);                                                                             \
-    }                                                                                           \
+#define CK(x)                                                                               \
+  do {                                                                                      \
+    auto e_ = (x);                                                                          \
+    if (e_ != decltype(e_){}) {                                                             \
+      std::fprintf(stderr, "%s failed (%d) at %s:%d\n", #x, static_cast<int>(e_), __FILE__, \
+                   __LINE__);                                                               \
+      std::exit(2);                                                                         \
+    }                                                                                       \
   } while (0)
 
 struct Shape {
@@ -62,15 +62,21 @@ int main(int argc, char** argv) {
   bool check_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--json" && i + 1 < argc) json = argv[++i];
-    else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
-    else if (a == "--check") check_only = true;
-    else { std::fprintf(stderr, "usage: %s [--json FILE] [--iters N] [--check]\n", argv[0]); return 2; }
+    if (a == "--json" && i + 1 < argc)
+      json = argv[++i];
+    else if (a == "--iters" && i + 1 < argc)
+      iters = std::atoi(argv[++i]);
+    else if (a == "--check")
+      check_only = true;
+    else {
+      std::fprintf(stderr, "usage: %s [--json FILE] [--iters N] [--check]\n", argv[0]);
+      return 2;
+    }
   }
-  const std::vector<Shape> shapes = {
-      {4096, 4096, 4096},  {8192, 8192, 8192},  {16384, 8192, 8192}, {8192, 2048, 8192},
-      {8192, 28672, 8192}, {8192, 8192, 28672}, {4096, 14336, 4096}, {3000, 5120, 3584},
-      {128, 8192, 8192},   {1024, 8192, 8192}};
+  const std::vector<Shape> shapes = {{4096, 4096, 4096},  {8192, 8192, 8192},  {16384, 8192, 8192},
+                                     {8192, 2048, 8192},  {8192, 28672, 8192}, {8192, 8192, 28672},
+                                     {4096, 14336, 4096}, {3000, 5120, 3584},  {128, 8192, 8192},
+                                     {1024, 8192, 8192}};
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
   cublasHandle_t h;
@@ -96,7 +102,9 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&c, sh.m * sh.n * 2));
     CK(cudaMalloc(&c_blas, sh.m * sh.n * 2));
     const float one = 1.f, zero = 0.f;
-    auto ours = [&](int i) { mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, mk::BLayout::kNK, s); };
+    auto ours = [&](int i) {
+      mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, mk::BLayout::kNK, s);
+    };
     auto theirs = [&](int i) {
       CK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, sh.n, sh.m, sh.k, &one, b[i & 1], CUDA_R_16BF,
                       sh.k, a[i & 1], CUDA_R_16BF, sh.k, &zero, c_blas, CUDA_R_16BF, sh.n,
@@ -114,10 +122,11 @@ int main(int argc, char** argv) {
     std::memcpy(&mag, &stat[1], 4);
     const bool correct = diff <= 2 * mag / 128.f;  // 2 bf16 ulps of the largest value
     all_correct = all_correct && correct;
-    const std::string label = std::to_string(sh.m) + "x" + std::to_string(sh.n) + "x" + std::to_string(sh.k);
+    const std::string label =
+        std::to_string(sh.m) + "x" + std::to_string(sh.n) + "x" + std::to_string(sh.k);
     if (check_only) {
-      std::printf("%-22s max |mkernel - cuBLAS| %.4g (max |C| %.4g)  %s\n", label.c_str(), diff, mag,
-                  correct ? "ok" : "WRONG");
+      std::printf("%-22s max |mkernel - cuBLAS| %.4g (max |C| %.4g)  %s\n", label.c_str(), diff,
+                  mag, correct ? "ok" : "WRONG");
     } else {
       const double ms = median_ms(iters, s, ours);
       const double ms_blas = median_ms(iters, s, theirs);
@@ -127,12 +136,13 @@ int main(int argc, char** argv) {
       worst_ratio = std::min(worst_ratio, ratio);
       std::printf("%-22s %10.3f %10.3f %9.1f %9.1f %7.3f  %s\n", label.c_str(), ms, ms_blas,
                   flops / ms * 1e-9, flops / ms_blas * 1e-9, ratio, correct ? "ok" : "WRONG");
-      rows << (rows.tellp() > 0 ? ",\n" : "") << "    {\"shape\": {\"M\": " << sh.m << ", \"N\": " << sh.n
-           << ", \"K\": " << sh.k << "}, \"dtype\": \"bf16\", \"ms\": {\"mkernel\": " << ms
+      rows << (rows.tellp() > 0 ? ",\n" : "") << "    {\"shape\": {\"M\": " << sh.m
+           << ", \"N\": " << sh.n << ", \"K\": " << sh.k
+           << "}, \"dtype\": \"bf16\", \"ms\": {\"mkernel\": " << ms
            << ", \"gemm_alone\": " << ms_blas << "}, \"limit_ms\": " << ms_blas
            << ", \"ratio_to_limit\": " << ms / ms_blas << ", \"tflops\": " << flops / ms * 1e-9
-           << ", \"tflops_cublas\": " << flops / ms_blas * 1e-9 << ", \"correct\": "
-           << (correct ? "true" : "false") << "}";
+           << ", \"tflops_cublas\": " << flops / ms_blas * 1e-9
+           << ", \"correct\": " << (correct ? "true" : "false") << "}";
     }
     for (int i = 0; i < 2; ++i) cudaFree(a[i]), cudaFree(b[i]);
     cudaFree(c), cudaFree(c_blas);

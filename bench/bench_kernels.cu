@@ -22,8 +22,8 @@ __global__ void fill_kernel(__nv_bfloat16* p, std::size_t n, uint64_t seed, int 
 }
 
 // Max |got - exact| where exact[i] = sum_r bf16(gen(seed, r, base + i)) in fp64.
-__global__ void error_kernel(const __nv_bfloat16* got, std::size_t n, std::size_t base, uint64_t seed,
-                             int world, unsigned long long* max_err_bits) {
+__global__ void error_kernel(const __nv_bfloat16* got, std::size_t n, std::size_t base,
+                             uint64_t seed, int world, unsigned long long* max_err_bits) {
   double local = 0;
   for (std::size_t i = blockIdx.x * (std::size_t)blockDim.x + threadIdx.x; i < n;
        i += (std::size_t)gridDim.x * blockDim.x) {
@@ -36,7 +36,8 @@ __global__ void error_kernel(const __nv_bfloat16* got, std::size_t n, std::size_
   atomicMax(max_err_bits, __double_as_longlong(local));
 }
 
-__global__ void diff_kernel(const uint4* a, const uint4* b, std::size_t n, unsigned long long* diffs) {
+__global__ void diff_kernel(const uint4* a, const uint4* b, std::size_t n,
+                            unsigned long long* diffs) {
   unsigned long long local = 0;
   for (std::size_t i = blockIdx.x * (std::size_t)blockDim.x + threadIdx.x; i < n;
        i += (std::size_t)gridDim.x * blockDim.x) {

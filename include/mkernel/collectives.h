@@ -24,8 +24,8 @@ struct CollectiveConfig {
 //   input:  `count` elements on this rank's GPU (any device memory; may be output + rank * count)
 //   output: `world * count` elements inside a symmetric buffer (same offset on every rank)
 // Bitwise copy (dtype only sets the element size).
-void all_gather(Communicator& comm, const void* input, void* output, std::size_t count,
-                DType dtype, cudaStream_t stream, const CollectiveConfig& config = {});
+void all_gather(Communicator& comm, const void* input, void* output, std::size_t count, DType dtype,
+                cudaStream_t stream, const CollectiveConfig& config = {});
 
 // output[i] = sum over ranks r of input_of_rank_r[rank * count + i], summed in fp32 in rank order.
 //   input:  `world * count` elements inside a symmetric buffer
@@ -35,7 +35,7 @@ void reduce_scatter(Communicator& comm, const void* input, void* output, std::si
 
 // output[i] = sum over ranks r of input_of_rank_r[i]; bitwise identical on every rank.
 //   input, output: `count` elements, both inside symmetric buffers; output may equal input.
-void all_reduce(Communicator& comm, const void* input, void* output, std::size_t count,
-                DType dtype, cudaStream_t stream, const CollectiveConfig& config = {});
+void all_reduce(Communicator& comm, const void* input, void* output, std::size_t count, DType dtype,
+                cudaStream_t stream, const CollectiveConfig& config = {});
 
 }  // namespace mk

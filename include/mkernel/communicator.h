@@ -12,7 +12,8 @@
 // side by side, and a rank must not make an implicitly synchronising CUDA call (cudaMalloc,
 // cudaFree, cudaMemset, ...) while a peer's kernel may already wait for its next launch: the GPU
 // would hold the rank's launch behind the waiting kernel until the time limit. Finish setup, then
-// meet (e.g. bootstrap().barrier()), then launch. Separate processes sharing a GPU are not affected.
+// meet (e.g. bootstrap().barrier()), then launch. Separate processes sharing a GPU are not
+// affected.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -33,9 +34,11 @@ struct SymAllocation;
 }  // namespace detail
 
 struct CommOptions {
-  int device = -1;               // CUDA device of this rank; -1 = the current device
-  double timeout_seconds = -1;   // limit of every wait on a peer; -1 = MKERNEL_TIMEOUT_S or 60 s; 0 = none
-  int ranks_per_node = -1;       // virtual nodes of this many ranks; -1 = MKERNEL_GPUS_PER_NODE or by host
+  int device = -1;  // CUDA device of this rank; -1 = the current device
+  double timeout_seconds =
+      -1;  // limit of every wait on a peer; -1 = MKERNEL_TIMEOUT_S or 60 s; 0 = none
+  int ranks_per_node =
+      -1;  // virtual nodes of this many ranks; -1 = MKERNEL_GPUS_PER_NODE or by host
 };
 
 // A buffer of the same size on every rank of a communicator, mapped into every rank of the node.
@@ -44,8 +47,8 @@ struct CommOptions {
 class SymmetricBuffer {
  public:
   SymmetricBuffer() = default;
-  void* data() const;            // this rank's copy (device pointer on this rank's GPU)
-  std::size_t size() const;      // bytes, equal on every rank
+  void* data() const;        // this rank's copy (device pointer on this rank's GPU)
+  std::size_t size() const;  // bytes, equal on every rank
   // Local rank `local_rank`'s copy as mapped into this rank's address space (device pointer).
   void* peer(int local_rank) const;
   // Device array [local_size] of all copies (peer(i) for each i), for kernels.

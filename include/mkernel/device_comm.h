@@ -11,9 +11,9 @@ namespace mk {
 // (a channel is one CTA of a persistent kernel; grids are equal on all ranks).
 constexpr int kMaxChannels = 160;  // >= SMs of any Hopper part
 enum class SignalId : uint32_t {
-  kEntry = 0,                       // channel c: "rank src entered this launch"
-  kExit = kMaxChannels,             // channel c: "rank src finished writing into / reading from me"
-  kOp = 2 * kMaxChannels,           // per-op use (fused kernels: tile readiness), kMaxChannels slots
+  kEntry = 0,              // channel c: "rank src entered this launch"
+  kExit = kMaxChannels,    // channel c: "rank src finished writing into / reading from me"
+  kOp = 2 * kMaxChannels,  // per-op use (fused kernels: tile readiness), kMaxChannels slots
   kCount = 3 * kMaxChannels,
 };
 constexpr int kNumSignals = static_cast<int>(SignalId::kCount);
@@ -22,20 +22,20 @@ enum class DeviceErrorCode : int32_t { kNone = 0, kTimeout = 1 };
 
 // Written by the first wait that times out (host-mapped memory, read by Communicator::check()).
 struct DeviceErrorRecord {
-  int32_t code;          // DeviceErrorCode
-  int32_t rank;          // the rank that waited
-  int32_t peer;          // the rank it waited for
-  uint32_t signal;       // signal slot index (SignalId + channel)
-  uint64_t expected;     // value it waited for (>=)
-  uint64_t observed;     // last value it saw
-  uint64_t waited_ns;    // how long it waited
+  int32_t code;        // DeviceErrorCode
+  int32_t rank;        // the rank that waited
+  int32_t peer;        // the rank it waited for
+  uint32_t signal;     // signal slot index (SignalId + channel)
+  uint64_t expected;   // value it waited for (>=)
+  uint64_t observed;   // last value it saw
+  uint64_t waited_ns;  // how long it waited
 };
 
 // Per-rank launch bookkeeping in device memory (not symmetric).
 struct DeviceLaunchState {
-  uint64_t epoch;           // launches completed by this rank on this communicator
-  uint32_t blocks_done;     // CTAs of the current launch that have finished
-  int32_t abort;            // set once any wait timed out: every later wait gives up at once
+  uint64_t epoch;        // launches completed by this rank on this communicator
+  uint32_t blocks_done;  // CTAs of the current launch that have finished
+  int32_t abort;         // set once any wait timed out: every later wait gives up at once
 };
 
 struct DeviceComm {
@@ -44,12 +44,12 @@ struct DeviceComm {
   int32_t node;
   int32_t local_rank;
   int32_t local_size;
-  const int32_t* node_ranks;          // device [local_size]: global rank of each local rank
-  uint64_t* signals;                  // this rank's pad [kNumSignals][world_size]
-  uint64_t* const* peer_signals;      // device [local_size]: each local peer's pad, mapped here
-  DeviceLaunchState* state;           // device
-  DeviceErrorRecord* error;           // host-mapped
-  uint64_t timeout_ns;                // 0 = wait forever
+  const int32_t* node_ranks;      // device [local_size]: global rank of each local rank
+  uint64_t* signals;              // this rank's pad [kNumSignals][world_size]
+  uint64_t* const* peer_signals;  // device [local_size]: each local peer's pad, mapped here
+  DeviceLaunchState* state;       // device
+  DeviceErrorRecord* error;       // host-mapped
+  uint64_t timeout_ns;            // 0 = wait forever
 };
 
 }  // namespace mk

@@ -12,15 +12,15 @@
 namespace mk {
 
 enum class ErrorCode {
-  kInvalidArgument,   // wrong shape, dtype, alignment, stride, device or pointer
-  kNotInitialized,    // communicator missing, destroyed or failed earlier
-  kOutOfMemory,       // a buffer (symmetric or not) is too small, or an allocation failed
-  kUnsupported,       // the hardware or build cannot do what was asked (e.g. no P2P)
-  kTimeout,           // a wait on a peer exceeded the communicator's time limit
-  kBootstrap,         // the out-of-band exchange failed (peer gone, mismatch between ranks)
-  kCuda,              // a CUDA runtime / driver call failed
-  kSystem,            // an OS call failed (sockets, file descriptors)
-  kInternal,          // a bug in mkernel
+  kInvalidArgument,  // wrong shape, dtype, alignment, stride, device or pointer
+  kNotInitialized,   // communicator missing, destroyed or failed earlier
+  kOutOfMemory,      // a buffer (symmetric or not) is too small, or an allocation failed
+  kUnsupported,      // the hardware or build cannot do what was asked (e.g. no P2P)
+  kTimeout,          // a wait on a peer exceeded the communicator's time limit
+  kBootstrap,        // the out-of-band exchange failed (peer gone, mismatch between ranks)
+  kCuda,             // a CUDA runtime / driver call failed
+  kSystem,           // an OS call failed (sockets, file descriptors)
+  kInternal,         // a bug in mkernel
 };
 
 const char* to_string(ErrorCode code);

@@ -9,28 +9,28 @@ namespace mk {
 // What each rank tells the others when a communicator is created (exchanged by allgather,
 // so the layout is fixed-size and trivially copyable).
 struct RankInfo {
-  uint64_t host_id = 0;        // hash of hostname + boot id: equal <=> same machine
-  int32_t pid = 0;             // process id (same host_id and pid <=> same process)
-  int32_t device = 0;          // CUDA ordinal in that process (informational)
+  uint64_t host_id = 0;          // hash of hostname + boot id: equal <=> same machine
+  int32_t pid = 0;               // process id (same host_id and pid <=> same process)
+  int32_t device = 0;            // CUDA ordinal in that process (informational)
   uint8_t device_uuid[16] = {};  // identifies the physical GPU across processes
-  int32_t sm_count = 0;        // multiprocessors of that GPU
-  int32_t ranks_per_node = 0;  // the rank's MKERNEL_GPUS_PER_NODE override, 0 = by host
+  int32_t sm_count = 0;          // multiprocessors of that GPU
+  int32_t ranks_per_node = 0;    // the rank's MKERNEL_GPUS_PER_NODE override, 0 = by host
 };
 
 struct Topology {
   int rank = 0;
   int world_size = 1;
-  int node = 0;        // index of this rank's (possibly virtual) node, ordered by first rank
+  int node = 0;  // index of this rank's (possibly virtual) node, ordered by first rank
   int num_nodes = 1;
-  int local_rank = 0;  // index inside the node
-  int local_size = 1;  // ranks in this node (equal on every node)
-  std::vector<int> node_of;          // [world_size] node of each rank
-  std::vector<int> local_rank_of;    // [world_size] local rank of each rank inside its node
-  std::vector<int> node_ranks;       // [local_size] global ranks of this node, by local rank
-  std::vector<bool> same_process;    // [world_size] rank lives in this process
-  int ranks_on_my_device = 1;        // ranks (this one included) that share this rank's GPU
-  int max_ranks_per_device = 1;      // the largest such count over all ranks
-  int min_sm_count = 0;              // smallest SM count over all ranks' GPUs
+  int local_rank = 0;              // index inside the node
+  int local_size = 1;              // ranks in this node (equal on every node)
+  std::vector<int> node_of;        // [world_size] node of each rank
+  std::vector<int> local_rank_of;  // [world_size] local rank of each rank inside its node
+  std::vector<int> node_ranks;     // [local_size] global ranks of this node, by local rank
+  std::vector<bool> same_process;  // [world_size] rank lives in this process
+  int ranks_on_my_device = 1;      // ranks (this one included) that share this rank's GPU
+  int max_ranks_per_device = 1;    // the largest such count over all ranks
+  int min_sm_count = 0;            // smallest SM count over all ranks' GPUs
 
   // SMs one persistent kernel of this communicator may occupy so that the kernels of every rank
   // sharing a GPU are co-resident; equal on all ranks, so grid sizes agree across ranks.

@@ -37,13 +37,13 @@ int pick_channels(const Communicator& comm, const CollectiveConfig& config, std:
   const int budget = std::max(1, std::min(comm.topology().sm_budget(), kMaxChannels));
   channels = std::min(channels, budget);
   if (config.threads % 32 != 0 || config.threads < 64 || config.threads > 512) {
-    throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": threads = " +
-                                                 std::to_string(config.threads) +
+    throw Error(ErrorCode::kInvalidArgument, std::string(op) +
+                                                 ": threads = " + std::to_string(config.threads) +
                                                  "; expected a multiple of 32 in [64, 512]");
   }
   if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr && comm.rank() == 0) {
-    std::fprintf(stderr, "[mkernel] %s: %zu bytes, %d channels x %d threads\n", op, bytes,
-                 channels, config.threads);
+    std::fprintf(stderr, "[mkernel] %s: %zu bytes, %d channels x %d threads\n", op, bytes, channels,
+                 config.threads);
   }
   return channels;
 }
@@ -65,10 +65,15 @@ void launch_check(const char* op) {
 template <typename T, typename Fn>
 void dispatch_vector(int bytes, Fn&& fn) {
   switch (bytes) {
-    case 16: return fn.template operator()<T, 16>();
-    case 8: return fn.template operator()<T, 8>();
-    case 4: if constexpr (sizeof(T) <= 4) return fn.template operator()<T, 4>(); break;
-    default: break;
+    case 16:
+      return fn.template operator()<T, 16>();
+    case 8:
+      return fn.template operator()<T, 8>();
+    case 4:
+      if constexpr (sizeof(T) <= 4) return fn.template operator()<T, 4>();
+      break;
+    default:
+      break;
   }
   if constexpr (sizeof(T) == 2) return fn.template operator()<T, 2>();
 }
@@ -76,9 +81,12 @@ void dispatch_vector(int bytes, Fn&& fn) {
 template <typename Fn>
 void dispatch_dtype(DType dtype, Fn&& fn) {
   switch (dtype) {
-    case DType::kBF16: return fn.template operator()<__nv_bfloat16>();
-    case DType::kF16: return fn.template operator()<__half>();
-    case DType::kF32: return fn.template operator()<float>();
+    case DType::kBF16:
+      return fn.template operator()<__nv_bfloat16>();
+    case DType::kF16:
+      return fn.template operator()<__half>();
+    case DType::kF32:
+      return fn.template operator()<float>();
   }
 }
 
@@ -122,8 +130,8 @@ void preload_collective_kernels() {
 
 }  // namespace detail
 
-void all_gather(Communicator& comm, const void* input, void* output, std::size_t count,
-                DType dtype, cudaStream_t stream, const CollectiveConfig& config) {
+void all_gather(Communicator& comm, const void* input, void* output, std::size_t count, DType dtype,
+                cudaStream_t stream, const CollectiveConfig& config) {
   constexpr const char* op = "all_gather";
   detail::DeviceGuard guard(comm.device());
   common_checks(comm, dtype, stream, op);
@@ -145,16 +153,26 @@ void all_gather(Communicator& comm, const void* input, void* output, std::size_t
   const int vb = vector_bytes({reinterpret_cast<uintptr_t>(input), out_offset, chunk});
   const DeviceComm dc = comm.device_comm();
   auto launch = [&]<int kBytes>() {
-    coll::all_gather_kernel<kBytes><<<channels, config.threads, 0, stream>>>(
-        dc, static_cast<const coll::Vec<kBytes>*>(input), chunk / kBytes, out.device_peers,
-        out_offset);
+    coll::all_gather_kernel<kBytes>
+        <<<channels, config.threads, 0, stream>>>(dc, static_cast<const coll::Vec<kBytes>*>(input),
+                                                  chunk / kBytes, out.device_peers, out_offset);
   };
   switch (vb) {
-    case 16: launch.template operator()<16>(); break;
-    case 8: launch.template operator()<8>(); break;
-    case 4: launch.template operator()<4>(); break;
-    case 2: launch.template operator()<2>(); break;
-    default: launch.template operator()<1>(); break;
+    case 16:
+      launch.template operator()<16>();
+      break;
+    case 8:
+      launch.template operator()<8>();
+      break;
+    case 4:
+      launch.template operator()<4>();
+      break;
+    case 2:
+      launch.template operator()<2>();
+      break;
+    default:
+      launch.template operator()<1>();
+      break;
   }
   launch_check(op);
 }
@@ -173,8 +191,9 @@ void reduce_scatter(Communicator& comm, const void* input, void* output, std::si
   const SymmetricRange in = require_symmetric(comm, input, total, op, "input");
   if (detail::overlaps(input, total, output, chunk)) {
     throw Error(ErrorCode::kInvalidArgument,
-                std::string(op) + ": output overlaps input; peers read the whole input, so the "
-                                  "output must be a separate buffer");
+                std::string(op) +
+                    ": output overlaps input; peers read the whole input, so the "
+                    "output must be a separate buffer");
   }
   const int channels = pick_channels(comm, config, chunk, op);
   const std::size_t begin_bytes = chunk * comm.rank();
@@ -189,8 +208,8 @@ void reduce_scatter(Communicator& comm, const void* input, void* output, std::si
   launch_check(op);
 }
 
-void all_reduce(Communicator& comm, const void* input, void* output, std::size_t count,
-                DType dtype, cudaStream_t stream, const CollectiveConfig& config) {
+void all_reduce(Communicator& comm, const void* input, void* output, std::size_t count, DType dtype,
+                cudaStream_t stream, const CollectiveConfig& config) {
   constexpr const char* op = "all_reduce";
   detail::DeviceGuard guard(comm.device());
   common_checks(comm, dtype, stream, op);
@@ -203,8 +222,9 @@ void all_reduce(Communicator& comm, const void* input, void* output, std::size_t
   const SymmetricRange out = require_symmetric(comm, output, bytes, op, "output");
   if (input != output && detail::overlaps(input, bytes, output, bytes)) {
     throw Error(ErrorCode::kInvalidArgument,
-                std::string(op) + ": input and output overlap partially; pass the same pointer "
-                                  "for in place or disjoint buffers");
+                std::string(op) +
+                    ": input and output overlap partially; pass the same pointer "
+                    "for in place or disjoint buffers");
   }
   // Rank r owns elements [r * per_rank, (r + 1) * per_rank), per_rank a multiple of 8 elements
   // so that every owned range starts on a 16-byte boundary.

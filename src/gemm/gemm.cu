@@ -61,12 +61,12 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
   // [N, K]: boxes of kBlockN rows x 64 K; [K, N]: boxes of 64 K rows x 64 N.
   const CUtensorMap map_b = kTransB ? make_map(b, k, n, 64) : make_map(b, n, k, Cfg::kBlockN);
   gemm_engine::TileScheduler scheduler{static_cast<int>((m + Cfg::kBlockM - 1) / Cfg::kBlockM),
-                                static_cast<int>((n + Cfg::kBlockN - 1) / Cfg::kBlockN)};
+                                       static_cast<int>((n + Cfg::kBlockN - 1) / Cfg::kBlockN)};
   gemm_engine::StoreEpilogue epilogue{static_cast<__nv_bfloat16*>(c), n, static_cast<int>(m),
-                               static_cast<int>(n)};
+                                      static_cast<int>(n)};
   auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, gemm_engine::StoreEpilogue>;
-  MK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     Cfg::kSmemBytes));
+  MK_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   const int tiles = scheduler.tiles_m * scheduler.tiles_n;
   const int grid = std::min(tiles, sms);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_a, map_b, static_cast<int>(k),

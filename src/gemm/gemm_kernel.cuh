@@ -34,9 +34,9 @@ namespace mk::gemm_engine {
 
 template <int kBlockN_>
 struct TileConfig {
-  static constexpr int kBlockM = 128;        // 2 consumer warpgroups x 64 rows
-  static constexpr int kBlockN = kBlockN_;   // 256 or 128
-  static constexpr int kBlockK = 64;         // 64 bf16 = 128 bytes = one swizzle row
+  static constexpr int kBlockM = 128;       // 2 consumer warpgroups x 64 rows
+  static constexpr int kBlockN = kBlockN_;  // 256 or 128
+  static constexpr int kBlockK = 64;        // 64 bf16 = 128 bytes = one swizzle row
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kABytes = kBlockM * kBlockK * 2;
@@ -114,11 +114,12 @@ constexpr int kMnBoxBytes = 64 * 128;
 
 template <class Cfg, bool kTransB, class Epilogue>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
-                int k, TileScheduler scheduler, Epilogue epilogue) {
+    gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
+                const __grid_constant__ CUtensorMap tma_b, int k, TileScheduler scheduler,
+                Epilogue epilogue) {
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                             ~uintptr_t{1023});
+  uint8_t* smem =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kStages * Cfg::kStageBytes);
   uint64_t* empty = full + Cfg::kStages;
   auto stage_a = [&](int s) { return smem + s * Cfg::kStageBytes; };

@@ -25,8 +25,8 @@ struct SymAllocation {
   std::size_t size = 0;         // bytes requested (equal on all ranks)
   std::size_t mapped_size = 0;  // size rounded up to the allocation granularity
   int device = -1;
-  int local_rank = 0;           // index of our own copy in bases
-  CUdeviceptr reserved = 0;     // one VA range holding all local_size mappings back to back
+  int local_rank = 0;        // index of our own copy in bases
+  CUdeviceptr reserved = 0;  // one VA range holding all local_size mappings back to back
   std::vector<CUmemGenericAllocationHandle> handles;  // [local_size]; 0 where not mapped
   std::vector<CUdeviceptr> bases;                     // [local_size]
   void** d_peers = nullptr;

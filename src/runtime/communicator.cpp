@@ -136,28 +136,29 @@ std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
   s.bootstrap->allgather(&mine, infos.data(), sizeof(RankInfo));
   s.topo = compute_topology(s.bootstrap->rank(), infos);
   if (prop.major < 9) {
-    throw Error(ErrorCode::kUnsupported, "Communicator::create: GPU " + std::to_string(device) +
-                                             " (" + prop.name + ") has compute capability " +
-                                             std::to_string(prop.major) + "." +
-                                             std::to_string(prop.minor) +
-                                             "; mkernel needs Hopper (9.0)");
+    throw Error(ErrorCode::kUnsupported,
+                "Communicator::create: GPU " + std::to_string(device) + " (" + prop.name +
+                    ") has compute capability " + std::to_string(prop.major) + "." +
+                    std::to_string(prop.minor) + "; mkernel needs Hopper (9.0)");
   }
 
-  s.fd_exchange = std::make_unique<detail::FdExchange>(*s.bootstrap, s.timeout_seconds > 0
-                                                                         ? s.timeout_seconds
-                                                                         : 300.0);
+  s.fd_exchange = std::make_unique<detail::FdExchange>(
+      *s.bootstrap, s.timeout_seconds > 0 ? s.timeout_seconds : 300.0);
 
   // Signal pad, launch state, error record.
   s.signal_pad = detail::create_symmetric(s, sizeof(uint64_t) * kNumSignals * s.topo.world_size);
   MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&s.launch_state), sizeof(DeviceLaunchState)));
   MK_CUDA_CHECK(cudaMemset(s.launch_state, 0, sizeof(DeviceLaunchState)));
-  MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&s.d_node_ranks), sizeof(int32_t) * s.topo.local_size));
+  MK_CUDA_CHECK(
+      cudaMalloc(reinterpret_cast<void**>(&s.d_node_ranks), sizeof(int32_t) * s.topo.local_size));
   std::vector<int32_t> node_ranks(s.topo.node_ranks.begin(), s.topo.node_ranks.end());
   MK_CUDA_CHECK(cudaMemcpy(s.d_node_ranks, node_ranks.data(), sizeof(int32_t) * node_ranks.size(),
                            cudaMemcpyHostToDevice));
-  MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.error_host), sizeof(DeviceErrorRecord), cudaHostAllocMapped));
+  MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.error_host), sizeof(DeviceErrorRecord),
+                              cudaHostAllocMapped));
   std::memset(s.error_host, 0, sizeof(DeviceErrorRecord));
-  MK_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.error_device), s.error_host, 0));
+  MK_CUDA_CHECK(
+      cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.error_device), s.error_host, 0));
   detail::preload_collective_kernels();  // no lazy loading behind a peer's waiting kernel
   MK_CUDA_CHECK(cudaDeviceSynchronize());
   s.bootstrap->barrier();  // nobody signals into a pad before its owner has zeroed it
@@ -219,9 +220,9 @@ void Communicator::check() {
     msg << "rank " << rec->rank << " waited " << static_cast<double>(rec->waited_ns) * 1e-9
         << " s for rank " << rec->peer << " on the " << describe_signal(rec->signal)
         << " (expected " << describe_value(rec->expected) << ", last saw "
-        << describe_value(rec->observed) << ", now " << describe_value(read_signal(s, rec->signal, rec->peer))
-        << "); time limit " << s.timeout_seconds
-        << " s (MKERNEL_TIMEOUT_S). Is rank " << rec->peer
+        << describe_value(rec->observed) << ", now "
+        << describe_value(read_signal(s, rec->signal, rec->peer)) << "); time limit "
+        << s.timeout_seconds << " s (MKERNEL_TIMEOUT_S). Is rank " << rec->peer
         << " alive and issuing the same operations in the same order?";
     s.broken = msg.str();
   }
@@ -247,8 +248,9 @@ void Communicator::ensure_usable(const char* op) const {
   const volatile DeviceErrorRecord* rec = state_->error_host;
   if (rec->code != 0) {
     throw Error(ErrorCode::kNotInitialized,
-                std::string(op) + ": a kernel of this communicator timed out; call check() for "
-                                  "details and create a new communicator");
+                std::string(op) +
+                    ": a kernel of this communicator timed out; call check() for "
+                    "details and create a new communicator");
   }
 }
 

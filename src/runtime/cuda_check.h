@@ -17,10 +17,10 @@ namespace mk::detail {
 
 }  // namespace mk::detail
 
-#define MK_CUDA_CHECK(expr)                                                   \
-  do {                                                                        \
-    cudaError_t mk_err_ = (expr);                                             \
-    if (mk_err_ != cudaSuccess) {                                             \
-      ::mk::detail::throw_cuda(mk_err_, #expr, __FILE__, __LINE__);           \
-    }                                                                         \
+#define MK_CUDA_CHECK(expr)                                         \
+  do {                                                              \
+    cudaError_t mk_err_ = (expr);                                   \
+    if (mk_err_ != cudaSuccess) {                                   \
+      ::mk::detail::throw_cuda(mk_err_, #expr, __FILE__, __LINE__); \
+    }                                                               \
   } while (0)

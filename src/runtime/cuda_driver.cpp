@@ -15,7 +15,8 @@ void resolve(Fn& fn, const char* symbol) {
   void* ptr = nullptr;
   cudaDriverEntryPointQueryResult status{};
   // 12000: the ABI version of every entry point used here (all exist since CUDA 12.0).
-  cudaError_t err = cudaGetDriverEntryPointByVersion(symbol, &ptr, 12000, cudaEnableDefault, &status);
+  cudaError_t err =
+      cudaGetDriverEntryPointByVersion(symbol, &ptr, 12000, cudaEnableDefault, &status);
   if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || ptr == nullptr) {
     throw Error(ErrorCode::kCuda, std::string("CUDA driver entry point ") + symbol +
                                       " is unavailable (runtime error " + cudaGetErrorName(err) +
@@ -53,7 +54,8 @@ const DriverApi& driver() {
 void check_cu(CUresult result, const char* what) {
   if (result == CUDA_SUCCESS) return;
   const char* msg = nullptr;
-  if (driver().GetErrorString(result, &msg) != CUDA_SUCCESS || msg == nullptr) msg = "unknown error";
+  if (driver().GetErrorString(result, &msg) != CUDA_SUCCESS || msg == nullptr)
+    msg = "unknown error";
   throw Error(ErrorCode::kCuda, std::string(what) + " failed: " + msg + " (CUresult " +
                                     std::to_string(static_cast<int>(result)) + ")");
 }

@@ -97,14 +97,14 @@ std::shared_ptr<SymAllocation> create_symmetric(CommState& comm, std::size_t byt
   std::string error;
   try {
     std::size_t granularity = 0;
-    MK_CU_CHECK(cu.MemGetAllocationGranularity(&granularity, &prop,
-                                               CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+    MK_CU_CHECK(
+        cu.MemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
     alloc->mapped_size = (bytes + granularity - 1) / granularity * granularity;
     CUmemGenericAllocationHandle handle = 0;
     CUresult rc = cu.MemCreate(&handle, alloc->mapped_size, &prop, 0);
     if (rc == CUDA_ERROR_OUT_OF_MEMORY) {
-      throw Error(ErrorCode::kOutOfMemory, "out of GPU memory for " +
-                                               std::to_string(alloc->mapped_size) + " bytes");
+      throw Error(ErrorCode::kOutOfMemory,
+                  "out of GPU memory for " + std::to_string(alloc->mapped_size) + " bytes");
     }
     MK_CU_CHECK(rc);
     alloc->handles[topo.local_rank] = handle;
@@ -151,9 +151,9 @@ std::shared_ptr<SymAllocation> create_symmetric(CommState& comm, std::size_t byt
           received[next_remote++] = -1;
         }
         CUmemGenericAllocationHandle h = 0;
-        CUresult rc = cu.MemImportFromShareableHandle(
-            &h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
-            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+        CUresult rc =
+            cu.MemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
         close(fd);
         MK_CU_CHECK(rc);
         alloc->handles[i] = h;
@@ -167,14 +167,15 @@ std::shared_ptr<SymAllocation> create_symmetric(CommState& comm, std::size_t byt
       access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
       MK_CU_CHECK(cu.MemSetAccess(va, alloc->mapped_size, &access, 1));
     }
-    MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&alloc->d_peers), sizeof(void*) * topo.local_size));
+    MK_CUDA_CHECK(
+        cudaMalloc(reinterpret_cast<void**>(&alloc->d_peers), sizeof(void*) * topo.local_size));
     std::vector<void*> peers(topo.local_size);
     for (int i = 0; i < topo.local_size; ++i) peers[i] = reinterpret_cast<void*>(alloc->bases[i]);
     MK_CUDA_CHECK(cudaMemcpy(alloc->d_peers, peers.data(), sizeof(void*) * topo.local_size,
                              cudaMemcpyHostToDevice));
     // Fresh buffers read as zero, so a signal pad needs no further setup.
-    MK_CUDA_CHECK(cudaMemset(reinterpret_cast<void*>(alloc->bases[topo.local_rank]), 0,
-                             alloc->mapped_size));
+    MK_CUDA_CHECK(
+        cudaMemset(reinterpret_cast<void*>(alloc->bases[topo.local_rank]), 0, alloc->mapped_size));
     MK_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {
     error = what_of(e);

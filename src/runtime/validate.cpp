@@ -25,9 +25,9 @@ void require_single_node(const Communicator& comm, const char* op) {
 
 void require_dtype(DType dtype, const char* op) {
   if (dtype != DType::kBF16 && dtype != DType::kF16 && dtype != DType::kF32) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(op) + ": unknown dtype " + std::to_string(static_cast<int>(dtype)) +
-                    "; expected bf16, f16 or f32");
+    throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": unknown dtype " +
+                                                 std::to_string(static_cast<int>(dtype)) +
+                                                 "; expected bf16, f16 or f32");
   }
 }
 
@@ -46,9 +46,9 @@ void require_device_pointer(const Communicator& comm, const void* ptr, std::size
     throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": " + name + " is null");
   }
   if (reinterpret_cast<uintptr_t>(ptr) % alignment != 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(op) + ": " + name + " " + hex(ptr) + " is not aligned to " +
-                    std::to_string(alignment) + " bytes (its element size)");
+    throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": " + name + " " + hex(ptr) +
+                                                 " is not aligned to " + std::to_string(alignment) +
+                                                 " bytes (its element size)");
   }
   cudaPointerAttributes attr{};
   cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
@@ -60,7 +60,7 @@ void require_device_pointer(const Communicator& comm, const void* ptr, std::size
   }
   const bool on_device = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
   if (!on_device || attr.device != comm.device()) {
-    const char* kind = attr.type == cudaMemoryTypeHost       ? "pinned host memory"
+    const char* kind = attr.type == cudaMemoryTypeHost           ? "pinned host memory"
                        : attr.type == cudaMemoryTypeUnregistered ? "unregistered host memory"
                                                                  : "device memory";
     throw Error(ErrorCode::kInvalidArgument,

@@ -98,7 +98,8 @@ inline void expect_reduce_scatter(Communicator& comm, const Case& c, uint64_t se
   cudaStream_t stream;
   MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::vector<std::vector<unsigned char>> inputs;
-  for (int r = 0; r < world; ++r) inputs.push_back(random_elements(c.count * world, c.dtype, seed + r));
+  for (int r = 0; r < world; ++r)
+    inputs.push_back(random_elements(c.count * world, c.dtype, seed + r));
   void* out = nullptr;
   MKT_CUDA(cudaMalloc(&out, bytes));
   MKT_CUDA(cudaMemsetAsync(out, 0xFF, bytes, stream));
@@ -115,8 +116,10 @@ inline void expect_reduce_scatter(Communicator& comm, const Case& c, uint64_t se
     const std::size_t bad = count_bad_sums(got, inputs, rank * c.count, c.count, c.dtype, &first);
     EXPECT_EQ(bad, 0u) << "reduce_scatter rank " << rank << " world " << world << " count "
                        << c.count << " " << dtype_name(c.dtype) << ": first bad element " << first;
-    if (repeat == 0) first_run = got;
-    else EXPECT_EQ(first_run, got) << "reduce_scatter is not deterministic";
+    if (repeat == 0)
+      first_run = got;
+    else
+      EXPECT_EQ(first_run, got) << "reduce_scatter is not deterministic";
   }
   cudaFree(out);
   cudaStreamDestroy(stream);

@@ -21,10 +21,10 @@
 
 namespace mk::test {
 
-#define MKT_CUDA(expr)                                                              \
-  do {                                                                              \
-    cudaError_t e_ = (expr);                                                        \
-    if (e_ != cudaSuccess) FAIL() << #expr << ": " << cudaGetErrorString(e_);      \
+#define MKT_CUDA(expr)                                                        \
+  do {                                                                        \
+    cudaError_t e_ = (expr);                                                  \
+    if (e_ != cudaSuccess) FAIL() << #expr << ": " << cudaGetErrorString(e_); \
   } while (0)
 
 // Empty when a Hopper GPU is usable, else the reason to skip.
@@ -39,10 +39,10 @@ inline std::string gpu_skip_reason() {
   return {};
 }
 
-#define MKT_REQUIRE_GPU()                                                      \
-  do {                                                                         \
-    const std::string reason_ = ::mk::test::gpu_skip_reason();                 \
-    if (!reason_.empty()) GTEST_SKIP() << reason_;                             \
+#define MKT_REQUIRE_GPU()                                      \
+  do {                                                         \
+    const std::string reason_ = ::mk::test::gpu_skip_reason(); \
+    if (!reason_.empty()) GTEST_SKIP() << reason_;             \
   } while (0)
 
 inline int device_count() {
@@ -81,15 +81,16 @@ inline void run_in_process(int world, const std::function<void(Communicator&)>& 
 
 // The process-wide mkrun bootstrap (nullptr when not launched by mkrun).
 inline Bootstrap* launcher_bootstrap() {
-  static std::unique_ptr<Bootstrap> boot = launched_by_mkrun() ? bootstrap_from_launcher() : nullptr;
+  static std::unique_ptr<Bootstrap> boot =
+      launched_by_mkrun() ? bootstrap_from_launcher() : nullptr;
   return boot.get();
 }
 
-#define MKT_REQUIRE_MKRUN()                                                        \
-  do {                                                                             \
-    MKT_REQUIRE_GPU();                                                             \
-    if (::mk::test::launcher_bootstrap() == nullptr)                               \
-      GTEST_SKIP() << "not started by mkrun (ctest runs these as mkrun -n N)";     \
+#define MKT_REQUIRE_MKRUN()                                                    \
+  do {                                                                         \
+    MKT_REQUIRE_GPU();                                                         \
+    if (::mk::test::launcher_bootstrap() == nullptr)                           \
+      GTEST_SKIP() << "not started by mkrun (ctest runs these as mkrun -n N)"; \
   } while (0)
 
 inline std::shared_ptr<Communicator> launched_comm(CommOptions options = {}) {

@@ -13,7 +13,8 @@ __host__ __device__ inline float replay_value(int rank, int k, std::size_t i) {
 
 __global__ void fill_kernel(__nv_bfloat16* input, std::size_t count, int rank, const int* counter) {
   const int k = *counter;
-  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count;
+       i += gridDim.x * blockDim.x) {
     input[i] = __float2bfloat16_rn(replay_value(rank, k, i));
   }
 }
@@ -21,7 +22,8 @@ __global__ void fill_kernel(__nv_bfloat16* input, std::size_t count, int rank, c
 __global__ void record_kernel(const __nv_bfloat16* output, std::size_t count,
                               __nv_bfloat16* history, int* counter) {
   const int k = *counter;
-  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count;
+       i += gridDim.x * blockDim.x) {
     history[k * count + i] = output[i];
   }
   __syncthreads();

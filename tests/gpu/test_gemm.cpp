@@ -117,16 +117,16 @@ uint64_t fresh_seed() { return (uint64_t{std::random_device{}()} << 32) | std::r
 
 TEST(Gemm, BenchmarkShapes) {
   MKT_REQUIRE_GPU();
-  const std::vector<Shape> shapes = {
-      {4096, 4096, 4096},  {8192, 8192, 8192},   {16384, 8192, 8192}, {8192, 2048, 8192},
-      {8192, 28672, 8192}, {8192, 8192, 28672},  {4096, 14336, 4096}, {3000, 5120, 3584},
-      {128, 8192, 8192},   {1024, 8192, 8192}};
+  const std::vector<Shape> shapes = {{4096, 4096, 4096},  {8192, 8192, 8192},  {16384, 8192, 8192},
+                                     {8192, 2048, 8192},  {8192, 28672, 8192}, {8192, 8192, 28672},
+                                     {4096, 14336, 4096}, {3000, 5120, 3584},  {128, 8192, 8192},
+                                     {1024, 8192, 8192}};
   for (const Shape& s : shapes) expect_gemm_matches(s, fresh_seed());
 }
 
 TEST(Gemm, EdgeShapesBothTileWidths) {
   MKT_REQUIRE_GPU();
-  const std::vector<Shape> shapes = {{1, 8, 8},     {1, 4096, 4096}, {7, 24, 40},
+  const std::vector<Shape> shapes = {{1, 8, 8},      {1, 4096, 4096},  {7, 24, 40},
                                      {129, 264, 72}, {255, 520, 1000}, {1000, 1000, 1000},
                                      {128, 256, 64}, {333, 4104, 8}};
   for (int block_n : {128, 256}) {
@@ -152,7 +152,8 @@ TEST(Gemm, RandomShapes) {
   MKT_REQUIRE_GPU();
   std::mt19937_64 gen(fresh_seed());
   for (int i = 0; i < 12; ++i) {
-    const Shape s{static_cast<int64_t>(1 + gen() % 3000), static_cast<int64_t>(8 * (1 + gen() % 500)),
+    const Shape s{static_cast<int64_t>(1 + gen() % 3000),
+                  static_cast<int64_t>(8 * (1 + gen() % 500)),
                   static_cast<int64_t>(8 * (1 + gen() % 500))};
     expect_gemm_matches(s, gen(), {}, gen() % 2 ? BLayout::kKN : BLayout::kNK);
   }
@@ -167,10 +168,12 @@ TEST(Gemm, RejectsBadArgumentsBeforeLaunch) {
   auto expect = [](auto fn, ErrorCode code, const std::string& needle) {
     expect_error(fn, code, needle);
   };
-  expect([&] { gemm(q, q, q, 0, 8, 8, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument, "M = 0");
+  expect([&] { gemm(q, q, q, 0, 8, 8, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument,
+         "M = 0");
   expect([&] { gemm(q, q, q, 8, 12, 8, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument,
          "N = 12; expected a multiple of 8");
-  expect([&] { gemm(q, q, q, 8, 8, 4, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument, "K = 4");
+  expect([&] { gemm(q, q, q, 8, 8, 4, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument,
+         "K = 4");
   expect([&] { gemm(q + 2, q, q, 8, 8, 8, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument,
          "A is not 16-byte aligned");
   expect([&] { gemm(q, host.data(), q, 8, 8, 8, BLayout::kNK, nullptr); },

@@ -22,7 +22,8 @@ int open_fds() {
   return n;
 }
 
-// ---- communicator and symmetric memory -----------------------------------------------------------
+// ---- communicator and symmetric memory
+// -----------------------------------------------------------
 
 TEST(InProcessRuntime, TopologyAndVirtualNodes) {
   MKT_REQUIRE_GPU();
@@ -35,21 +36,24 @@ TEST(InProcessRuntime, TopologyAndVirtualNodes) {
   });
   CommOptions two_nodes;
   two_nodes.ranks_per_node = 2;
-  run_in_process(4, [](Communicator& comm) {
-    const Topology& t = comm.topology();
-    EXPECT_EQ(t.num_nodes, 2);
-    EXPECT_EQ(t.local_size, 2);
-    EXPECT_EQ(t.node, comm.rank() / 2);
-    // Collectives are NVLink-only for now and say so before launching.
-    SymmetricBuffer buf = comm.alloc(1024);
-    try {
-      all_reduce(comm, buf.data(), buf.data(), 16, DType::kF32, nullptr);
-      ADD_FAILURE() << "all_reduce across virtual nodes did not throw";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
-      EXPECT_NE(std::string(e.what()).find("2 nodes"), std::string::npos) << e.what();
-    }
-  }, two_nodes);
+  run_in_process(
+      4,
+      [](Communicator& comm) {
+        const Topology& t = comm.topology();
+        EXPECT_EQ(t.num_nodes, 2);
+        EXPECT_EQ(t.local_size, 2);
+        EXPECT_EQ(t.node, comm.rank() / 2);
+        // Collectives are NVLink-only for now and say so before launching.
+        SymmetricBuffer buf = comm.alloc(1024);
+        try {
+          all_reduce(comm, buf.data(), buf.data(), 16, DType::kF32, nullptr);
+          ADD_FAILURE() << "all_reduce across virtual nodes did not throw";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
+          EXPECT_NE(std::string(e.what()).find("2 nodes"), std::string::npos) << e.what();
+        }
+      },
+      two_nodes);
 }
 
 // Each rank writes its own copy; every rank then reads every copy through its own mapping.
@@ -102,10 +106,12 @@ TEST(InProcessRuntime, DestroyLeaksNoFdsOrMemory) {
   cudaSetDevice(0);
   MKT_CUDA(cudaMemGetInfo(&free_after, &total));
   EXPECT_EQ(open_fds(), fds_before) << "file descriptors leaked";
-  EXPECT_GE(free_after + (8u << 20), free_before) << "GPU memory leaked: " << free_before - free_after;
+  EXPECT_GE(free_after + (8u << 20), free_before)
+      << "GPU memory leaked: " << free_before - free_after;
 }
 
-// ---- argument errors: thrown before launch, nothing written ----------------------------------------
+// ---- argument errors: thrown before launch, nothing written
+// ----------------------------------------
 
 TEST(InProcessRuntime, RejectsBadArgumentsBeforeLaunch) {
   MKT_REQUIRE_GPU();
@@ -179,7 +185,8 @@ TEST(InProcessRuntime, CreateRejectsMissingDevice) {
                ErrorCode::kInvalidArgument, "device 1000 does not exist");
 }
 
-// ---- time limits ------------------------------------------------------------------------------------
+// ---- time limits
+// ------------------------------------------------------------------------------------
 
 // Every rank but the last issues an all_gather; the last never does. The others must fail with a
 // time-out naming the missing rank, inside the limit, and the communicator must refuse new work.
@@ -229,7 +236,8 @@ TEST(LaunchedRuntime, MissingRankTimesOut) {
   expect_timeout_on_missing_rank(*comm);
 }
 
-// ---- CUDA-graph replay ------------------------------------------------------------------------------
+// ---- CUDA-graph replay
+// ------------------------------------------------------------------------------
 
 // One graph = fill inputs from a device counter -> all_reduce -> append output to a history.
 // 1000 replays in a row without any host work in between must all be right: the signal epochs

@@ -72,9 +72,9 @@ struct Launch {
     }
   }
 
-  // All local ranks' channel `channel` meet: every thread of the CTA calls it. Thread t < local_size
-  // signals local rank t and waits for it. Orders all prior writes of the CTA (to any GPU) before
-  // the peers' subsequent reads. Returns false (on every thread) if any wait failed.
+  // All local ranks' channel `channel` meet: every thread of the CTA calls it. Thread t <
+  // local_size signals local rank t and waits for it. Orders all prior writes of the CTA (to any
+  // GPU) before the peers' subsequent reads. Returns false (on every thread) if any wait failed.
   __device__ bool channel_barrier(SignalId id, int channel, uint32_t step) const {
     const uint32_t sig = signal_index(id, channel);
     __syncthreads();
@@ -117,7 +117,8 @@ struct Launch {
     rec->observed = seen;
     rec->waited_ns = waited;
     __threadfence_system();
-    *reinterpret_cast<volatile int32_t*>(&rec->code) = static_cast<int32_t>(DeviceErrorCode::kTimeout);
+    *reinterpret_cast<volatile int32_t*>(&rec->code) =
+        static_cast<int32_t>(DeviceErrorCode::kTimeout);
     __threadfence_system();
   }
 };
