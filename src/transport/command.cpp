@@ -30,43 +30,61 @@ std::string buffer_limit(const CommandLimits& l, uint8_t id) {
 
 const char* to_string(CommandType type) {
   switch (type) {
-    case CommandType::kInvalid: return "invalid";
-    case CommandType::kPut: return "put";
-    case CommandType::kPutSignal: return "put+signal";
-    case CommandType::kSignal: return "signal";
+    case CommandType::kInvalid:
+      return "invalid";
+    case CommandType::kPut:
+      return "put";
+    case CommandType::kPutSignal:
+      return "put+signal";
+    case CommandType::kSignal:
+      return "signal";
   }
   return "unknown type";
 }
 
 const char* to_string(CommandError error) {
   switch (error) {
-    case CommandError::kOk: return "ok";
-    case CommandError::kBadCheck: return "check word mismatch";
-    case CommandError::kUnknownType: return "unknown type";
-    case CommandError::kBadFlags: return "reserved flags set";
-    case CommandError::kRankOutOfRange: return "rank out of range";
-    case CommandError::kRankIsSelf: return "put to self";
-    case CommandError::kSrcBufferUnregistered: return "source buffer not registered";
-    case CommandError::kDstBufferUnregistered: return "destination buffer not registered";
-    case CommandError::kSrcOutOfRange: return "source range beyond the buffer";
-    case CommandError::kDstOutOfRange: return "destination range beyond the buffer";
-    case CommandError::kZeroBytes: return "zero-length put";
-    case CommandError::kBytesOnSignal: return "signal-only command with a payload";
-    case CommandError::kSignalOutOfRange: return "signal id out of range";
-    case CommandError::kSignalMissing: return "signal id missing";
+    case CommandError::kOk:
+      return "ok";
+    case CommandError::kBadCheck:
+      return "check word mismatch";
+    case CommandError::kUnknownType:
+      return "unknown type";
+    case CommandError::kBadFlags:
+      return "reserved flags set";
+    case CommandError::kRankOutOfRange:
+      return "rank out of range";
+    case CommandError::kRankIsSelf:
+      return "put to self";
+    case CommandError::kSrcBufferUnregistered:
+      return "source buffer not registered";
+    case CommandError::kDstBufferUnregistered:
+      return "destination buffer not registered";
+    case CommandError::kSrcOutOfRange:
+      return "source range beyond the buffer";
+    case CommandError::kDstOutOfRange:
+      return "destination range beyond the buffer";
+    case CommandError::kZeroBytes:
+      return "zero-length put";
+    case CommandError::kBytesOnSignal:
+      return "signal-only command with a payload";
+    case CommandError::kSignalOutOfRange:
+      return "signal id out of range";
+    case CommandError::kSignalMissing:
+      return "signal id missing";
   }
   return "unknown error";
 }
 
 std::string describe(const Command& c) {
   const bool known = c.type > 0 && c.type < kNumCommandTypes;
-  std::string out = known ? to_string(static_cast<CommandType>(c.type))
-                          : "type " + std::to_string(c.type);
+  std::string out =
+      known ? to_string(static_cast<CommandType>(c.type)) : "type " + std::to_string(c.type);
   out += " to rank " + std::to_string(c.dst_rank) + ": tile " + u64(c.tile_id);
   if (c.type != static_cast<uint8_t>(CommandType::kSignal)) {
-    out += ", buffer " + std::to_string(c.src_buffer) + " @ " + u64(c.src_offset) +
-           " -> buffer " + std::to_string(c.dst_buffer) + " @ " + u64(c.dst_offset) + ", " +
-           u64(c.bytes) + " bytes";
+    out += ", buffer " + std::to_string(c.src_buffer) + " @ " + u64(c.src_offset) + " -> buffer " +
+           std::to_string(c.dst_buffer) + " @ " + u64(c.dst_offset) + ", " + u64(c.bytes) +
+           " bytes";
   }
   out += ", signal " + signal_name(c.signal_id);
   if (c.type != static_cast<uint8_t>(CommandType::kPut)) out += " = " + hex(c.signal_value);
@@ -78,7 +96,8 @@ std::string validate(const Command& c, const CommandLimits& l) {
   if (error == CommandError::kOk) return {};
   std::string why;
   switch (error) {
-    case CommandError::kOk: break;
+    case CommandError::kOk:
+      break;
     case CommandError::kBadCheck:
       why = "check word is " + hex(c.check) + " but the fields give " + hex(command_check(c)) +
             ": the slot was torn, overwritten or not built with make_put / make_signal";

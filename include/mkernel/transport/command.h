@@ -95,7 +95,8 @@ MK_HOST_DEVICE constexpr uint32_t command_check(const Command& c) {
   return static_cast<uint32_t>(h ^ (h >> 32));
 }
 
-MK_HOST_DEVICE constexpr Command sealed(Command c) {
+MK_HOST_DEVICE constexpr Command sealed(const Command& in) {
+  Command c = in;
   c.check = command_check(c);
   c.seq = 0;
   return c;
@@ -120,8 +121,8 @@ MK_HOST_DEVICE constexpr Command make_put_signal(uint32_t dst_rank, uint64_t til
                                                  uint64_t bytes, uint32_t signal_id,
                                                  uint64_t value) {
   return sealed(Command{src_offset, dst_offset, bytes, value, tile_id, dst_rank, signal_id,
-                        static_cast<uint8_t>(CommandType::kPutSignal), src_buffer, dst_buffer, 0,
-                        0, 0});
+                        static_cast<uint8_t>(CommandType::kPutSignal), src_buffer, dst_buffer, 0, 0,
+                        0});
 }
 
 // Raise `signal_id` at dst_rank to `value` once the puts this rank counted on it have landed.
@@ -144,14 +145,14 @@ struct CommandLimits {
 };
 
 enum class CommandError : uint8_t {
-  kOk = 0,
-  kBadCheck,               // check word does not match: torn, corrupted or not built by make_*
-  kUnknownType,
+  kOk = 0,                 // valid
+  kBadCheck,               // check word mismatch: torn, corrupted, not from make_*
+  kUnknownType,            // type is not put, put+signal or signal
   kBadFlags,               // reserved bits set
   kRankOutOfRange,         // dst_rank >= world_size
   kRankIsSelf,             // dst_rank == this rank: local copies never go through the proxy
   kSrcBufferUnregistered,  // src_buffer >= kMaxBuffers or nothing registered under it
-  kDstBufferUnregistered,
+  kDstBufferUnregistered,  // the same for dst_buffer
   kSrcOutOfRange,          // src_offset + bytes beyond the source buffer
   kDstOutOfRange,          // dst_offset + bytes beyond the destination buffer
   kZeroBytes,              // a put of 0 bytes

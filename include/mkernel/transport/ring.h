@@ -20,8 +20,8 @@
 // accesses use cuda::atomic_ref at system scope, so this header compiles for host and device.
 #pragma once
 
-#include <cuda/atomic>
 #include <cstdint>
+#include <cuda/atomic>
 
 #include "mkernel/transport/command.h"
 

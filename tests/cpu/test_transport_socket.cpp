@@ -1,0 +1,514 @@
+// Proxy + socket transport between ranks of one process (InProcessGroup): real bytes at 2, 3
+// and 4 ranks, offsets beyond 4 GiB, device-memory hooks, and the failures: refused and
+// unreachable peers at setup, a peer that disappears mid-run, malformed messages.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cpu_test_util.h"
+#include "mkernel/transport/proxy.h"
+#include "runtime/socket_util.h"
+#include "test_transport_util.h"
+#include "transport/socket_transport.h"
+
+namespace mk::transport {
+namespace {
+
+using mk::test::contains;
+using mk::test::Outcome;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+constexpr uint64_t kGiB = uint64_t{1} << 30;
+
+TransportConfig config_for(HostSignalPad& pad, uint32_t num_signals = 8, double timeout = 10) {
+  TransportConfig c;
+  c.signals = &pad;
+  c.num_signals = num_signals;
+  c.timeout_seconds = timeout;
+  return c;
+}
+
+uint64_t seed_of(int src, int dst) { return static_cast<uint64_t>(src) * 1000 + dst + 1; }
+
+void expect_all_ok(const std::vector<Outcome>& outcomes) {
+  for (std::size_t r = 0; r < outcomes.size(); ++r) {
+    EXPECT_FALSE(outcomes[r].threw) << "rank " << r << ": " << outcomes[r].message;
+  }
+}
+
+// Every rank sends `bytes` to every other rank (half as a put on ring 0, half as a put+signal on
+// ring 1, both counted on signal 1) and checks what it received from each.
+void exchange(int world, uint64_t bytes) {
+  const auto outcomes = mk::test::run_group(world, [&](Bootstrap& b) {
+    const int me = b.rank();
+    HostSignalPad pad(world, 8);
+    auto t = make_transport(b, config_for(pad), "socket");
+    EXPECT_STREQ(t->name(), "socket");
+    std::vector<char> src(bytes * world), dst(bytes * world, 0);
+    for (int p = 0; p < world; ++p) mk::test::fill_pattern(&src[bytes * p], bytes, seed_of(me, p));
+    t->register_buffer(0, src.data(), src.size());
+    t->register_buffer(1, dst.data(), dst.size());
+    ProxyOptions options;
+    options.num_rings = 2;
+    Proxy proxy(*t, options);
+    const uint64_t half = bytes / 2;
+    for (int p = 0; p < world; ++p) {
+      if (p == me) continue;
+      // A signal covers the puts before it on its ring: both halves on one ring per peer.
+      proxy.push(p % 2, make_put(p, 1, 0, bytes * p, 1, bytes * me, half, 1));
+      proxy.push(p % 2, make_put_signal(p, 2, 0, bytes * p + half, 1, bytes * me + half,
+                                        bytes - half, 1, 100 + p));
+    }
+    auto healthy = [&] {
+      t->check();
+      proxy.check();
+    };
+    for (int p = 0; p < world; ++p) {
+      if (p == me) continue;
+      ASSERT_TRUE(pad.wait(p, 1, 100 + me, 20, healthy)) << "no signal from rank " << p;
+      EXPECT_EQ(mk::test::first_mismatch(&dst[bytes * p], bytes, seed_of(p, me)), -1)
+          << "rank " << me << " from rank " << p;
+    }
+    proxy.drain(20);
+    b.barrier();  // everyone received everything before anyone leaves
+  });
+  expect_all_ok(outcomes);
+}
+
+TEST(TransportSocket, TwoRanksMoveBytes) { exchange(2, 9 * kMiB + 123); }  // 3 chunks per half
+TEST(TransportSocket, ThreeRanksMoveBytes) { exchange(3, 3 * kMiB + 7); }
+TEST(TransportSocket, FourRanksMoveBytes) { exchange(4, 2 * kMiB + 5); }
+
+TEST(TransportSocket, ManySmallPutsAcrossRings) {
+  constexpr int kWorld = 3, kPuts = 2000;
+  constexpr uint64_t kSize = 256;
+  const auto outcomes = mk::test::run_group(kWorld, [&](Bootstrap& b) {
+    const int me = b.rank();
+    HostSignalPad pad(kWorld, 8);
+    auto t = make_transport(b, config_for(pad), "socket");
+    std::vector<char> src(kSize * kPuts), dst(kSize * kPuts * kWorld, 0);
+    mk::test::fill_pattern(src.data(), src.size(), seed_of(me, 0));
+    t->register_buffer(0, src.data(), dst.size());  // symmetric size; src is the prefix
+    t->register_buffer(1, dst.data(), dst.size());
+    ProxyOptions options;
+    options.num_rings = 4;
+    options.ring_capacity = 32;
+    Proxy proxy(*t, options);
+    for (int i = 0; i < kPuts; ++i) {
+      for (int p = 0; p < kWorld; ++p) {
+        if (p == me) continue;
+        proxy.push(i % 4, make_put(p, i, 0, kSize * i, 1, kSize * (kPuts * me + i), kSize, 2));
+      }
+    }
+    // A signal covers what the proxy counted before it: once every ring drained, that is every
+    // put, whichever ring carried it.
+    proxy.drain(20);
+    for (int p = 0; p < kWorld; ++p) {
+      if (p != me) proxy.push(p % 4, make_signal(p, kPuts, 2, 1));
+    }
+    for (int p = 0; p < kWorld; ++p) {
+      if (p != me) ASSERT_TRUE(pad.wait(p, 2, 1, 20, [&] { t->check(); }));
+    }
+    for (int p = 0; p < kWorld; ++p) {
+      if (p == me) continue;
+      EXPECT_EQ(mk::test::first_mismatch(&dst[kSize * kPuts * p], kSize * kPuts, seed_of(p, 0)),
+                -1);
+    }
+    b.barrier();
+  });
+  expect_all_ok(outcomes);
+}
+
+TEST(TransportSocket, OffsetsBeyondFourGiB) {
+  constexpr uint64_t kSize = 6 * kGiB;
+  const uint64_t src_off = 4 * kGiB + kGiB / 2 + 3, dst_off = 5 * kGiB + 17;
+  const uint64_t bytes = kMiB + 5;
+  mk::test::SparseBuffer probe(kSize);
+  if (probe.data() == nullptr) GTEST_SKIP() << "cannot map 6 GiB of address space here";
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    const int me = b.rank(), peer = 1 - me;
+    mk::test::SparseBuffer buffer(kSize);
+    ASSERT_NE(buffer.data(), nullptr);
+    mk::test::fill_pattern(buffer.data() + src_off, bytes, seed_of(me, peer));
+    HostSignalPad pad(2, 8);
+    auto t = make_transport(b, config_for(pad), "socket");
+    t->register_buffer(0, buffer.data(), kSize);
+    Proxy proxy(*t);
+    proxy.push(0, make_put_signal(peer, uint64_t{1} << 33, 0, src_off, 0, dst_off, bytes, 0, 5));
+    ASSERT_TRUE(pad.wait(peer, 0, 5, 20, [&] { t->check(); }));
+    EXPECT_EQ(mk::test::first_mismatch(buffer.data() + dst_off, bytes, seed_of(peer, me)), -1);
+    proxy.drain(20);
+    b.barrier();
+  });
+  expect_all_ok(outcomes);
+}
+
+TEST(TransportSocket, DeviceBuffersGoThroughTheCopyHooks) {
+  std::atomic<int> to_device{0}, from_device{0};
+  const uint64_t bytes = 5 * kMiB;
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    const int me = b.rank(), peer = 1 - me;
+    HostSignalPad pad(2, 8);
+    TransportConfig c = config_for(pad);
+    c.copy_to_device = [&](void* d, const void* s, std::size_t n) {
+      ++to_device;
+      std::memcpy(d, s, n);
+    };
+    c.copy_from_device = [&](void* d, const void* s, std::size_t n) {
+      ++from_device;
+      std::memcpy(d, s, n);
+    };
+    auto t = make_transport(b, c, "socket");
+    std::vector<char> src(bytes), dst(bytes, 0);
+    mk::test::fill_pattern(src.data(), bytes, seed_of(me, peer));
+    t->register_buffer(0, src.data(), bytes, MemoryKind::kDevice);
+    t->register_buffer(1, dst.data(), bytes, MemoryKind::kDevice);
+    Proxy proxy(*t);
+    proxy.push(0, make_put_signal(peer, 0, 0, 0, 1, 0, bytes, 0, 1));
+    ASSERT_TRUE(pad.wait(peer, 0, 1, 20, [&] { t->check(); }));
+    EXPECT_EQ(mk::test::first_mismatch(dst.data(), bytes, seed_of(peer, me)), -1);
+    proxy.drain(20);
+    b.barrier();
+  });
+  expect_all_ok(outcomes);
+  EXPECT_EQ(to_device.load(), 4);  // 2 ranks x 2 chunks of <= 4 MiB
+  EXPECT_EQ(from_device.load(), 4);
+}
+
+TEST(TransportSocket, DeviceBufferWithoutHooksIsRefused) {
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    HostSignalPad pad(2, 8);
+    auto t = make_transport(b, config_for(pad), "socket");
+    std::vector<char> buffer(64);
+    t->register_buffer(0, buffer.data(), buffer.size(), MemoryKind::kDevice);
+  });
+  for (const Outcome& o : outcomes) {
+    EXPECT_EQ(o.code, ErrorCode::kInvalidArgument);
+    EXPECT_TRUE(contains(o.message,
+                         "buffer 0 is device memory but TransportConfig has no "
+                         "copy_to_device"))
+        << o.message;
+  }
+}
+
+// A port nothing listens on: bind, read the port, close.
+int closed_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Setup where rank 1 publishes `advertise`: every rank must fail with kBootstrap.
+std::vector<Outcome> setup_with_bad_peer(const std::string& advertise, double timeout) {
+  return mk::test::run_group(2, [&](Bootstrap& b) {
+    HostSignalPad pad(2, 8);
+    TransportConfig c = config_for(pad, 8, timeout);
+    if (b.rank() == 1) c.socket_advertise = advertise;
+    auto t = make_transport(b, c, "socket");
+  });
+}
+
+TEST(TransportSocket, RefusedConnectionIsAClearErrorOnEveryRank) {
+  const std::string address = "127.0.0.1:" + std::to_string(closed_port());
+  const mk::test::Stopwatch clock;
+  const auto outcomes = setup_with_bad_peer(address, 30);
+  EXPECT_LT(clock.seconds(), 5.0);  // refused at once, not after the 30 s limit
+  for (const Outcome& o : outcomes) {
+    EXPECT_TRUE(o.threw);
+    EXPECT_EQ(o.code, ErrorCode::kBootstrap);
+    EXPECT_TRUE(contains(
+        o.message, "rank 0 could not connect to rank 1 at " + address + ": Connection refused"))
+        << o.message;
+  }
+}
+
+// A listener whose accept queue is full: the kernel drops further SYNs, so connecting to it
+// gets no answer at all - an unreachable peer without needing a network.
+struct BlackHole {
+  BlackHole() {
+    listener = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    listen(listener, 0);
+    socklen_t len = sizeof(a);
+    getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len);
+    port = ntohs(a.sin_port);
+    for (int i = 0; i < 3; ++i) {  // fill the queue; nobody accepts
+      const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+      connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+      fillers.push_back(fd);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ~BlackHole() {
+    for (int fd : fillers) close(fd);
+    close(listener);
+  }
+  int listener = -1;
+  int port = 0;
+  std::vector<int> fillers;
+};
+
+TEST(TransportSocket, UnreachablePeerFailsWithinTheTimeLimit) {
+  BlackHole hole;
+  const std::string address = "127.0.0.1:" + std::to_string(hole.port);
+  const mk::test::Stopwatch clock;
+  const auto outcomes = setup_with_bad_peer(address, 1);
+  EXPECT_GE(clock.seconds(), 0.9);  // it did wait for the limit
+  EXPECT_LT(clock.seconds(), 5.0);  // and no longer
+  for (const Outcome& o : outcomes) {
+    EXPECT_TRUE(o.threw);
+    EXPECT_EQ(o.code, ErrorCode::kBootstrap);
+    EXPECT_TRUE(contains(o.message, "rank 0 could not connect to rank 1 at " + address +
+                                        ": no answer before the time limit"))
+        << o.message;
+  }
+}
+
+TEST(TransportSocket, UnknownInterfaceIsNamed) {
+  mk::test::ScopedEnv env("MKERNEL_SOCKET_IFNAME", "mk-no-such-if0");
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    HostSignalPad pad(2, 8);
+    auto t = make_transport(b, config_for(pad), "socket");
+  });
+  for (const Outcome& o : outcomes) {
+    EXPECT_EQ(o.code, ErrorCode::kBootstrap);
+    EXPECT_TRUE(contains(o.message, "MKERNEL_SOCKET_IFNAME='mk-no-such-if0': no interface"))
+        << o.message;
+    EXPECT_TRUE(contains(o.message, "interfaces: ")) << o.message;
+  }
+}
+
+TEST(TransportSocket, PeerThatDisappearsIsReportedNotWaitedFor) {
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    HostSignalPad pad(2, 8);
+    auto t = make_transport(b, config_for(pad, 8, 30), "socket");
+    std::vector<char> buffer(kMiB);
+    t->register_buffer(0, buffer.data(), buffer.size());
+    b.barrier();
+    if (b.rank() == 1) {
+      static_cast<detail::SocketTransport&>(*t).close_abruptly();  // as if the process died
+      b.barrier();
+      return;
+    }
+    const mk::test::Stopwatch clock;
+    try {
+      pad.wait(1, 0, 1, 30, [&] { t->check(); });  // rank 1 will never signal
+      ADD_FAILURE() << "the wait returned";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kBootstrap);
+      EXPECT_TRUE(contains(e.what(), "transport socket, rank 0: lost the connection to rank 1"))
+          << e.what();
+    }
+    EXPECT_LT(clock.seconds(), 5.0);
+    const TransferOp put{TransferOp::Kind::kPut, 0, 0, 1, kNoSignal, 0, 0, 64, 0, 0, 0};
+    auto post = [&] { t->post(std::span<const TransferOp>(&put, 1)); };
+    EXPECT_THROW(post(), Error);
+    b.barrier();
+  });
+  expect_all_ok(outcomes);
+}
+
+// A rank in another process that is killed (SIGKILL) mid-run: the survivor's wait ends with an
+// error naming it instead of hanging. The two processes bootstrap over a socket pair.
+TEST(TransportSocket, KilledPeerProcessIsReported) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  auto pair_allgather = [](int fd, int rank) {
+    return [fd, rank](const void* send, void* recv, std::size_t bytes) {
+      using mk::detail::Deadline;
+      using mk::detail::IoStatus;
+      char* out = static_cast<char*>(recv);
+      std::memcpy(out + rank * bytes, send, bytes);
+      if (mk::detail::send_all(fd, send, bytes, Deadline::after(20), "pair") != IoStatus::kDone ||
+          mk::detail::recv_all(fd, out + (1 - rank) * bytes, bytes, Deadline::after(20), "pair") !=
+              IoStatus::kDone) {
+        throw Error(ErrorCode::kBootstrap, "pair allgather: the other process is gone");
+      }
+    };
+  };
+  auto setup = [&](int rank, std::unique_ptr<Bootstrap>& b, HostSignalPad& pad,
+                   std::vector<char>& buffer) {
+    b = make_callback_bootstrap(rank, 2, pair_allgather(sv[rank], rank));
+    auto t = make_transport(*b, config_for(pad, 8, 20), "socket");
+    t->register_buffer(0, buffer.data(), buffer.size());
+    b->barrier();
+    return t;
+  };
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // rank 1: set up, then wait to be killed
+    close(sv[0]);
+    try {
+      std::unique_ptr<Bootstrap> b;
+      HostSignalPad pad(2, 8);
+      std::vector<char> buffer(kMiB);
+      auto t = setup(1, b, pad, buffer);
+      std::this_thread::sleep_for(std::chrono::seconds(30));
+    } catch (...) {
+    }
+    _exit(0);
+  }
+  close(sv[1]);
+  std::unique_ptr<Bootstrap> b;
+  HostSignalPad pad(2, 8);
+  std::vector<char> buffer(kMiB);
+  std::unique_ptr<Transport> t;
+  try {
+    t = setup(0, b, pad, buffer);
+  } catch (const Error& e) {
+    ADD_FAILURE() << e.what();
+  }
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  close(sv[0]);
+  ASSERT_NE(t, nullptr);
+  const mk::test::Stopwatch clock;
+  try {
+    pad.wait(1, 0, 1, 20, [&] { t->check(); });
+    ADD_FAILURE() << "the wait for the killed rank returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kBootstrap);
+    EXPECT_TRUE(contains(e.what(), "rank 0: lost the connection to rank 1")) << e.what();
+  }
+  EXPECT_LT(clock.seconds(), 5.0);
+}
+
+TEST(TransportSocket, GoodbyeIsNotAnError) {
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    HostSignalPad pad(2, 8);
+    auto t = make_transport(b, config_for(pad, 8, 1), "socket");
+    std::vector<char> buffer(kMiB);
+    t->register_buffer(0, buffer.data(), buffer.size());
+    b.barrier();
+    if (b.rank() == 1) {
+      t.reset();  // leaves properly
+      b.barrier();
+      return;
+    }
+    b.barrier();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_NO_THROW(t->check());
+    const TransferOp put{TransferOp::Kind::kPut, 0, 0, 1, kNoSignal, 0, 0, 64, 0, 0, 0};
+    try {
+      t->post(std::span<const TransferOp>(&put, 1));
+      ADD_FAILURE() << "post to a rank that left succeeded";
+    } catch (const Error& e) {
+      EXPECT_TRUE(contains(e.what(), "rank 1 (127.0.0.1:")) << e.what();
+      EXPECT_TRUE(contains(e.what(), "has shut down its transport")) << e.what();
+    }
+  });
+  expect_all_ok(outcomes);
+}
+
+TEST(TransportSocket, MalformedIncomingMessageIsReported) {
+  // Rank 1 knows 8 signals, rank 0 16: rank 0's signal 12 is out of range at rank 1.
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    HostSignalPad pad(2, 16);
+    auto t = make_transport(b, config_for(pad, b.rank() == 0 ? 16 : 8), "socket");
+    if (b.rank() == 0) {
+      TransferOp sig;
+      sig.kind = TransferOp::Kind::kSignal;
+      sig.dst_rank = 1;
+      sig.signal_id = 12;
+      sig.value = 1;
+      t->post(std::span<const TransferOp>(&sig, 1));
+    } else {
+      try {
+        pad.wait(0, 0, 1, 10, [&] { t->check(); });
+        ADD_FAILURE() << "no error";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInternal);
+        EXPECT_TRUE(contains(e.what(), "malformed message from rank 0")) << e.what();
+        EXPECT_TRUE(contains(e.what(), "signal 12 out of range (8 signals)")) << e.what();
+      }
+    }
+    b.barrier();
+  });
+  expect_all_ok(outcomes);
+}
+
+TEST(TransportSocket, RegistrationChecksAgreeAcrossRanks) {
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    HostSignalPad pad(2, 8);
+    auto t = make_transport(b, config_for(pad), "socket");
+    std::vector<char> buffer(8192);
+    t->register_buffer(0, buffer.data(), b.rank() == 0 ? 4096 : 8192);
+  });
+  for (const Outcome& o : outcomes) {
+    EXPECT_EQ(o.code, ErrorCode::kInvalidArgument);
+    EXPECT_TRUE(contains(o.message, "buffer 0 has 4096 bytes on rank 0 but 8192 on rank 1"))
+        << o.message;
+  }
+  const auto bad_id = mk::test::run_group(2, [&](Bootstrap& b) {
+    HostSignalPad pad(2, 8);
+    auto t = make_transport(b, config_for(pad), "socket");
+    std::vector<char> buffer(64);
+    t->register_buffer(b.rank() == 1 ? 16 : 0, buffer.data(), buffer.size());
+  });
+  for (const Outcome& o : bad_id) {
+    EXPECT_TRUE(contains(o.message, "rank 1: buffer id 16 is out of range")) << o.message;
+  }
+}
+
+TEST(TransportSocket, PostRefusesOpsOutsideTheLimits) {
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    HostSignalPad pad(2, 8);
+    auto t = make_transport(b, config_for(pad), "socket");
+    std::vector<char> buffer(4096);
+    t->register_buffer(0, buffer.data(), buffer.size());
+    const TransferOp put{TransferOp::Kind::kPut,
+                         0,
+                         0,
+                         static_cast<uint32_t>(1 - b.rank()),
+                         kNoSignal,
+                         4000,
+                         0,
+                         200,
+                         0,
+                         0,
+                         0};
+    try {
+      t->post(std::span<const TransferOp>(&put, 1));
+      ADD_FAILURE();
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_TRUE(contains(e.what(), "source range [4000, +200) is beyond the end")) << e.what();
+    }
+    b.barrier();
+  });
+  expect_all_ok(outcomes);
+}
+
+TEST(TransportSocket, AddressesParseAndPrint) {
+  using detail::parse_socket_address;
+  EXPECT_EQ(detail::to_string(parse_socket_address("10.1.2.3:4567")), "10.1.2.3:4567");
+  EXPECT_EQ(detail::to_string(parse_socket_address("[::1]:80")), "[::1]:80");
+  EXPECT_TRUE(detail::is_loopback(parse_socket_address("127.0.0.2:1")));
+  EXPECT_FALSE(detail::is_loopback(parse_socket_address("10.0.0.1:1")));
+  for (const char* bad : {"10.1.2.3", "host:80", "1.2.3.4:99999", "[::1:80", ""}) {
+    EXPECT_THROW(parse_socket_address(bad), Error) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace mk::transport
