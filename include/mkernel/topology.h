@@ -38,6 +38,9 @@ struct Topology {
   bool is_local(int r) const { return node_of[r] == node; }
 };
 
+// Identifies this machine: a hash of the host name and the kernel's boot id (equal <=> same host).
+uint64_t this_host_id();
+
 // Builds the topology of `rank` from everyone's RankInfo (indexed by rank). Nodes are the
 // distinct hosts, unless ranks_per_node (from MKERNEL_GPUS_PER_NODE) splits the ranks into
 // virtual nodes of that many consecutive ranks, each on one host. Throws mk::Error on

@@ -17,14 +17,6 @@
 namespace mk {
 namespace {
 
-uint64_t this_host_id() {
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  std::string boot_id;
-  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
-  return std::hash<std::string>{}(std::string(host) + "/" + boot_id);
-}
-
 double env_double(const char* name, double fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;

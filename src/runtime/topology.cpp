@@ -1,8 +1,12 @@
 #include "mkernel/topology.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <fstream>
+#include <functional>
 #include <map>
 #include <string>
 #include <unordered_map>
@@ -149,6 +153,14 @@ Topology compute_topology(int rank, const std::vector<RankInfo>& infos) {
                      return a.sm_count < b.sm_count;
                    })->sm_count;
   return t;
+}
+
+uint64_t this_host_id() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  std::string boot_id;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
+  return std::hash<std::string>{}(std::string(host) + "/" + boot_id);
 }
 
 }  // namespace mk

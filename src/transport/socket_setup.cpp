@@ -17,6 +17,7 @@
 #include <random>
 #include <set>
 
+#include "mkernel/topology.h"
 #include "runtime/text_util.h"
 #include "transport/socket_transport.h"
 #include "transport/wire.h"
@@ -186,14 +187,6 @@ SocketAddress interface_address(const std::string& ifname) {
   return a;
 }
 
-uint64_t this_host_id() {
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  std::string boot_id;
-  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
-  return std::hash<std::string>{}(std::string(host) + "/" + boot_id);
-}
-
 // ---- setup ------------------------------------------------------------------------------------
 
 SocketTransport::SocketTransport(Bootstrap& bootstrap, const TransportConfig& config)
@@ -234,7 +227,7 @@ SocketTransport::SocketTransport(Bootstrap& bootstrap, const TransportConfig& co
       status = "rank " + std::to_string(rank()) + ": socket_advertise: " + message_of(e);
     }
   }
-  published.host_id = this_host_id();
+  published.host_id = mk::this_host_id();
   published.session = std::random_device{}() * 0x100000001ull ^ std::random_device{}();
   me_.host_id = published.host_id;
   me_.session = published.session;

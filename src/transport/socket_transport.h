@@ -46,7 +46,6 @@ SocketAddress parse_socket_address(const std::string& text);
 // 127.0.0.1 when empty. Throws mk::Error(kInvalidArgument) naming the interfaces that exist.
 SocketAddress interface_address(const std::string& ifname);
 bool is_loopback(const SocketAddress& a);
-uint64_t this_host_id();
 
 class SocketTransport final : public TransportBase {
  public:
