@@ -36,7 +36,7 @@ try:  # `import mkernel` works without torch (the C++ layer needs none); the API
 except ImportError:  # pragma: no cover - exercised on machines without torch
     torch = None
 
-__all__ = ["Communicator", "MkernelError", "init", "dtype_name", "DTYPES", "ERROR_CODES"]
+__all__ = ["Communicator", "MkernelError", "init", "gemm", "dtype_name", "DTYPES", "ERROR_CODES"]
 __version__ = "0.1.0"
 
 
@@ -360,3 +360,56 @@ class Communicator:
         _require_torch("Communicator.synchronize")
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
         self._impl.synchronize(s.cuda_stream)
+
+
+# ---- GEMM engine as a PyTorch custom op --------------------------------------------------------
+
+def _gemm_shapes(a, b, b_layout: str):
+    """(M, N, K) of a [..., K] @ op(b), or ValueError naming the problem."""
+    if b_layout not in ("nk", "kn"):
+        raise ValueError(f"mkernel.gemm: b_layout={b_layout!r}; expected 'nk' (b is [N, K], the "
+                         "nn.Linear weight) or 'kn' (b is [K, N])")
+    if a.dim() < 1 or b.dim() != 2:
+        raise ValueError(f"mkernel.gemm: a must be [..., K] and b 2-D; got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
+    k = a.shape[-1]
+    n, kb = (b.shape[0], b.shape[1]) if b_layout == "nk" else (b.shape[1], b.shape[0])
+    if kb != k:
+        raise ValueError(f"mkernel.gemm: a has K = {k} but b ({b_layout}) has K = {kb}")
+    return a.numel() // k if k else 0, n, k
+
+
+if torch is not None:
+    @torch.library.custom_op("mkernel::gemm", mutates_args=())
+    def gemm(a: torch.Tensor, b: torch.Tensor, b_layout: str = "nk") -> torch.Tensor:
+        """C = a @ b.T (b_layout='nk': b is [N, K], a torch.nn.Linear weight) or a @ b ('kn').
+
+        a: [..., K] bf16, contiguous, on a Hopper GPU; b: 2-D bf16 on the same GPU. Returns C
+        [..., N] bf16 (fp32 accumulation). N and K multiples of 8. Runs on the current CUDA
+        stream without synchronising the host; works under torch.compile and in CUDA graphs.
+        """
+        m, n, k = _gemm_shapes(a, b, b_layout)
+        for name, x in (("a", a), ("b", b)):
+            if x.dtype != torch.bfloat16:
+                raise ValueError(f"mkernel.gemm: {name} has dtype {x.dtype}; expected bfloat16")
+            if not x.is_cuda:
+                raise ValueError(f"mkernel.gemm: {name} is on {x.device}; expected a CUDA device")
+        if b.device != a.device:
+            raise ValueError(f"mkernel.gemm: a is on {a.device} but b on {b.device}")
+        a2, b2 = a.contiguous(), b.contiguous()
+        c = torch.empty((*a.shape[:-1], n), dtype=torch.bfloat16, device=a.device)
+        if m == 0:
+            return c
+        with torch.cuda.device(a.device):
+            _C.gemm(a2.data_ptr(), b2.data_ptr(), c.data_ptr(), m, n, k, b_layout,
+                    torch.cuda.current_stream(a.device).cuda_stream)
+        return c
+
+    @gemm.register_fake
+    def _gemm_fake(a, b, b_layout="nk"):
+        _, n, _ = _gemm_shapes(a, b, b_layout)
+        return a.new_empty((*a.shape[:-1], n))
+else:  # pragma: no cover - without torch there is no tensor to multiply
+    def gemm(a, b, b_layout="nk"):
+        """Needs PyTorch; see the docstring of the torch custom op."""
+        _require_torch("gemm")

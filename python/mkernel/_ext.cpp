@@ -21,6 +21,7 @@
 #include <string_view>
 #include <utility>
 
+#include "mkernel/gemm.h"
 #include "mkernel/mkernel.h"
 
 namespace nb = nanobind;
@@ -328,4 +329,27 @@ NB_MODULE(_C, m) {
       "comm"_a, "input"_a, "output"_a, "count"_a, "dtype"_a, "stream"_a, "channels"_a = 0,
       "output[i] = sum over ranks of input[i], bitwise equal on every rank; input and output "
       "lie in symmetric buffers (may be equal). Stream-ordered; no host synchronisation.");
+
+  // ---- GEMM engine ----
+  m.def(
+      "gemm",
+      [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, int64_t m_rows, int64_t n,
+         int64_t k, std::string_view b_layout, std::uintptr_t stream, int block_n) {
+        mk::BLayout layout;
+        if (b_layout == "nk") {
+          layout = mk::BLayout::kNK;
+        } else if (b_layout == "kn") {
+          layout = mk::BLayout::kKN;
+        } else {
+          throw nb::value_error("gemm: b_layout must be 'nk' (B is [N, K]) or 'kn' (B is [K, N])");
+        }
+        mk::GemmConfig config;
+        config.block_n = block_n;
+        nb::gil_scoped_release nogil;
+        mk::gemm(as_pointer<const void>(a), as_pointer<const void>(b), as_pointer(c), m_rows, n, k,
+                 layout, as_stream(stream), config);
+      },
+      "a"_a, "b"_a, "c"_a, "m"_a, "n"_a, "k"_a, "b_layout"_a, "stream"_a, "block_n"_a = 0,
+      "C[M, N] = A[M, K] @ op(B) in bf16 with fp32 accumulation on the current device; B is [N, K] "
+      "('nk') or [K, N] ('kn'). Stream-ordered; no host synchronisation.");
 }

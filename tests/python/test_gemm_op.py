@@ -1,0 +1,105 @@
+"""mkernel.gemm as a PyTorch custom op (torch.ops.mkernel.gemm) on a Hopper GPU.
+
+Fresh random inputs each run. Accuracy rule (../shared/STYLE.md): against an fp64 reference,
+max |mkernel - exact| <= 2 * max |torch.matmul (cuBLAS, bf16) - exact| + 1e-6. Also: leading
+batch dimensions, both B layouts, torch.compile(fullgraph=True), CUDA-graph capture and replay,
+torch.library.opcheck, and errors raised before any launch.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+mkernel = pytest.importorskip("mkernel", reason="mkernel is not installed (pip install .)")
+
+
+def _skip_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
+    major, minor = torch.cuda.get_device_capability(0)
+    if major < 9:
+        return f"GPU 0 is sm_{major}{minor}; mkernel.gemm needs Hopper (sm_90)"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+
+
+def _inputs(m, n, k, layout, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    shape = (n, k) if layout == "nk" else (k, n)
+    b = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    return a, b
+
+
+def _reference(a, b, layout):
+    bd = b.double()
+    return a.double() @ (bd.t() if layout == "nk" else bd)
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("shape", [(1, 8, 8), (129, 264, 72), (1000, 1000, 1000),
+                                   (3000, 5120, 3584), (4096, 4096, 4096)])
+def test_matches_reference(shape, layout):
+    m, n, k = shape
+    a, b = _inputs(m, n, k, layout, seed=torch.seed() % (1 << 31))
+    ours = mkernel.gemm(a, b, layout)
+    theirs = a @ (b.t() if layout == "nk" else b)
+    exact = _reference(a, b, layout)
+    err = (ours.double() - exact).abs().max().item()
+    err_torch = (theirs.double() - exact).abs().max().item()
+    assert err <= 2 * err_torch + 1e-6, f"mkernel error {err}, torch error {err_torch}"
+
+
+def test_leading_dimensions():
+    a, b = _inputs(6 * 100, 256, 512, "nk", seed=3)
+    a3 = a.view(2, 3, 100, 512)
+    out = mkernel.gemm(a3, b)
+    assert out.shape == (2, 3, 100, 256)
+    torch.testing.assert_close(out.view(600, 256), mkernel.gemm(a, b), rtol=0, atol=0)
+
+
+def test_torch_compile_fullgraph():
+    a, b = _inputs(512, 1024, 768, "nk", seed=5)
+
+    def f(x, w):
+        return torch.relu(mkernel.gemm(x, w)) + 1
+
+    compiled = torch.compile(f, fullgraph=True)
+    torch.testing.assert_close(compiled(a, b), f(a, b), rtol=0, atol=0)
+
+
+def test_cuda_graph_replays_with_new_inputs():
+    a, b = _inputs(1024, 2048, 1024, "nk", seed=7)
+    static_a, static_b = a.clone(), b.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        mkernel.gemm(static_a, static_b)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = mkernel.gemm(static_a, static_b)
+    for seed in range(3):
+        new_a, new_b = _inputs(1024, 2048, 1024, "nk", seed=100 + seed)
+        static_a.copy_(new_a)
+        static_b.copy_(new_b)
+        graph.replay()
+        torch.testing.assert_close(static_out, mkernel.gemm(new_a, new_b), rtol=0, atol=0)
+
+
+def test_opcheck():
+    a, b = _inputs(256, 512, 384, "nk", seed=11)
+    torch.library.opcheck(torch.ops.mkernel.gemm.default, (a, b, "nk"))
+
+
+def test_errors_before_launch():
+    a, b = _inputs(64, 64, 64, "nk", seed=13)
+    with pytest.raises(ValueError, match="expected bfloat16"):
+        mkernel.gemm(a.float(), b)
+    with pytest.raises(ValueError, match="has K = 64 but b"):
+        mkernel.gemm(a, b[:, :32])
+    with pytest.raises(ValueError, match="b_layout"):
+        mkernel.gemm(a, b, "xx")
+    with pytest.raises(mkernel.MkernelError, match="multiple of 8"):
+        mkernel.gemm(a[:, :60].contiguous(), b[:, :60].contiguous())
