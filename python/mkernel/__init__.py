@@ -380,14 +380,11 @@ def _gemm_shapes(a, b, b_layout: str):
 
 
 if torch is not None:
-    @torch.library.custom_op("mkernel::gemm", mutates_args=())
-    def gemm(a: torch.Tensor, b: torch.Tensor, b_layout: str = "nk") -> torch.Tensor:
-        """C = a @ b.T (b_layout='nk': b is [N, K], a torch.nn.Linear weight) or a @ b ('kn').
-
-        a: [..., K] bf16, contiguous, on a Hopper GPU; b: 2-D bf16 on the same GPU. Returns C
-        [..., N] bf16 (fp32 accumulation). N and K multiples of 8. Runs on the current CUDA
-        stream without synchronising the host; works under torch.compile and in CUDA graphs.
-        """
+    # The schema is spelled out (this module postpones annotations, and an op's schema is its
+    # contract); the default argument lives in the Python wrapper `gemm` below.
+    @torch.library.custom_op("mkernel::gemm", mutates_args=(),
+                             schema="(Tensor a, Tensor b, str b_layout) -> Tensor")
+    def _gemm_op(a, b, b_layout):
         m, n, k = _gemm_shapes(a, b, b_layout)
         for name, x in (("a", a), ("b", b)):
             if x.dtype != torch.bfloat16:
@@ -405,10 +402,20 @@ if torch is not None:
                     torch.cuda.current_stream(a.device).cuda_stream)
         return c
 
-    @gemm.register_fake
-    def _gemm_fake(a, b, b_layout="nk"):
+    @_gemm_op.register_fake
+    def _gemm_fake(a, b, b_layout):
         _, n, _ = _gemm_shapes(a, b, b_layout)
         return a.new_empty((*a.shape[:-1], n))
+
+    def gemm(a: "torch.Tensor", b: "torch.Tensor", b_layout: str = "nk") -> "torch.Tensor":
+        """C = a @ b.T (b_layout='nk': b is [N, K], a torch.nn.Linear weight) or a @ b ('kn').
+
+        a: [..., K] bf16 on a Hopper GPU; b: 2-D bf16 on the same GPU. Returns C [..., N] bf16
+        (fp32 accumulation). N and K multiples of 8. The op is torch.ops.mkernel.gemm: it runs on
+        the current CUDA stream without synchronising the host, and works under torch.compile
+        (fake implementation registered) and inside CUDA graphs.
+        """
+        return _gemm_op(a, b, b_layout)
 else:  # pragma: no cover - without torch there is no tensor to multiply
     def gemm(a, b, b_layout="nk"):
         """Needs PyTorch; see the docstring of the torch custom op."""
