@@ -286,49 +286,35 @@ NB_MODULE(_C, m) {
           "Waits for the stream (cudaStream_t as int), then check().");
 
   // ---- collectives ----
-  // The dtype is parsed before the GIL is released, so a bad name raises ValueError.
-  m.def(
-      "all_gather",
-      [](mk::Communicator& comm, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-         std::string_view dtype, std::uintptr_t stream, int channels) {
-        const mk::DType t = parse_dtype(dtype);
-        mk::CollectiveConfig config;
-        config.channels = channels;
-        nb::gil_scoped_release nogil;
-        mk::all_gather(comm, as_pointer<const void>(input), as_pointer(output), count, t,
-                       as_stream(stream), config);
-      },
-      "comm"_a, "input"_a, "output"_a, "count"_a, "dtype"_a, "stream"_a, "channels"_a = 0,
-      "output[r * count + i] = input of rank r [i]; output lies in a symmetric buffer. "
-      "Stream-ordered; no host synchronisation.");
-  m.def(
-      "reduce_scatter",
-      [](mk::Communicator& comm, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-         std::string_view dtype, std::uintptr_t stream, int channels) {
-        const mk::DType t = parse_dtype(dtype);
-        mk::CollectiveConfig config;
-        config.channels = channels;
-        nb::gil_scoped_release nogil;
-        mk::reduce_scatter(comm, as_pointer<const void>(input), as_pointer(output), count, t,
-                           as_stream(stream), config);
-      },
-      "comm"_a, "input"_a, "output"_a, "count"_a, "dtype"_a, "stream"_a, "channels"_a = 0,
-      "output[i] = sum over ranks r of input of rank r [rank * count + i] (fp32 accumulation). "
-      "Stream-ordered; no host synchronisation.");
-  m.def(
-      "all_reduce",
-      [](mk::Communicator& comm, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-         std::string_view dtype, std::uintptr_t stream, int channels) {
-        const mk::DType t = parse_dtype(dtype);
-        mk::CollectiveConfig config;
-        config.channels = channels;
-        nb::gil_scoped_release nogil;
-        mk::all_reduce(comm, as_pointer<const void>(input), as_pointer(output), count, t,
-                       as_stream(stream), config);
-      },
-      "comm"_a, "input"_a, "output"_a, "count"_a, "dtype"_a, "stream"_a, "channels"_a = 0,
-      "output[i] = sum over ranks of input[i], bitwise equal on every rank; input and output "
-      "lie in symmetric buffers (may be equal). Stream-ordered; no host synchronisation.");
+  // One binding shape for all three. The dtype is parsed before the GIL is released, so a bad
+  // name raises ValueError.
+  using Collective = void (*)(mk::Communicator&, const void*, void*, std::size_t, mk::DType,
+                              cudaStream_t, const mk::CollectiveConfig&);
+  auto bind_collective = [&m](const char* name, Collective op, const char* doc) {
+    m.def(
+        name,
+        [op](mk::Communicator& comm, std::uintptr_t input, std::uintptr_t output,
+             std::size_t count, std::string_view dtype, std::uintptr_t stream, int channels) {
+          const mk::DType t = parse_dtype(dtype);
+          mk::CollectiveConfig config;
+          config.channels = channels;
+          nb::gil_scoped_release nogil;
+          op(comm, as_pointer<const void>(input), as_pointer(output), count, t, as_stream(stream),
+             config);
+        },
+        "comm"_a, "input"_a, "output"_a, "count"_a, "dtype"_a, "stream"_a, "channels"_a = 0, doc);
+  };
+  bind_collective("all_gather", &mk::all_gather,
+                  "output[r * count + i] = input of rank r [i]; output lies in a symmetric buffer. "
+                  "Stream-ordered; no host synchronisation.");
+  bind_collective("reduce_scatter", &mk::reduce_scatter,
+                  "output[i] = sum over ranks r of input of rank r [rank * count + i] (fp32 "
+                  "accumulation); input lies in a symmetric buffer. Stream-ordered; no host "
+                  "synchronisation.");
+  bind_collective("all_reduce", &mk::all_reduce,
+                  "output[i] = sum over ranks of input[i], bitwise equal on every rank; input and "
+                  "output lie in symmetric buffers (may be equal). Stream-ordered; no host "
+                  "synchronisation.");
 
   // ---- GEMM engine ----
   m.def(
