@@ -1,4 +1,5 @@
-// The GEMM engine against cuBLAS, one GPU: bench_gemm [--json FILE] [--iters 20] [--check]
+// The GEMM engine against cuBLAS, one GPU:
+//   bench_gemm [--json FILE] [--iters 30] [--check] [--sweep] [--shapes MxNxK,...]
 // Shapes of issue 3. Same random inputs for both; times are medians of CUDA-event-timed
 // iterations after warm-up, each iteration on one of two input sets (so operands do not stay in
 // L2 between iterations for the smaller shapes). Correct = |mkernel - cuBLAS| <= 2 bf16 ulps of
@@ -36,30 +37,65 @@ struct Shape {
   int64_t m, n, k;
 };
 
-double median_ms(int iters, cudaStream_t s, const std::function<void(int)>& op) {
-  for (int i = 0; i < 3; ++i) op(i);
+// Medians of CUDA-event-timed iterations of each op after warm-up. The ops run interleaved
+// (a b c a b c ...), so that clock and temperature drift during the run hits them alike.
+std::vector<double> median_ms(int iters, cudaStream_t s,
+                              const std::vector<std::function<void(int)>>& ops) {
+  for (int i = 0; i < 3; ++i)
+    for (const auto& op : ops) op(i);
   CK(cudaStreamSynchronize(s));
-  std::vector<cudaEvent_t> ev(2 * iters);
+  const std::size_t n = ops.size();
+  std::vector<cudaEvent_t> ev(2 * iters * n);
   for (auto& e : ev) CK(cudaEventCreate(&e));
   for (int i = 0; i < iters; ++i) {
-    CK(cudaEventRecord(ev[2 * i], s));
-    op(i);
-    CK(cudaEventRecord(ev[2 * i + 1], s));
+    for (std::size_t o = 0; o < n; ++o) {
+      CK(cudaEventRecord(ev[2 * (i * n + o)], s));
+      ops[o](i);
+      CK(cudaEventRecord(ev[2 * (i * n + o) + 1], s));
+    }
   }
   CK(cudaStreamSynchronize(s));
-  std::vector<float> t(iters);
-  for (int i = 0; i < iters; ++i) CK(cudaEventElapsedTime(&t[i], ev[2 * i], ev[2 * i + 1]));
+  std::vector<double> medians;
+  for (std::size_t o = 0; o < n; ++o) {
+    std::vector<float> t(iters);
+    for (int i = 0; i < iters; ++i) {
+      CK(cudaEventElapsedTime(&t[i], ev[2 * (i * n + o)], ev[2 * (i * n + o) + 1]));
+    }
+    std::sort(t.begin(), t.end());
+    medians.push_back(t[iters / 2]);
+  }
   for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(t.begin(), t.end());
-  return t[iters / 2];
+  return medians;
+}
+
+std::vector<Shape> parse_shapes(const std::string& text) {
+  std::vector<Shape> out;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    std::size_t end = text.find(',', pos);
+    if (end == std::string::npos) end = text.size();
+    Shape s{};
+    if (std::sscanf(text.substr(pos, end - pos).c_str(), "%ldx%ldx%ld", &s.m, &s.n, &s.k) != 3) {
+      std::fprintf(stderr, "bad shape '%s' (expected MxNxK)\n", text.substr(pos, end - pos).c_str());
+      std::exit(2);
+    }
+    out.push_back(s);
+    pos = end + 1;
+  }
+  return out;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string json;
-  int iters = 20;
+  int iters = 30;
   bool check_only = false;
+  bool sweep = false;
+  std::vector<Shape> shapes = {{4096, 4096, 4096},  {8192, 8192, 8192},  {16384, 8192, 8192},
+                               {8192, 2048, 8192},  {8192, 28672, 8192}, {8192, 8192, 28672},
+                               {4096, 14336, 4096}, {3000, 5120, 3584},  {128, 8192, 8192},
+                               {1024, 8192, 8192}};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc)
@@ -68,15 +104,18 @@ int main(int argc, char** argv) {
       iters = std::atoi(argv[++i]);
     else if (a == "--check")
       check_only = true;
+    else if (a == "--sweep")
+      sweep = true;
+    else if (a == "--shapes" && i + 1 < argc)
+      shapes = parse_shapes(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--json FILE] [--iters N] [--check]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--json FILE] [--iters N] [--check] [--sweep] [--shapes MxNxK,...]\n"
+                   "  --sweep: also time every tile width (64, 128, 192, 256) per shape\n",
+                   argv[0]);
       return 2;
     }
   }
-  const std::vector<Shape> shapes = {{4096, 4096, 4096},  {8192, 8192, 8192},  {16384, 8192, 8192},
-                                     {8192, 2048, 8192},  {8192, 28672, 8192}, {8192, 8192, 28672},
-                                     {4096, 14336, 4096}, {3000, 5120, 3584},  {128, 8192, 8192},
-                                     {1024, 8192, 8192}};
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
   cublasHandle_t h;
@@ -128,8 +167,8 @@ int main(int argc, char** argv) {
       std::printf("%-22s max |mkernel - cuBLAS| %.4g (max |C| %.4g)  %s\n", label.c_str(), diff,
                   mag, correct ? "ok" : "WRONG");
     } else {
-      const double ms = median_ms(iters, s, ours);
-      const double ms_blas = median_ms(iters, s, theirs);
+      const std::vector<double> both = median_ms(iters, s, {ours, theirs});
+      const double ms = both[0], ms_blas = both[1];
       const double flops = 2.0 * sh.m * sh.n * sh.k;
       const double ratio = ms_blas / ms;  // TFLOP/s relative to cuBLAS
       log_ratio_sum += std::log(ratio);
@@ -143,6 +182,22 @@ int main(int argc, char** argv) {
            << ", \"ratio_to_limit\": " << ms / ms_blas << ", \"tflops\": " << flops / ms * 1e-9
            << ", \"tflops_cublas\": " << flops / ms_blas * 1e-9
            << ", \"correct\": " << (correct ? "true" : "false") << "}";
+    }
+    if (sweep && !check_only) {
+      std::vector<std::function<void(int)>> widths;
+      for (int w : {64, 128, 192, 256}) {
+        widths.push_back([&, w](int i) {
+          mk::GemmConfig config;
+          config.block_n = w;
+          mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, mk::BLayout::kNK, s, config);
+        });
+      }
+      widths.push_back(theirs);
+      const std::vector<double> t = median_ms(iters, s, widths);
+      std::printf("  sweep %-14s", label.c_str());
+      const int w[] = {64, 128, 192, 256};
+      for (int i = 0; i < 4; ++i) std::printf("  n%d %.3f", w[i], t[i]);
+      std::printf("  cuBLAS %.3f ms\n", t[4]);
     }
     for (int i = 0; i < 2; ++i) cudaFree(a[i]), cudaFree(b[i]);
     cudaFree(c), cudaFree(c_blas);

@@ -5,7 +5,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
+#include "gemm/gemm_internal.h"
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/error.h"
 #include "mkernel/gemm.h"
@@ -38,9 +40,11 @@ void require_pointer(const void* p, const char* name, int device) {
   }
 }
 
+}  // namespace
+
 // 2-D tensor map over a row-major [rows, cols] bf16 matrix, boxes of [box_rows, 64 cols],
 // 128-byte swizzle; out-of-bounds reads as zero.
-CUtensorMap make_map(const void* base, int64_t rows, int64_t cols, int box_rows) {
+CUtensorMap gemm_engine::make_map(const void* base, int64_t rows, int64_t cols, int box_rows) {
   CUtensorMap map{};
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
@@ -53,6 +57,10 @@ CUtensorMap make_map(const void* base, int64_t rows, int64_t cols, int box_rows)
   return map;
 }
 
+namespace {
+
+using gemm_engine::make_map;
+
 template <int kBlockN, bool kTransB>
 void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, int sms,
             cudaStream_t stream) {
@@ -62,9 +70,8 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
   const CUtensorMap map_b = kTransB ? make_map(b, k, n, 64) : make_map(b, n, k, Cfg::kBlockN);
   gemm_engine::TileScheduler scheduler{static_cast<int>((m + Cfg::kBlockM - 1) / Cfg::kBlockM),
                                        static_cast<int>((n + Cfg::kBlockN - 1) / Cfg::kBlockN)};
-  gemm_engine::StoreEpilogue epilogue{static_cast<__nv_bfloat16*>(c), n, static_cast<int>(m),
-                                      static_cast<int>(n)};
-  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, gemm_engine::StoreEpilogue>;
+  gemm_engine::TmaStoreEpilogue epilogue{make_map(c, m, n, 64), static_cast<int>(n)};
+  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, gemm_engine::TmaStoreEpilogue>;
   MK_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   const int tiles = scheduler.tiles_m * scheduler.tiles_n;
@@ -77,20 +84,57 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
   }
 }
 
-// 256-wide tiles unless they leave too many SMs idle in the last wave.
+// Tile width: the one with the least estimated time, waves x per-tile cost. A tile's cost grows
+// with its width but wide tiles use the tensor cores better (each wgmma re-reads the A slice from
+// shared memory whatever its width); the efficiencies are from the H200 sweep in
+// docs/PERFORMANCE.md.
 int pick_block_n(const GemmConfig& config, int64_t m, int64_t n, int sms) {
   int block_n = config.block_n;
   if (block_n == 0) {
     if (const char* env = std::getenv("MKERNEL_GEMM_BLOCK_N")) block_n = std::atoi(env);
   }
   if (block_n == 0) {
-    const int64_t tiles_256 = (m + 127) / 128 * ((n + 255) / 256);
-    block_n = tiles_256 >= 2 * sms ? 256 : 128;
+    struct Option {
+      int width;
+      double efficiency;
+    };
+    constexpr Option kOptions[] = {{256, 1.0}, {192, 0.97}, {128, 0.9}, {64, 0.75}};
+    double best = 0;
+    for (const Option& o : kOptions) {
+      const int64_t tiles = (m + 127) / 128 * ((n + o.width - 1) / o.width);
+      const int64_t waves = (tiles + sms - 1) / sms;
+      const double cost = static_cast<double>(waves) * o.width / o.efficiency;
+      if (block_n == 0 || cost < best) block_n = o.width, best = cost;
+    }
   }
-  if (block_n != 128 && block_n != 256) {
-    invalid("block_n = " + std::to_string(block_n) + "; expected 128 or 256");
+  if (block_n != 64 && block_n != 128 && block_n != 192 && block_n != 256) {
+    invalid("block_n = " + std::to_string(block_n) + "; expected 64, 128, 192 or 256");
   }
   return block_n;
+}
+
+template <bool kTransB>
+void launch_width(int block_n, const void* a, const void* b, void* c, int64_t m, int64_t n,
+                  int64_t k, int sms, cudaStream_t stream) {
+  switch (block_n) {
+    case 64: return launch<64, kTransB>(a, b, c, m, n, k, sms, stream);
+    case 128: return launch<128, kTransB>(a, b, c, m, n, k, sms, stream);
+    case 192: return launch<192, kTransB>(a, b, c, m, n, k, sms, stream);
+    default: return launch<256, kTransB>(a, b, c, m, n, k, sms, stream);
+  }
+}
+
+template <int kBlockN, bool kTransB>
+void add_resources(std::vector<GemmKernelResources>& out) {
+  using Cfg = gemm_engine::TileConfig<kBlockN>;
+  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, gemm_engine::TmaStoreEpilogue>;
+  MK_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  cudaFuncAttributes attr{};
+  MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  out.push_back({"gemm 128x" + std::to_string(kBlockN) + (kTransB ? " B[K,N]" : " B[N,K]"),
+                 attr.numRegs, static_cast<int64_t>(attr.localSizeBytes),
+                 static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
 }
 
 }  // namespace
@@ -116,14 +160,24 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
                  static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
                  block_n, sms);
   }
-  const bool trans_b = b_layout == BLayout::kKN;
-  if (block_n == 256) {
-    trans_b ? launch<256, true>(a, b, c, m, n, k, sms, stream)
-            : launch<256, false>(a, b, c, m, n, k, sms, stream);
+  if (b_layout == BLayout::kKN) {
+    launch_width<true>(block_n, a, b, c, m, n, k, sms, stream);
   } else {
-    trans_b ? launch<128, true>(a, b, c, m, n, k, sms, stream)
-            : launch<128, false>(a, b, c, m, n, k, sms, stream);
+    launch_width<false>(block_n, a, b, c, m, n, k, sms, stream);
   }
+}
+
+std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
+  std::vector<GemmKernelResources> out;
+  add_resources<64, false>(out);
+  add_resources<128, false>(out);
+  add_resources<192, false>(out);
+  add_resources<256, false>(out);
+  add_resources<64, true>(out);
+  add_resources<128, true>(out);
+  add_resources<192, true>(out);
+  add_resources<256, true>(out);
+  return out;
 }
 
 }  // namespace mk

@@ -11,14 +11,15 @@
 //   Scheduler  - which output tile a CTA computes next (and, in fused kernels, what it must wait
 //                for before loading operands)
 //   mainloop   - the stage ring: full/empty mbarriers, TMA loads, wgmma (knows nothing of comms)
-//   Epilogue   - where an accumulator tile goes (here: bounds-checked bf16 stores to C)
+//   Epilogue   - where an accumulator tile goes (here: bf16 through shared memory, TMA stores)
 //
+//   smem:     [ stage 0 | ... | stage S-1 | epilogue buffers | full[S] | empty[S] ]
 //   stage s:  [ A tile (128 x 64) | B tile (kBlockN x 64) ]   both 128-byte swizzled, K-major
 //   producer: wait empty[s] -> arm full[s] with the stage's bytes -> TMA A, TMA B
 //   consumer: wait full[s] -> 4 x wgmma k16 -> commit; once the previous stage's group retired,
 //             arrive empty[prev]
-// Partial tiles: TMA reads out-of-bounds elements as zero (K, M and N tails), the epilogue masks
-// its stores.
+// Partial tiles: TMA reads out-of-bounds elements as zero (K, M and N tails), and the epilogue's
+// TMA stores clip at the matrix edge.
 #pragma once
 
 #include <cuda.h>
@@ -35,21 +36,29 @@ namespace mk::gemm_engine {
 template <int kBlockN_>
 struct TileConfig {
   static constexpr int kBlockM = 128;       // 2 consumer warpgroups x 64 rows
-  static constexpr int kBlockN = kBlockN_;  // 256 or 128
+  static constexpr int kBlockN = kBlockN_;  // 64, 128, 192 or 256
   static constexpr int kBlockK = 64;        // 64 bf16 = 128 bytes = one swizzle row
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kABytes = kBlockM * kBlockK * 2;
   static constexpr int kBBytes = kBlockN * kBlockK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = kBlockN == 256 ? 4 : 6;
+  // Epilogue staging: per consumer, two 64 x 64 bf16 buffers (one filling while one is stored).
+  static constexpr int kEpilogueBytes = kConsumers * 2 * 64 * 64 * 2;
+  // As many stages as fit (at most 8) next to the epilogue buffers, the barriers and the
+  // 1024 bytes spent aligning everything to the swizzle atom.
+  static constexpr int kSmemLimit = 227 * 1024;
+  static constexpr int kStages =
+      (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes < 8
+          ? (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes
+          : 8;
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kEpilogueBytes + 2 * kStages * 8;
   static constexpr int kAccRegs = kBlockN / 2;  // fp32 accumulators per consumer thread
-  // Stages, then the barriers; +1024 to align the stages to the 1024-byte swizzle atom.
-  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA on sm_90");
-  static_assert(kBlockN == 128 || kBlockN == 256, "wgmma shapes instantiated in wgmma.cuh");
+  static_assert(kStages >= 3, "too few pipeline stages fit");
+  static_assert(kSmemBytes <= kSmemLimit, "shared memory per CTA on sm_90");
+  static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "tile widths of wgmma_ops.cuh");
 };
 
 // Persistent tile order: CTAs walk tiles t = blockIdx.x, blockIdx.x + gridDim.x, ...; tiles are
@@ -71,43 +80,57 @@ struct TileScheduler {
   }
 };
 
-// Stores a consumer's 64 x kBlockN accumulator slice as bf16, masking rows >= M and cols >= N.
-struct StoreEpilogue {
-  __nv_bfloat16* c;
-  int64_t ldc;
-  int m;
+// Writes a consumer's 64 x kBlockN accumulator slice to C as bf16 through shared memory and the
+// copy engine: 64-column chunks are packed into a 128-byte-swizzled 64 x 64 buffer (conflict-free
+// 4-byte stores), then one thread issues a TMA store of the chunk and the warpgroup moves on;
+// two buffers alternate, so packing chunk j overlaps the store of chunk j - 1, and the last
+// stores overlap the next tile's mainloop. TMA clips rows >= M and columns >= N.
+struct TmaStoreEpilogue {
+  CUtensorMap map;  // C [M, N] bf16, boxes of 64 rows x 64 columns, 128-byte swizzle
   int n;
+  static constexpr int kChunkBytes = 64 * 64 * 2;
 
+  // scratch: this consumer's 2 x kChunkBytes, 1024-byte aligned. All 128 threads call.
   template <int kRegs>
-  __device__ void operator()(const float (&acc)[kRegs], int row0, int col0) const {
+  __device__ void operator()(const float (&acc)[kRegs], int row0, int col0, int consumer,
+                             uint8_t* scratch) const {
+    constexpr int kChunks = kRegs / 32;  // 64 columns = 8 column blocks of 4 registers
     const int t = threadIdx.x % 128;
-    const int row = row0 + (t / 32) * 16 + (t % 32) / 4;
-    const int col_base = col0 + 2 * (t % 4);
+    const int r = (t / 32) * 16 + (t % 32) / 4;  // this thread's rows: r and r + 8
+    const int word = (t % 4) * 4;                 // byte offset inside a 16-byte chunk
+    const int barrier = 1 + consumer;
 #pragma unroll
-    for (int j = 0; j < kRegs / 4; ++j) {
-      const int col = col_base + 8 * j;
-      if (col >= n) continue;  // n is a multiple of 8: col + 1 < n as well
-      if (row < m) {
-        *reinterpret_cast<__nv_bfloat162*>(c + row * ldc + col) =
-            __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+    for (int j = 0; j < kChunks; ++j) {
+      if (col0 + 64 * j >= n) break;  // the same on every thread of the warpgroup
+      uint8_t* buf = scratch + (j % 2) * kChunkBytes;
+      if (t == 0) dev::bulk_wait_group_read<1>();  // the store that last read `buf` is done
+      dev::named_barrier_sync(barrier, 128);
+#pragma unroll
+      for (int b = 0; b < 8; ++b) {
+        const float* v = &acc[32 * j + 4 * b];
+        dev::st_shared_u32(buf + r * 128 + ((b ^ (r % 8)) * 16) + word, pack_bf16(v[0], v[1]));
+        dev::st_shared_u32(buf + (r + 8) * 128 + ((b ^ ((r + 8) % 8)) * 16) + word,
+                           pack_bf16(v[2], v[3]));
       }
-      if (row + 8 < m) {
-        *reinterpret_cast<__nv_bfloat162*>(c + (row + 8) * ldc + col) =
-            __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+      dev::fence_proxy_async_shared();
+      dev::named_barrier_sync(barrier, 128);
+      if (t == 0) {
+        dev::tma_store_2d(&map, buf, col0 + 64 * j, row0);
+        dev::bulk_commit_group();
       }
     }
   }
-};
 
-template <int kBlockN, bool kTransB>
-__device__ __forceinline__ void wgmma_tile_k16(float (&acc)[kBlockN / 2], uint64_t da, uint64_t db,
-                                               bool accumulate) {
-  if constexpr (kBlockN == 256) {
-    dev::wgmma_m64n256k16_bf16<kTransB>(acc, da, db, accumulate);
-  } else {
-    dev::wgmma_m64n128k16_bf16<kTransB>(acc, da, db, accumulate);
+  // Before the CTA exits: the copy engine has finished reading the buffers.
+  __device__ void finish() const {
+    if (threadIdx.x % 128 == 0) dev::bulk_wait_group<0>();
   }
-}
+
+  __device__ static uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
 
 // B box of an N-major stage: 64 K rows x 64 N values (128 bytes a row).
 constexpr int kMnBoxBytes = 64 * 128;
@@ -116,11 +139,12 @@ template <class Cfg, bool kTransB, class Epilogue>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
                 const __grid_constant__ CUtensorMap tma_b, int k, TileScheduler scheduler,
-                Epilogue epilogue) {
+                const __grid_constant__ Epilogue epilogue) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kStages * Cfg::kStageBytes);
+  uint8_t* epilogue_smem = smem + Cfg::kStages * Cfg::kStageBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(epilogue_smem + Cfg::kEpilogueBytes);
   uint64_t* empty = full + Cfg::kStages;
   auto stage_a = [&](int s) { return smem + s * Cfg::kStageBytes; };
   auto stage_b = [&](int s) { return smem + s * Cfg::kStageBytes + Cfg::kABytes; };
@@ -187,7 +211,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           const uint64_t db =
               kTransB ? dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes)
                       : dev::wgmma_desc_sw128(stage_b(s) + kk * 32);
-          wgmma_tile_k16<Cfg::kBlockN, kTransB>(acc, da, db, kb > 0 || kk > 0);
+          dev::wgmma_bf16<Cfg::kBlockN, kTransB>(acc, da, db, kb > 0 || kk > 0);
         }
         dev::wgmma_commit();
         dev::wgmma_fence_operands(acc);
@@ -198,8 +222,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       dev::wgmma_wait<0>();
       dev::wgmma_fence_operands(acc);
       if (leader && k_iters > 0) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
-      epilogue(acc, tm * Cfg::kBlockM + consumer * 64, tn * Cfg::kBlockN);
+      epilogue(acc, tm * Cfg::kBlockM + consumer * 64, tn * Cfg::kBlockN, consumer,
+               epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers));
     }
+    epilogue.finish();
   }
 }
 

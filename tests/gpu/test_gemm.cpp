@@ -8,6 +8,7 @@
 
 #include "gemm_reference.h"
 #include "gpu_test_util.h"
+#include "gemm/gemm_internal.h"
 #include "mkernel/gemm.h"
 
 namespace mk::test {
@@ -129,7 +130,7 @@ TEST(Gemm, EdgeShapesBothTileWidths) {
   const std::vector<Shape> shapes = {{1, 8, 8},      {1, 4096, 4096},  {7, 24, 40},
                                      {129, 264, 72}, {255, 520, 1000}, {1000, 1000, 1000},
                                      {128, 256, 64}, {333, 4104, 8}};
-  for (int block_n : {128, 256}) {
+  for (int block_n : {64, 128, 192, 256}) {
     GemmConfig config;
     config.block_n = block_n;
     for (const Shape& s : shapes) expect_gemm_matches(s, fresh_seed(), config);
@@ -141,7 +142,7 @@ TEST(Gemm, BLayoutKN) {
   MKT_REQUIRE_GPU();
   const std::vector<Shape> shapes = {{4096, 4096, 4096}, {8192, 2048, 8192}, {1, 8, 8},
                                      {129, 264, 72},     {1000, 1000, 1000}, {3000, 5120, 3584}};
-  for (int block_n : {128, 256}) {
+  for (int block_n : {64, 128, 192, 256}) {
     GemmConfig config;
     config.block_n = block_n;
     for (const Shape& s : shapes) expect_gemm_matches(s, fresh_seed(), config, BLayout::kKN);
@@ -181,16 +182,35 @@ TEST(Gemm, RejectsBadArgumentsBeforeLaunch) {
   expect([&] { gemm(q, q, q, 8, 8, 8, static_cast<BLayout>(9), nullptr); },
          ErrorCode::kInvalidArgument, "unknown B layout");
   GemmConfig bad;
-  bad.block_n = 64;
+  bad.block_n = 96;
   expect([&] { gemm(q, q, q, 8, 8, 8, BLayout::kNK, nullptr, bad); }, ErrorCode::kInvalidArgument,
-         "block_n = 64");
+         "block_n = 96");
   cudaFree(p);
+}
+
+// The compiler's resource report for every kernel instantiation: no local memory (no spills, no
+// stack), and the shared memory the kernel asks for.
+TEST(Gemm, KernelsDoNotSpill) {
+  MKT_REQUIRE_GPU();
+  const std::vector<GemmKernelResources> kernels = detail::gemm_kernel_resources();
+  ASSERT_EQ(kernels.size(), 8u);
+  for (const GemmKernelResources& k : kernels) {
+    SCOPED_TRACE(k.name);
+    EXPECT_EQ(k.local_bytes, 0) << "local memory (register spills or a stack frame)";
+    EXPECT_GT(k.max_dynamic_smem, 100 * 1024);
+    std::printf("  %-22s %3d registers, %lld bytes local, %lld bytes dynamic shared\n",
+                k.name.c_str(), k.registers, static_cast<long long>(k.local_bytes),
+                static_cast<long long>(k.max_dynamic_smem));
+  }
 }
 
 // Small cases for compute-sanitizer.
 TEST(SanitizeGemm, Small) {
   MKT_REQUIRE_GPU();
   expect_gemm_matches({200, 264, 136}, fresh_seed());
+  GemmConfig config;
+  config.block_n = 192;
+  expect_gemm_matches({130, 392, 72}, fresh_seed(), config, BLayout::kKN);
 }
 
 }  // namespace

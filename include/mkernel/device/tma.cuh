@@ -1,6 +1,14 @@
-// mkernel/device/tma.cuh - bulk tensor copies (TMA) global -> shared, completing on an mbarrier.
-// Tensor maps are built on the host (cuTensorMapEncodeTiled) and passed as
-// `const __grid_constant__ CUtensorMap` kernel parameters.
+// mkernel/device/tma.cuh - bulk tensor copies (TMA) between global and shared memory.
+// Tensor maps are built on the host (cuTensorMapEncodeTiled) and passed in `const
+// __grid_constant__` kernel parameters (directly or as a member of one).
+//
+//   load:   global -> shared, completes on an mbarrier (its transaction count).
+//   store:  shared -> global (possibly a peer GPU's memory), completes in "bulk groups" of the
+//           issuing thread: commit after issuing, then wait_group_read before overwriting the
+//           shared source, wait_group before others may read the destination.
+//   reduce: like store, but adds into the destination (fp32 / bf16 add in the memory system).
+// Shared memory written by threads must be made visible to the copy engine with
+// fence_proxy_async_shared() (then a barrier) before the store is issued.
 #pragma once
 
 #include <cuda.h>
@@ -24,6 +32,57 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       " [%0], [%1, {%3, %4}], [%2];" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
       : "memory");
+}
+
+// Stores the box at (c0, c1) of `map` from `src`; out-of-bounds elements are not written.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int32_t c0,
+                                             int32_t c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(smem_addr(src)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// Adds the box from `src` into (c0, c1) of `map` (element type of the map), out of bounds skipped.
+__device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, const void* src,
+                                                  int32_t c0, int32_t c1) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.bulk_group [%0, {%2, %3}], [%1];" ::
+          "l"(reinterpret_cast<uint64_t>(map)),
+      "r"(smem_addr(src)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit_group() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Waits until at most kPending bulk groups of this thread still read their shared source.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+
+// Waits until at most kPending bulk groups of this thread are incomplete (writes done).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// Orders this thread's shared-memory writes before later copy-engine (async proxy) reads.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Barrier among `threads` threads (a multiple of 32) on hardware barrier `id` (1..15; 0 is
+// __syncthreads).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_u32(void* p, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(smem_addr(p)), "r"(v) : "memory");
 }
 
 }  // namespace mk::dev
