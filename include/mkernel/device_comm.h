@@ -9,12 +9,13 @@ namespace mk {
 // Word (s, src) on rank r is written by rank src only. Values are signal_value(epoch, step), so
 // they only grow: consecutive launches need no reset. Each named range has one slot per channel
 // (a channel is one CTA of a persistent kernel; grids are equal on all ranks).
-constexpr int kMaxChannels = 160;  // >= SMs of any Hopper part
+constexpr int kMaxChannels = 160;     // >= SMs of any Hopper part
+constexpr int kMaxOpSignals = 4096;  // per-op slots (fused kernels: "rows i..j of my shard arrived")
 enum class SignalId : uint32_t {
   kEntry = 0,              // channel c: "rank src entered this launch"
   kExit = kMaxChannels,    // channel c: "rank src finished writing into / reading from me"
-  kOp = 2 * kMaxChannels,  // per-op use (fused kernels: tile readiness), kMaxChannels slots
-  kCount = 3 * kMaxChannels,
+  kOp = 2 * kMaxChannels,  // per-op use: kMaxOpSignals slots
+  kCount = 2 * kMaxChannels + kMaxOpSignals,
 };
 constexpr int kNumSignals = static_cast<int>(SignalId::kCount);
 

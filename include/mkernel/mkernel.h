@@ -5,5 +5,7 @@
 #include "mkernel/collectives.h"
 #include "mkernel/communicator.h"
 #include "mkernel/error.h"
+#include "mkernel/fused.h"
+#include "mkernel/gemm.h"
 #include "mkernel/topology.h"
 #include "mkernel/types.h"

@@ -42,19 +42,43 @@ void require_pointer(const void* p, const char* name, int device) {
 
 }  // namespace
 
-// 2-D tensor map over a row-major [rows, cols] bf16 matrix, boxes of [box_rows, 64 cols],
-// 128-byte swizzle; out-of-bounds reads as zero.
-CUtensorMap gemm_engine::make_map(const void* base, int64_t rows, int64_t cols, int box_rows) {
+namespace {
+
+// bf16 tensor map of `rank` dimensions (innermost first), 128-byte swizzle, boxes 64 wide.
+CUtensorMap encode(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
+                   const cuuint32_t* box) {
   CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
-  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
   MK_CU_CHECK(detail::driver().TensorMapEncodeTiled(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides, box,
       element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
   return map;
+}
+
+}  // namespace
+
+CUtensorMap gemm_engine::make_map(const void* base, int64_t rows, int64_t cols, int box_rows) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+  return encode(base, 2, dims, strides, box);
+}
+
+CUtensorMap gemm_engine::make_map_3d(const void* base, int64_t batches, int64_t rows, int64_t cols,
+                                     int box_rows) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(batches)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 2,
+                                 static_cast<cuuint64_t>(rows * cols) * 2};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};
+  return encode(base, 3, dims, strides, box);
+}
+
+// [N, K]: boxes of block_n rows x 64 K; [K, N]: boxes of 64 K rows x 64 N.
+CUtensorMap gemm_engine::make_b_map(const void* b, int64_t n, int64_t k, int block_n,
+                                    bool k_major_rows) {
+  return k_major_rows ? make_map(b, k, n, 64) : make_map(b, n, k, block_n);
 }
 
 namespace {
@@ -65,31 +89,32 @@ template <int kBlockN, bool kTransB>
 void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, int sms,
             cudaStream_t stream) {
   using Cfg = gemm_engine::TileConfig<kBlockN>;
-  const CUtensorMap map_a = make_map(a, m, k, Cfg::kBlockM);
-  // [N, K]: boxes of kBlockN rows x 64 K; [K, N]: boxes of 64 K rows x 64 N.
-  const CUtensorMap map_b = kTransB ? make_map(b, k, n, 64) : make_map(b, n, k, Cfg::kBlockN);
-  gemm_engine::TileScheduler scheduler{static_cast<int>((m + Cfg::kBlockM - 1) / Cfg::kBlockM),
-                                       static_cast<int>((n + Cfg::kBlockN - 1) / Cfg::kBlockN)};
-  gemm_engine::TmaStoreEpilogue epilogue{make_map(c, m, n, 64), static_cast<int>(n)};
-  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, gemm_engine::TmaStoreEpilogue>;
+  using Fusion = gemm_engine::PlainGemm<kBlockN>;
+  const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
+  const Fusion fusion{make_map(a, m, k, Cfg::kBlockM), make_map(c, m, n, 64),
+                      {static_cast<int>((m + Cfg::kBlockM - 1) / Cfg::kBlockM),
+                       static_cast<int>((n + Cfg::kBlockN - 1) / Cfg::kBlockN)},
+                      static_cast<int>(n)};
+  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, Fusion>;
   MK_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-  const int tiles = scheduler.tiles_m * scheduler.tiles_n;
+  const int tiles = fusion.raster.tiles_m * fusion.raster.tiles_n;
   const int grid = std::min(tiles, sms);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_a, map_b, static_cast<int>(k),
-                                                           scheduler, epilogue);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_b, static_cast<int>(k), fusion);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
     throw Error(ErrorCode::kCuda, std::string(kOp) + ": launch failed: " + cudaGetErrorString(err));
   }
 }
 
+}  // namespace
+
 // Tile width: the one with the least estimated time, waves x per-tile cost. A tile's cost grows
 // with its width but wide tiles use the tensor cores better (each wgmma re-reads the A slice from
 // shared memory whatever its width); the efficiencies are from the H200 sweep in
 // docs/PERFORMANCE.md.
-int pick_block_n(const GemmConfig& config, int64_t m, int64_t n, int sms) {
-  int block_n = config.block_n;
+int gemm_engine::pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op) {
+  int block_n = requested;
   if (block_n == 0) {
     if (const char* env = std::getenv("MKERNEL_GEMM_BLOCK_N")) block_n = std::atoi(env);
   }
@@ -108,10 +133,14 @@ int pick_block_n(const GemmConfig& config, int64_t m, int64_t n, int sms) {
     }
   }
   if (block_n != 64 && block_n != 128 && block_n != 192 && block_n != 256) {
-    invalid("block_n = " + std::to_string(block_n) + "; expected 64, 128, 192 or 256");
+    throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": block_n = " +
+                                                 std::to_string(block_n) +
+                                                 "; expected 64, 128, 192 or 256");
   }
   return block_n;
 }
+
+namespace {
 
 template <bool kTransB>
 void launch_width(int block_n, const void* a, const void* b, void* c, int64_t m, int64_t n,
@@ -127,7 +156,7 @@ void launch_width(int block_n, const void* a, const void* b, void* c, int64_t m,
 template <int kBlockN, bool kTransB>
 void add_resources(std::vector<GemmKernelResources>& out) {
   using Cfg = gemm_engine::TileConfig<kBlockN>;
-  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, gemm_engine::TmaStoreEpilogue>;
+  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, gemm_engine::PlainGemm<kBlockN>>;
   MK_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   cudaFuncAttributes attr{};
@@ -154,7 +183,7 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   require_pointer(c, "C", device);
   int sms = config.sms;
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int block_n = pick_block_n(config, m, n, sms);
+  const int block_n = gemm_engine::pick_block_n(config.block_n, m, n, sms, kOp);
   if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr) {
     std::fprintf(stderr, "[mkernel] gemm %lldx%lldx%lld: block 128x%dx64, %d SMs\n",
                  static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),

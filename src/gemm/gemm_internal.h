@@ -13,6 +13,14 @@ namespace gemm_engine {
 // 2-D tensor map over a row-major [rows, cols] bf16 matrix, boxes of [box_rows, 64 cols] with
 // 128-byte swizzling; out-of-bounds reads as zero, out-of-bounds writes are dropped.
 CUtensorMap make_map(const void* base, int64_t rows, int64_t cols, int box_rows);
+// The same over [batches, rows, cols] (boxes of one batch): rows clip at each batch's end.
+CUtensorMap make_map_3d(const void* base, int64_t batches, int64_t rows, int64_t cols,
+                        int box_rows);
+// B's map: [N, K] row-major (k_major_rows false) or [K, N] row-major (true).
+CUtensorMap make_b_map(const void* b, int64_t n, int64_t k, int block_n, bool k_major_rows);
+// Tile width for an [m, n] output on `sms` CTAs: `requested` if not 0, else MKERNEL_GEMM_BLOCK_N,
+// else the width with the fewest estimated tile-waves. Throws (naming `op`) on a bad width.
+int pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op);
 }  // namespace gemm_engine
 
 struct GemmKernelResources {

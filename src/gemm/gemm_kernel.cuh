@@ -1,20 +1,25 @@
 // The GEMM engine's kernel: persistent, warp-specialised, TMA + wgmma (sm_90a).
 //
-//   C[M, N] (bf16) = A[M, K] (bf16, row-major) * B^T, fp32 accumulation, where B is [N, K]
+//   C (bf16) = A (bf16, row-major, K-major tiles) * B^T, fp32 accumulation, where B is [N, K]
 //   row-major (the nn.Linear weight layout, K-major tiles) or, with kTransB, [K, N] row-major
 //   (N-major tiles: the B stage holds kBlockN / 64 boxes of [64 K rows][64 N values]).
 //
 // One CTA per SM. Warpgroup 0 is the producer (one thread issues TMA loads of A and B tiles into
-// a ring of kStages shared-memory stages); warpgroups 1..kConsumers are consumers, each owning 64
-// rows of the 128-row tile and issuing wgmma on them. The pieces, so that fused kernels can swap
-// them:
-//   Scheduler  - which output tile a CTA computes next (and, in fused kernels, what it must wait
-//                for before loading operands)
-//   mainloop   - the stage ring: full/empty mbarriers, TMA loads, wgmma (knows nothing of comms)
-//   Epilogue   - where an accumulator tile goes (here: bf16 through shared memory, TMA stores)
+// a ring of kStages shared-memory stages; its other three warps are free for a fused kernel's side
+// task, e.g. pushing this rank's rows to its peers); warpgroups 1..kConsumers are consumers, each
+// owning 64 rows of the 128-row tile and issuing wgmma on them.
+//
+// The kernel is the mainloop; a Fusion policy supplies everything else, so that the plain GEMM and
+// the fused kernels share it (see PlainGemm below for the trivial one):
+//   num_tiles(), tile(t)          scheduler: which output tile the t-th work item is
+//   wait_operands(tile)           producer, before the tile's first load (fused: "rows arrived")
+//   load_a(dst, bar, tile, k0)    TMA of the tile's A box (the policy knows where A lives)
+//   store(acc, tile, consumer, scratch)   epilogue: where a consumer's 64 x kBlockN slice goes
+//   side_task(thread, threads)    producer warps 1..3 (96 threads): communication, or nothing
+//   finish()                      every thread, last (fused: end of the launch's bookkeeping)
 //
 //   smem:     [ stage 0 | ... | stage S-1 | epilogue buffers | full[S] | empty[S] ]
-//   stage s:  [ A tile (128 x 64) | B tile (kBlockN x 64) ]   both 128-byte swizzled, K-major
+//   stage s:  [ A tile (128 x 64) | B tile (kBlockN x 64) ]   both 128-byte swizzled
 //   producer: wait empty[s] -> arm full[s] with the stage's bytes -> TMA A, TMA B
 //   consumer: wait full[s] -> 4 x wgmma k16 -> commit; once the previous stage's group retired,
 //             arrive empty[prev]
@@ -61,10 +66,10 @@ struct TileConfig {
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "tile widths of wgmma_ops.cuh");
 };
 
-// Persistent tile order: CTAs walk tiles t = blockIdx.x, blockIdx.x + gridDim.x, ...; tiles are
-// numbered in groups of kGroupM tile-rows, column by column inside a group, so the CTAs running
-// at the same time share A rows and B columns in L2.
-struct TileScheduler {
+// Persistent tile order: CTAs walk work items t = blockIdx.x, blockIdx.x + gridDim.x, ...;
+// tiles are numbered in groups of kGroupM tile-rows, column by column inside a group, so the CTAs
+// running at the same time share A rows and B columns in L2.
+struct GroupedRaster {
   static constexpr int kGroupM = 16;
   int tiles_m;
   int tiles_n;
@@ -80,66 +85,93 @@ struct TileScheduler {
   }
 };
 
-// Writes a consumer's 64 x kBlockN accumulator slice to C as bf16 through shared memory and the
-// copy engine: 64-column chunks are packed into a 128-byte-swizzled 64 x 64 buffer (conflict-free
-// 4-byte stores), then one thread issues a TMA store of the chunk and the warpgroup moves on;
-// two buffers alternate, so packing chunk j overlaps the store of chunk j - 1, and the last
-// stores overlap the next tile's mainloop. TMA clips rows >= M and columns >= N.
-struct TmaStoreEpilogue {
-  CUtensorMap map;  // C [M, N] bf16, boxes of 64 rows x 64 columns, 128-byte swizzle
+// One output tile: tile-row m (of `shard`'s rows, for kernels whose A comes in shards) and
+// tile-column n.
+struct Tile {
+  int m;
   int n;
-  static constexpr int kChunkBytes = 64 * 64 * 2;
+  int shard;
+};
 
-  // scratch: this consumer's 2 x kChunkBytes, 1024-byte aligned. All 128 threads call.
-  template <int kRegs>
-  __device__ void operator()(const float (&acc)[kRegs], int row0, int col0, int consumer,
-                             uint8_t* scratch) const {
-    constexpr int kChunks = kRegs / 32;  // 64 columns = 8 column blocks of 4 registers
-    const int t = threadIdx.x % 128;
-    const int r = (t / 32) * 16 + (t % 32) / 4;  // this thread's rows: r and r + 8
-    const int word = (t % 4) * 4;                 // byte offset inside a 16-byte chunk
-    const int barrier = 1 + consumer;
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The epilogue's data path: a consumer's 64 x (2 kRegs) accumulator slice goes out as bf16 in
+// 64-column chunks. Each chunk is packed into a 128-byte-swizzled 64 x 64 buffer (conflict-free
+// 4-byte stores), then thread 0 of the warpgroup calls issue(buf, j) - a TMA store (or reduce)
+// of chunk j wherever the policy wants it - and the warpgroup moves on. Two buffers alternate,
+// so packing chunk j overlaps the store of chunk j - 1 and the last stores overlap the next
+// tile's mainloop. Chunks at column >= n are skipped. All 128 threads of the warpgroup call.
+// The kernel waits for the last stores before it exits.
+template <int kRegs, class Issue>
+__device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0, int n, int consumer,
+                                            uint8_t* scratch, Issue&& issue) {
+  constexpr int kChunks = kRegs / 32;  // 64 columns = 8 column blocks of 4 registers
+  constexpr int kChunkBytes = 64 * 64 * 2;
+  const int t = threadIdx.x % 128;
+  const int r = (t / 32) * 16 + (t % 32) / 4;  // this thread's rows: r and r + 8
+  const int word = (t % 4) * 4;                 // byte offset inside a 16-byte chunk
+  const int barrier = 1 + consumer;
 #pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
-      if (col0 + 64 * j >= n) break;  // the same on every thread of the warpgroup
-      uint8_t* buf = scratch + (j % 2) * kChunkBytes;
-      if (t == 0) dev::bulk_wait_group_read<1>();  // the store that last read `buf` is done
-      dev::named_barrier_sync(barrier, 128);
+  for (int j = 0; j < kChunks; ++j) {
+    if (col0 + 64 * j >= n) break;  // the same on every thread of the warpgroup
+    uint8_t* buf = scratch + (j % 2) * kChunkBytes;
+    if (t == 0) dev::bulk_wait_group_read<1>();  // the store that last read `buf` is done
+    dev::named_barrier_sync(barrier, 128);
 #pragma unroll
-      for (int b = 0; b < 8; ++b) {
-        const float* v = &acc[32 * j + 4 * b];
-        dev::st_shared_u32(buf + r * 128 + ((b ^ (r % 8)) * 16) + word, pack_bf16(v[0], v[1]));
-        dev::st_shared_u32(buf + (r + 8) * 128 + ((b ^ ((r + 8) % 8)) * 16) + word,
-                           pack_bf16(v[2], v[3]));
-      }
-      dev::fence_proxy_async_shared();
-      dev::named_barrier_sync(barrier, 128);
-      if (t == 0) {
-        dev::tma_store_2d(&map, buf, col0 + 64 * j, row0);
-        dev::bulk_commit_group();
-      }
+    for (int b = 0; b < 8; ++b) {
+      const float* v = &acc[32 * j + 4 * b];
+      dev::st_shared_u32(buf + r * 128 + ((b ^ (r % 8)) * 16) + word, pack_bf16(v[0], v[1]));
+      dev::st_shared_u32(buf + (r + 8) * 128 + ((b ^ ((r + 8) % 8)) * 16) + word,
+                         pack_bf16(v[2], v[3]));
+    }
+    dev::fence_proxy_async_shared();
+    dev::named_barrier_sync(barrier, 128);
+    if (t == 0) {
+      issue(buf, j);
+      dev::bulk_commit_group();
     }
   }
+}
 
-  // Before the CTA exits: the copy engine has finished reading the buffers.
-  __device__ void finish() const {
-    if (threadIdx.x % 128 == 0) dev::bulk_wait_group<0>();
-  }
+// The plain GEMM: C[M, N] = A[M, K] B^T, the grouped raster, local TMA stores.
+template <int kBlockN>
+struct PlainGemm {
+  CUtensorMap a;  // A [M, K], boxes of 128 rows x 64
+  CUtensorMap c;  // C [M, N], boxes of 64 rows x 64 columns
+  GroupedRaster raster;
+  int n;
 
-  __device__ static uint32_t pack_bf16(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
+  __device__ int num_tiles() const { return raster.num_tiles(); }
+  __device__ Tile tile(int t) const {
+    Tile tile{0, 0, 0};
+    raster.tile(t, tile.m, tile.n);
+    return tile;
   }
+  __device__ void wait_operands(const Tile&) const {}
+  __device__ void load_a(void* dst, uint64_t* bar, const Tile& tile, int k0) const {
+    dev::tma_load_2d(dst, &a, bar, k0, tile.m * 128);
+  }
+  template <int kRegs>
+  __device__ void store(const float (&acc)[kRegs], const Tile& tile, int consumer,
+                        uint8_t* scratch) const {
+    const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
+    store_slice(acc, col0, n, consumer, scratch,
+                [&](const uint8_t* buf, int j) { dev::tma_store_2d(&c, buf, col0 + 64 * j, row0); });
+  }
+  __device__ void side_task(int, int) const {}
+  __device__ void finish() const {}
 };
 
 // B box of an N-major stage: 64 K rows x 64 N values (128 bytes a row).
 constexpr int kMnBoxBytes = 64 * 128;
 
-template <class Cfg, bool kTransB, class Epilogue>
+template <class Cfg, bool kTransB, class Fusion>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    gemm_kernel(const __grid_constant__ CUtensorMap tma_a,
-                const __grid_constant__ CUtensorMap tma_b, int k, TileScheduler scheduler,
-                const __grid_constant__ Epilogue epilogue) {
+    gemm_kernel(const __grid_constant__ CUtensorMap tma_b, int k,
+                const __grid_constant__ Fusion fusion) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -165,18 +197,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // ---- producer ----
     dev::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (threadIdx.x == 0) {
-      dev::tma_prefetch_descriptor(&tma_a);
       dev::tma_prefetch_descriptor(&tma_b);
       int it = 0;  // k-iterations issued by this CTA, across tiles: position in the stage ring
-      for (int t = blockIdx.x; t < scheduler.num_tiles(); t += gridDim.x) {
-        int tm, tn;
-        scheduler.tile(t, tm, tn);
+      for (int t = blockIdx.x; t < fusion.num_tiles(); t += gridDim.x) {
+        const Tile tile = fusion.tile(t);
+        fusion.wait_operands(tile);
+        const int tn = tile.n;
         for (int kb = 0; kb < k_iters; ++kb, ++it) {
           const int s = it % Cfg::kStages;
           const uint32_t phase = (it / Cfg::kStages) & 1;
           dev::mbarrier_wait(&empty[s], phase ^ 1);  // first lap passes at once
           dev::mbarrier_arrive_expect_tx(&full[s], Cfg::kStageBytes);
-          dev::tma_load_2d(stage_a(s), &tma_a, &full[s], kb * Cfg::kBlockK, tm * Cfg::kBlockM);
+          fusion.load_a(stage_a(s), &full[s], tile, kb * Cfg::kBlockK);
           if constexpr (kTransB) {
 #pragma unroll
             for (int j = 0; j < Cfg::kBlockN / 64; ++j) {
@@ -188,6 +220,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           }
         }
       }
+    } else if (threadIdx.x >= 32) {
+      fusion.side_task(threadIdx.x - 32, 96);
     }
   } else {
     // ---- consumers ----
@@ -196,9 +230,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const bool leader = threadIdx.x % 128 == 0;
     float acc[Cfg::kAccRegs];
     int it = 0;
-    for (int t = blockIdx.x; t < scheduler.num_tiles(); t += gridDim.x) {
-      int tm, tn;
-      scheduler.tile(t, tm, tn);
+    for (int t = blockIdx.x; t < fusion.num_tiles(); t += gridDim.x) {
+      const Tile tile = fusion.tile(t);
       for (int kb = 0; kb < k_iters; ++kb, ++it) {
         const int s = it % Cfg::kStages;
         const uint32_t phase = (it / Cfg::kStages) & 1;
@@ -222,11 +255,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       dev::wgmma_wait<0>();
       dev::wgmma_fence_operands(acc);
       if (leader && k_iters > 0) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
-      epilogue(acc, tm * Cfg::kBlockM + consumer * 64, tn * Cfg::kBlockN, consumer,
-               epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers));
+      fusion.store(acc, tile, consumer,
+                   epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers));
     }
-    epilogue.finish();
+    if (leader) dev::bulk_wait_group<0>();  // the last stores have landed
   }
+  fusion.finish();
 }
 
 }  // namespace mk::gemm_engine

@@ -48,10 +48,13 @@ uint64_t read_signal(const detail::CommState& s, uint32_t signal, int src) {
 }  // namespace
 
 std::string describe_signal(uint32_t signal) {
+  if (signal >= static_cast<uint32_t>(SignalId::kOp)) {
+    return "op signal " + std::to_string(signal - static_cast<uint32_t>(SignalId::kOp));
+  }
   const uint32_t range = signal / kMaxChannels;
   const uint32_t channel = signal % kMaxChannels;
-  const char* name = range == 0 ? "entry barrier" : range == 1 ? "exit barrier" : "op signal";
-  return std::string(name) + ", channel " + std::to_string(channel);
+  return std::string(range == 0 ? "entry barrier" : "exit barrier") + ", channel " +
+         std::to_string(channel);
 }
 
 // ---- SymmetricBuffer ---------------------------------------------------------------------------
@@ -152,6 +155,7 @@ std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
   MK_CUDA_CHECK(
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.error_device), s.error_host, 0));
   detail::preload_collective_kernels();  // no lazy loading behind a peer's waiting kernel
+  detail::preload_ag_gemm_kernels();
   MK_CUDA_CHECK(cudaDeviceSynchronize());
   s.bootstrap->barrier();  // nobody signals into a pad before its owner has zeroed it
   return comm;

@@ -1,0 +1,64 @@
+// mkernel/fused.h - GEMMs fused with the collective around them, in one persistent launch.
+//
+// Tensor-parallel linear layers: the collective's data moves over NVLink while the GEMM engine
+// (mkernel/gemm.h) computes, tile by tile, so that communication hides behind compute.
+// Stream-ordered, no host synchronisation, capturable in CUDA graphs; argument errors throw
+// mk::Error before anything is launched. Intra-node only for now (one node).
+//
+// Workspace: symmetric memory the caller allocates once (Communicator::alloc) and passes to every
+// call, at the same offset on every rank; *_workspace_bytes says how much. Calls on one
+// communicator must be issued in the same order on every rank (as with NCCL).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "mkernel/communicator.h"
+#include "mkernel/gemm.h"
+
+namespace mk {
+
+// Knobs of the fused GEMMs. 0 = picked by the library (the same on every rank: it depends only on
+// the shapes and the topology). MKERNEL_PRINT_CONFIG=1 prints the choice on rank 0.
+struct FusedGemmConfig {
+  int block_n = 0;     // GEMM tile width: 64, 128, 192 or 256 (MKERNEL_GEMM_BLOCK_N overrides)
+  int comm_ctas = 0;   // CTAs whose spare warps move data; 0 = all of them
+  int piece_rows = 0;  // rows moved per signal (the unit the GEMM waits for); 0 = ~128 KiB pieces
+  int sms = 0;         // persistent CTAs; 0 = the communicator's SM budget
+};
+
+// What a fused GEMM call will do (the same on every rank), for printing and for tests.
+struct FusedGemmPlan {
+  int64_t shard_rows = 0;         // rows of one rank's shard
+  int block_n = 0;                // GEMM tile width (tiles are 128 x block_n)
+  int ctas = 0;                   // persistent CTAs
+  int comm_ctas = 0;              // of which move data
+  int piece_rows = 0;             // rows per signalled piece
+  int pieces = 0;                 // pieces per shard
+  std::size_t workspace_bytes = 0;
+  std::string describe() const;  // one line
+};
+
+// ---- AllGather + GEMM --------------------------------------------------------------------------
+// C[M, N] = concat over ranks r of A_r  @  op(B), on every rank, where
+//   a_shard:   this rank's A_r, [M / world, K] row-major bf16 (any device memory)
+//   b:         this rank's B, [N, K] (BLayout::kNK) or [K, N] (kKN) row-major bf16
+//   c:         [M, N] row-major bf16 (any device memory)
+//   workspace: ag_gemm_workspace_bytes(m, k) bytes inside a symmetric buffer (holds the gathered A)
+//   gathered_a: optional [M, K] output of the gathered A (nullptr: not written)
+// M divisible by the world size (shards of any number of rows); N and K multiples of 8.
+// Each rank computes its own rows first while its shard is pushed to the peers, piece by piece;
+// a peer's rows are computed once their pieces have arrived.
+std::size_t ag_gemm_workspace_bytes(int64_t m, int64_t k);
+void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, int64_t m, int64_t n,
+             int64_t k, BLayout b_layout, void* workspace, cudaStream_t stream,
+             const FusedGemmConfig& config = {}, void* gathered_a = nullptr);
+
+// The plan ag_gemm follows for these arguments (throws on the errors ag_gemm would throw on).
+FusedGemmPlan ag_gemm_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
+                           const FusedGemmConfig& config = {});
+
+}  // namespace mk

@@ -1,0 +1,200 @@
+// Host side of AllGather + GEMM: validate -> pick the configuration -> tensor maps -> launch.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "fused/ag_gemm.cuh"
+#include "fused/fused_common.h"
+#include "gemm/gemm_internal.h"
+#include "mkernel/error.h"
+#include "mkernel/fused.h"
+#include "runtime/cuda_check.h"
+#include "runtime/device_guard.h"
+#include "runtime/validate.h"
+
+namespace mk {
+namespace {
+
+constexpr const char* kOp = "ag_gemm";
+
+[[noreturn]] void invalid(const std::string& what) {
+  throw Error(ErrorCode::kInvalidArgument, std::string(kOp) + ": " + what);
+}
+
+using AgGemmPlan = FusedGemmPlan;
+
+AgGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
+                const FusedGemmConfig& config) {
+  const int world = comm.world_size();
+  if (m < world || m % world != 0) {
+    invalid("M = " + std::to_string(m) + " is not a positive multiple of the world size " +
+            std::to_string(world));
+  }
+  if (n < 8 || n % 8 != 0) invalid("N = " + std::to_string(n) + "; expected a multiple of 8");
+  if (k < 8 || k % 8 != 0) invalid("K = " + std::to_string(k) + "; expected a multiple of 8");
+  if (m >= (int64_t{1} << 31) || n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31)) {
+    invalid("M, N and K must each be < 2^31");
+  }
+  AgGemmPlan p{};
+  p.shard_rows = m / world;
+  const int64_t tiles_m = (p.shard_rows + 127) / 128;
+  const int budget = fused::sm_budget(comm, config.sms, kOp);
+  p.block_n = gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);
+  const int64_t tiles = world * tiles_m * ((n + p.block_n - 1) / p.block_n);
+  p.ctas = static_cast<int>(std::min<int64_t>(tiles, budget));
+  p.comm_ctas = config.comm_ctas > 0 ? std::min(config.comm_ctas, p.ctas) : p.ctas;
+  if (config.comm_ctas < 0) invalid("comm_ctas = " + std::to_string(config.comm_ctas));
+  const int64_t row_bytes = k * 2;
+  int64_t piece_rows = config.piece_rows;
+  if (piece_rows < 0) invalid("piece_rows = " + std::to_string(piece_rows));
+  if (piece_rows == 0) piece_rows = std::max<int64_t>(1, (int64_t{128} << 10) / row_bytes);
+  piece_rows = std::min(piece_rows, p.shard_rows);
+  // One op signal per piece: at most kMaxOpSignals pieces per shard.
+  piece_rows = std::max(piece_rows, (p.shard_rows + kMaxOpSignals - 1) / kMaxOpSignals);
+  p.piece_rows = static_cast<int>(piece_rows);
+  p.pieces = static_cast<int>((p.shard_rows + piece_rows - 1) / piece_rows);
+  p.workspace_bytes = ag_gemm_workspace_bytes(m, k);
+  return p;
+}
+
+template <int kBlockN, bool kTransB>
+void launch(const Communicator& comm, const AgGemmPlan& p, const void* a_shard, const void* b,
+            void* c, int64_t n, int64_t k, const SymmetricRange& ws, void* workspace,
+            cudaStream_t stream) {
+  using Cfg = gemm_engine::TileConfig<kBlockN>;
+  using Fusion = fused::AgGemmFusion<kBlockN>;
+  const int world = comm.world_size();
+  Fusion f{};
+  f.a_local = gemm_engine::make_map(a_shard, p.shard_rows, k, 128);
+  f.a_gathered = gemm_engine::make_map_3d(workspace, world, p.shard_rows, k, 128);
+  f.c = gemm_engine::make_map_3d(c, world, p.shard_rows, n, 64);
+  f.comm = comm.device_comm();
+  f.a_shard = static_cast<const uint8_t*>(a_shard);
+  f.ws_peers = ws.device_peers;
+  f.ws_offset = ws.offset;
+  f.row_bytes = static_cast<uint64_t>(k) * 2;
+  f.shard_rows = static_cast<int>(p.shard_rows);
+  f.n = static_cast<int>(n);
+  f.raster = {static_cast<int>((p.shard_rows + 127) / 128), static_cast<int>((n + kBlockN - 1) / kBlockN)};
+  f.piece_rows = p.piece_rows;
+  f.pieces = p.pieces;
+  f.comm_ctas = p.comm_ctas;
+  const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
+  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, Fusion>;
+  MK_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  kernel<<<p.ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_b, static_cast<int>(k), f);
+  fused::launch_check(kOp);
+}
+
+template <bool kTransB>
+void launch_width(const Communicator& comm, const AgGemmPlan& p, const void* a_shard,
+                  const void* b, void* c, int64_t n, int64_t k, const SymmetricRange& ws,
+                  void* workspace, cudaStream_t stream) {
+  switch (p.block_n) {
+    case 64: return launch<64, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
+    case 128: return launch<128, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
+    case 192: return launch<192, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
+    default: return launch<256, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
+  }
+}
+
+template <int kBlockN, bool kTransB>
+void preload_one() {
+  using Cfg = gemm_engine::TileConfig<kBlockN>;
+  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, fused::AgGemmFusion<kBlockN>>;
+  MK_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+}
+
+}  // namespace
+
+std::size_t ag_gemm_workspace_bytes(int64_t m, int64_t k) {
+  if (m < 0 || k < 0) invalid("negative M or K");
+  return static_cast<std::size_t>(m) * static_cast<std::size_t>(k) * 2;
+}
+
+FusedGemmPlan ag_gemm_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
+                           const FusedGemmConfig& config) {
+  return plan(comm, m, n, k, config);
+}
+
+std::string FusedGemmPlan::describe() const {
+  char line[256];
+  std::snprintf(line, sizeof(line),
+                "shards of %lld rows, tiles 128x%d, %d CTAs (%d moving data), pieces of %d rows "
+                "(%d per shard), workspace %zu bytes",
+                static_cast<long long>(shard_rows), block_n, ctas, comm_ctas, piece_rows, pieces,
+                workspace_bytes);
+  return line;
+}
+
+void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, int64_t m, int64_t n,
+             int64_t k, BLayout b_layout, void* workspace, cudaStream_t stream,
+             const FusedGemmConfig& config, void* gathered_a) {
+  detail::DeviceGuard guard(comm.device());
+  detail::require_usable(comm, kOp);
+  detail::require_single_node(comm, kOp);
+  detail::require_stream(comm, stream, kOp);
+  if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) invalid("unknown B layout");
+  const AgGemmPlan p = plan(comm, m, n, k, config);
+  const std::size_t shard_bytes = static_cast<std::size_t>(p.shard_rows) * k * 2;
+  const std::size_t ws_bytes = ag_gemm_workspace_bytes(m, k);
+  detail::require_device_pointer(comm, a_shard, 16, kOp, "a_shard");
+  detail::require_device_pointer(comm, b, 16, kOp, "B");
+  detail::require_device_pointer(comm, c, 16, kOp, "C");
+  detail::require_device_pointer(comm, workspace, 16, kOp, "workspace");
+  const SymmetricRange ws = detail::require_symmetric(comm, workspace, ws_bytes, kOp, "workspace");
+  if (ws.offset % 16 != 0) invalid("workspace offset in its symmetric buffer is not 16-byte aligned");
+  const std::size_t c_bytes = static_cast<std::size_t>(m) * n * 2;
+  if (detail::overlaps(c, c_bytes, workspace, ws_bytes) ||
+      detail::overlaps(a_shard, shard_bytes, workspace, ws_bytes) ||
+      detail::overlaps(c, c_bytes, a_shard, shard_bytes)) {
+    invalid("A shard, C and the workspace must not overlap");
+  }
+  if (gathered_a != nullptr) {
+    detail::require_device_pointer(comm, gathered_a, 16, kOp, "gathered_a");
+    if (detail::overlaps(gathered_a, ws_bytes, workspace, ws_bytes)) {
+      invalid("gathered_a must not overlap the workspace");
+    }
+  }
+  if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr && comm.rank() == 0) {
+    std::fprintf(stderr, "[mkernel] ag_gemm %lldx%lldx%lld: %s\n", static_cast<long long>(m),
+                 static_cast<long long>(n), static_cast<long long>(k), p.describe().c_str());
+  }
+  if (b_layout == BLayout::kKN) {
+    launch_width<true>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
+  } else {
+    launch_width<false>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
+  }
+  if (gathered_a != nullptr) {
+    // The peers' shards from the workspace, this rank's from a_shard (not in the workspace).
+    const int r = comm.rank();
+    auto* out = static_cast<char*>(gathered_a);
+    const auto* in = static_cast<const char*>(workspace);
+    if (r > 0) MK_CUDA_CHECK(cudaMemcpyAsync(out, in, r * shard_bytes, cudaMemcpyDeviceToDevice, stream));
+    MK_CUDA_CHECK(cudaMemcpyAsync(out + r * shard_bytes, a_shard, shard_bytes,
+                                  cudaMemcpyDeviceToDevice, stream));
+    const std::size_t rest = (comm.world_size() - 1 - r) * shard_bytes;
+    if (rest > 0) {
+      MK_CUDA_CHECK(cudaMemcpyAsync(out + (r + 1) * shard_bytes, in + (r + 1) * shard_bytes, rest,
+                                    cudaMemcpyDeviceToDevice, stream));
+    }
+  }
+}
+
+namespace detail {
+void preload_ag_gemm_kernels() {
+  preload_one<64, false>();
+  preload_one<128, false>();
+  preload_one<192, false>();
+  preload_one<256, false>();
+  preload_one<64, true>();
+  preload_one<128, true>();
+  preload_one<192, true>();
+  preload_one<256, true>();
+}
+}  // namespace detail
+
+}  // namespace mk

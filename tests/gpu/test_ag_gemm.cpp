@@ -1,0 +1,288 @@
+// AllGather + GEMM (mk::ag_gemm) at world sizes 1, 2, 4 and 8 - in one process (threads; ranks
+// share a GPU when there are fewer GPUs than ranks) and as mkrun processes - against:
+//   - the gathered A: bitwise equal to the concatenation of every rank's shard (what NCCL's
+//     all_gather returns, rebuilt locally from the shared seeds);
+//   - C: bitwise equal to the plain GEMM engine on the gathered A with the same tile width, and
+//     within the tolerance rule of the fp64 product (twice cuBLAS's error).
+// Fresh random data each run, outputs poisoned before each call, shards of rows that are not a
+// multiple of the 128-row tile. Also: CUDA-graph replay with new inputs, the time limit when a
+// rank never joins, and argument errors.
+#include <chrono>
+
+#include "collective_checks.h"
+#include "gemm_reference.h"
+#include "mkernel/fused.h"
+
+namespace mk::test {
+namespace {
+
+struct AgCase {
+  int64_t shard_rows, n, k;
+  BLayout layout;
+  int block_n;  // 0 = heuristic
+};
+
+std::string describe(const AgCase& c, int world) {
+  return "ag_gemm world " + std::to_string(world) + ", shard " + std::to_string(c.shard_rows) +
+         " x N " + std::to_string(c.n) + " x K " + std::to_string(c.k) +
+         (c.layout == BLayout::kKN ? ", B [K, N]" : ", B [N, K]") + ", block_n " +
+         std::to_string(c.block_n);
+}
+
+uint64_t shard_seed(uint64_t seed, int rank) { return seed * 1000003u + rank; }
+
+void expect_ag_gemm(Communicator& comm, const AgCase& c, uint64_t seed,
+                    FusedGemmConfig config = {}) {
+  const int world = comm.world_size(), rank = comm.rank();
+  SCOPED_TRACE(describe(c, world) + ", rank " + std::to_string(rank));
+  const int64_t m = c.shard_rows * world, n = c.n, k = c.k;
+  const bool kn = c.layout == BLayout::kKN;
+  config.block_n = c.block_n;
+  SymmetricBuffer ws = comm.alloc(ag_gemm_workspace_bytes(m, k));
+  cudaStream_t stream;
+  MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  void *a_shard, *b, *c_out, *gathered, *a_full, *c_ref, *c_blas;
+  MKT_CUDA(cudaMalloc(&a_shard, c.shard_rows * k * 2));
+  MKT_CUDA(cudaMalloc(&b, n * k * 2));
+  MKT_CUDA(cudaMalloc(&c_out, m * n * 2));
+  MKT_CUDA(cudaMalloc(&gathered, m * k * 2));
+  MKT_CUDA(cudaMalloc(&a_full, m * k * 2));
+  MKT_CUDA(cudaMalloc(&c_ref, m * n * 2));
+  MKT_CUDA(cudaMalloc(&c_blas, m * n * 2));
+  cublasHandle_t blas;
+  ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+  cublasSetStream(blas, stream);
+  fill_random_bf16(a_shard, c.shard_rows * k, shard_seed(seed, rank), stream);
+  fill_random_bf16(b, n * k, seed ^ (0x77 + rank), stream);  // each rank its own B
+  for (int s = 0; s < world; ++s) {
+    fill_random_bf16(static_cast<char*>(a_full) + s * c.shard_rows * k * 2, c.shard_rows * k,
+                     shard_seed(seed, s), stream);
+  }
+  MKT_CUDA(cudaMemsetAsync(c_out, 0xFF, m * n * 2, stream));  // bf16 NaN: unwritten shows
+  MKT_CUDA(cudaMemsetAsync(gathered, 0xFF, m * k * 2, stream));
+  // The workspace too: stale rows from an earlier case must not pass for new ones.
+  MKT_CUDA(cudaMemsetAsync(ws.data(), 0xFF, ws.size(), stream));
+  ready(comm, stream);
+
+  ag_gemm(comm, a_shard, b, c_out, m, n, k, c.layout, ws.data(), stream, config, gathered);
+  comm.synchronize(stream);
+
+  EXPECT_EQ(count_different_bytes16(gathered, a_full, m * k * 2, stream), 0u)
+      << "gathered A differs from the concatenated shards";
+  EXPECT_EQ(count_nans_bf16(c_out, m * n, stream), 0u) << "C elements unwritten (or NaN)";
+  GemmConfig plain;
+  plain.block_n = ag_gemm_plan(comm, m, n, k, config).block_n;
+  gemm(a_full, b, c_ref, m, n, k, c.layout, stream, plain);
+  cublas_gemm(blas, a_full, b, c_blas, m, n, k, kn);
+  EXPECT_EQ(count_different_bytes16(c_out, c_ref, m * n * 2, stream), 0u)
+      << "C differs from the GEMM engine on the gathered A (tile width " << plain.block_n << ")";
+  const SampledErrors err = sampled_errors(c_out, c_blas, a_full, b, m, n, k, kn, seed, stream);
+  EXPECT_LE(err.ours, 2 * err.cublas + 1e-6)
+      << "error " << err.ours << ", cuBLAS error " << err.cublas;
+
+  comm.bootstrap().barrier();  // no peer kernel is waiting for us while we free
+  cublasDestroy(blas);
+  for (void* p : {a_shard, b, c_out, gathered, a_full, c_ref, c_blas}) cudaFree(p);
+  cudaStreamDestroy(stream);
+}
+
+void expect_ag_gemm_cases(Communicator& comm) {
+  const uint64_t seed = shared_seed(comm);
+  const std::vector<AgCase> cases = {
+      {1, 8, 8, BLayout::kNK, 0},           {200, 264, 136, BLayout::kNK, 0},
+      {200, 264, 136, BLayout::kKN, 192},   {333, 520, 1000, BLayout::kNK, 64},
+      {1000, 1024, 1024, BLayout::kKN, 0},  {1000, 1024, 1024, BLayout::kNK, 256},
+      {2048, 2048, 512, BLayout::kNK, 128},
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) expect_ag_gemm(comm, cases[i], seed + i);
+  // Small pieces (many signals per tile) and only a few pushing CTAs.
+  FusedGemmConfig few;
+  few.comm_ctas = 3;
+  few.piece_rows = 5;
+  expect_ag_gemm(comm, {517, 384, 256, BLayout::kNK, 0}, seed + 100, few);
+}
+
+class InProcessAgGemm : public ::testing::TestWithParam<int> {};
+
+TEST_P(InProcessAgGemm, MatchesReference) {
+  MKT_REQUIRE_GPU();
+  run_in_process(GetParam(), expect_ag_gemm_cases);
+}
+
+INSTANTIATE_TEST_SUITE_P(World, InProcessAgGemm, ::testing::Values(1, 2, 4, 8),
+                         [](const auto& info) { return "w" + std::to_string(info.param); });
+
+TEST(InProcessAgGemm, LargeWorld2) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) {
+    const uint64_t seed = shared_seed(comm);
+    expect_ag_gemm(comm, {4096, 4096, 4096, BLayout::kNK, 0}, seed);
+    expect_ag_gemm(comm, {1000, 8192, 8192, BLayout::kKN, 0}, seed + 1);
+  });
+}
+
+TEST(LaunchedAgGemm, MatchesReference) {
+  MKT_REQUIRE_MKRUN();
+  auto comm = launched_comm();
+  expect_ag_gemm_cases(*comm);
+}
+
+TEST(SanitizeAgGemm, SmallWorld2) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) {
+    const uint64_t seed = shared_seed(comm);
+    expect_ag_gemm(comm, {130, 136, 72, BLayout::kNK, 0}, seed);
+    expect_ag_gemm(comm, {70, 200, 64, BLayout::kKN, 64}, seed + 1);
+  });
+}
+
+// One graph = ag_gemm -> copy C into a history slot. Before each replay the inputs change
+// (a new shard is copied in); every replay's C must match the GEMM engine on that replay's
+// gathered A.
+void expect_ag_gemm_graph(Communicator& comm, int replays) {
+  const int world = comm.world_size(), rank = comm.rank();
+  const int64_t shard = 136, m = shard * world, n = 256, k = 192;
+  const uint64_t seed = shared_seed(comm);
+  SymmetricBuffer ws = comm.alloc(ag_gemm_workspace_bytes(m, k));
+  cudaStream_t stream;
+  MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  void *a_shard, *inputs, *b, *c_out, *history, *a_full, *c_ref;
+  MKT_CUDA(cudaMalloc(&a_shard, shard * k * 2));
+  MKT_CUDA(cudaMalloc(&inputs, replays * shard * k * 2));
+  MKT_CUDA(cudaMalloc(&b, n * k * 2));
+  MKT_CUDA(cudaMalloc(&c_out, m * n * 2));
+  MKT_CUDA(cudaMalloc(&history, replays * m * n * 2));
+  MKT_CUDA(cudaMalloc(&a_full, m * k * 2));
+  MKT_CUDA(cudaMalloc(&c_ref, m * n * 2));
+  auto input_seed = [&](int replay, int r) { return shard_seed(seed + 7919 * replay, r); };
+  for (int i = 0; i < replays; ++i) {
+    fill_random_bf16(static_cast<char*>(inputs) + i * shard * k * 2, shard * k,
+                     input_seed(i, rank), stream);
+  }
+  fill_random_bf16(b, n * k, seed ^ rank, stream);
+  MKT_CUDA(cudaMemsetAsync(history, 0xFF, replays * m * n * 2, stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MKT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  ag_gemm(comm, a_shard, b, c_out, m, n, k, BLayout::kNK, ws.data(), stream);
+  MKT_CUDA(cudaStreamEndCapture(stream, &graph));
+  MKT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  ready(comm, stream);
+  for (int i = 0; i < replays; ++i) {
+    MKT_CUDA(cudaMemcpyAsync(a_shard, static_cast<char*>(inputs) + i * shard * k * 2,
+                             shard * k * 2, cudaMemcpyDeviceToDevice, stream));
+    MKT_CUDA(cudaGraphLaunch(exec, stream));
+    MKT_CUDA(cudaMemcpyAsync(static_cast<char*>(history) + i * m * n * 2, c_out, m * n * 2,
+                             cudaMemcpyDeviceToDevice, stream));
+  }
+  comm.synchronize(stream);
+  GemmConfig plain;
+  plain.block_n = ag_gemm_plan(comm, m, n, k).block_n;
+  int bad = 0, first_bad = -1;
+  for (int i = 0; i < replays; ++i) {
+    for (int s = 0; s < world; ++s) {
+      fill_random_bf16(static_cast<char*>(a_full) + s * shard * k * 2, shard * k, input_seed(i, s),
+                       stream);
+    }
+    gemm(a_full, b, c_ref, m, n, k, BLayout::kNK, stream, plain);
+    if (count_different_bytes16(static_cast<char*>(history) + i * m * n * 2, c_ref, m * n * 2,
+                                stream) != 0 &&
+        bad++ == 0) {
+      first_bad = i;
+    }
+  }
+  EXPECT_EQ(bad, 0) << "rank " << rank << ": " << bad << " wrong replays, the first " << first_bad;
+  comm.bootstrap().barrier();
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  for (void* p : {a_shard, inputs, b, c_out, history, a_full, c_ref}) cudaFree(p);
+  cudaStreamDestroy(stream);
+}
+
+TEST(InProcessAgGemm, GraphReplays100Times) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) { expect_ag_gemm_graph(comm, 100); });
+}
+
+TEST(LaunchedAgGemm, GraphReplays100Times) {
+  MKT_REQUIRE_MKRUN();
+  auto comm = launched_comm();
+  expect_ag_gemm_graph(*comm, comm->topology().max_ranks_per_device > 1 ? 30 : 100);
+}
+
+// Every rank but the last calls ag_gemm; the last never does. The others must fail with a time-out
+// naming the missing rank, within the limit.
+void expect_ag_gemm_timeout(Communicator& comm) {
+  const int world = comm.world_size(), rank = comm.rank(), missing = world - 1;
+  const int64_t shard = 256, m = shard * world, n = 256, k = 256;
+  SymmetricBuffer ws = comm.alloc(ag_gemm_workspace_bytes(m, k));
+  cudaStream_t stream;
+  MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  void *a, *b, *c;
+  MKT_CUDA(cudaMalloc(&a, shard * k * 2));
+  MKT_CUDA(cudaMalloc(&b, n * k * 2));
+  MKT_CUDA(cudaMalloc(&c, m * n * 2));
+  fill_random_bf16(a, shard * k, 1, stream);
+  fill_random_bf16(b, n * k, 2, stream);
+  ready(comm, stream);
+  if (rank != missing) {
+    const auto start = std::chrono::steady_clock::now();
+    ag_gemm(comm, a, b, c, m, n, k, BLayout::kNK, ws.data(), stream);
+    try {
+      comm.synchronize(stream);
+      ADD_FAILURE() << "rank " << rank << ": no time-out although rank " << missing
+                    << " never joined";
+    } catch (const Error& e) {
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("for rank " + std::to_string(missing)),
+                std::string::npos)
+          << e.what();
+      EXPECT_LT(seconds, comm.timeout_seconds() + 5.0) << "time-out came too late";
+    }
+  }
+  comm.bootstrap().barrier();
+  for (void* p : {a, b, c}) cudaFree(p);
+  cudaStreamDestroy(stream);
+}
+
+TEST(InProcessAgGemm, MissingRankTimesOut) {
+  MKT_REQUIRE_GPU();
+  CommOptions options;
+  options.timeout_seconds = 1.0;
+  run_in_process(2, expect_ag_gemm_timeout, options);
+}
+
+TEST(InProcessAgGemm, RejectsBadArgumentsBeforeLaunch) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) {
+    SymmetricBuffer ws = comm.alloc(1 << 20);
+    void* p;
+    ASSERT_EQ(cudaMalloc(&p, 1 << 20), cudaSuccess);
+    char* q = static_cast<char*>(p);
+    char* w = static_cast<char*>(ws.data());
+    cudaStream_t s = nullptr;
+    auto call = [&](int64_t m, int64_t n, int64_t k, void* workspace, void* a = nullptr) {
+      ag_gemm(comm, a ? a : q, q + 4096, q + 8192, m, n, k, BLayout::kNK, workspace, s);
+    };
+    expect_error([&] { call(3, 8, 8, w); }, ErrorCode::kInvalidArgument,
+                 "M = 3 is not a positive multiple of the world size 2");
+    expect_error([&] { call(4, 12, 8, w); }, ErrorCode::kInvalidArgument, "N = 12");
+    expect_error([&] { call(4, 8, 4, w); }, ErrorCode::kInvalidArgument, "K = 4");
+    expect_error([&] { call(4, 8, 8, q + 100000); }, ErrorCode::kInvalidArgument,
+                 "workspace");  // not symmetric
+    expect_error([&] { call(1024, 8, 1024, w); }, ErrorCode::kInvalidArgument,
+                 "workspace");  // 2 MiB needed, 1 MiB there
+    expect_error([&] { call(4, 8, 8, w, q + 2); }, ErrorCode::kInvalidArgument, "a_shard");
+    FusedGemmConfig bad;
+    bad.block_n = 96;
+    expect_error([&] { ag_gemm(comm, q, q, q, 4, 8, 8, BLayout::kNK, w, s, bad); },
+                 ErrorCode::kInvalidArgument, "block_n = 96");
+    comm.bootstrap().barrier();
+    cudaFree(p);
+  });
+}
+
+}  // namespace
+}  // namespace mk::test
