@@ -90,11 +90,11 @@ test-cpu: all
 test-gpu: all
 	$(CTEST) --test-dir $(BUILD_DIR) --output-on-failure -L gpu $(CTEST_ARGS)
 
-bench: all
+bench: all python
 	@test -f bench/run.sh || { echo "error: bench/run.sh does not exist yet" >&2; exit 1; }
 	bash bench/run.sh $(KERNEL) bench $(NODES)
 
-check: all
+check: all python
 	@test -f bench/run.sh || { echo "error: bench/run.sh does not exist yet" >&2; exit 1; }
 	bash bench/run.sh $(KERNEL) check $(NODES)
 

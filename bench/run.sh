@@ -3,24 +3,27 @@
 #
 #   bash bench/run.sh <kernel|all> <check|bench> <num_nodes> [sizes]
 #
-# kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm (the fused kernels join as
-#         they land; `all` takes gemm once its first GPU run has passed - see docs/PERFORMANCE.md). check = correctness against NCCL on the GPUs present; bench = timings against NCCL
-#         and the peer-copy ceiling, written to bench/results/<kernel>-<gpu>-w<world>.json
-#         (../shared/BENCH_SCHEMA.md). sizes: MiB per rank, comma-separated (bench: 8,64,512).
+# kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm, ag_gemm (the other fused
+#         kernels join as they land). all = collectives, gemm and every fused kernel.
+# check = correctness on the GPUs present; bench = timings against the baselines (NCCL, cuBLAS,
+#         NCCL-then-cuBLAS, PyTorch async-TP), written to bench/results/<kernel>-<gpu>-w<world>.json
+#         (../shared/BENCH_SCHEMA.md). sizes: collectives: MiB per rank, comma-separated (bench:
+#         8,64,512); gemm and fused kernels: MxNxK,... (default: the issue's shape list).
+# The fused kernels run through PyTorch (torchrun + the mkernel package: `pip install .` first).
 # One rank per GPU of this machine (MKERNEL_RANKS overrides; ranks may share GPUs).
 # Environment: BUILD_DIR (build), MKERNEL_NCCL_LIB (NCCL to compare with; default: PyTorch's).
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 NCCL_NVLS_DISABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-usage() { sed -n '2,12s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+usage() { sed -n '2,14s/^# \{0,1\}//p' "$0" >&2; exit 2; }
 [[ $# -ge 3 ]] || usage
 kernel="$1" mode="$2" nodes="$3" sizes="${4:-}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 build="${BUILD_DIR:-build}"
 
 case "$kernel" in
-  all | collectives | all_gather | reduce_scatter | all_reduce | gemm) ;;
-  ag_gemm | gemm_rs | gemm_ar | moe_dispatch_gemm | moe_layer | ring_attention)
+  all | collectives | all_gather | reduce_scatter | all_reduce | gemm | ag_gemm) ;;
+  gemm_rs | gemm_ar | moe_dispatch_gemm | moe_layer | ring_attention)
     echo "bench/run.sh: $kernel is not implemented yet (see the open issues)" >&2; exit 2 ;;
   *) echo "bench/run.sh: unknown kernel '$kernel'" >&2; usage ;;
 esac
@@ -48,15 +51,42 @@ if [[ -z "${MKERNEL_NCCL_LIB:-}" ]]; then
   [[ -n "$dir" && -f "$dir/lib/libnccl.so.2" ]] && export MKERNEL_NCCL_LIB="$dir/lib/libnccl.so.2"
 fi
 
+if [[ "$kernel" == all ]]; then
+  # Every family in turn; the first failure is the exit status.
+  status=0
+  for k in collectives gemm ag_gemm; do
+    bash "$PWD/bench/run.sh" "$k" "$mode" "$nodes" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
+  done
+  exit "$status"
+fi
+
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
+export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+
+if [[ "$kernel" == ag_gemm ]]; then
+  python3 -c 'import mkernel' 2>/dev/null || {
+    echo "bench/run.sh: the mkernel Python package is not importable: run 'pip install .' first" >&2
+    exit 2
+  }
+  fused_args=(--kernel "$kernel" --mode "$mode")
+  [[ -z "$sizes" ]] || fused_args+=(--shapes "$sizes")
+  if [[ "$mode" == bench ]]; then
+    mkdir -p bench/results
+    fused_args+=(--json "bench/results/${kernel}-${gpu}-w${ranks}.json")
+  fi
+  echo "bench/run.sh: $kernel $mode on $ranks rank(s), $gpus GPU(s)"
+  exec python3 -m torch.distributed.run --standalone --nproc-per-node "$ranks" \
+    bench/bench_fused.py "${fused_args[@]}"
+fi
+
 if [[ "$kernel" == gemm ]]; then
   [[ -x "$build/bench/bench_gemm" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
   gemm_args=()
+  [[ -z "$sizes" ]] || gemm_args+=(--shapes "$sizes")
   if [[ "$mode" == check ]]; then
     gemm_args+=(--check)
   else
-    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
     mkdir -p bench/results
-    export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
     gemm_args+=(--json "bench/results/gemm-${gpu}-w1.json")
   fi
   echo "bench/run.sh: gemm $mode on 1 GPU"
@@ -64,14 +94,12 @@ if [[ "$kernel" == gemm ]]; then
 fi
 
 args=()
-[[ "$kernel" == all || "$kernel" == collectives ]] || args+=(--ops "$kernel")
+[[ "$kernel" == collectives ]] || args+=(--ops "$kernel")
 if [[ "$mode" == check ]]; then
   args+=(--check --sizes-mib "${sizes:-1,8}")
 else
-  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
   mkdir -p bench/results
   json="bench/results/collectives-${gpu}-w${ranks}.json"
-  export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
   args+=(--json "$json" --sizes-mib "${sizes:-8,64,512}")
 fi
 echo "bench/run.sh: $kernel $mode on $ranks rank(s), $gpus GPU(s)"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import weakref
 from typing import Optional, Sequence, Union
 
 from mkernel import _C
@@ -36,7 +37,8 @@ try:  # `import mkernel` works without torch (the C++ layer needs none); the API
 except ImportError:  # pragma: no cover - exercised on machines without torch
     torch = None
 
-__all__ = ["Communicator", "MkernelError", "init", "gemm", "dtype_name", "DTYPES", "ERROR_CODES"]
+__all__ = ["Communicator", "MkernelError", "init", "gemm", "ag_gemm", "dtype_name", "DTYPES",
+           "ERROR_CODES"]
 __version__ = "0.1.0"
 
 
@@ -100,6 +102,16 @@ class _StoreAllgather:
 
 
 _init_lock = threading.Lock()
+_comm_ids = itertools.count(1)
+_comms: dict = {}  # id -> weakref to Communicator (the fused custom ops name communicators by id)
+
+
+def _communicator(comm_id: int, op: str) -> "Communicator":
+    ref = _comms.get(comm_id)
+    comm = ref() if ref is not None else None
+    if comm is None:
+        raise ValueError(f"mkernel.{op}: communicator {comm_id} does not exist (any more)")
+    return comm
 _init_counts: dict = {}  # group name -> communicators created on it by this process
 
 
@@ -236,6 +248,28 @@ class Communicator:
     def __init__(self, impl, group=None):
         self._impl = impl  # mkernel._C.Communicator
         self.group = group
+        # Fused ops are torch custom ops: they name their communicator by this number.
+        with _init_lock:
+            self._id = next(_comm_ids)
+            _comms[self._id] = weakref.ref(self)
+        self._workspaces = []  # symmetric uint8 tensors; the last is the largest
+
+    def _workspace(self, nbytes: int, op: str) -> "torch.Tensor":
+        """The fused ops' symmetric workspace, at least `nbytes` (grown collectively on demand).
+
+        The first call of a fused op with a larger shape allocates (every rank does, at the same
+        call); earlier workspaces stay alive with the communicator, since kernels already enqueued
+        may still use them. Allocation cannot happen while a CUDA graph is being captured.
+        """
+        if self._workspaces and self._workspaces[-1].numel() >= nbytes:
+            return self._workspaces[-1]
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"mkernel.{op}: its workspace ({nbytes} bytes) is not allocated yet and cannot be "
+                "while a CUDA graph is captured; run the op once with this shape (or a larger "
+                "one) before capturing")
+        self._workspaces.append(self.alloc_tensor(max(nbytes, 16), torch.uint8))
+        return self._workspaces[-1]
 
     # topology
     @property
@@ -416,7 +450,66 @@ if torch is not None:
         (fake implementation registered) and inside CUDA graphs.
         """
         return _gemm_op(a, b, b_layout)
+
+    def _ag_gemm_shapes(comm, a_shard, b, b_layout):
+        if a_shard.dim() != 2:
+            raise ValueError(f"mkernel.ag_gemm: a_shard must be 2-D [M / world, K]; got "
+                             f"{tuple(a_shard.shape)}")
+        _, n, k = _gemm_shapes(a_shard, b, b_layout)
+        return a_shard.shape[0] * comm.world_size, n, k
+
+    @torch.library.custom_op(
+        "mkernel::ag_gemm", mutates_args=(),
+        schema="(Tensor a_shard, Tensor b, str b_layout, int comm, bool return_gathered, "
+               "int block_n, int comm_ctas, int piece_rows) -> (Tensor, Tensor)")
+    def _ag_gemm_op(a_shard, b, b_layout, comm, return_gathered, block_n, comm_ctas, piece_rows):
+        c = _communicator(comm, "ag_gemm")
+        m, n, k = _ag_gemm_shapes(c, a_shard, b, b_layout)
+        for name, x in (("a_shard", a_shard), ("b", b)):
+            if x.dtype != torch.bfloat16:
+                raise ValueError(f"mkernel.ag_gemm: {name} has dtype {x.dtype}; expected bfloat16")
+            _check_device("ag_gemm", name, x, c.device)
+        a2, b2 = a_shard.contiguous(), b.contiguous()
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=a_shard.device)
+        gathered = torch.empty((m, k) if return_gathered else (0, k), dtype=torch.bfloat16,
+                               device=a_shard.device)
+        ws = c._workspace(_C.ag_gemm_workspace_bytes(m, k), "ag_gemm")
+        with torch.cuda.device(c.device):
+            _C.ag_gemm(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
+                       ws.data_ptr(), c._stream(), gathered.data_ptr() if return_gathered else 0,
+                       block_n, comm_ctas, piece_rows)
+        return out, gathered
+
+    @_ag_gemm_op.register_fake
+    def _ag_gemm_fake(a_shard, b, b_layout, comm, return_gathered, block_n, comm_ctas,
+                      piece_rows):
+        m, n, k = _ag_gemm_shapes(_communicator(comm, "ag_gemm"), a_shard, b, b_layout)
+        return a_shard.new_empty((m, n)), a_shard.new_empty((m, k) if return_gathered else (0, k))
+
+    def ag_gemm(a_shard: "torch.Tensor", b: "torch.Tensor", comm: "Communicator", *,
+                b_layout: str = "nk", return_gathered: bool = False, block_n: int = 0,
+                comm_ctas: int = 0, piece_rows: int = 0):
+        """AllGather + GEMM in one launch: C = all_gather(a_shard) @ b.T ('nk') or @ b ('kn').
+
+        a_shard: this rank's rows of A, [M / world, K] bf16 on the communicator's GPU (shards are
+            gathered in rank order: rows [r * M / world, (r + 1) * M / world) come from rank r).
+        b: this rank's weight, [N, K] ('nk', a torch.nn.Linear weight) or [K, N] ('kn'), bf16.
+        Returns C [M, N] bf16 (fp32 accumulation), and with return_gathered=True also the
+        gathered A [M, K] (a copy; costs one extra pass over it).
+        N and K multiples of 8. Runs on the current CUDA stream without synchronising the host;
+        every rank must call it (same shapes, same order). The op is torch.ops.mkernel.ag_gemm and
+        works under torch.compile and in CUDA graphs - but the first call with a new largest
+        shape allocates the communicator's symmetric workspace (collectively), so make it before
+        capturing. block_n, comm_ctas, piece_rows: overrides of the tuned configuration (0 = auto).
+        """
+        c, gathered = _ag_gemm_op(a_shard, b, b_layout, comm._id, return_gathered, block_n,
+                                  comm_ctas, piece_rows)
+        return (c, gathered) if return_gathered else c
 else:  # pragma: no cover - without torch there is no tensor to multiply
+    def ag_gemm(a_shard, b, comm, **kwargs):
+        """Needs PyTorch; see the docstring of the torch custom op."""
+        _require_torch("ag_gemm")
+
     def gemm(a, b, b_layout="nk"):
         """Needs PyTorch; see the docstring of the torch custom op."""
         _require_torch("gemm")

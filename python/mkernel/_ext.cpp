@@ -21,6 +21,7 @@
 #include <string_view>
 #include <utility>
 
+#include "mkernel/fused.h"
 #include "mkernel/gemm.h"
 #include "mkernel/mkernel.h"
 
@@ -93,6 +94,21 @@ T* as_pointer(std::uintptr_t address) {
 }
 
 cudaStream_t as_stream(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
+
+mk::BLayout parse_layout(std::string_view name, const char* op) {
+  if (name == "nk") return mk::BLayout::kNK;
+  if (name == "kn") return mk::BLayout::kKN;
+  throw nb::value_error(
+      (std::string(op) + ": b_layout must be 'nk' (B is [N, K]) or 'kn' (B is [K, N])").c_str());
+}
+
+mk::FusedGemmConfig fused_config(int block_n, int comm_ctas, int piece_rows) {
+  mk::FusedGemmConfig config;
+  config.block_n = block_n;
+  config.comm_ctas = comm_ctas;
+  config.piece_rows = piece_rows;
+  return config;
+}
 
 // ---- bootstrap through a Python callable ----------------------------------------------------
 
@@ -321,14 +337,7 @@ NB_MODULE(_C, m) {
       "gemm",
       [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, int64_t m_rows, int64_t n,
          int64_t k, std::string_view b_layout, std::uintptr_t stream, int block_n) {
-        mk::BLayout layout;
-        if (b_layout == "nk") {
-          layout = mk::BLayout::kNK;
-        } else if (b_layout == "kn") {
-          layout = mk::BLayout::kKN;
-        } else {
-          throw nb::value_error("gemm: b_layout must be 'nk' (B is [N, K]) or 'kn' (B is [K, N])");
-        }
+        const mk::BLayout layout = parse_layout(b_layout, "gemm");
         mk::GemmConfig config;
         config.block_n = block_n;
         nb::gil_scoped_release nogil;
@@ -338,4 +347,34 @@ NB_MODULE(_C, m) {
       "a"_a, "b"_a, "c"_a, "m"_a, "n"_a, "k"_a, "b_layout"_a, "stream"_a, "block_n"_a = 0,
       "C[M, N] = A[M, K] @ op(B) in bf16 with fp32 accumulation on the current device; B is [N, K] "
       "('nk') or [K, N] ('kn'). Stream-ordered; no host synchronisation.");
+
+  // ---- fused GEMMs ----
+  m.def(
+      "ag_gemm",
+      [](mk::Communicator& comm, std::uintptr_t a_shard, std::uintptr_t b, std::uintptr_t c,
+         int64_t m_rows, int64_t n, int64_t k, std::string_view b_layout, std::uintptr_t workspace,
+         std::uintptr_t stream, std::uintptr_t gathered, int block_n, int comm_ctas,
+         int piece_rows) {
+        const mk::BLayout layout = parse_layout(b_layout, "ag_gemm");
+        const mk::FusedGemmConfig config = fused_config(block_n, comm_ctas, piece_rows);
+        nb::gil_scoped_release nogil;
+        mk::ag_gemm(comm, as_pointer<const void>(a_shard), as_pointer<const void>(b),
+                    as_pointer(c), m_rows, n, k, layout, as_pointer(workspace), as_stream(stream),
+                    config, as_pointer(gathered));
+      },
+      "comm"_a, "a_shard"_a, "b"_a, "c"_a, "m"_a, "n"_a, "k"_a, "b_layout"_a, "workspace"_a,
+      "stream"_a, "gathered"_a = 0, "block_n"_a = 0, "comm_ctas"_a = 0, "piece_rows"_a = 0,
+      "C[M, N] = concat over ranks of A_shard @ op(B); workspace: ag_gemm_workspace_bytes(M, K) "
+      "bytes in a symmetric buffer; gathered (optional, 0 = none): [M, K] output of the gathered "
+      "A. Stream-ordered; no host synchronisation.");
+  m.def("ag_gemm_workspace_bytes", &mk::ag_gemm_workspace_bytes, "m"_a, "k"_a);
+  m.def(
+      "ag_gemm_plan",
+      [](const mk::Communicator& comm, int64_t m_rows, int64_t n, int64_t k, int block_n,
+         int comm_ctas, int piece_rows) {
+        return mk::ag_gemm_plan(comm, m_rows, n, k, fused_config(block_n, comm_ctas, piece_rows))
+            .describe();
+      },
+      "comm"_a, "m"_a, "n"_a, "k"_a, "block_n"_a = 0, "comm_ctas"_a = 0, "piece_rows"_a = 0,
+      "The configuration ag_gemm picks for these arguments, as one line.");
 }

@@ -272,7 +272,7 @@ TEST(InProcessAgGemm, RejectsBadArgumentsBeforeLaunch) {
     expect_error([&] { call(4, 8, 4, w); }, ErrorCode::kInvalidArgument, "K = 4");
     expect_error([&] { call(4, 8, 8, q + 100000); }, ErrorCode::kInvalidArgument,
                  "workspace");  // not symmetric
-    expect_error([&] { call(1024, 8, 1024, w); }, ErrorCode::kInvalidArgument,
+    expect_error([&] { call(1024, 8, 1024, w); }, ErrorCode::kOutOfMemory,
                  "workspace");  // 2 MiB needed, 1 MiB there
     expect_error([&] { call(4, 8, 8, w, q + 2); }, ErrorCode::kInvalidArgument, "a_shard");
     FusedGemmConfig bad;

@@ -271,7 +271,70 @@ def _timeout(rank, world, seed, use_nccl):
     dist.barrier()  # rank 1 stays until rank 0 has seen the time-out
 
 
+def _ag_gemm(rank, world, seed, use_nccl):
+    """mkernel.ag_gemm: gathered A bitwise equal to the shards (and to NCCL's all_gather), C
+    bitwise equal to the GEMM engine on the gathered A and within twice cuBLAS's error of the
+    fp64 product; then torch.compile and a CUDA graph replayed with new inputs."""
+    comm = mkernel.init()
+    dev = torch.device("cuda", comm.device)
+    cases = [(200, 264, 136, "nk"), (1000, 1024, 512, "kn"), (1, 8, 8, "nk"),
+             (517, 384, 4096, "nk")]
+    for case, (shard, n, k, layout) in enumerate(cases):
+        what = f"ag_gemm case {case} (shard {shard}, N {n}, K {k}, {layout}), rank {rank}"
+        shards = [_inputs(seed, case, r, (shard, k), torch.bfloat16) for r in range(world)]
+        a_full = torch.cat(shards).to(dev)
+        b_shape = (n, k) if layout == "nk" else (k, n)
+        b = _inputs(seed, case, 1000 + rank, b_shape, torch.bfloat16).to(dev)
+        c, gathered = mkernel.ag_gemm(shards[rank].to(dev), b, comm, b_layout=layout,
+                                      return_gathered=True)
+        assert c.shape == (shard * world, n) and gathered.shape == (shard * world, k)
+        _assert_bitwise(gathered, a_full, what + ": gathered A")
+        if use_nccl:
+            nccl = torch.empty_like(a_full)
+            dist.all_gather_into_tensor(nccl, shards[rank].to(dev))
+            _assert_bitwise(gathered, nccl, what + ": gathered A vs NCCL")
+        _assert_bitwise(c, mkernel.gemm(a_full, b, layout), what + ": C vs the GEMM engine")
+        bt = b.T if layout == "nk" else b
+        exact = a_full.double() @ bt.double()
+        err = (c.double() - exact).abs().max().item()
+        err_blas = ((a_full @ bt).double() - exact).abs().max().item()
+        assert err <= 2 * err_blas + 1e-6, f"{what}: error {err}, cuBLAS {err_blas}"
+
+    with pytest.raises(ValueError, match="bfloat16"):
+        mkernel.ag_gemm(torch.zeros(8, 8, device=dev), torch.zeros(8, 8, device=dev), comm)
+    with pytest.raises(mkernel.MkernelError, match="N = 12"):
+        mkernel.ag_gemm(torch.zeros(8, 8, device=dev, dtype=torch.bfloat16),
+                        torch.zeros(12, 8, device=dev, dtype=torch.bfloat16), comm)
+
+    shard, n, k = 136, 256, 192
+    b = _inputs(seed, 50, 1000 + rank, (n, k), torch.bfloat16).to(dev)
+    compiled = torch.compile(lambda a, w: mkernel.ag_gemm(a, w, comm) * 2, fullgraph=True)
+    for step in range(2):
+        shards = [_inputs(seed, 60 + step, r, (shard, k), torch.bfloat16) for r in range(world)]
+        want = mkernel.gemm(torch.cat(shards).to(dev), b) * 2
+        _assert_bitwise(compiled(shards[rank].to(dev), b), want, f"torch.compile step {step}")
+
+    a_static = _inputs(seed, 70, rank, (shard, k), torch.bfloat16).to(dev)
+    mkernel.ag_gemm(a_static, b, comm)  # allocates the workspace before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c_static = mkernel.ag_gemm(a_static, b, comm)
+    for replay in range(5):
+        shards = [_inputs(seed, 80 + replay, r, (shard, k), torch.bfloat16) for r in range(world)]
+        a_static.copy_(shards[rank])
+        graph.replay()
+        _assert_bitwise(c_static, mkernel.gemm(torch.cat(shards).to(dev), b),
+                        f"CUDA graph replay {replay}")
+    comm.synchronize()
+    dist.barrier()
+
+
 # ---- tests ------------------------------------------------------------------------------------
+
+def test_ag_gemm_matches_references():
+    _spawn(_ag_gemm)
+
 
 def test_collectives_match_references():
     _spawn(_collectives)

@@ -1,0 +1,219 @@
+"""Benchmark and check of the fused GEMM kernels against their baselines, in one run.
+
+    torchrun --standalone --nproc-per-node=<GPUs> bench/bench_fused.py --kernel ag_gemm \\
+        --mode bench|check [--json FILE] [--shapes MxNxK,...] [--iters N]
+
+(bench/run.sh starts it this way.) One rank per GPU. For each shape (M, N, K), every variant
+runs on the same fresh random inputs:
+  mkernel         the fused op (mkernel.ag_gemm)
+  gemm_alone      the GEMM alone through torch (cuBLAS), on the full operands
+  comm_alone      the collective alone through torch.distributed (NCCL)
+  sequential      the collective, then the GEMM (NCCL then cuBLAS)
+  torch_async_tp  PyTorch's symmetric-memory fused op (torch.ops.symm_mem.*), where it exists
+  mkernel_gemm    mkernel's GEMM engine alone (for reference)
+Times: each variant runs `iters` times back to back between CUDA events (ranks keep themselves
+in step through the collective, as in a training step), three rounds interleaved across the
+variants; the median round, the maximum over ranks. limit = max(gemm_alone, comm_alone).
+Correct: the fused output matches the sequential one within 2 bf16 ulps of its largest value,
+and (check mode) the gathered A is bitwise NCCL's.
+Results (bench mode) go to --json per ../shared/BENCH_SCHEMA.md; rank 0 prints a table.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+try:
+    import mkernel
+except ImportError as e:  # pragma: no cover
+    sys.exit(f"bench_fused.py: cannot import mkernel ({e}); run `pip install .` first")
+
+SHAPES = {
+    "ag_gemm": [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 2048, 8192),
+                (8192, 28672, 8192), (2048, 8192, 8192)],
+}
+
+
+def log(*args):
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def time_variants(variants, iters, rounds=3):
+    """{name: ms per call}: median over rounds of (events around `iters` back-to-back calls),
+    max over ranks."""
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            torch.cuda.synchronize()
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / iters)
+    med = torch.tensor([sorted(t)[len(t) // 2] for t in times.values()], device="cuda")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return dict(zip(times, med.tolist()))
+
+
+def close(got, want):
+    """|got - want| <= 2 bf16 ulps of max |want| (both bf16 results of fp32-accumulated GEMMs)."""
+    diff = (got.float() - want.float()).abs().max().item()
+    mag = want.float().abs().max().item()
+    return diff <= 2 * mag / 128, diff, mag
+
+
+def ag_gemm_case(comm, m, n, k, mode, iters):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shard = m // world
+    g = torch.Generator(device="cuda").manual_seed(1234 + 17 * rank + m + n + k)
+    a_shard = torch.rand((shard, k), device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
+    b = torch.rand((n, k), device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
+    a_full = torch.empty((m, k), device="cuda", dtype=torch.bfloat16)
+
+    def sequential():
+        dist.all_gather_into_tensor(a_full, a_shard)
+        return a_full @ b.T
+
+    ours, gathered = mkernel.ag_gemm(a_shard, b, comm, return_gathered=True)
+    ref = sequential()
+    ok, diff, mag = close(ours, ref)
+    if mode == "check":
+        ok = ok and torch.equal(gathered.view(torch.int16), a_full.view(torch.int16))
+    variants = {
+        "mkernel": lambda: mkernel.ag_gemm(a_shard, b, comm),
+        "gemm_alone": lambda: a_full @ b.T,
+        "comm_alone": lambda: dist.all_gather_into_tensor(a_full, a_shard),
+        "sequential": sequential,
+        "mkernel_gemm": lambda: mkernel.gemm(a_full, b),
+    }
+    async_tp = torch_async_tp_ag(a_shard, b)
+    if async_tp is not None:
+        variants["torch_async_tp"] = async_tp
+    return ok, diff, mag, variants
+
+
+_SYMM_GROUP = None
+_ASYNC_TP_NOTE = None
+
+
+def torch_async_tp_ag(a_shard, b):
+    """torch.ops.symm_mem.fused_all_gather_matmul as a callable, or None (reason noted)."""
+    global _SYMM_GROUP, _ASYNC_TP_NOTE
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+        group = dist.group.WORLD.group_name
+        if _SYMM_GROUP is None:
+            symm_mem.enable_symm_mem_for_group(group)
+            _SYMM_GROUP = group
+        bt = b.T
+
+        def run():
+            return torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [bt], gather_dim=0,
+                                                              group_name=group)
+        run()
+        torch.cuda.synchronize()
+        return run
+    except Exception as e:  # noqa: BLE001 - any failure: the baseline is reported as missing
+        _ASYNC_TP_NOTE = f"torch async-TP unavailable: {type(e).__name__}: {e}"
+        log(_ASYNC_TP_NOTE)
+        return None
+
+
+CASES = {"ag_gemm": ag_gemm_case}
+
+
+def parse_shapes(text):
+    return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernel", required=True, choices=sorted(CASES))
+    ap.add_argument("--mode", choices=["check", "bench"], default="bench")
+    ap.add_argument("--json")
+    ap.add_argument("--shapes", help="MxNxK,... (default: the kernel's issue list)")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local_rank))
+    comm = mkernel.init()
+    world = dist.get_world_size()
+    shapes = parse_shapes(args.shapes) if args.shapes else SHAPES[args.kernel]
+    if args.mode == "check":
+        shapes = [(max(world, m // 8 // world * world), n // 4, k // 4) for m, n, k in shapes]
+    log(f"{args.kernel} {args.mode}: world {world}, {torch.cuda.get_device_name()}, "
+        f"mkernel {mkernel.__version__}, torch {torch.__version__}")
+    rows, all_ok = [], True
+    header = (f"{'shape (MxNxK)':<20} {'mkernel':>8} {'gemm':>8} {'comm':>8} {'seq':>8} "
+              f"{'asyncTP':>8} {'limit':>8} {'ratio':>6} {'vs seq':>6} {'vs aTP':>6}  check")
+    for i, (m, n, k) in enumerate(shapes):
+        ok, diff, mag, variants = CASES[args.kernel](comm, m, n, k, args.mode, args.iters)
+        all_ok &= ok
+        label = f"{m}x{n}x{k}"
+        if args.mode == "check":
+            log(f"[{i + 1}/{len(shapes)}] {label:<20} max |mkernel - sequential| {diff:.4g} "
+                f"(max |C| {mag:.4g})  {'ok' if ok else 'WRONG'}")
+            continue
+        ms = time_variants(variants, args.iters)
+        limit = max(ms["gemm_alone"], ms["comm_alone"])
+        row = {
+            "shape": {"M": m, "N": n, "K": k}, "dtype": "bf16",
+            "ms": {key: ms.get(key) for key in ("mkernel", "gemm_alone", "comm_alone",
+                                                "sequential", "torch_async_tp", "mkernel_gemm")},
+            "limit_ms": limit,
+            "ratio_to_limit": ms["mkernel"] / limit,
+            "speedup_vs_sequential": ms["sequential"] / ms["mkernel"],
+            "speedup_vs_torch_async_tp": (ms["torch_async_tp"] / ms["mkernel"]
+                                          if "torch_async_tp" in ms else None),
+            "tflops": 2 * m * n * k / ms["mkernel"] * 1e-9,
+            "correct": bool(ok),
+        }
+        rows.append(row)
+        if i == 0:
+            log(header)
+        atp = ms.get("torch_async_tp")
+        log(f"{label:<20} {ms['mkernel']:8.3f} {ms['gemm_alone']:8.3f} {ms['comm_alone']:8.3f} "
+            f"{ms['sequential']:8.3f} {atp if atp else float('nan'):8.3f} {limit:8.3f} "
+            f"{row['ratio_to_limit']:6.3f} {row['speedup_vs_sequential']:6.3f} "
+            f"{row['speedup_vs_torch_async_tp'] or float('nan'):6.3f}  {'ok' if ok else 'WRONG'}"
+            f"  [{len(rows)}/{len(shapes)}]")
+    if rows:
+        log("summary: ratio_to_limit " + ", ".join(f"{r['ratio_to_limit']:.3f}" for r in rows) +
+            "; speedup vs sequential " +
+            ", ".join(f"{r['speedup_vs_sequential']:.2f}" for r in rows))
+    if args.json and rows and dist.get_rank() == 0:
+        doc = {
+            "kernel": args.kernel,
+            "commit": os.environ.get("MKERNEL_COMMIT", "unknown"),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "device": torch.cuda.get_device_name(),
+            "world_size": world,
+            "num_nodes": 1,
+            "transport": "nvlink",
+            "notes": _ASYNC_TP_NOTE,
+            "rows": rows,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+        log(f"wrote {args.json}")
+    comm.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
