@@ -12,7 +12,7 @@ runs on the same fresh random inputs:
   torch_async_tp  PyTorch's symmetric-memory fused op (torch.ops.symm_mem.*), where it exists
   mkernel_gemm    mkernel's GEMM engine alone (for reference)
 Times: each variant runs `iters` times back to back between CUDA events (ranks keep themselves
-in step through the collective, as in a training step), three rounds interleaved across the
+in step through the collective, as in a training step), five rounds (--rounds) interleaved across the
 variants; the median round, the maximum over ranks. limit = max(gemm_alone, comm_alone).
 Correct: the fused output matches the sequential one within 2 bf16 ulps of its largest value,
 and (check mode) the gathered A is bitwise NCCL's.
@@ -45,7 +45,7 @@ def log(*args):
         print(*args, flush=True)
 
 
-def time_variants(variants, iters, rounds=3):
+def time_variants(variants, iters, rounds):
     """{name: ms per call}: median over rounds of (events around `iters` back-to-back calls),
     max over ranks."""
     times = {name: [] for name in variants}
@@ -72,7 +72,7 @@ def close(got, want):
     return diff <= 2 * mag / 128, diff, mag
 
 
-def ag_gemm_case(comm, m, n, k, mode, iters):
+def ag_gemm_case(comm, m, n, k, mode, iters, sweep=False):
     rank, world = dist.get_rank(), dist.get_world_size()
     shard = m // world
     g = torch.Generator(device="cuda").manual_seed(1234 + 17 * rank + m + n + k)
@@ -99,6 +99,11 @@ def ag_gemm_case(comm, m, n, k, mode, iters):
     async_tp = torch_async_tp_ag(a_shard, b)
     if async_tp is not None:
         variants["torch_async_tp"] = async_tp
+    if sweep:  # configurations of the fused op, printed only
+        for name, kw in (("one piece", {"piece_rows": shard}), ("pieces 64", {"piece_rows": 64}),
+                         ("16 pushers", {"comm_ctas": 16}), ("48 pushers", {"comm_ctas": 48}),
+                         ("n192", {"block_n": 192}), ("n128", {"block_n": 128})):
+            variants["sweep: " + name] = (lambda kw=kw: mkernel.ag_gemm(a_shard, b, comm, **kw))
     return ok, diff, mag, variants
 
 
@@ -143,6 +148,9 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--shapes", help="MxNxK,... (default: the kernel's issue list)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time other configurations of the fused op (printed, not saved)")
     args = ap.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -159,14 +167,15 @@ def main():
     header = (f"{'shape (MxNxK)':<20} {'mkernel':>8} {'gemm':>8} {'comm':>8} {'seq':>8} "
               f"{'asyncTP':>8} {'limit':>8} {'ratio':>6} {'vs seq':>6} {'vs aTP':>6}  check")
     for i, (m, n, k) in enumerate(shapes):
-        ok, diff, mag, variants = CASES[args.kernel](comm, m, n, k, args.mode, args.iters)
+        ok, diff, mag, variants = CASES[args.kernel](comm, m, n, k, args.mode, args.iters,
+                                                     args.sweep)
         all_ok &= ok
         label = f"{m}x{n}x{k}"
         if args.mode == "check":
             log(f"[{i + 1}/{len(shapes)}] {label:<20} max |mkernel - sequential| {diff:.4g} "
                 f"(max |C| {mag:.4g})  {'ok' if ok else 'WRONG'}")
             continue
-        ms = time_variants(variants, args.iters)
+        ms = time_variants(variants, args.iters, args.rounds)
         limit = max(ms["gemm_alone"], ms["comm_alone"])
         row = {
             "shape": {"M": m, "N": n, "K": k}, "dtype": "bf16",
@@ -189,6 +198,10 @@ def main():
             f"{row['ratio_to_limit']:6.3f} {row['speedup_vs_sequential']:6.3f} "
             f"{row['speedup_vs_torch_async_tp'] or float('nan'):6.3f}  {'ok' if ok else 'WRONG'}"
             f"  [{len(rows)}/{len(shapes)}]")
+        sweep = [f"{key[7:]} {v:.3f}" for key, v in ms.items() if key.startswith("sweep: ")]
+        if sweep:
+            log(f"  sweep {label}: mkernel {ms['mkernel']:.3f}, engine alone "
+                f"{ms['mkernel_gemm']:.3f}, " + ", ".join(sweep))
     if rows:
         log("summary: ratio_to_limit " + ", ".join(f"{r['ratio_to_limit']:.3f}" for r in rows) +
             "; speedup vs sequential " +

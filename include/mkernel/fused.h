@@ -26,7 +26,7 @@ namespace mk {
 struct FusedGemmConfig {
   int block_n = 0;     // GEMM tile width: 64, 128, 192 or 256 (MKERNEL_GEMM_BLOCK_N overrides)
   int comm_ctas = 0;   // CTAs whose spare warps move data; 0 = all of them
-  int piece_rows = 0;  // rows moved per signal (the unit the GEMM waits for); 0 = ~128 KiB pieces
+  int piece_rows = 0;  // rows moved per signal (the unit the GEMM waits for); 0 = ~256 KiB pieces
   int sms = 0;         // persistent CTAs; 0 = the communicator's SM budget
 };
 

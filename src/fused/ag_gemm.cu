@@ -48,7 +48,7 @@ AgGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
   const int64_t row_bytes = k * 2;
   int64_t piece_rows = config.piece_rows;
   if (piece_rows < 0) invalid("piece_rows = " + std::to_string(piece_rows));
-  if (piece_rows == 0) piece_rows = std::max<int64_t>(1, (int64_t{128} << 10) / row_bytes);
+  if (piece_rows == 0) piece_rows = std::max<int64_t>(1, (int64_t{256} << 10) / row_bytes);
   piece_rows = std::min(piece_rows, p.shard_rows);
   // One op signal per piece: at most kMaxOpSignals pieces per shard.
   piece_rows = std::max(piece_rows, (p.shard_rows + kMaxOpSignals - 1) / kMaxOpSignals);

@@ -5,7 +5,7 @@
 // own shard first, read straight from the caller's A_r, so the tensor cores start at once.
 //
 // Meanwhile the producer warpgroup's three spare warps push A_r into every peer's workspace
-// (slot r of [world][S][K]), piece by piece (piece_rows rows, ~128 KiB), the peer that needs it
+// (slot r of [world][S][K]), piece by piece (piece_rows rows, ~256 KiB), the peer that needs it
 // soonest first (rank r - 1 reads shard r right after its own), and raise the op signal of each
 // piece on the receiver. Before a peer-shard tile's first load the producer waits for the signals
 // of the pieces under the tile's 128 rows, then orders that acquire before its TMA reads
@@ -71,16 +71,25 @@ struct AgGemmFusion {
     return tile;
   }
 
+  // The pieces under the tile's rows have arrived: one pass of relaxed loads over their signals
+  // (independent loads, in flight together), the slow timed wait only for those not there yet,
+  // then one acquire fence for all of them and the proxy fence before the TMA reads.
   __device__ void wait_operands(const gemm_engine::Tile& tile) const {
     if (tile.shard == comm.rank) return;
     const dev::Launch launch = dev::Launch::begin(comm);
+    const uint64_t expected = dev::signal_value(launch.epoch, 1);
     const int first = tile.m * 128 / piece_rows;
     const int last = (min(tile.m * 128 + 128, shard_rows) - 1) / piece_rows;
+    const uint64_t* words = comm.signals + tile.shard;
+    const uint64_t stride = comm.world_size;
     for (int p = first; p <= last; ++p) {
+      const uint32_t signal = dev::signal_index(SignalId::kOp, p);
+      if (dev::reached(dev::ld_relaxed_sys(words + signal * stride), expected)) continue;
       // On a time-out the error is recorded and every later wait returns at once; the tile is
       // computed from whatever is there and the host reports the error.
-      if (!launch.wait(tile.shard, dev::signal_index(SignalId::kOp, p), 1)) break;
+      if (!launch.wait(tile.shard, signal, 1)) break;
     }
+    dev::fence_acq_rel_sys();
     dev::fence_proxy_async_global();
   }
 
