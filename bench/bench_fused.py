@@ -12,8 +12,8 @@ runs on the same fresh random inputs:
   torch_async_tp  PyTorch's symmetric-memory fused op (torch.ops.symm_mem.*), where it exists
   mkernel_gemm    mkernel's GEMM engine alone (for reference)
 Times: each variant runs `iters` times back to back between CUDA events (ranks keep themselves
-in step through the collective, as in a training step), five rounds (--rounds) interleaved across the
-variants; the median round, the maximum over ranks. limit = max(gemm_alone, comm_alone).
+in step through the collective, as in a training step), five rounds (--rounds) interleaved
+across the variants; the median round, the maximum over ranks. limit = max(gemm_alone, comm_alone).
 Correct: the fused output matches the sequential one within 2 bf16 ulps of its largest value,
 and (check mode) the gathered A is bitwise NCCL's.
 Results (bench mode) go to --json per ../shared/BENCH_SCHEMA.md; rank 0 prints a table.
@@ -84,6 +84,7 @@ def ag_gemm_case(comm, m, n, k, mode, iters, sweep=False):
         dist.all_gather_into_tensor(a_full, a_shard)
         return a_full @ b.T
 
+    log(f"  {m}x{n}x{k}: {mkernel._C.ag_gemm_plan(comm._impl, m, n, k)}")
     ours, gathered = mkernel.ag_gemm(a_shard, b, comm, return_gathered=True)
     ref = sequential()
     ok, diff, mag = close(ours, ref)
@@ -100,9 +101,9 @@ def ag_gemm_case(comm, m, n, k, mode, iters, sweep=False):
     if async_tp is not None:
         variants["torch_async_tp"] = async_tp
     if sweep:  # configurations of the fused op, printed only
-        for name, kw in (("one piece", {"piece_rows": shard}), ("pieces 64", {"piece_rows": 64}),
-                         ("16 pushers", {"comm_ctas": 16}), ("48 pushers", {"comm_ctas": 48}),
-                         ("n192", {"block_n": 192}), ("n128", {"block_n": 128})):
+        for name, kw in (("pieces 16", {"piece_rows": 16}), ("pieces 64", {"piece_rows": 64}),
+                         ("16 pushers", {"comm_ctas": 16}), ("32 pushers", {"comm_ctas": 32}),
+                         ("64 pushers", {"comm_ctas": 64}), ("all push", {"comm_ctas": 1000})):
             variants["sweep: " + name] = (lambda kw=kw: mkernel.ag_gemm(a_shard, b, comm, **kw))
     return ok, diff, mag, variants
 

@@ -25,8 +25,8 @@ namespace mk {
 // the shapes and the topology). MKERNEL_PRINT_CONFIG=1 prints the choice on rank 0.
 struct FusedGemmConfig {
   int block_n = 0;     // GEMM tile width: 64, 128, 192 or 256 (MKERNEL_GEMM_BLOCK_N overrides)
-  int comm_ctas = 0;   // CTAs whose spare warps move data; 0 = all of them
-  int piece_rows = 0;  // rows moved per signal (the unit the GEMM waits for); 0 = ~256 KiB pieces
+  int comm_ctas = 0;   // CTAs whose spare warps move data; 0 = as many as keep up with the GEMM
+  int piece_rows = 0;  // rows moved per signal (the unit the GEMM waits for); 0 = ~512 KiB pieces
   int sms = 0;         // persistent CTAs; 0 = the communicator's SM budget
 };
 

@@ -1,5 +1,6 @@
 // Host side of AllGather + GEMM: validate -> pick the configuration -> tensor maps -> launch.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -43,12 +44,27 @@ AgGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
   p.block_n = gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);
   const int64_t tiles = world * tiles_m * ((n + p.block_n - 1) / p.block_n);
   p.ctas = static_cast<int>(std::min<int64_t>(tiles, budget));
-  p.comm_ctas = config.comm_ctas > 0 ? std::min(config.comm_ctas, p.ctas) : p.ctas;
   if (config.comm_ctas < 0) invalid("comm_ctas = " + std::to_string(config.comm_ctas));
   const int64_t row_bytes = k * 2;
+  if (config.comm_ctas > 0) {
+    p.comm_ctas = std::min(config.comm_ctas, p.ctas);
+  } else {
+    // Push no faster than needed: pushing saturates HBM and NVLink and slows the GEMM's own loads
+    // (H200 sweep, docs/PERFORMANCE.md: 16-48 pushers beat 132 wherever the GEMM is long).
+    // Peer r - d reads this shard after d shards of its own work, so the pushes keep up when
+    // they run at shard * world / T_gemm. Each pushing CTA moves about kPushRate; take twice the
+    // CTAs that rate asks for, at least kMinPushers.
+    constexpr double kGemmFlops = 650e12;  // what the engine sustains on large shapes (H200)
+    constexpr double kPushRate = 5e9;      // bytes/s of one CTA's three pushing warps
+    constexpr int kMinPushers = 16;
+    const double t_gemm = 2.0 * static_cast<double>(m) * n * k / kGemmFlops;
+    const double need = static_cast<double>(p.shard_rows * row_bytes) * world / t_gemm;
+    const int want = static_cast<int>(std::ceil(2 * need / kPushRate));
+    p.comm_ctas = std::clamp(want, std::min(kMinPushers, p.ctas), p.ctas);
+  }
   int64_t piece_rows = config.piece_rows;
   if (piece_rows < 0) invalid("piece_rows = " + std::to_string(piece_rows));
-  if (piece_rows == 0) piece_rows = std::max<int64_t>(1, (int64_t{256} << 10) / row_bytes);
+  if (piece_rows == 0) piece_rows = std::max<int64_t>(1, (int64_t{512} << 10) / row_bytes);
   piece_rows = std::min(piece_rows, p.shard_rows);
   // One op signal per piece: at most kMaxOpSignals pieces per shard.
   piece_rows = std::max(piece_rows, (p.shard_rows + kMaxOpSignals - 1) / kMaxOpSignals);

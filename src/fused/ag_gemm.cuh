@@ -5,7 +5,7 @@
 // own shard first, read straight from the caller's A_r, so the tensor cores start at once.
 //
 // Meanwhile the producer warpgroup's three spare warps push A_r into every peer's workspace
-// (slot r of [world][S][K]), piece by piece (piece_rows rows, ~256 KiB), the peer that needs it
+// (slot r of [world][S][K]), piece by piece (piece_rows rows, ~512 KiB), the peer that needs it
 // soonest first (rank r - 1 reads shard r right after its own), and raise the op signal of each
 // piece on the receiver. Before a peer-shard tile's first load the producer waits for the signals
 // of the pieces under the tile's 128 rows, then orders that acquire before its TMA reads
@@ -25,6 +25,15 @@
 
 namespace mk::fused {
 
+// 16 bytes read once: no L1 allocation (L1 shares its storage with the GEMM's shared memory).
+__device__ __forceinline__ uint4 load_streaming(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 // Copies `bytes` (a multiple of 16) from src to dst with `threads` threads, four 16-byte vectors
 // in flight per thread.
 __device__ __forceinline__ void copy_bytes(const uint8_t* src, uint8_t* dst, uint64_t bytes,
@@ -35,12 +44,12 @@ __device__ __forceinline__ void copy_bytes(const uint8_t* src, uint8_t* dst, uin
   for (; i + (kUnroll - 1) * step < bytes; i += kUnroll * step) {
     uint4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = __ldg(reinterpret_cast<const uint4*>(src + i + u * step));
+    for (int u = 0; u < kUnroll; ++u) v[u] = load_streaming(src + i + u * step);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) *reinterpret_cast<uint4*>(dst + i + u * step) = v[u];
   }
   for (; i < bytes; i += step) {
-    *reinterpret_cast<uint4*>(dst + i) = __ldg(reinterpret_cast<const uint4*>(src + i));
+    *reinterpret_cast<uint4*>(dst + i) = load_streaming(src + i);
   }
 }
 
