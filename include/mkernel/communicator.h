@@ -19,6 +19,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -66,6 +67,8 @@ struct SymmetricRange {
   void* const* device_peers = nullptr;  // device array [local_size] of the buffer's base addresses
   std::size_t offset = 0;               // byte offset of the pointer from the base
   std::size_t size = 0;                 // bytes of the buffer
+  const uintptr_t* host_peers = nullptr;  // the same addresses in host memory (valid while the
+                                          // buffer lives)
 };
 
 class Communicator {

@@ -10,7 +10,7 @@ namespace mk {
 // they only grow: consecutive launches need no reset. Each named range has one slot per channel
 // (a channel is one CTA of a persistent kernel; grids are equal on all ranks).
 constexpr int kMaxChannels = 160;     // >= SMs of any Hopper part
-constexpr int kMaxOpSignals = 4096;  // per-op slots (fused kernels: "rows i..j of my shard arrived")
+constexpr int kMaxOpSignals = 16384;  // per-op slots (fused kernels: "piece p / tile t arrived")
 enum class SignalId : uint32_t {
   kEntry = 0,              // channel c: "rank src entered this launch"
   kExit = kMaxChannels,    // channel c: "rank src finished writing into / reading from me"

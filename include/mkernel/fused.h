@@ -61,4 +61,25 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
 FusedGemmPlan ag_gemm_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
                            const FusedGemmConfig& config = {});
 
+// ---- GEMM + ReduceScatter ----------------------------------------------------------------------
+// out[M / world, N] on rank o = rows [o * M / world, (o + 1) * M / world) of
+// sum over ranks r of A_r @ op(B_r), where
+//   a:   this rank's A_r, [M, K_r] row-major bf16 (K_r = this rank's slice of K)
+//   b:   this rank's B_r, [N, K_r] (BLayout::kNK) or [K_r, N] (kKN) row-major bf16
+//   out: [M / world, N] row-major bf16 (any device memory)
+//   workspace: gemm_rs_workspace_bytes(m, n, world) bytes inside a symmetric buffer, all zero
+//     before the first call (Communicator::alloc memory is not: clear it once); every call leaves
+//     it zero again. It holds this rank's fp32 accumulator [M / world, N].
+// M divisible by the world size (shards of any number of rows); N and K_r multiples of 8.
+// Sums are fp32 until the final rounding; with more than two ranks the order in which the peers'
+// partial sums are added varies from run to run (the last bits may differ).
+// Each rank computes the peers' rows first, reducing each tile into its owner's accumulator as
+// it is produced, and its own rows last, adding the peers' sums in its epilogue.
+std::size_t gemm_rs_workspace_bytes(int64_t m, int64_t n, int world_size);
+void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_t m, int64_t n,
+             int64_t k_local, BLayout b_layout, void* workspace, cudaStream_t stream,
+             const FusedGemmConfig& config = {});
+FusedGemmPlan gemm_rs_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
+                           const FusedGemmConfig& config = {});
+
 }  // namespace mk

@@ -110,14 +110,18 @@ struct AgGemmFusion {
     }
   }
 
+  struct ConsumerState {};
+
   template <int kRegs>
   __device__ void store(const float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
-                        uint8_t* scratch) const {
+                        uint8_t* scratch, ConsumerState&) const {
     const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
     gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
       dev::tma_store_3d(&c, buf, col0 + 64 * j, row0, tile.shard);
     });
   }
+
+  __device__ void consumer_done(ConsumerState&) const {}
 
   // Producer warps 1..3: announce this launch to the peers (CTA 0), then push pieces of A_r.
   __device__ void side_task(int thread, int threads) const {

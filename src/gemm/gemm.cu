@@ -44,13 +44,14 @@ void require_pointer(const void* p, const char* name, int device) {
 
 namespace {
 
-// bf16 tensor map of `rank` dimensions (innermost first), 128-byte swizzle, boxes 64 wide.
+// Tensor map of `rank` dimensions (innermost first), 128-byte swizzle (boxes 128 bytes wide).
 CUtensorMap encode(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
-                   const cuuint32_t* box) {
+                   const cuuint32_t* box,
+                   CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
   CUtensorMap map{};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   MK_CU_CHECK(detail::driver().TensorMapEncodeTiled(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides, box,
+      &map, type, rank, const_cast<void*>(base), dims, strides, box,
       element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
   return map;
@@ -63,6 +64,13 @@ CUtensorMap gemm_engine::make_map(const void* base, int64_t rows, int64_t cols, 
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
   const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
   return encode(base, 2, dims, strides, box);
+}
+
+CUtensorMap gemm_engine::make_map_fp32(void* base, int64_t rows, int64_t cols, int box_rows) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 4};
+  const cuuint32_t box[2] = {32, static_cast<cuuint32_t>(box_rows)};
+  return encode(base, 2, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
 }
 
 CUtensorMap gemm_engine::make_map_3d(const void* base, int64_t batches, int64_t rows, int64_t cols,

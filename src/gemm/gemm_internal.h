@@ -13,6 +13,8 @@ namespace gemm_engine {
 // 2-D tensor map over a row-major [rows, cols] bf16 matrix, boxes of [box_rows, 64 cols] with
 // 128-byte swizzling; out-of-bounds reads as zero, out-of-bounds writes are dropped.
 CUtensorMap make_map(const void* base, int64_t rows, int64_t cols, int box_rows);
+// fp32 [rows, cols] row-major, boxes of [box_rows, 32 cols] (128 bytes), 128-byte swizzle.
+CUtensorMap make_map_fp32(void* base, int64_t rows, int64_t cols, int box_rows);
 // The same over [batches, rows, cols] (boxes of one batch): rows clip at each batch's end.
 CUtensorMap make_map_3d(const void* base, int64_t batches, int64_t rows, int64_t cols,
                         int box_rows);

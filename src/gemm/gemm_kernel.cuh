@@ -14,7 +14,9 @@
 //   num_tiles(), tile(t)          scheduler: which output tile the t-th work item is
 //   wait_operands(tile)           producer, before the tile's first load (fused: "rows arrived")
 //   load_a(dst, bar, tile, k0)    TMA of the tile's A box (the policy knows where A lives)
-//   store(acc, tile, consumer, scratch)   epilogue: where a consumer's 64 x kBlockN slice goes
+//   store(acc, tile, consumer, scratch, state)   epilogue: where a consumer's 64 x kBlockN slice
+//                                 goes (state: the policy's ConsumerState, kept across tiles)
+//   consumer_done(state)          each consumer warpgroup, after its last tile
 //   side_task(thread, threads)    producer warps 1..3 (96 threads): communication, or nothing
 //   finish()                      every thread, last (fused: end of the launch's bookkeeping)
 //
@@ -150,17 +152,20 @@ struct PlainGemm {
     raster.tile(t, tile.m, tile.n);
     return tile;
   }
+  struct ConsumerState {};
+
   __device__ void wait_operands(const Tile&) const {}
   __device__ void load_a(void* dst, uint64_t* bar, const Tile& tile, int k0) const {
     dev::tma_load_2d(dst, &a, bar, k0, tile.m * 128);
   }
   template <int kRegs>
   __device__ void store(const float (&acc)[kRegs], const Tile& tile, int consumer,
-                        uint8_t* scratch) const {
+                        uint8_t* scratch, ConsumerState&) const {
     const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
     store_slice(acc, col0, n, consumer, scratch,
                 [&](const uint8_t* buf, int j) { dev::tma_store_2d(&c, buf, col0 + 64 * j, row0); });
   }
+  __device__ void consumer_done(ConsumerState&) const {}
   __device__ void side_task(int, int) const {}
   __device__ void finish() const {}
 };
@@ -229,6 +234,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int consumer = warpgroup - 1;  // rows [64 * consumer, 64 * consumer + 64) of the tile
     const bool leader = threadIdx.x % 128 == 0;
     float acc[Cfg::kAccRegs];
+    typename Fusion::ConsumerState state{};
     int it = 0;
     for (int t = blockIdx.x; t < fusion.num_tiles(); t += gridDim.x) {
       const Tile tile = fusion.tile(t);
@@ -256,8 +262,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       dev::wgmma_fence_operands(acc);
       if (leader && k_iters > 0) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
       fusion.store(acc, tile, consumer,
-                   epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers));
+                   epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers), state);
     }
+    fusion.consumer_done(state);
     if (leader) dev::bulk_wait_group<0>();  // the last stores have landed
   }
   fusion.finish();

@@ -156,6 +156,7 @@ std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.error_device), s.error_host, 0));
   detail::preload_collective_kernels();  // no lazy loading behind a peer's waiting kernel
   detail::preload_ag_gemm_kernels();
+  detail::preload_gemm_rs_kernels();
   MK_CUDA_CHECK(cudaDeviceSynchronize());
   s.bootstrap->barrier();  // nobody signals into a pad before its owner has zeroed it
   return comm;
@@ -184,7 +185,8 @@ SymmetricRange Communicator::find_symmetric(const void* ptr, std::size_t bytes) 
     }
     const uintptr_t base = alloc->bases[state_->topo.local_rank];
     if (p >= base && p + bytes <= base + alloc->size && p + bytes >= p) {
-      return SymmetricRange{alloc->d_peers, static_cast<std::size_t>(p - base), alloc->size};
+      return SymmetricRange{alloc->d_peers, static_cast<std::size_t>(p - base), alloc->size,
+                            reinterpret_cast<const uintptr_t*>(alloc->bases.data())};
     }
     ++it;
   }

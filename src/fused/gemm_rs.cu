@@ -1,0 +1,179 @@
+// Host side of GEMM + ReduceScatter: validate -> plan -> tensor maps -> launch.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "fused/fused_common.h"
+#include "fused/gemm_rs.cuh"
+#include "gemm/gemm_internal.h"
+#include "mkernel/error.h"
+#include "mkernel/fused.h"
+#include "runtime/cuda_check.h"
+#include "runtime/device_guard.h"
+#include "runtime/validate.h"
+
+namespace mk {
+namespace {
+
+constexpr const char* kOp = "gemm_rs";
+
+[[noreturn]] void invalid(const std::string& what) {
+  throw Error(ErrorCode::kInvalidArgument, std::string(kOp) + ": " + what);
+}
+
+FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
+                   const FusedGemmConfig& config) {
+  const int world = comm.world_size();
+  if (m < world || m % world != 0) {
+    invalid("M = " + std::to_string(m) + " is not a positive multiple of the world size " +
+            std::to_string(world));
+  }
+  if (n < 8 || n % 8 != 0) invalid("N = " + std::to_string(n) + "; expected a multiple of 8");
+  if (k < 8 || k % 8 != 0) {
+    invalid("K_r = " + std::to_string(k) + " (this rank's slice of K); expected a multiple of 8");
+  }
+  if (m >= (int64_t{1} << 31) || n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31)) {
+    invalid("M, N and K_r must each be < 2^31");
+  }
+  if (comm.topology().local_size > fused::kMaxLocalRanks) {
+    invalid("at most " + std::to_string(fused::kMaxLocalRanks) + " ranks per node are supported");
+  }
+  if (config.comm_ctas < 0 || config.piece_rows < 0) invalid("negative comm_ctas or piece_rows");
+  FusedGemmPlan p{};
+  p.shard_rows = m / world;
+  const int64_t tiles_m = (p.shard_rows + 127) / 128;
+  const int budget = fused::sm_budget(comm, config.sms, kOp);
+  p.block_n = gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);
+  const int64_t tiles_n = (n + p.block_n - 1) / p.block_n;
+  // One op signal per consumer slice of a tile (two per tile) of a shard.
+  if (2 * tiles_m * tiles_n > kMaxOpSignals) {
+    invalid("a shard of " + std::to_string(p.shard_rows) + " x " + std::to_string(n) + " has " +
+            std::to_string(tiles_m * tiles_n) + " tiles of 128 x " + std::to_string(p.block_n) +
+            "; at most " + std::to_string(kMaxOpSignals / 2) +
+            " are supported (use a wider block_n or fewer rows per call)");
+  }
+  p.ctas = static_cast<int>(std::min<int64_t>(world * tiles_m * tiles_n, budget));
+  p.comm_ctas = 0;  // the consumers' epilogues move the data
+  p.piece_rows = 128;
+  p.pieces = static_cast<int>(tiles_m);
+  p.workspace_bytes = gemm_rs_workspace_bytes(m, n, world);
+  return p;
+}
+
+template <int kBlockN, bool kTransB>
+void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, const void* b,
+            void* out, int64_t n, int64_t k, const SymmetricRange& ws, void* workspace,
+            cudaStream_t stream) {
+  using Cfg = gemm_engine::TileConfig<kBlockN>;
+  using Fusion = fused::GemmRsFusion<kBlockN>;
+  const Topology& topo = comm.topology();
+  Fusion f{};
+  f.a = gemm_engine::make_map_3d(a, topo.world_size, p.shard_rows, k, 128);
+  f.out = gemm_engine::make_map(out, p.shard_rows, n, 64);
+  // The accumulators as mapped here: each rank's buffer base plus the workspace's offset.
+  for (int i = 0; i < topo.local_size; ++i) {
+    f.accum[i] = gemm_engine::make_map_fp32(reinterpret_cast<char*>(ws.host_peers[i]) + ws.offset,
+                                            p.shard_rows, n, 64);
+  }
+  f.comm = comm.device_comm();
+  f.my_accum = static_cast<float*>(workspace);
+  f.shard_rows = static_cast<int>(p.shard_rows);
+  f.n = static_cast<int>(n);
+  f.raster = {static_cast<int>((p.shard_rows + 127) / 128),
+              static_cast<int>((n + kBlockN - 1) / kBlockN)};
+  const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
+  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, Fusion>;
+  MK_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  kernel<<<p.ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_b, static_cast<int>(k), f);
+  fused::launch_check(kOp);
+}
+
+template <bool kTransB>
+void launch_width(const Communicator& comm, const FusedGemmPlan& p, const void* a, const void* b,
+                  void* out, int64_t n, int64_t k, const SymmetricRange& ws, void* workspace,
+                  cudaStream_t stream) {
+  switch (p.block_n) {
+    case 64: return launch<64, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
+    case 128: return launch<128, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
+    case 192: return launch<192, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
+    default: return launch<256, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
+  }
+}
+
+template <int kBlockN, bool kTransB>
+void preload_one() {
+  using Cfg = gemm_engine::TileConfig<kBlockN>;
+  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, fused::GemmRsFusion<kBlockN>>;
+  MK_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+}
+
+}  // namespace
+
+std::size_t gemm_rs_workspace_bytes(int64_t m, int64_t n, int world_size) {
+  if (m < 0 || n < 0 || world_size < 1) invalid("negative M or N, or world size < 1");
+  if (world_size == 1) return 0;  // one rank: a plain GEMM, no accumulator
+  return static_cast<std::size_t>(m / world_size) * static_cast<std::size_t>(n) * 4;
+}
+
+FusedGemmPlan gemm_rs_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
+                           const FusedGemmConfig& config) {
+  return plan(comm, m, n, k_local, config);
+}
+
+void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_t m, int64_t n,
+             int64_t k, BLayout b_layout, void* workspace, cudaStream_t stream,
+             const FusedGemmConfig& config) {
+  detail::DeviceGuard guard(comm.device());
+  detail::require_usable(comm, kOp);
+  detail::require_single_node(comm, kOp);
+  detail::require_stream(comm, stream, kOp);
+  if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) invalid("unknown B layout");
+  const FusedGemmPlan p = plan(comm, m, n, k, config);
+  detail::require_device_pointer(comm, a, 16, kOp, "A");
+  detail::require_device_pointer(comm, b, 16, kOp, "B");
+  detail::require_device_pointer(comm, out, 16, kOp, "out");
+  const std::size_t out_bytes = static_cast<std::size_t>(p.shard_rows) * n * 2;
+  if (detail::overlaps(out, out_bytes, a, static_cast<std::size_t>(m) * k * 2)) {
+    invalid("out overlaps A");
+  }
+  if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr && comm.rank() == 0) {
+    std::fprintf(stderr, "[mkernel] gemm_rs %lldx%lldx%lld: %s\n", static_cast<long long>(m),
+                 static_cast<long long>(n), static_cast<long long>(k), p.describe().c_str());
+  }
+  if (comm.world_size() == 1) {  // nothing to reduce or scatter
+    GemmConfig plain;
+    plain.block_n = p.block_n;
+    plain.sms = p.ctas;
+    gemm(a, b, out, m, n, k, b_layout, stream, plain);
+    return;
+  }
+  detail::require_device_pointer(comm, workspace, 16, kOp, "workspace");
+  const SymmetricRange ws =
+      detail::require_symmetric(comm, workspace, p.workspace_bytes, kOp, "workspace");
+  if (detail::overlaps(out, out_bytes, workspace, p.workspace_bytes)) {
+    invalid("out overlaps the workspace");
+  }
+  if (b_layout == BLayout::kKN) {
+    launch_width<true>(comm, p, a, b, out, n, k, ws, workspace, stream);
+  } else {
+    launch_width<false>(comm, p, a, b, out, n, k, ws, workspace, stream);
+  }
+}
+
+namespace detail {
+void preload_gemm_rs_kernels() {
+  preload_one<64, false>();
+  preload_one<128, false>();
+  preload_one<192, false>();
+  preload_one<256, false>();
+  preload_one<64, true>();
+  preload_one<128, true>();
+  preload_one<192, true>();
+  preload_one<256, true>();
+}
+}  // namespace detail
+
+}  // namespace mk

@@ -1,0 +1,196 @@
+// GEMM + ReduceScatter as a Fusion policy of the GEMM engine (src/gemm/gemm_kernel.cuh).
+//
+// Rank r holds A_r [M, K_r] and B_r; the output of rank o is rows [o * S, (o + 1) * S) of
+// sum_r A_r B_r^T (S = M / world). Rank r computes its partial product tile by tile, owner by owner
+// in the order r + 1, r + 2, ..., r - 1 and its own rows last:
+//   - a tile owned by a peer o is reduced (fp32 add, in the memory system) into o's accumulator
+//     [S][N] fp32 in the workspace by TMA reduce-adds straight from shared memory, then the
+//     consumer raises o's op signal (2 * tile + consumer) - deferred to its next epilogue, so that
+//     it never waits for its own reduces to land;
+//   - a tile of its own rows comes last: every peer handled it earlier (in its own order), so the
+//     consumer waits for the peers' signals of its slice (already there in the steady state), adds
+//     the accumulated fp32 partials to its registers, zeroes them for the next launch, and stores
+//     bf16 to the output. Reductions stay fp32 until that one rounding.
+// Reuse: a peer adds into o's accumulator only after o entered the launch (o's previous launch,
+// which read and zeroed it, is over). The workspace must be zero before the first launch.
+#pragma once
+
+#include <cstdint>
+
+#include "gemm/gemm_kernel.cuh"
+#include "mkernel/device/launch.cuh"
+#include "mkernel/device_comm.h"
+
+namespace mk::fused {
+
+constexpr int kMaxLocalRanks = 8;  // tensor maps of the peers' accumulators travel in the params
+
+template <int kBlockN>
+struct GemmRsFusion {
+  CUtensorMap a;                        // A_r as [world][S][K_r], boxes 128 x 64 x 1
+  CUtensorMap out;                      // this rank's output [S][N] bf16, boxes 64 x 64
+  CUtensorMap accum[kMaxLocalRanks];    // each local rank's accumulator [S][N] fp32, 64 x 32
+  DeviceComm comm;
+  float* my_accum;  // this rank's accumulator (local address)
+  int shard_rows;   // S
+  int n;
+  gemm_engine::GroupedRaster raster;  // tiles of one shard
+
+  __device__ int num_tiles() const { return comm.world_size * raster.num_tiles(); }
+
+  __device__ gemm_engine::Tile tile(int t) const {
+    const int per_shard = raster.num_tiles();
+    gemm_engine::Tile tile;
+    tile.shard = (comm.rank + 1 + t / per_shard) % comm.world_size;  // own rows last
+    raster.tile(t % per_shard, tile.m, tile.n);
+    return tile;
+  }
+
+  __device__ void wait_operands(const gemm_engine::Tile&) const {}
+
+  __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
+    dev::tma_load_3d(dst, &a, bar, k0, tile.m * 128, tile.shard);
+  }
+
+  // Signal slot of a consumer's slice of a tile, in the owner's numbering.
+  __device__ uint32_t slot(const gemm_engine::Tile& tile, int consumer) const {
+    return dev::signal_index(SignalId::kOp, 2 * (tile.m * raster.tiles_n + tile.n) + consumer);
+  }
+
+  // Per consumer warpgroup, thread 0's bookkeeping between epilogues.
+  struct ConsumerState {
+    int owner = -1;  // a reduce whose signal is still owed, or -1
+    uint32_t signal = 0;
+    uint32_t entered = 0;  // bit o: owner o has been seen in this launch
+  };
+
+  template <int kRegs>
+  __device__ void store(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
+                        uint8_t* scratch, ConsumerState& pending) const {
+    const dev::Launch launch = dev::Launch::begin(comm);
+    const int t = threadIdx.x % 128;
+    if (t == 0) flush(pending, launch);
+    const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
+    if (tile.shard != comm.rank) {
+      const int owner = tile.shard;  // one node: global rank = local rank
+      if (t == 0 && !(pending.entered & (1u << owner))) {
+        launch.wait(owner, dev::signal_index(SignalId::kEntry, 0), 1);  // it may be reused
+        pending.entered |= 1u << owner;
+      }
+      reduce_slice(acc, col0, consumer, scratch, [&](const uint8_t* buf, int j) {
+        dev::tma_reduce_add_2d(&accum[owner], buf, col0 + 32 * j, row0);
+      });
+      if (t == 0) {
+        pending.owner = owner;
+        pending.signal = slot(tile, consumer);
+      }
+      return;
+    }
+    // Own rows: the peers' partial sums of this slice, then one rounding to bf16.
+    if (t == 0) {
+      const uint32_t signal = slot(tile, consumer);
+      for (int src = 0; src < comm.world_size; ++src) {
+        if (src == comm.rank) continue;
+        if (!dev::reached(dev::ld_relaxed_sys(comm.signals + signal * comm.world_size + src),
+                          dev::signal_value(launch.epoch, 1))) {
+          if (!launch.wait(src, signal, 1)) break;  // time-out recorded: finish with what is there
+        }
+      }
+      dev::fence_acq_rel_sys();
+    }
+    dev::named_barrier_sync(1 + consumer, 128);
+    add_and_clear(acc, row0, col0);
+    gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
+      dev::tma_store_2d(&out, buf, col0 + 64 * j, row0);
+    });
+  }
+
+  // Thread 0 of a consumer: the previous reduce has landed -> tell its owner.
+  __device__ void flush(ConsumerState& pending, const dev::Launch& launch) const {
+    if (pending.owner < 0) return;
+    dev::bulk_wait_group<0>();
+    dev::fence_proxy_async_global();
+    dev::fence_acq_rel_sys();
+    launch.signal(pending.owner, pending.signal, 1);
+    pending.owner = -1;
+  }
+
+  __device__ void consumer_done(ConsumerState& pending) const {
+    if (threadIdx.x % 128 == 0) flush(pending, dev::Launch::begin(comm));
+  }
+
+  // acc += accumulator[rows, cols of this thread], and those accumulator words become 0.
+  template <int kRegs>
+  __device__ void add_and_clear(float (&acc)[kRegs], int row0, int col0) const {
+    const int t = threadIdx.x % 128;
+    const int r = row0 + (t / 32) * 16 + (t % 32) / 4;
+    const int c = col0 + 2 * (t % 4);
+#pragma unroll
+    for (int b = 0; b < kRegs / 4; ++b) {
+      const int col = c + 8 * b;
+      if (col >= n) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = r + 8 * h;
+        if (row >= shard_rows) continue;
+        float2* p = reinterpret_cast<float2*>(my_accum + static_cast<int64_t>(row) * n + col);
+        const float2 v = *p;
+        acc[4 * b + 2 * h] += v.x;
+        acc[4 * b + 2 * h + 1] += v.y;
+        *p = make_float2(0.f, 0.f);
+      }
+    }
+  }
+
+  // fp32 version of the epilogue data path: 32-column chunks of the 64 x kBlockN slice go through
+  // a 128-byte-swizzled 64 x 32 fp32 buffer (8 KiB, two alternating) to issue(buf, j).
+  template <int kRegs, class Issue>
+  __device__ void reduce_slice(const float (&acc)[kRegs], int col0, int consumer, uint8_t* scratch,
+                               Issue&& issue) const {
+    constexpr int kChunks = kRegs / 16;  // 32 columns = 4 column blocks of 4 registers
+    constexpr int kChunkBytes = 64 * 32 * 4;
+    const int t = threadIdx.x % 128;
+    const int r = (t / 32) * 16 + (t % 32) / 4;
+    const int barrier = 1 + consumer;
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      if (col0 + 32 * j >= n) break;
+      uint8_t* buf = scratch + (j % 2) * kChunkBytes;
+      if (t == 0) dev::bulk_wait_group_read<1>();
+      dev::named_barrier_sync(barrier, 128);
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const float* v = &acc[16 * j + 4 * b];
+        const int unit = 2 * b + (t % 4) / 2;  // 16-byte unit of the 128-byte row
+        const int offset = 8 * (t % 2);
+        st_shared_f32x2(buf + r * 128 + ((unit ^ (r % 8)) * 16) + offset, v[0], v[1]);
+        st_shared_f32x2(buf + (r + 8) * 128 + ((unit ^ ((r + 8) % 8)) * 16) + offset, v[2],
+                        v[3]);
+      }
+      dev::fence_proxy_async_shared();
+      dev::named_barrier_sync(barrier, 128);
+      if (t == 0) {
+        issue(buf, j);
+        dev::bulk_commit_group();
+      }
+    }
+  }
+
+  __device__ static void st_shared_f32x2(void* p, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(dev::smem_addr(p)), "f"(x), "f"(y)
+                 : "memory");
+  }
+
+  // Producer warps 1..3 of CTA 0: announce this launch to the peers.
+  __device__ void side_task(int thread, int threads) const {
+    if (blockIdx.x != 0) return;
+    const dev::Launch launch = dev::Launch::begin(comm);
+    for (int peer = thread; peer < comm.local_size; peer += threads) {
+      if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
+    }
+  }
+
+  __device__ void finish() const { dev::Launch::begin(comm).end(); }
+};
+
+}  // namespace mk::fused

@@ -1,0 +1,308 @@
+// GEMM + ReduceScatter (mk::gemm_rs) at world sizes 1, 2, 4 and 8 - in one process (threads;
+// ranks share a GPU when there are fewer GPUs than ranks) and as mkrun processes. Every rank
+// rebuilds all ranks' inputs from the shared seed, concatenates them along K, and checks its
+// output rows against the fp64 product by the tolerance rule (within twice the error of cuBLAS on
+// the concatenated operands, i.e. NCCL-free "GEMM then reduce" in fp32). Fresh random data,
+// poisoned outputs, shards not a multiple of the 128-row tile, the workspace left zero after
+// every call, CUDA-graph replay with new inputs, the time limit, and argument errors.
+#include <chrono>
+
+#include "collective_checks.h"
+#include "gemm_reference.h"
+#include "mkernel/fused.h"
+
+namespace mk::test {
+namespace {
+
+struct RsCase {
+  int64_t shard_rows, n, k_local;
+  BLayout layout;
+  int block_n;  // 0 = heuristic
+};
+
+uint64_t rank_seed(uint64_t seed, int rank, int which) { return seed * 1000003u + 17 * rank + which; }
+
+// The problem on every rank's device: each rank's A_s, B_s and their concatenations along K.
+struct RsProblem {
+  int world;
+  int64_t m, n, k_local, k;
+  bool kn;
+  void* a_mine = nullptr;  // A_r [M, K_r]
+  void* b_mine = nullptr;  // B_r
+  void* a_cat = nullptr;   // [M, K]
+  void* b_cat = nullptr;   // [N, K] or [K, N]
+  void* scratch = nullptr;
+
+  RsProblem(int world_, int64_t shard, int64_t n_, int64_t k_local_, bool kn_)
+      : world(world_), m(shard * world_), n(n_), k_local(k_local_), k(k_local_ * world_), kn(kn_) {
+    cudaMalloc(&a_mine, m * k_local * 2);
+    cudaMalloc(&b_mine, n * k_local * 2);
+    cudaMalloc(&a_cat, m * k * 2);
+    cudaMalloc(&b_cat, n * k * 2);
+    cudaMalloc(&scratch, std::max(m * k_local, n * k_local) * 2);
+  }
+  ~RsProblem() {
+    for (void* p : {a_mine, b_mine, a_cat, b_cat, scratch}) cudaFree(p);
+  }
+
+  // Fills every rank's operands from `seed`, keeps this rank's, and builds the concatenations.
+  void fill(uint64_t seed, int rank, cudaStream_t s) {
+    for (int src = 0; src < world; ++src) {
+      fill_random_bf16(scratch, m * k_local, rank_seed(seed, src, 0), s);
+      if (src == rank) cudaMemcpyAsync(a_mine, scratch, m * k_local * 2, cudaMemcpyDefault, s);
+      cudaMemcpy2DAsync(static_cast<char*>(a_cat) + src * k_local * 2, k * 2, scratch,
+                        k_local * 2, k_local * 2, m, cudaMemcpyDefault, s);
+      fill_random_bf16(scratch, n * k_local, rank_seed(seed, src, 1), s);
+      if (src == rank) cudaMemcpyAsync(b_mine, scratch, n * k_local * 2, cudaMemcpyDefault, s);
+      if (kn) {  // [K_r, N] blocks stacked along K
+        cudaMemcpyAsync(static_cast<char*>(b_cat) + src * k_local * n * 2, scratch,
+                        k_local * n * 2, cudaMemcpyDefault, s);
+      } else {  // [N, K_r] blocks side by side
+        cudaMemcpy2DAsync(static_cast<char*>(b_cat) + src * k_local * 2, k * 2, scratch,
+                          k_local * 2, k_local * 2, n, cudaMemcpyDefault, s);
+      }
+    }
+  }
+};
+
+// Rows [rank * S, (rank + 1) * S) of A_cat @ op(B_cat): our output against the fp64 product,
+// within twice cuBLAS's error on the same operands.
+void expect_rows_close(const RsProblem& p, int rank, const void* out, cublasHandle_t blas,
+                       void* c_blas, uint64_t seed, cudaStream_t stream, const std::string& what) {
+  const int64_t shard = p.m / p.world;
+  cublas_gemm(blas, p.a_cat, p.b_cat, c_blas, p.m, p.n, p.k, p.kn);
+  const SampledErrors err = sampled_errors(
+      out, static_cast<char*>(c_blas) + rank * shard * p.n * 2,
+      static_cast<char*>(p.a_cat) + rank * shard * p.k * 2, p.b_cat, shard, p.n, p.k, p.kn, seed,
+      stream);
+  EXPECT_LE(err.ours, 2 * err.cublas + 1e-6)
+      << what << ": error " << err.ours << ", cuBLAS error " << err.cublas;
+}
+
+void expect_gemm_rs(Communicator& comm, const RsCase& c, uint64_t seed, FusedGemmConfig config = {}) {
+  const int world = comm.world_size(), rank = comm.rank();
+  const std::string what = "gemm_rs world " + std::to_string(world) + ", shard " +
+                           std::to_string(c.shard_rows) + " x N " + std::to_string(c.n) +
+                           " x K_r " + std::to_string(c.k_local) +
+                           (c.layout == BLayout::kKN ? ", B [K, N]" : ", B [N, K]") +
+                           ", block_n " + std::to_string(c.block_n) + ", rank " +
+                           std::to_string(rank);
+  SCOPED_TRACE(what);
+  config.block_n = c.block_n;
+  const bool kn = c.layout == BLayout::kKN;
+  RsProblem p(world, c.shard_rows, c.n, c.k_local, kn);
+  const std::size_t ws_bytes = gemm_rs_workspace_bytes(p.m, p.n, world);
+  SymmetricBuffer ws = comm.alloc(std::max<std::size_t>(ws_bytes, 16));
+  cudaStream_t stream;
+  MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  void *out, *c_blas, *zeros;
+  MKT_CUDA(cudaMalloc(&out, c.shard_rows * c.n * 2));
+  MKT_CUDA(cudaMalloc(&c_blas, p.m * p.n * 2));
+  MKT_CUDA(cudaMalloc(&zeros, std::max<std::size_t>(ws_bytes, 16)));
+  MKT_CUDA(cudaMemsetAsync(zeros, 0, std::max<std::size_t>(ws_bytes, 16), stream));
+  MKT_CUDA(cudaMemsetAsync(ws.data(), 0, ws.size(), stream));  // the contract: zero at first use
+  cublasHandle_t blas;
+  ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+  cublasSetStream(blas, stream);
+  // Two calls with different data: the second finds the workspace as the first left it.
+  for (int call = 0; call < 2; ++call) {
+    p.fill(seed + 31 * call, rank, stream);
+    MKT_CUDA(cudaMemsetAsync(out, 0xFF, c.shard_rows * c.n * 2, stream));  // bf16 NaN
+    ready(comm, stream);
+    gemm_rs(comm, p.a_mine, p.b_mine, out, p.m, p.n, p.k_local, c.layout, ws.data(), stream,
+            config);
+    comm.synchronize(stream);
+    const std::string call_what = what + ", call " + std::to_string(call);
+    EXPECT_EQ(count_nans_bf16(out, c.shard_rows * c.n, stream), 0u)
+        << call_what << ": output elements unwritten (or NaN)";
+    expect_rows_close(p, rank, out, blas, c_blas, seed + call, stream, call_what);
+    if (ws_bytes > 0) {
+      EXPECT_EQ(count_different_bytes16(ws.data(), zeros, ws_bytes, stream), 0u)
+          << call_what << ": the workspace was not left zero";
+    }
+    comm.bootstrap().barrier();
+  }
+  cublasDestroy(blas);
+  for (void* q : {out, c_blas, zeros}) cudaFree(q);
+  cudaStreamDestroy(stream);
+}
+
+void expect_gemm_rs_cases(Communicator& comm) {
+  const uint64_t seed = shared_seed(comm);
+  const std::vector<RsCase> cases = {
+      {1, 8, 8, BLayout::kNK, 0},          {200, 264, 136, BLayout::kNK, 0},
+      {200, 264, 136, BLayout::kKN, 192},  {333, 520, 1000, BLayout::kNK, 64},
+      {1000, 1024, 512, BLayout::kKN, 0},  {1000, 1024, 512, BLayout::kNK, 256},
+      {517, 2056, 256, BLayout::kNK, 128},
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) expect_gemm_rs(comm, cases[i], seed + 100 * i);
+}
+
+class InProcessGemmRs : public ::testing::TestWithParam<int> {};
+
+TEST_P(InProcessGemmRs, MatchesReference) {
+  MKT_REQUIRE_GPU();
+  run_in_process(GetParam(), expect_gemm_rs_cases);
+}
+
+INSTANTIATE_TEST_SUITE_P(World, InProcessGemmRs, ::testing::Values(1, 2, 4, 8),
+                         [](const auto& info) { return "w" + std::to_string(info.param); });
+
+TEST(InProcessGemmRs, LargeWorld2) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) {
+    const uint64_t seed = shared_seed(comm);
+    expect_gemm_rs(comm, {2048, 4096, 2048, BLayout::kNK, 0}, seed);
+    expect_gemm_rs(comm, {1000, 8192, 4096, BLayout::kKN, 0}, seed + 1);
+  });
+}
+
+TEST(LaunchedGemmRs, MatchesReference) {
+  MKT_REQUIRE_MKRUN();
+  auto comm = launched_comm();
+  expect_gemm_rs_cases(*comm);
+}
+
+TEST(SanitizeGemmRs, SmallWorld2) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) {
+    const uint64_t seed = shared_seed(comm);
+    expect_gemm_rs(comm, {130, 136, 72, BLayout::kNK, 0}, seed);
+    expect_gemm_rs(comm, {70, 200, 64, BLayout::kKN, 64}, seed + 1);
+  });
+}
+
+// One graph = gemm_rs; before each replay a new A_r is copied in, after it the output is copied
+// to a history slot; every replay's rows must match that replay's reference.
+void expect_gemm_rs_graph(Communicator& comm, int replays) {
+  const int world = comm.world_size(), rank = comm.rank();
+  const int64_t shard = 136, n = 256, k_local = 64;
+  const uint64_t seed = shared_seed(comm);
+  RsProblem p(world, shard, n, k_local, false);
+  SymmetricBuffer ws = comm.alloc(std::max<std::size_t>(gemm_rs_workspace_bytes(p.m, n, world), 16));
+  cudaStream_t stream;
+  MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  void *a_in, *out, *history, *c_blas;
+  MKT_CUDA(cudaMalloc(&a_in, p.m * k_local * 2));
+  MKT_CUDA(cudaMalloc(&out, shard * n * 2));
+  MKT_CUDA(cudaMalloc(&history, replays * shard * n * 2));
+  MKT_CUDA(cudaMalloc(&c_blas, p.m * n * 2));
+  MKT_CUDA(cudaMemsetAsync(ws.data(), 0, ws.size(), stream));
+  MKT_CUDA(cudaMemsetAsync(history, 0xFF, replays * shard * n * 2, stream));
+  cublasHandle_t blas;
+  ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+  cublasSetStream(blas, stream);
+  p.fill(seed, rank, stream);  // B stays; A changes per replay
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MKT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  gemm_rs(comm, a_in, p.b_mine, out, p.m, n, k_local, BLayout::kNK, ws.data(), stream);
+  MKT_CUDA(cudaStreamEndCapture(stream, &graph));
+  MKT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  std::vector<uint64_t> a_seeds(replays);
+  for (int i = 0; i < replays; ++i) a_seeds[i] = seed + 7919 * (i + 1);
+  ready(comm, stream);
+  for (int i = 0; i < replays; ++i) {
+    fill_random_bf16(a_in, p.m * k_local, rank_seed(a_seeds[i], rank, 0), stream);
+    MKT_CUDA(cudaGraphLaunch(exec, stream));
+    MKT_CUDA(cudaMemcpyAsync(static_cast<char*>(history) + i * shard * n * 2, out, shard * n * 2,
+                             cudaMemcpyDeviceToDevice, stream));
+  }
+  comm.synchronize(stream);
+  for (int i = 0; i < replays; ++i) {
+    p.fill(a_seeds[i], rank, stream);  // A_cat for replay i (B_cat unchanged: same B seeds)
+    expect_rows_close(p, rank, static_cast<char*>(history) + i * shard * n * 2, blas, c_blas,
+                      seed + i, stream, "replay " + std::to_string(i));
+  }
+  comm.bootstrap().barrier();
+  cublasDestroy(blas);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  for (void* q : {a_in, out, history, c_blas}) cudaFree(q);
+  cudaStreamDestroy(stream);
+}
+
+TEST(InProcessGemmRs, GraphReplays100Times) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) { expect_gemm_rs_graph(comm, 100); });
+}
+
+TEST(LaunchedGemmRs, GraphReplays100Times) {
+  MKT_REQUIRE_MKRUN();
+  auto comm = launched_comm();
+  expect_gemm_rs_graph(*comm, comm->topology().max_ranks_per_device > 1 ? 30 : 100);
+}
+
+void expect_gemm_rs_timeout(Communicator& comm) {
+  const int world = comm.world_size(), rank = comm.rank(), missing = world - 1;
+  const int64_t shard = 256, m = shard * world, n = 256, k = 256;
+  SymmetricBuffer ws = comm.alloc(gemm_rs_workspace_bytes(m, n, world));
+  cudaStream_t stream;
+  MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  void *a, *b, *out;
+  MKT_CUDA(cudaMalloc(&a, m * k * 2));
+  MKT_CUDA(cudaMalloc(&b, n * k * 2));
+  MKT_CUDA(cudaMalloc(&out, shard * n * 2));
+  fill_random_bf16(a, m * k, 1, stream);
+  fill_random_bf16(b, n * k, 2, stream);
+  MKT_CUDA(cudaMemsetAsync(ws.data(), 0, ws.size(), stream));
+  ready(comm, stream);
+  if (rank != missing) {
+    const auto start = std::chrono::steady_clock::now();
+    gemm_rs(comm, a, b, out, m, n, k, BLayout::kNK, ws.data(), stream);
+    try {
+      comm.synchronize(stream);
+      ADD_FAILURE() << "rank " << rank << ": no time-out although rank " << missing
+                    << " never joined";
+    } catch (const Error& e) {
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("for rank " + std::to_string(missing)),
+                std::string::npos)
+          << e.what();
+      EXPECT_LT(seconds, comm.timeout_seconds() + 5.0) << "time-out came too late";
+    }
+  }
+  comm.bootstrap().barrier();
+  for (void* q : {a, b, out}) cudaFree(q);
+  cudaStreamDestroy(stream);
+}
+
+TEST(InProcessGemmRs, MissingRankTimesOut) {
+  MKT_REQUIRE_GPU();
+  CommOptions options;
+  options.timeout_seconds = 1.0;
+  run_in_process(2, expect_gemm_rs_timeout, options);
+}
+
+TEST(InProcessGemmRs, RejectsBadArgumentsBeforeLaunch) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) {
+    SymmetricBuffer ws = comm.alloc(1 << 20);
+    void* p;
+    ASSERT_EQ(cudaMalloc(&p, 1 << 20), cudaSuccess);
+    char* q = static_cast<char*>(p);
+    char* w = static_cast<char*>(ws.data());
+    cudaStream_t s = nullptr;
+    auto call = [&](int64_t m, int64_t n, int64_t k, void* workspace) {
+      gemm_rs(comm, q, q + 4096, q + (1 << 19), m, n, k, BLayout::kNK, workspace, s);
+    };
+    expect_error([&] { call(3, 8, 8, w); }, ErrorCode::kInvalidArgument,
+                 "M = 3 is not a positive multiple of the world size 2");
+    expect_error([&] { call(4, 12, 8, w); }, ErrorCode::kInvalidArgument, "N = 12");
+    expect_error([&] { call(4, 8, 4, w); }, ErrorCode::kInvalidArgument, "K_r = 4");
+    expect_error([&] { call(4, 8, 8, q + 100000); }, ErrorCode::kInvalidArgument, "workspace");
+    expect_error([&] { call(1024, 1024, 8, w); }, ErrorCode::kOutOfMemory,
+                 "workspace");  // 2 MiB of fp32 accumulator needed, 1 MiB there
+    FusedGemmConfig bad;
+    bad.block_n = 96;
+    expect_error([&] { gemm_rs(comm, q, q, q + 8192, 4, 8, 8, BLayout::kNK, w, s, bad); },
+                 ErrorCode::kInvalidArgument, "block_n = 96");
+    comm.bootstrap().barrier();
+    cudaFree(p);
+  });
+}
+
+}  // namespace
+}  // namespace mk::test
