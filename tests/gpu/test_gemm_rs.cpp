@@ -45,14 +45,16 @@ struct RsProblem {
     for (void* p : {a_mine, b_mine, a_cat, b_cat, scratch}) cudaFree(p);
   }
 
-  // Fills every rank's operands from `seed`, keeps this rank's, and builds the concatenations.
-  void fill(uint64_t seed, int rank, cudaStream_t s) {
+  // Fills every rank's A from `seed` and B from `b_seed`, keeps this rank's, and builds the
+  // concatenations.
+  void fill(uint64_t seed, int rank, cudaStream_t s) { fill(seed, seed, rank, s); }
+  void fill(uint64_t seed, uint64_t b_seed, int rank, cudaStream_t s) {
     for (int src = 0; src < world; ++src) {
       fill_random_bf16(scratch, m * k_local, rank_seed(seed, src, 0), s);
       if (src == rank) cudaMemcpyAsync(a_mine, scratch, m * k_local * 2, cudaMemcpyDefault, s);
       cudaMemcpy2DAsync(static_cast<char*>(a_cat) + src * k_local * 2, k * 2, scratch,
                         k_local * 2, k_local * 2, m, cudaMemcpyDefault, s);
-      fill_random_bf16(scratch, n * k_local, rank_seed(seed, src, 1), s);
+      fill_random_bf16(scratch, n * k_local, rank_seed(b_seed, src, 1), s);
       if (src == rank) cudaMemcpyAsync(b_mine, scratch, n * k_local * 2, cudaMemcpyDefault, s);
       if (kn) {  // [K_r, N] blocks stacked along K
         cudaMemcpyAsync(static_cast<char*>(b_cat) + src * k_local * n * 2, scratch,
@@ -210,7 +212,7 @@ void expect_gemm_rs_graph(Communicator& comm, int replays) {
   }
   comm.synchronize(stream);
   for (int i = 0; i < replays; ++i) {
-    p.fill(a_seeds[i], rank, stream);  // A_cat for replay i (B_cat unchanged: same B seeds)
+    p.fill(a_seeds[i], seed, rank, stream);  // replay i's A, the B the graph used
     expect_rows_close(p, rank, static_cast<char*>(history) + i * shard * n * 2, blas, c_blas,
                       seed + i, stream, "replay " + std::to_string(i));
   }
