@@ -5,7 +5,7 @@
 
 (bench/run.sh starts it this way.) One rank per GPU. For each shape (M, N, K), every variant
 runs on the same fresh random inputs:
-  mkernel         the fused op (mkernel.ag_gemm)
+  mkernel         the fused op (mkernel.ag_gemm, mkernel.gemm_rs)
   gemm_alone      the GEMM alone through torch (cuBLAS), on the full operands
   comm_alone      the collective alone through torch.distributed (NCCL)
   sequential      the collective, then the GEMM (NCCL then cuBLAS)
@@ -14,8 +14,9 @@ runs on the same fresh random inputs:
 Times: each variant runs `iters` times back to back between CUDA events (ranks keep themselves
 in step through the collective, as in a training step), five rounds (--rounds) interleaved
 across the variants; the median round, the maximum over ranks. limit = max(gemm_alone, comm_alone).
-Correct: the fused output matches the sequential one within 2 bf16 ulps of its largest value,
-and (check mode) the gathered A is bitwise NCCL's.
+Correct: ag_gemm's output matches the sequential one within 2 bf16 ulps of its largest value
+(and, check mode, the gathered A is bitwise NCCL's); gemm_rs's error against an fp32
+reduce-scatter of fp32 products is at most twice the sequential one's (or one bf16 ulp).
 Results (bench mode) go to --json per ../shared/BENCH_SCHEMA.md; rank 0 prints a table.
 """
 
@@ -36,6 +37,8 @@ except ImportError as e:  # pragma: no cover
 
 SHAPES = {
     "ag_gemm": [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 2048, 8192),
+                (8192, 28672, 8192), (2048, 8192, 8192)],
+    "gemm_rs": [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 2048, 8192),
                 (8192, 28672, 8192), (2048, 8192, 8192)],
 }
 
@@ -108,6 +111,66 @@ def ag_gemm_case(comm, m, n, k, mode, iters, sweep=False):
     return ok, diff, mag, variants
 
 
+def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
+    """(M, N, K): K is the full reduction length; each rank holds A_r [M, K / w], B_r [N, K / w]."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kl = k // world
+    log(f"  {m}x{n}x{k}: {mkernel._C.gemm_rs_plan(comm._impl, m, n, kl)}")
+    g = torch.Generator(device="cuda").manual_seed(4321 + 17 * rank + m + n + k)
+    a = torch.rand((m, kl), device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
+    b = torch.rand((n, kl), device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
+    out = torch.empty((m // world, n), device="cuda", dtype=torch.bfloat16)
+
+    def sequential():
+        dist.reduce_scatter_tensor(out, a @ b.T)
+        return out
+
+    ours = mkernel.gemm_rs(a, b, comm)
+    seq = sequential().clone()
+    # fp32 reference: fp32 partial products reduce-scattered in fp32.
+    ref = torch.empty((m // world, n), device="cuda", dtype=torch.float32)
+    dist.reduce_scatter_tensor(ref, a.float() @ b.float().T)
+    err = (ours.float() - ref).abs().max().item()
+    err_seq = (seq.float() - ref).abs().max().item()
+    mag = ref.abs().max().item()
+    ok = err <= max(2 * err_seq, mag / 256)  # within twice NCCL-then-cuBLAS's error, or 1 ulp
+    partial = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
+    variants = {
+        "mkernel": lambda: mkernel.gemm_rs(a, b, comm),
+        "gemm_alone": lambda: torch.matmul(a, b.T, out=partial),
+        "comm_alone": lambda: dist.reduce_scatter_tensor(out, partial),
+        "sequential": sequential,
+        "mkernel_gemm": lambda: mkernel.gemm(a, b),
+    }
+    async_tp = torch_async_tp_rs(a, b)
+    if async_tp is not None:
+        variants["torch_async_tp"] = async_tp
+    if sweep:
+        for name, kw in (("n128", {"block_n": 128}), ("n192", {"block_n": 192}),
+                         ("n256", {"block_n": 256})):
+            variants["sweep: " + name] = (lambda kw=kw: mkernel.gemm_rs(a, b, comm, **kw))
+    return ok, err, mag, variants
+
+
+def torch_async_tp_rs(a, b):
+    """torch.ops.symm_mem.fused_matmul_reduce_scatter as a callable, or None (reason noted)."""
+    global _ASYNC_TP_NOTE
+    try:
+        group = dist.group.WORLD.group_name
+        bt = b.T
+
+        def run():
+            return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, bt, "sum", scatter_dim=0,
+                                                                  group_name=group)
+        run()
+        torch.cuda.synchronize()
+        return run
+    except Exception as e:  # noqa: BLE001 - any failure: the baseline is reported as missing
+        _ASYNC_TP_NOTE = f"torch async-TP unavailable: {type(e).__name__}: {e}"
+        log(_ASYNC_TP_NOTE)
+        return None
+
+
 _SYMM_GROUP = None
 _ASYNC_TP_NOTE = None
 
@@ -135,7 +198,7 @@ def torch_async_tp_ag(a_shard, b):
         return None
 
 
-CASES = {"ag_gemm": ag_gemm_case}
+CASES = {"ag_gemm": ag_gemm_case, "gemm_rs": gemm_rs_case}
 
 
 def parse_shapes(text):

@@ -3,7 +3,7 @@
 #
 #   bash bench/run.sh <kernel|all> <check|bench> <num_nodes> [sizes]
 #
-# kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm, ag_gemm (the other fused
+# kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm, ag_gemm, gemm_rs (other fused
 #         kernels join as they land). all = collectives, gemm and every fused kernel.
 # check = correctness on the GPUs present; bench = timings against the baselines (NCCL, cuBLAS,
 #         NCCL-then-cuBLAS, PyTorch async-TP), written to bench/results/<kernel>-<gpu>-w<world>.json
@@ -22,8 +22,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 build="${BUILD_DIR:-build}"
 
 case "$kernel" in
-  all | collectives | all_gather | reduce_scatter | all_reduce | gemm | ag_gemm) ;;
-  gemm_rs | gemm_ar | moe_dispatch_gemm | moe_layer | ring_attention)
+  all | collectives | all_gather | reduce_scatter | all_reduce | gemm | ag_gemm | gemm_rs) ;;
+  gemm_ar | moe_dispatch_gemm | moe_layer | ring_attention)
     echo "bench/run.sh: $kernel is not implemented yet (see the open issues)" >&2; exit 2 ;;
   *) echo "bench/run.sh: unknown kernel '$kernel'" >&2; usage ;;
 esac
@@ -54,7 +54,7 @@ fi
 if [[ "$kernel" == all ]]; then
   # Every family in turn; the first failure is the exit status.
   status=0
-  for k in collectives gemm ag_gemm; do
+  for k in collectives gemm ag_gemm gemm_rs; do
     bash "$PWD/bench/run.sh" "$k" "$mode" "$nodes" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
   done
   exit "$status"
@@ -63,7 +63,7 @@ fi
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
 export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 
-if [[ "$kernel" == ag_gemm ]]; then
+if [[ "$kernel" == ag_gemm || "$kernel" == gemm_rs ]]; then
   python3 -c 'import mkernel' 2>/dev/null || {
     echo "bench/run.sh: the mkernel Python package is not importable: run 'pip install .' first" >&2
     exit 2

@@ -37,8 +37,8 @@ try:  # `import mkernel` works without torch (the C++ layer needs none); the API
 except ImportError:  # pragma: no cover - exercised on machines without torch
     torch = None
 
-__all__ = ["Communicator", "MkernelError", "init", "gemm", "ag_gemm", "dtype_name", "DTYPES",
-           "ERROR_CODES"]
+__all__ = ["Communicator", "MkernelError", "init", "gemm", "ag_gemm", "gemm_rs", "dtype_name",
+           "DTYPES", "ERROR_CODES"]
 __version__ = "0.1.0"
 
 
@@ -252,24 +252,31 @@ class Communicator:
         with _init_lock:
             self._id = next(_comm_ids)
             _comms[self._id] = weakref.ref(self)
-        self._workspaces = []  # symmetric uint8 tensors; the last is the largest
+        # Fused ops' symmetric workspaces by kind ("gather": scratch; "accumulate": kept zero
+        # between calls), each a list whose last tensor is the largest.
+        self._workspaces = {}
 
-    def _workspace(self, nbytes: int, op: str) -> "torch.Tensor":
-        """The fused ops' symmetric workspace, at least `nbytes` (grown collectively on demand).
+    def _workspace(self, nbytes: int, op: str, kind: str) -> "torch.Tensor":
+        """A fused op's symmetric workspace of `kind`, at least `nbytes` (grown on demand).
 
         The first call of a fused op with a larger shape allocates (every rank does, at the same
-        call); earlier workspaces stay alive with the communicator, since kernels already enqueued
-        may still use them. Allocation cannot happen while a CUDA graph is being captured.
+        call; "accumulate" workspaces are zeroed on the current stream); earlier workspaces stay
+        alive with the communicator, since kernels already enqueued may still use them.
+        Allocation cannot happen while a CUDA graph is being captured.
         """
-        if self._workspaces and self._workspaces[-1].numel() >= nbytes:
-            return self._workspaces[-1]
+        pool = self._workspaces.setdefault(kind, [])
+        if pool and pool[-1].numel() >= nbytes:
+            return pool[-1]
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"mkernel.{op}: its workspace ({nbytes} bytes) is not allocated yet and cannot be "
                 "while a CUDA graph is captured; run the op once with this shape (or a larger "
                 "one) before capturing")
-        self._workspaces.append(self.alloc_tensor(max(nbytes, 16), torch.uint8))
-        return self._workspaces[-1]
+        ws = self.alloc_tensor(max(nbytes, 16), torch.uint8)
+        if kind == "accumulate":
+            ws.zero_()
+        pool.append(ws)
+        return ws
 
     # topology
     @property
@@ -473,7 +480,7 @@ if torch is not None:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=a_shard.device)
         gathered = torch.empty((m, k) if return_gathered else (0, k), dtype=torch.bfloat16,
                                device=a_shard.device)
-        ws = c._workspace(_C.ag_gemm_workspace_bytes(m, k), "ag_gemm")
+        ws = c._workspace(_C.ag_gemm_workspace_bytes(m, k), "ag_gemm", "gather")
         with torch.cuda.device(c.device):
             _C.ag_gemm(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
                        ws.data_ptr(), c._stream(), gathered.data_ptr() if return_gathered else 0,
@@ -505,7 +512,57 @@ if torch is not None:
         c, gathered = _ag_gemm_op(a_shard, b, b_layout, comm._id, return_gathered, block_n,
                                   comm_ctas, piece_rows)
         return (c, gathered) if return_gathered else c
+    def _gemm_rs_shapes(comm, a, b, b_layout):
+        if a.dim() != 2:
+            raise ValueError(f"mkernel.gemm_rs: a must be 2-D [M, K / world]; got {tuple(a.shape)}")
+        m, n, k = _gemm_shapes(a, b, b_layout)
+        if m % comm.world_size != 0:
+            raise ValueError(f"mkernel.gemm_rs: M = {m} is not a multiple of the world size "
+                             f"{comm.world_size}")
+        return m, n, k
+
+    @torch.library.custom_op("mkernel::gemm_rs", mutates_args=(),
+                             schema="(Tensor a, Tensor b, str b_layout, int comm, int block_n) "
+                                    "-> Tensor")
+    def _gemm_rs_op(a, b, b_layout, comm, block_n):
+        c = _communicator(comm, "gemm_rs")
+        m, n, k = _gemm_rs_shapes(c, a, b, b_layout)
+        for name, x in (("a", a), ("b", b)):
+            if x.dtype != torch.bfloat16:
+                raise ValueError(f"mkernel.gemm_rs: {name} has dtype {x.dtype}; expected bfloat16")
+            _check_device("gemm_rs", name, x, c.device)
+        a2, b2 = a.contiguous(), b.contiguous()
+        out = torch.empty((m // c.world_size, n), dtype=torch.bfloat16, device=a.device)
+        ws = c._workspace(_C.gemm_rs_workspace_bytes(m, n, c.world_size), "gemm_rs", "accumulate")
+        with torch.cuda.device(c.device):
+            _C.gemm_rs(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
+                       ws.data_ptr(), c._stream(), block_n)
+        return out
+
+    @_gemm_rs_op.register_fake
+    def _gemm_rs_fake(a, b, b_layout, comm, block_n):
+        c = _communicator(comm, "gemm_rs")
+        m, n, _ = _gemm_rs_shapes(c, a, b, b_layout)
+        return a.new_empty((m // c.world_size, n))
+
+    def gemm_rs(a: "torch.Tensor", b: "torch.Tensor", comm: "Communicator", *,
+                b_layout: str = "nk", block_n: int = 0) -> "torch.Tensor":
+        """GEMM + ReduceScatter in one launch: this rank's rows of sum over ranks of a @ op(b).
+
+        a: this rank's A_r, [M, K / world] bf16 (the row-parallel layer's input slice).
+        b: this rank's weight slice, [N, K / world] ('nk', nn.Linear layout) or [K / world, N].
+        Returns [M / world, N] bf16: rows [r * M / world, (r + 1) * M / world) of the sum on rank
+        r. Sums are fp32 until the final rounding. M divisible by the world size; N and K / world
+        multiples of 8. Current CUDA stream, no host synchronisation; every rank calls it in the
+        same order. torch.ops.mkernel.gemm_rs works under torch.compile and in CUDA graphs (call
+        it once per new largest shape before capturing: that allocates its workspace).
+        """
+        return _gemm_rs_op(a, b, b_layout, comm._id, block_n)
 else:  # pragma: no cover - without torch there is no tensor to multiply
+    def gemm_rs(a, b, comm, **kwargs):
+        """Needs PyTorch; see the docstring of the torch custom op."""
+        _require_torch("gemm_rs")
+
     def ag_gemm(a_shard, b, comm, **kwargs):
         """Needs PyTorch; see the docstring of the torch custom op."""
         _require_torch("ag_gemm")

@@ -369,6 +369,30 @@ NB_MODULE(_C, m) {
       "A. Stream-ordered; no host synchronisation.");
   m.def("ag_gemm_workspace_bytes", &mk::ag_gemm_workspace_bytes, "m"_a, "k"_a);
   m.def(
+      "gemm_rs",
+      [](mk::Communicator& comm, std::uintptr_t a, std::uintptr_t b, std::uintptr_t out,
+         int64_t m_rows, int64_t n, int64_t k_local, std::string_view b_layout,
+         std::uintptr_t workspace, std::uintptr_t stream, int block_n) {
+        const mk::BLayout layout = parse_layout(b_layout, "gemm_rs");
+        const mk::FusedGemmConfig config = fused_config(block_n, 0, 0);
+        nb::gil_scoped_release nogil;
+        mk::gemm_rs(comm, as_pointer<const void>(a), as_pointer<const void>(b), as_pointer(out),
+                    m_rows, n, k_local, layout, as_pointer(workspace), as_stream(stream), config);
+      },
+      "comm"_a, "a"_a, "b"_a, "out"_a, "m"_a, "n"_a, "k_local"_a, "b_layout"_a, "workspace"_a,
+      "stream"_a, "block_n"_a = 0,
+      "out[M / world, N] = this rank's rows of sum over ranks of A_r @ op(B_r); workspace: "
+      "gemm_rs_workspace_bytes(M, N, world) zeroed bytes in a symmetric buffer (left zero). "
+      "Stream-ordered; no host synchronisation.");
+  m.def("gemm_rs_workspace_bytes", &mk::gemm_rs_workspace_bytes, "m"_a, "n"_a, "world_size"_a);
+  m.def(
+      "gemm_rs_plan",
+      [](const mk::Communicator& comm, int64_t m_rows, int64_t n, int64_t k_local, int block_n) {
+        return mk::gemm_rs_plan(comm, m_rows, n, k_local, fused_config(block_n, 0, 0)).describe();
+      },
+      "comm"_a, "m"_a, "n"_a, "k_local"_a, "block_n"_a = 0,
+      "The configuration gemm_rs picks for these arguments, as one line.");
+  m.def(
       "ag_gemm_plan",
       [](const mk::Communicator& comm, int64_t m_rows, int64_t n, int64_t k, int block_n,
          int comm_ctas, int piece_rows) {

@@ -330,7 +330,58 @@ def _ag_gemm(rank, world, seed, use_nccl):
     dist.barrier()
 
 
+def _gemm_rs(rank, world, seed, use_nccl):
+    """mkernel.gemm_rs against the fp64 sum of every rank's product (rows of this rank), within
+    twice the error of cuBLAS on the K-concatenated operands; then a CUDA graph with new inputs."""
+    comm = mkernel.init()
+    dev = torch.device("cuda", comm.device)
+    cases = [(200, 264, 136, "nk"), (1000, 1024, 512, "kn"), (1, 8, 8, "nk")]
+    for case, (shard, n, kl, layout) in enumerate(cases):
+        what = f"gemm_rs case {case} (shard {shard}, N {n}, K_r {kl}, {layout}), rank {rank}"
+        m = shard * world
+        a_all = [_inputs(seed, 100 + case, r, (m, kl), torch.bfloat16) for r in range(world)]
+        b_shape = (n, kl) if layout == "nk" else (kl, n)
+        b_all = [_inputs(seed, 200 + case, r, b_shape, torch.bfloat16) for r in range(world)]
+        out = mkernel.gemm_rs(a_all[rank].to(dev), b_all[rank].to(dev), comm, b_layout=layout)
+        assert out.shape == (shard, n)
+        a_cat = torch.cat(a_all, dim=1).to(dev)
+        b_cat = torch.cat(b_all, dim=1 if layout == "nk" else 0).to(dev)
+        bt = b_cat.T if layout == "nk" else b_cat
+        rows = slice(rank * shard, (rank + 1) * shard)
+        exact = a_cat[rows].double() @ bt.double()
+        err = (out.double() - exact).abs().max().item()
+        err_blas = ((a_cat[rows] @ bt).double() - exact).abs().max().item()
+        assert err <= 2 * err_blas + 1e-6, f"{what}: error {err}, cuBLAS {err_blas}"
+
+    shard, n, kl = 136, 256, 64
+    b = _inputs(seed, 300, rank, (n, kl), torch.bfloat16).to(dev)
+    b_cat = torch.cat([_inputs(seed, 300, r, (n, kl), torch.bfloat16) for r in range(world)],
+                      dim=1).to(dev)
+    a_static = _inputs(seed, 301, rank, (shard * world, kl), torch.bfloat16).to(dev)
+    mkernel.gemm_rs(a_static, b, comm)  # allocates the workspace before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = mkernel.gemm_rs(a_static, b, comm)
+    for replay in range(5):
+        a_all = [_inputs(seed, 400 + replay, r, (shard * world, kl), torch.bfloat16)
+                 for r in range(world)]
+        a_static.copy_(a_all[rank])
+        graph.replay()
+        a_cat = torch.cat(a_all, dim=1).to(dev)[rank * shard:(rank + 1) * shard]
+        exact = a_cat.double() @ b_cat.T.double()
+        err = (out_static.double() - exact).abs().max().item()
+        err_blas = ((a_cat @ b_cat.T).double() - exact).abs().max().item()
+        assert err <= 2 * err_blas + 1e-6, f"graph replay {replay}: error {err}, cuBLAS {err_blas}"
+    comm.synchronize()
+    dist.barrier()
+
+
 # ---- tests ------------------------------------------------------------------------------------
+
+def test_gemm_rs_matches_references():
+    _spawn(_gemm_rs)
+
 
 def test_ag_gemm_matches_references():
     _spawn(_ag_gemm)
