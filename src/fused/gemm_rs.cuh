@@ -4,7 +4,8 @@
 // sum_r A_r B_r^T (S = M / world). Rank r computes its partial product tile by tile, owner by owner
 // in the order r + 1, r + 2, ..., r - 1 and its own rows last:
 //   - a tile owned by a peer o is reduced (fp32 add, in the memory system) into o's accumulator
-//     [S][N] fp32 in the workspace by TMA reduce-adds straight from shared memory, then the
+//     [S][N] fp32 in the workspace by TMA reduce-adds straight from shared memory (with two
+//     ranks, by TMA stores: the accumulator receives one partial), then the
 //     consumer raises o's op signal (2 * tile + consumer) - deferred to its next epilogue, so that
 //     it never waits for its own reduces to land;
 //   - a tile of its own rows comes last: every peer handled it earlier (in its own order), so the
@@ -32,6 +33,8 @@ struct GemmRsFusion {
   CUtensorMap accum[kMaxLocalRanks];    // each local rank's accumulator [S][N] fp32, 64 x 32
   DeviceComm comm;
   float* my_accum;  // this rank's accumulator (local address)
+  bool single_peer;  // two ranks: the one peer stores its partial (a sum onto zero) instead of
+                     // adding it - plain NVLink writes, no remote read-modify-write
   int shard_rows;   // S
   int n;
   gemm_engine::GroupedRaster raster;  // tiles of one shard
@@ -78,7 +81,11 @@ struct GemmRsFusion {
         pending.entered |= 1u << owner;
       }
       reduce_slice(acc, col0, consumer, scratch, [&](const uint8_t* buf, int j) {
-        dev::tma_reduce_add_2d(&accum[owner], buf, col0 + 32 * j, row0);
+        if (single_peer) {
+          dev::tma_store_2d(&accum[owner], buf, col0 + 32 * j, row0);
+        } else {
+          dev::tma_reduce_add_2d(&accum[owner], buf, col0 + 32 * j, row0);
+        }
       });
       if (t == 0) {
         pending.owner = owner;
