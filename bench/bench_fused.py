@@ -156,6 +156,7 @@ def torch_async_tp_rs(a, b):
     """torch.ops.symm_mem.fused_matmul_reduce_scatter as a callable, or None (reason noted)."""
     global _ASYNC_TP_NOTE
     try:
+        from torch.distributed import _symmetric_memory  # noqa: F401 - registers the ops
         group = dist.group.WORLD.group_name
         bt = b.T
 
