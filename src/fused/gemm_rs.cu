@@ -73,8 +73,7 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.out = gemm_engine::make_map(out, p.shard_rows, n, 64);
   // The accumulators as mapped here: each rank's buffer base plus the workspace's offset.
   for (int i = 0; i < topo.local_size; ++i) {
-    f.accum[i] = gemm_engine::make_map_fp32(reinterpret_cast<char*>(ws.host_peers[i]) + ws.offset,
-                                            p.shard_rows, n, 64);
+    f.accum_peers[i] = reinterpret_cast<float*>(ws.host_peers[i] + ws.offset);
   }
   f.comm = comm.device_comm();
   f.my_accum = static_cast<float*>(workspace);
@@ -154,6 +153,7 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
   detail::require_device_pointer(comm, workspace, 16, kOp, "workspace");
   const SymmetricRange ws =
       detail::require_symmetric(comm, workspace, p.workspace_bytes, kOp, "workspace");
+  if (ws.offset % 16 != 0) invalid("workspace offset in its symmetric buffer is not 16-byte aligned");
   if (detail::overlaps(out, out_bytes, workspace, p.workspace_bytes)) {
     invalid("out overlaps the workspace");
   }

@@ -3,9 +3,9 @@
 // Rank r holds A_r [M, K_r] and B_r; the output of rank o is rows [o * S, (o + 1) * S) of
 // sum_r A_r B_r^T (S = M / world). Rank r computes its partial product tile by tile, owner by owner
 // in the order r + 1, r + 2, ..., r - 1 and its own rows last:
-//   - a tile owned by a peer o is reduced (fp32 add, in the memory system) into o's accumulator
-//     [S][N] fp32 in the workspace by TMA reduce-adds straight from shared memory (with two
-//     ranks, by TMA stores: the accumulator receives one partial), then the
+//   - a tile owned by a peer o is sent to o's accumulator [S][N] fp32 in the workspace: added
+//     there by vector reductions (red.add.v4.f32), or with two ranks simply stored (the
+//     accumulator receives one partial) - see send_slice - then the
 //     consumer raises o's op signal (2 * tile + consumer) - deferred to its next epilogue, so that
 //     it never waits for its own reduces to land;
 //   - a tile of its own rows comes last: every peer handled it earlier (in its own order), so the
@@ -30,7 +30,7 @@ template <int kBlockN>
 struct GemmRsFusion {
   CUtensorMap a;                        // A_r as [world][S][K_r], boxes 128 x 64 x 1
   CUtensorMap out;                      // this rank's output [S][N] bf16, boxes 64 x 64
-  CUtensorMap accum[kMaxLocalRanks];    // each local rank's accumulator [S][N] fp32, 64 x 32
+  float* accum_peers[kMaxLocalRanks];   // each local rank's accumulator [S][N] fp32, mapped here
   DeviceComm comm;
   float* my_accum;  // this rank's accumulator (local address)
   bool single_peer;  // two ranks: the one peer stores its partial (a sum onto zero) instead of
@@ -80,13 +80,7 @@ struct GemmRsFusion {
         launch.wait(owner, dev::signal_index(SignalId::kEntry, 0), 1);  // it may be reused
         pending.entered |= 1u << owner;
       }
-      reduce_slice(acc, col0, consumer, scratch, [&](const uint8_t* buf, int j) {
-        if (single_peer) {
-          dev::tma_store_2d(&accum[owner], buf, col0 + 32 * j, row0);
-        } else {
-          dev::tma_reduce_add_2d(&accum[owner], buf, col0 + 32 * j, row0);
-        }
-      });
+      send_slice(acc, row0, col0, consumer, scratch, accum_peers[owner]);
       if (t == 0) {
         pending.owner = owner;
         pending.signal = slot(tile, consumer);
@@ -115,9 +109,7 @@ struct GemmRsFusion {
   // Thread 0 of a consumer: the previous reduce has landed -> tell its owner.
   __device__ void flush(ConsumerState& pending, const dev::Launch& launch) const {
     if (pending.owner < 0) return;
-    dev::bulk_wait_group<0>();
-    dev::fence_proxy_async_global();
-    dev::fence_acq_rel_sys();
+    dev::fence_acq_rel_sys();  // after the warpgroup's stores (send_slice ends with a barrier)
     launch.signal(pending.owner, pending.signal, 1);
     pending.owner = -1;
   }
@@ -149,22 +141,32 @@ struct GemmRsFusion {
     }
   }
 
-  // fp32 version of the epilogue data path: 32-column chunks of the 64 x kBlockN slice go through
-  // a 128-byte-swizzled 64 x 32 fp32 buffer (8 KiB, two alternating) to issue(buf, j).
-  template <int kRegs, class Issue>
-  __device__ void reduce_slice(const float (&acc)[kRegs], int col0, int consumer, uint8_t* scratch,
-                               Issue&& issue) const {
+  // Sends a consumer's 64 x kBlockN fp32 slice to an owner's accumulator over NVLink: 32-column
+  // chunks are transposed through a 128-byte-swizzled 64 x 32 buffer in shared memory (two
+  // alternating), then every thread writes whole 16-byte pieces of accumulator rows - coalesced
+  // 128-byte rows, posted writes; with two ranks plain stores (the accumulator receives one
+  // partial), else vector reductions (red.add.v4.f32). Ends with a barrier of the warpgroup, so
+  // that thread 0's release afterwards covers every thread's writes. (TMA stores and reduces to
+  // the peer, tried first, ran at ~30 GB/s: each waited for the remote write before its shared
+  // memory could be reused.)
+  template <int kRegs>
+  __device__ void send_slice(const float (&acc)[kRegs], int row0, int col0, int consumer,
+                             uint8_t* scratch, float* dst) const {
     constexpr int kChunks = kRegs / 16;  // 32 columns = 4 column blocks of 4 registers
     constexpr int kChunkBytes = 64 * 32 * 4;
     const int t = threadIdx.x % 128;
     const int r = (t / 32) * 16 + (t % 32) / 4;
     const int barrier = 1 + consumer;
+    const int my_row = t / 2;           // the row this thread writes out
+    const int my_units = 4 * (t % 2);   // its four 16-byte units of the row's 128 bytes
+    const bool row_ok = row0 + my_row < shard_rows;
+    float* dst_row = dst + static_cast<int64_t>(row0 + my_row) * n;
+    if (t == 0) dev::bulk_wait_group_read<0>();  // the buffers' earlier TMA stores have read them
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {
       if (col0 + 32 * j >= n) break;
       uint8_t* buf = scratch + (j % 2) * kChunkBytes;
-      if (t == 0) dev::bulk_wait_group_read<1>();
-      dev::named_barrier_sync(barrier, 128);
+      dev::named_barrier_sync(barrier, 128);  // everyone is done reading buf (chunk j - 2)
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         const float* v = &acc[16 * j + 4 * b];
@@ -174,13 +176,27 @@ struct GemmRsFusion {
         st_shared_f32x2(buf + (r + 8) * 128 + ((unit ^ ((r + 8) % 8)) * 16) + offset, v[2],
                         v[3]);
       }
-      dev::fence_proxy_async_shared();
       dev::named_barrier_sync(barrier, 128);
-      if (t == 0) {
-        issue(buf, j);
-        dev::bulk_commit_group();
+#pragma unroll
+      for (int u = my_units; u < my_units + 4; ++u) {
+        const int col = col0 + 32 * j + 4 * u;
+        if (!row_ok || col >= n) continue;
+        const float4 v =
+            *reinterpret_cast<const float4*>(buf + my_row * 128 + ((u ^ (my_row % 8)) * 16));
+        if (single_peer) {
+          *reinterpret_cast<float4*>(dst_row + col) = v;
+        } else {
+          red_add_f32x4(dst_row + col, v);
+        }
       }
     }
+    dev::named_barrier_sync(barrier, 128);
+  }
+
+  __device__ static void red_add_f32x4(float* p, float4 v) {
+    asm volatile("red.relaxed.sys.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x),
+                 "f"(v.y), "f"(v.z), "f"(v.w)
+                 : "memory");
   }
 
   __device__ static void st_shared_f32x2(void* p, float x, float y) {
