@@ -42,6 +42,7 @@ SERIES = {
     "sequential": ("sequential: NCCL, then cuBLAS (or the reverse)", "#ff7f0e"),
     "torch_async_tp": ("PyTorch async-TP (symmetric memory)", "#2ca02c"),
     "nccl": ("NCCL", "#ff7f0e"),
+    "mkernel_gemm": ("mkernel's GEMM engine alone (reference)", "#9467bd"),
 }
 SERIES_ORDER = ["mkernel", "gemm_alone", "comm_alone", "sequential", "torch_async_tp"]
 EXTRA_COLORS = ["#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
@@ -430,6 +431,10 @@ def overview_rows(kind, doc, rows):
             nc = number(r["ms"].get("nccl"))
             sp = number(r.get("speedup_vs_nccl")) or (nc / m if nc else None)
             label = f"{r['op']} {fmt_bytes(r['shape']['bytes_per_rank'])}"
+        elif doc.get("kernel") == "gemm":  # the engine alone: against cuBLAS
+            blas = number(r["ms"].get("gemm_alone"))
+            sp = blas / m if blas and m else None
+            label = shape_label(r["shape"])
         else:
             seq = number(r["ms"].get("sequential"))
             sp = number(r.get("speedup_vs_sequential")) or (seq / m if seq else None)
@@ -450,7 +455,9 @@ def plot_overview(files, out):
             continue
         world, nodes = doc.get("world_size"), doc.get("num_nodes")
         commit = doc.get("commit")
-        header = (f"{doc['kernel']} vs {'NCCL' if kind == 'collectives' else 'sequential'}: "
+        against = ("NCCL" if kind == "collectives" else
+                   "cuBLAS" if doc.get("kernel") == "gemm" else "sequential")
+        header = (f"{doc['kernel']} vs {against}: "
                   f"{gpu_short(doc.get('device'))}, world {world if world is not None else '?'}"
                   + (f", {nodes} nodes" if isinstance(nodes, int) and nodes > 1 else "")
                   + f"; commit {commit[:7] if isinstance(commit, str) else '?'}, "
@@ -505,6 +512,8 @@ def plot_overview(files, out):
         against.append("fused kernels vs the sequential composition (NCCL + cuBLAS)")
     if "collectives" in kinds:
         against.append("collectives vs NCCL")
+    if any(h.startswith("gemm vs cuBLAS") for _, h, _ in groups):
+        against.append("GEMM engine vs cuBLAS")
     ax.set_title("mkernel speedup over the baseline, every benchmarked shape\n"
                  + "; ".join(against), fontsize=11, pad=18)
     fig.tight_layout()
