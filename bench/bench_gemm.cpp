@@ -76,7 +76,8 @@ std::vector<Shape> parse_shapes(const std::string& text) {
     if (end == std::string::npos) end = text.size();
     Shape s{};
     if (std::sscanf(text.substr(pos, end - pos).c_str(), "%ldx%ldx%ld", &s.m, &s.n, &s.k) != 3) {
-      std::fprintf(stderr, "bad shape '%s' (expected MxNxK)\n", text.substr(pos, end - pos).c_str());
+      std::fprintf(stderr, "bad shape '%s' (expected MxNxK)\n",
+                   text.substr(pos, end - pos).c_str());
       std::exit(2);
     }
     out.push_back(s);

@@ -32,12 +32,12 @@ struct FusedGemmConfig {
 
 // What a fused GEMM call will do (the same on every rank), for printing and for tests.
 struct FusedGemmPlan {
-  int64_t shard_rows = 0;         // rows of one rank's shard
-  int block_n = 0;                // GEMM tile width (tiles are 128 x block_n)
-  int ctas = 0;                   // persistent CTAs
-  int comm_ctas = 0;              // of which move data
-  int piece_rows = 0;             // rows per signalled piece
-  int pieces = 0;                 // pieces per shard
+  int64_t shard_rows = 0;  // rows of one rank's shard
+  int block_n = 0;         // GEMM tile width (tiles are 128 x block_n)
+  int ctas = 0;            // persistent CTAs
+  int comm_ctas = 0;       // of which move data
+  int piece_rows = 0;      // rows per signalled piece
+  int pieces = 0;          // pieces per shard
   std::size_t workspace_bytes = 0;
   std::string describe() const;  // one line
 };

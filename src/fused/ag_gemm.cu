@@ -92,7 +92,8 @@ void launch(const Communicator& comm, const AgGemmPlan& p, const void* a_shard, 
   f.row_bytes = static_cast<uint64_t>(k) * 2;
   f.shard_rows = static_cast<int>(p.shard_rows);
   f.n = static_cast<int>(n);
-  f.raster = {static_cast<int>((p.shard_rows + 127) / 128), static_cast<int>((n + kBlockN - 1) / kBlockN)};
+  f.raster = {static_cast<int>((p.shard_rows + 127) / 128),
+              static_cast<int>((n + kBlockN - 1) / kBlockN)};
   f.piece_rows = p.piece_rows;
   f.pieces = p.pieces;
   f.comm_ctas = p.comm_ctas;
@@ -105,14 +106,18 @@ void launch(const Communicator& comm, const AgGemmPlan& p, const void* a_shard, 
 }
 
 template <bool kTransB>
-void launch_width(const Communicator& comm, const AgGemmPlan& p, const void* a_shard,
-                  const void* b, void* c, int64_t n, int64_t k, const SymmetricRange& ws,
-                  void* workspace, cudaStream_t stream) {
+void launch_width(const Communicator& comm, const AgGemmPlan& p, const void* a_shard, const void* b,
+                  void* c, int64_t n, int64_t k, const SymmetricRange& ws, void* workspace,
+                  cudaStream_t stream) {
   switch (p.block_n) {
-    case 64: return launch<64, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
-    case 128: return launch<128, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
-    case 192: return launch<192, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
-    default: return launch<256, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
+    case 64:
+      return launch<64, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
+    case 128:
+      return launch<128, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
+    case 192:
+      return launch<192, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
+    default:
+      return launch<256, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
   }
 }
 
@@ -162,7 +167,8 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
   detail::require_device_pointer(comm, c, 16, kOp, "C");
   detail::require_device_pointer(comm, workspace, 16, kOp, "workspace");
   const SymmetricRange ws = detail::require_symmetric(comm, workspace, ws_bytes, kOp, "workspace");
-  if (ws.offset % 16 != 0) invalid("workspace offset in its symmetric buffer is not 16-byte aligned");
+  if (ws.offset % 16 != 0)
+    invalid("workspace offset in its symmetric buffer is not 16-byte aligned");
   const std::size_t c_bytes = static_cast<std::size_t>(m) * n * 2;
   if (detail::overlaps(c, c_bytes, workspace, ws_bytes) ||
       detail::overlaps(a_shard, shard_bytes, workspace, ws_bytes) ||
@@ -189,7 +195,8 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
     const int r = comm.rank();
     auto* out = static_cast<char*>(gathered_a);
     const auto* in = static_cast<const char*>(workspace);
-    if (r > 0) MK_CUDA_CHECK(cudaMemcpyAsync(out, in, r * shard_bytes, cudaMemcpyDeviceToDevice, stream));
+    if (r > 0)
+      MK_CUDA_CHECK(cudaMemcpyAsync(out, in, r * shard_bytes, cudaMemcpyDeviceToDevice, stream));
     MK_CUDA_CHECK(cudaMemcpyAsync(out + r * shard_bytes, a_shard, shard_bytes,
                                   cudaMemcpyDeviceToDevice, stream));
     const std::size_t rest = (comm.world_size() - 1 - r) * shard_bytes;

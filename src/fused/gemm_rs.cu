@@ -95,10 +95,14 @@ void launch_width(const Communicator& comm, const FusedGemmPlan& p, const void* 
                   void* out, int64_t n, int64_t k, const SymmetricRange& ws, void* workspace,
                   cudaStream_t stream) {
   switch (p.block_n) {
-    case 64: return launch<64, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
-    case 128: return launch<128, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
-    case 192: return launch<192, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
-    default: return launch<256, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
+    case 64:
+      return launch<64, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
+    case 128:
+      return launch<128, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
+    case 192:
+      return launch<192, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
+    default:
+      return launch<256, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
   }
 }
 
@@ -153,7 +157,8 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
   detail::require_device_pointer(comm, workspace, 16, kOp, "workspace");
   const SymmetricRange ws =
       detail::require_symmetric(comm, workspace, p.workspace_bytes, kOp, "workspace");
-  if (ws.offset % 16 != 0) invalid("workspace offset in its symmetric buffer is not 16-byte aligned");
+  if (ws.offset % 16 != 0)
+    invalid("workspace offset in its symmetric buffer is not 16-byte aligned");
   if (detail::overlaps(out, out_bytes, workspace, p.workspace_bytes)) {
     invalid("out overlaps the workspace");
   }

@@ -28,14 +28,14 @@ constexpr int kMaxLocalRanks = 8;  // tensor maps of the peers' accumulators tra
 
 template <int kBlockN>
 struct GemmRsFusion {
-  CUtensorMap a;                        // A_r as [world][S][K_r], boxes 128 x 64 x 1
-  CUtensorMap out;                      // this rank's output [S][N] bf16, boxes 64 x 64
-  float* accum_peers[kMaxLocalRanks];   // each local rank's accumulator [S][N] fp32, mapped here
+  CUtensorMap a;                       // A_r as [world][S][K_r], boxes 128 x 64 x 1
+  CUtensorMap out;                     // this rank's output [S][N] bf16, boxes 64 x 64
+  float* accum_peers[kMaxLocalRanks];  // each local rank's accumulator [S][N] fp32, mapped here
   DeviceComm comm;
-  float* my_accum;  // this rank's accumulator (local address)
+  float* my_accum;   // this rank's accumulator (local address)
   bool single_peer;  // two ranks: the one peer stores its partial (a sum onto zero) instead of
                      // adding it - plain NVLink writes, no remote read-modify-write
-  int shard_rows;   // S
+  int shard_rows;    // S
   int n;
   gemm_engine::GroupedRaster raster;  // tiles of one shard
 
@@ -157,8 +157,8 @@ struct GemmRsFusion {
     const int t = threadIdx.x % 128;
     const int r = (t / 32) * 16 + (t % 32) / 4;
     const int barrier = 1 + consumer;
-    const int my_row = t / 2;           // the row this thread writes out
-    const int my_units = 4 * (t % 2);   // its four 16-byte units of the row's 128 bytes
+    const int my_row = t / 2;          // the row this thread writes out
+    const int my_units = 4 * (t % 2);  // its four 16-byte units of the row's 128 bytes
     const bool row_ok = row0 + my_row < shard_rows;
     float* dst_row = dst + static_cast<int64_t>(row0 + my_row) * n;
     if (t == 0) dev::bulk_wait_group_read<0>();  // the buffers' earlier TMA stores have read them
@@ -173,8 +173,7 @@ struct GemmRsFusion {
         const int unit = 2 * b + (t % 4) / 2;  // 16-byte unit of the 128-byte row
         const int offset = 8 * (t % 2);
         st_shared_f32x2(buf + r * 128 + ((unit ^ (r % 8)) * 16) + offset, v[0], v[1]);
-        st_shared_f32x2(buf + (r + 8) * 128 + ((unit ^ ((r + 8) % 8)) * 16) + offset, v[2],
-                        v[3]);
+        st_shared_f32x2(buf + (r + 8) * 128 + ((unit ^ ((r + 8) % 8)) * 16) + offset, v[2], v[3]);
       }
       dev::named_barrier_sync(barrier, 128);
 #pragma unroll

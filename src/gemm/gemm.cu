@@ -51,9 +51,9 @@ CUtensorMap encode(const void* base, int rank, const cuuint64_t* dims, const cuu
   CUtensorMap map{};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   MK_CU_CHECK(detail::driver().TensorMapEncodeTiled(
-      &map, type, rank, const_cast<void*>(base), dims, strides, box,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
+      &map, type, rank, const_cast<void*>(base), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
   return map;
 }
 
@@ -99,7 +99,8 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
   using Cfg = gemm_engine::TileConfig<kBlockN>;
   using Fusion = gemm_engine::PlainGemm<kBlockN>;
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
-  const Fusion fusion{make_map(a, m, k, Cfg::kBlockM), make_map(c, m, n, 64),
+  const Fusion fusion{make_map(a, m, k, Cfg::kBlockM),
+                      make_map(c, m, n, 64),
                       {static_cast<int>((m + Cfg::kBlockM - 1) / Cfg::kBlockM),
                        static_cast<int>((n + Cfg::kBlockN - 1) / Cfg::kBlockN)},
                       static_cast<int>(n)};
@@ -141,8 +142,8 @@ int gemm_engine::pick_block_n(int requested, int64_t m, int64_t n, int sms, cons
     }
   }
   if (block_n != 64 && block_n != 128 && block_n != 192 && block_n != 256) {
-    throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": block_n = " +
-                                                 std::to_string(block_n) +
+    throw Error(ErrorCode::kInvalidArgument, std::string(op) +
+                                                 ": block_n = " + std::to_string(block_n) +
                                                  "; expected 64, 128, 192 or 256");
   }
   return block_n;
@@ -154,10 +155,14 @@ template <bool kTransB>
 void launch_width(int block_n, const void* a, const void* b, void* c, int64_t m, int64_t n,
                   int64_t k, int sms, cudaStream_t stream) {
   switch (block_n) {
-    case 64: return launch<64, kTransB>(a, b, c, m, n, k, sms, stream);
-    case 128: return launch<128, kTransB>(a, b, c, m, n, k, sms, stream);
-    case 192: return launch<192, kTransB>(a, b, c, m, n, k, sms, stream);
-    default: return launch<256, kTransB>(a, b, c, m, n, k, sms, stream);
+    case 64:
+      return launch<64, kTransB>(a, b, c, m, n, k, sms, stream);
+    case 128:
+      return launch<128, kTransB>(a, b, c, m, n, k, sms, stream);
+    case 192:
+      return launch<192, kTransB>(a, b, c, m, n, k, sms, stream);
+    default:
+      return launch<256, kTransB>(a, b, c, m, n, k, sms, stream);
   }
 }
 

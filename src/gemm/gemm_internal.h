@@ -27,8 +27,8 @@ int pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op);
 
 struct GemmKernelResources {
   std::string name;
-  int registers;          // per thread, as compiled (setmaxnreg moves them between roles)
-  int64_t local_bytes;    // local memory per thread: spills or stack; must be 0
+  int registers;        // per thread, as compiled (setmaxnreg moves them between roles)
+  int64_t local_bytes;  // local memory per thread: spills or stack; must be 0
   int64_t max_dynamic_smem;
 };
 

@@ -55,10 +55,9 @@ struct TileConfig {
   // As many stages as fit (at most 8) next to the epilogue buffers, the barriers and the
   // 1024 bytes spent aligning everything to the swizzle atom.
   static constexpr int kSmemLimit = 227 * 1024;
-  static constexpr int kStages =
-      (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes < 8
-          ? (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes
-          : 8;
+  static constexpr int kStages = (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes < 8
+                                     ? (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes
+                                     : 8;
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kEpilogueBytes + 2 * kStages * 8;
   static constexpr int kAccRegs = kBlockN / 2;  // fp32 accumulators per consumer thread
   static constexpr int kProducerRegs = 40;
@@ -108,13 +107,13 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // tile's mainloop. Chunks at column >= n are skipped. All 128 threads of the warpgroup call.
 // The kernel waits for the last stores before it exits.
 template <int kRegs, class Issue>
-__device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0, int n, int consumer,
-                                            uint8_t* scratch, Issue&& issue) {
+__device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0, int n,
+                                            int consumer, uint8_t* scratch, Issue&& issue) {
   constexpr int kChunks = kRegs / 32;  // 64 columns = 8 column blocks of 4 registers
   constexpr int kChunkBytes = 64 * 64 * 2;
   const int t = threadIdx.x % 128;
   const int r = (t / 32) * 16 + (t % 32) / 4;  // this thread's rows: r and r + 8
-  const int word = (t % 4) * 4;                 // byte offset inside a 16-byte chunk
+  const int word = (t % 4) * 4;                // byte offset inside a 16-byte chunk
   const int barrier = 1 + consumer;
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
@@ -159,11 +158,12 @@ struct PlainGemm {
     dev::tma_load_2d(dst, &a, bar, k0, tile.m * 128);
   }
   template <int kRegs>
-  __device__ void store(const float (&acc)[kRegs], const Tile& tile, int consumer,
-                        uint8_t* scratch, ConsumerState&) const {
+  __device__ void store(const float (&acc)[kRegs], const Tile& tile, int consumer, uint8_t* scratch,
+                        ConsumerState&) const {
     const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
-    store_slice(acc, col0, n, consumer, scratch,
-                [&](const uint8_t* buf, int j) { dev::tma_store_2d(&c, buf, col0 + 64 * j, row0); });
+    store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
+      dev::tma_store_2d(&c, buf, col0 + 64 * j, row0);
+    });
   }
   __device__ void consumer_done(ConsumerState&) const {}
   __device__ void side_task(int, int) const {}

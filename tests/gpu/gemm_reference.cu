@@ -1,10 +1,9 @@
 // fp64 reference rows and helpers for the GEMM tests (simple, not fast).
 #include <cuda_bf16.h>
 
-#include <cstring>
-
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -104,8 +103,8 @@ SampledErrors sampled_errors(const void* c, const void* c_blas, const void* a, c
   cudaMemsetAsync(d_worst, 0, 2 * sizeof(unsigned long long), s);
   gemm_reference_rows(a, b, n, k, b_kn, d_rows, nrows, d_ref, s);
   const unsigned blocks = static_cast<unsigned>((nrows * n + 255) / 256);
-  error_kernel<<<blocks, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(c), n, d_rows, nrows,
-                                      d_ref, d_worst);
+  error_kernel<<<blocks, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(c), n, d_rows, nrows, d_ref,
+                                      d_worst);
   error_kernel<<<blocks, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(c_blas), n, d_rows, nrows,
                                       d_ref, d_worst + 1);
   unsigned long long h[2] = {0, 0};

@@ -156,8 +156,8 @@ void expect_ag_gemm_graph(Communicator& comm, int replays) {
   MKT_CUDA(cudaMalloc(&c_ref, m * n * 2));
   auto input_seed = [&](int replay, int r) { return shard_seed(seed + 7919 * replay, r); };
   for (int i = 0; i < replays; ++i) {
-    fill_random_bf16(static_cast<char*>(inputs) + i * shard * k * 2, shard * k,
-                     input_seed(i, rank), stream);
+    fill_random_bf16(static_cast<char*>(inputs) + i * shard * k * 2, shard * k, input_seed(i, rank),
+                     stream);
   }
   fill_random_bf16(b, n * k, seed ^ rank, stream);
   MKT_CUDA(cudaMemsetAsync(history, 0xFF, replays * m * n * 2, stream));
@@ -169,8 +169,8 @@ void expect_ag_gemm_graph(Communicator& comm, int replays) {
   MKT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   ready(comm, stream);
   for (int i = 0; i < replays; ++i) {
-    MKT_CUDA(cudaMemcpyAsync(a_shard, static_cast<char*>(inputs) + i * shard * k * 2,
-                             shard * k * 2, cudaMemcpyDeviceToDevice, stream));
+    MKT_CUDA(cudaMemcpyAsync(a_shard, static_cast<char*>(inputs) + i * shard * k * 2, shard * k * 2,
+                             cudaMemcpyDeviceToDevice, stream));
     MKT_CUDA(cudaGraphLaunch(exec, stream));
     MKT_CUDA(cudaMemcpyAsync(static_cast<char*>(history) + i * m * n * 2, c_out, m * n * 2,
                              cudaMemcpyDeviceToDevice, stream));

@@ -6,9 +6,9 @@
 #include <algorithm>
 #include <random>
 
+#include "gemm/gemm_internal.h"
 #include "gemm_reference.h"
 #include "gpu_test_util.h"
-#include "gemm/gemm_internal.h"
 #include "mkernel/gemm.h"
 
 namespace mk::test {

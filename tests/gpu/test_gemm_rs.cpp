@@ -20,7 +20,9 @@ struct RsCase {
   int block_n;  // 0 = heuristic
 };
 
-uint64_t rank_seed(uint64_t seed, int rank, int which) { return seed * 1000003u + 17 * rank + which; }
+uint64_t rank_seed(uint64_t seed, int rank, int which) {
+  return seed * 1000003u + 17 * rank + which;
+}
 
 // The problem on every rank's device: each rank's A_s, B_s and their concatenations along K.
 struct RsProblem {
@@ -52,13 +54,13 @@ struct RsProblem {
     for (int src = 0; src < world; ++src) {
       fill_random_bf16(scratch, m * k_local, rank_seed(seed, src, 0), s);
       if (src == rank) cudaMemcpyAsync(a_mine, scratch, m * k_local * 2, cudaMemcpyDefault, s);
-      cudaMemcpy2DAsync(static_cast<char*>(a_cat) + src * k_local * 2, k * 2, scratch,
-                        k_local * 2, k_local * 2, m, cudaMemcpyDefault, s);
+      cudaMemcpy2DAsync(static_cast<char*>(a_cat) + src * k_local * 2, k * 2, scratch, k_local * 2,
+                        k_local * 2, m, cudaMemcpyDefault, s);
       fill_random_bf16(scratch, n * k_local, rank_seed(b_seed, src, 1), s);
       if (src == rank) cudaMemcpyAsync(b_mine, scratch, n * k_local * 2, cudaMemcpyDefault, s);
       if (kn) {  // [K_r, N] blocks stacked along K
-        cudaMemcpyAsync(static_cast<char*>(b_cat) + src * k_local * n * 2, scratch,
-                        k_local * n * 2, cudaMemcpyDefault, s);
+        cudaMemcpyAsync(static_cast<char*>(b_cat) + src * k_local * n * 2, scratch, k_local * n * 2,
+                        cudaMemcpyDefault, s);
       } else {  // [N, K_r] blocks side by side
         cudaMemcpy2DAsync(static_cast<char*>(b_cat) + src * k_local * 2, k * 2, scratch,
                           k_local * 2, k_local * 2, n, cudaMemcpyDefault, s);
@@ -73,22 +75,21 @@ void expect_rows_close(const RsProblem& p, int rank, const void* out, cublasHand
                        void* c_blas, uint64_t seed, cudaStream_t stream, const std::string& what) {
   const int64_t shard = p.m / p.world;
   cublas_gemm(blas, p.a_cat, p.b_cat, c_blas, p.m, p.n, p.k, p.kn);
-  const SampledErrors err = sampled_errors(
-      out, static_cast<char*>(c_blas) + rank * shard * p.n * 2,
-      static_cast<char*>(p.a_cat) + rank * shard * p.k * 2, p.b_cat, shard, p.n, p.k, p.kn, seed,
-      stream);
+  const SampledErrors err = sampled_errors(out, static_cast<char*>(c_blas) + rank * shard * p.n * 2,
+                                           static_cast<char*>(p.a_cat) + rank * shard * p.k * 2,
+                                           p.b_cat, shard, p.n, p.k, p.kn, seed, stream);
   EXPECT_LE(err.ours, 2 * err.cublas + 1e-6)
       << what << ": error " << err.ours << ", cuBLAS error " << err.cublas;
 }
 
-void expect_gemm_rs(Communicator& comm, const RsCase& c, uint64_t seed, FusedGemmConfig config = {}) {
+void expect_gemm_rs(Communicator& comm, const RsCase& c, uint64_t seed,
+                    FusedGemmConfig config = {}) {
   const int world = comm.world_size(), rank = comm.rank();
   const std::string what = "gemm_rs world " + std::to_string(world) + ", shard " +
                            std::to_string(c.shard_rows) + " x N " + std::to_string(c.n) +
                            " x K_r " + std::to_string(c.k_local) +
-                           (c.layout == BLayout::kKN ? ", B [K, N]" : ", B [N, K]") +
-                           ", block_n " + std::to_string(c.block_n) + ", rank " +
-                           std::to_string(rank);
+                           (c.layout == BLayout::kKN ? ", B [K, N]" : ", B [N, K]") + ", block_n " +
+                           std::to_string(c.block_n) + ", rank " + std::to_string(rank);
   SCOPED_TRACE(what);
   config.block_n = c.block_n;
   const bool kn = c.layout == BLayout::kKN;
@@ -181,7 +182,8 @@ void expect_gemm_rs_graph(Communicator& comm, int replays) {
   const int64_t shard = 136, n = 256, k_local = 64;
   const uint64_t seed = shared_seed(comm);
   RsProblem p(world, shard, n, k_local, false);
-  SymmetricBuffer ws = comm.alloc(std::max<std::size_t>(gemm_rs_workspace_bytes(p.m, n, world), 16));
+  SymmetricBuffer ws =
+      comm.alloc(std::max<std::size_t>(gemm_rs_workspace_bytes(p.m, n, world), 16));
   cudaStream_t stream;
   MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   void *a_in, *out, *history, *c_blas;

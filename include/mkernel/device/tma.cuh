@@ -56,11 +56,10 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
 // Stores the box at (c0, c1) of `map` from `src`; out-of-bounds elements are not written.
 __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int32_t c0,
                                              int32_t c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
-          reinterpret_cast<uint64_t>(map)),
-      "r"(smem_addr(src)), "r"(c0), "r"(c1)
-      : "memory");
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_addr(src)), "r"(c0), "r"(c1)
+               : "memory");
 }
 
 // Adds the box from `src` into (c0, c1) of `map` (element type of the map), out of bounds skipped.
