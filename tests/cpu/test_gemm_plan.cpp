@@ -41,12 +41,12 @@ TEST(GemmPlan, EnvironmentOverride) {
 
 TEST(GemmPlan, HeuristicMatchesTheSweep) {
   ::unsetenv("MKERNEL_GEMM_BLOCK_N");
-  EXPECT_EQ(pick(0, 128, 8192), 64);      // 128 CTAs instead of 32 or 64
-  EXPECT_EQ(pick(0, 3000, 5120), 192);    // 5 full waves instead of 4 partial ones
+  EXPECT_EQ(pick(0, 128, 8192), 64);    // 128 CTAs instead of 32 or 64
+  EXPECT_EQ(pick(0, 3000, 5120), 192);  // 5 full waves instead of 4 partial ones
   EXPECT_EQ(pick(0, 4096, 4096), 256);
   EXPECT_EQ(pick(0, 8192, 8192), 256);
   EXPECT_EQ(pick(0, 1024, 8192), 256);
-  EXPECT_EQ(pick(0, 1, 8), 64);           // one tile whatever the width: the cheapest
+  EXPECT_EQ(pick(0, 1, 8), 64);  // one tile whatever the width: the cheapest
 }
 
 }  // namespace
