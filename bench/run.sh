@@ -3,8 +3,9 @@
 #
 #   bash bench/run.sh <kernel|all> <check|bench> <num_nodes> [sizes]
 #
-# kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm, ag_gemm, gemm_rs (other fused
-#         kernels join as they land). all = collectives, gemm and every fused kernel.
+# kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm, ag_gemm, gemm_rs, and
+#         transport (the socket proxy path over loopback; no GPU needed). Other fused kernels
+#         join as they land. all = collectives, gemm and every fused kernel.
 # check = correctness on the GPUs present; bench = timings against the baselines (NCCL, cuBLAS,
 #         NCCL-then-cuBLAS, PyTorch async-TP), written to bench/results/<kernel>-<gpu>-w<world>.json
 #         (../shared/BENCH_SCHEMA.md). sizes: collectives: MiB per rank, comma-separated (bench:
@@ -15,7 +16,7 @@
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 NCCL_NVLS_DISABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-usage() { sed -n '2,14s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+usage() { sed -n '2,15s/^# \{0,1\}//p' "$0" >&2; exit 2; }
 [[ $# -ge 3 ]] || usage
 kernel="$1" mode="$2" nodes="$3" sizes="${4:-}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -23,6 +24,10 @@ build="${BUILD_DIR:-build}"
 
 case "$kernel" in
   all | collectives | all_gather | reduce_scatter | all_reduce | gemm | ag_gemm | gemm_rs) ;;
+  transport)
+    # The inter-node proxy path over loopback (host only, no GPU): latency and bandwidth.
+    [[ -x "${BUILD_DIR:-build}/bench/bench_transport" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
+    exec "${BUILD_DIR:-build}/bench/bench_transport" ;;
   gemm_ar | moe_dispatch_gemm | moe_layer | ring_attention)
     echo "bench/run.sh: $kernel is not implemented yet (see the open issues)" >&2; exit 2 ;;
   *) echo "bench/run.sh: unknown kernel '$kernel'" >&2; usage ;;
