@@ -37,8 +37,8 @@ try:  # `import mkernel` works without torch (the C++ layer needs none); the API
 except ImportError:  # pragma: no cover - exercised on machines without torch
     torch = None
 
-__all__ = ["Communicator", "MkernelError", "init", "gemm", "ag_gemm", "gemm_rs", "dtype_name",
-           "DTYPES", "ERROR_CODES"]
+__all__ = ["Communicator", "MkernelError", "init", "gemm", "grouped_gemm", "ag_gemm", "gemm_rs",
+           "dtype_name", "DTYPES", "ERROR_CODES"]
 __version__ = "0.1.0"
 
 
@@ -458,6 +458,63 @@ if torch is not None:
         """
         return _gemm_op(a, b, b_layout)
 
+    def _grouped_shapes(a, b, group_rows, b_layout):
+        if b_layout not in ("nk", "kn"):
+            raise ValueError(f"mkernel.grouped_gemm: b_layout={b_layout!r}; expected 'nk' "
+                             "(b is [G, N, K]) or 'kn' (b is [G, K, N])")
+        if a.dim() != 2 or b.dim() != 3 or group_rows.dim() != 1:
+            raise ValueError("mkernel.grouped_gemm: a must be [rows, K], b [G, N, K] or [G, K, N] "
+                             f"and group_rows [G]; got {tuple(a.shape)}, {tuple(b.shape)}, "
+                             f"{tuple(group_rows.shape)}")
+        g = b.shape[0]
+        n, kb = (b.shape[1], b.shape[2]) if b_layout == "nk" else (b.shape[2], b.shape[1])
+        if kb != a.shape[1] or group_rows.shape[0] != g:
+            raise ValueError(f"mkernel.grouped_gemm: a has K = {a.shape[1]}, b ({b_layout}) has "
+                             f"K = {kb} and {g} groups, group_rows has {group_rows.shape[0]}")
+        return a.shape[0], n, a.shape[1], g
+
+    @torch.library.custom_op("mkernel::grouped_gemm", mutates_args=(),
+                             schema="(Tensor a, Tensor b, Tensor group_rows, str b_layout) -> "
+                                    "Tensor")
+    def _grouped_gemm_op(a, b, group_rows, b_layout):
+        rows, n, k, g = _grouped_shapes(a, b, group_rows, b_layout)
+        for name, x in (("a", a), ("b", b)):
+            if x.dtype != torch.bfloat16:
+                raise ValueError(f"mkernel.grouped_gemm: {name} has dtype {x.dtype}; "
+                                 "expected bfloat16")
+        if group_rows.dtype != torch.int32:
+            raise ValueError(f"mkernel.grouped_gemm: group_rows has dtype {group_rows.dtype}; "
+                             "expected int32")
+        for name, x in (("b", b), ("group_rows", group_rows)):
+            if x.device != a.device or not a.is_cuda:
+                raise ValueError(f"mkernel.grouped_gemm: {name} is on {x.device}, a on "
+                                 f"{a.device}; expected one CUDA device")
+        a2, b2, r2 = a.contiguous(), b.contiguous(), group_rows.contiguous()
+        c = torch.empty((rows, n), dtype=torch.bfloat16, device=a.device)
+        if rows == 0:
+            return c
+        with torch.cuda.device(a.device):
+            _C.grouped_gemm(a2.data_ptr(), b2.data_ptr(), c.data_ptr(), r2.data_ptr(), g, rows,
+                            n, k, b_layout, torch.cuda.current_stream(a.device).cuda_stream, 0)
+        return c
+
+    @_grouped_gemm_op.register_fake
+    def _grouped_gemm_fake(a, b, group_rows, b_layout):
+        rows, n, _, _ = _grouped_shapes(a, b, group_rows, b_layout)
+        return a.new_empty((rows, n))
+
+    def grouped_gemm(a: "torch.Tensor", b: "torch.Tensor", group_rows: "torch.Tensor",
+                     b_layout: str = "nk") -> "torch.Tensor":
+        """Grouped GEMM (MoE experts): C_g = A_g @ b[g].T ('nk') or @ b[g] ('kn') for each g.
+
+        a: [rows, K] bf16, the groups' rows back to back; b: [G, N, K] ('nk') or [G, K, N];
+        group_rows: int32 [G] on the GPU (row counts, e.g. tokens per expert; they stay on the
+        device, so nothing synchronises with the host). Returns [rows, N] bf16; rows past the
+        groups' total are left uninitialised. torch.ops.mkernel.grouped_gemm: current stream,
+        torch.compile, CUDA graphs (the counts may change between replays).
+        """
+        return _grouped_gemm_op(a, b, group_rows, b_layout)
+
     def _ag_gemm_shapes(comm, a_shard, b, b_layout):
         if a_shard.dim() != 2:
             raise ValueError(f"mkernel.ag_gemm: a_shard must be 2-D [M / world, K]; got "
@@ -559,6 +616,10 @@ if torch is not None:
         """
         return _gemm_rs_op(a, b, b_layout, comm._id, block_n)
 else:  # pragma: no cover - without torch there is no tensor to multiply
+    def grouped_gemm(a, b, group_rows, b_layout="nk"):
+        """Needs PyTorch; see the docstring of the torch custom op."""
+        _require_torch("grouped_gemm")
+
     def gemm_rs(a, b, comm, **kwargs):
         """Needs PyTorch; see the docstring of the torch custom op."""
         _require_torch("gemm_rs")

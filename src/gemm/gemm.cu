@@ -9,6 +9,7 @@
 
 #include "gemm/gemm_internal.h"
 #include "gemm/gemm_kernel.cuh"
+#include "gemm/grouped_gemm.cuh"
 #include "mkernel/error.h"
 #include "mkernel/gemm.h"
 #include "runtime/cuda_check.h"
@@ -166,17 +167,18 @@ void launch_width(int block_n, const void* a, const void* b, void* c, int64_t m,
   }
 }
 
-template <int kBlockN, bool kTransB>
-void add_resources(std::vector<GemmKernelResources>& out) {
+template <int kBlockN, bool kTransB, template <int> class Fusion = gemm_engine::PlainGemm>
+void add_resources(std::vector<GemmKernelResources>& out, const char* what = "gemm") {
   using Cfg = gemm_engine::TileConfig<kBlockN>;
-  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, gemm_engine::PlainGemm<kBlockN>>;
+  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, Fusion<kBlockN>>;
   MK_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   cudaFuncAttributes attr{};
   MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  out.push_back({"gemm 128x" + std::to_string(kBlockN) + (kTransB ? " B[K,N]" : " B[N,K]"),
-                 attr.numRegs, static_cast<int64_t>(attr.localSizeBytes),
-                 static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
+  out.push_back(
+      {std::string(what) + " 128x" + std::to_string(kBlockN) + (kTransB ? " B[K,N]" : " B[N,K]"),
+       attr.numRegs, static_cast<int64_t>(attr.localSizeBytes),
+       static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
 }
 
 }  // namespace
@@ -219,6 +221,14 @@ std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
   add_resources<128, true>(out);
   add_resources<192, true>(out);
   add_resources<256, true>(out);
+  add_resources<64, false, gemm_engine::GroupedGemm>(out, "grouped");
+  add_resources<128, false, gemm_engine::GroupedGemm>(out, "grouped");
+  add_resources<192, false, gemm_engine::GroupedGemm>(out, "grouped");
+  add_resources<256, false, gemm_engine::GroupedGemm>(out, "grouped");
+  add_resources<64, true, gemm_engine::GroupedGemm>(out, "grouped");
+  add_resources<128, true, gemm_engine::GroupedGemm>(out, "grouped");
+  add_resources<192, true, gemm_engine::GroupedGemm>(out, "grouped");
+  add_resources<256, true, gemm_engine::GroupedGemm>(out, "grouped");
   return out;
 }
 

@@ -91,8 +91,20 @@ struct GroupedRaster {
 struct Tile {
   int m;
   int n;
-  int shard;
+  int shard;     // or, for a grouped GEMM, the group (B's third coordinate)
+  int row = 0;   // grouped GEMM: the tile's first row in A and C
+  int rows = 0;  // grouped GEMM: rows of the tile inside its group (<= 128 means a partial tile)
 };
+
+// Whether a policy's B is batched ([batches][...], the tile's `shard` picks the batch).
+template <class Fusion>
+constexpr bool batched_b() {
+  if constexpr (requires { Fusion::kBatchedB; }) {
+    return Fusion::kBatchedB;
+  } else {
+    return false;
+  }
+}
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -214,7 +226,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           dev::mbarrier_wait(&empty[s], phase ^ 1);  // first lap passes at once
           dev::mbarrier_arrive_expect_tx(&full[s], Cfg::kStageBytes);
           fusion.load_a(stage_a(s), &full[s], tile, kb * Cfg::kBlockK);
-          if constexpr (kTransB) {
+          if constexpr (batched_b<Fusion>()) {  // B [batches][...]: 3-D boxes, batch = shard
+            if constexpr (kTransB) {
+#pragma unroll
+              for (int j = 0; j < Cfg::kBlockN / 64; ++j) {
+                dev::tma_load_3d(stage_b(s) + j * kMnBoxBytes, &tma_b, &full[s],
+                                 tn * Cfg::kBlockN + j * 64, kb * Cfg::kBlockK, tile.shard);
+              }
+            } else {
+              dev::tma_load_3d(stage_b(s), &tma_b, &full[s], kb * Cfg::kBlockK, tn * Cfg::kBlockN,
+                               tile.shard);
+            }
+          } else if constexpr (kTransB) {
 #pragma unroll
             for (int j = 0; j < Cfg::kBlockN / 64; ++j) {
               dev::tma_load_2d(stage_b(s) + j * kMnBoxBytes, &tma_b, &full[s],
