@@ -8,6 +8,7 @@
 
 #include "gemm/gemm_internal.h"
 #include "gemm/grouped_gemm.cuh"
+#include "gemm/launch.cuh"
 #include "mkernel/error.h"
 #include "mkernel/gemm.h"
 #include "runtime/cuda_check.h"
@@ -42,30 +43,11 @@ constexpr const char* kOp = "grouped_gemm";
   throw Error(ErrorCode::kInvalidArgument, std::string(kOp) + ": " + what);
 }
 
-void require_device(const void* p, const char* name, int device) {
-  if (p == nullptr) invalid(std::string(name) + " is null");
-  if (reinterpret_cast<uintptr_t>(p) % 16 != 0 && std::string(name) != "group_rows") {
-    invalid(std::string(name) + " is not 16-byte aligned (the tensor copy engine needs it)");
-  }
-  cudaPointerAttributes attr{};
-  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
-    cudaGetLastError();
-    invalid(std::string(name) + " is not a CUDA pointer");
-  }
-  if ((attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) ||
-      attr.device != device) {
-    invalid(std::string(name) + " is not device memory of the current GPU " +
-            std::to_string(device));
-  }
-}
-
 template <int kBlockN, bool kTransB>
 void launch(const void* a, const void* b, void* c, const int32_t* row_offset,
             const int32_t* tile_prefix, int groups, int64_t max_rows, int64_t n, int64_t k, int sms,
             cudaStream_t stream) {
-  using Cfg = gemm_engine::TileConfig<kBlockN>;
-  using Fusion = gemm_engine::GroupedGemm<kBlockN>;
-  Fusion f{};
+  gemm_engine::GroupedGemm<kBlockN> f{};
   f.a = gemm_engine::make_map(a, max_rows, k, 128);
   f.c = gemm_engine::make_map(c, max_rows, n, 64);
   f.c_ptr = static_cast<__nv_bfloat16*>(c);
@@ -77,34 +59,7 @@ void launch(const void* a, const void* b, void* c, const int32_t* row_offset,
   // B [groups][N][K]: boxes of kBlockN rows x 64; [groups][K][N]: boxes of 64 K rows x 64 N.
   const CUtensorMap map_b = kTransB ? gemm_engine::make_map_3d(b, groups, k, n, 64)
                                     : gemm_engine::make_map_3d(b, groups, n, k, kBlockN);
-  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, Fusion>;
-  MK_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-  kernel<<<sms, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_b, static_cast<int>(k), f);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw Error(ErrorCode::kCuda, std::string(kOp) + ": launch failed: " + cudaGetErrorString(err));
-  }
-}
-
-template <bool kTransB>
-void launch_width(int block_n, const void* a, const void* b, void* c, const int32_t* row_offset,
-                  const int32_t* tile_prefix, int groups, int64_t max_rows, int64_t n, int64_t k,
-                  int sms, cudaStream_t stream) {
-  switch (block_n) {
-    case 64:
-      return launch<64, kTransB>(a, b, c, row_offset, tile_prefix, groups, max_rows, n, k, sms,
-                                 stream);
-    case 128:
-      return launch<128, kTransB>(a, b, c, row_offset, tile_prefix, groups, max_rows, n, k, sms,
-                                  stream);
-    case 192:
-      return launch<192, kTransB>(a, b, c, row_offset, tile_prefix, groups, max_rows, n, k, sms,
-                                  stream);
-    default:
-      return launch<256, kTransB>(a, b, c, row_offset, tile_prefix, groups, max_rows, n, k, sms,
-                                  stream);
-  }
+  gemm_engine::launch<kBlockN, kTransB>(f, map_b, k, sms, stream, kOp);
 }
 
 }  // namespace
@@ -118,16 +73,16 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
   if (max_rows < 1 || max_rows >= (int64_t{1} << 31)) {
     invalid("max_rows = " + std::to_string(max_rows) + "; expected 1 <= max_rows < 2^31");
   }
-  if (n < 8 || n % 8 != 0) invalid("N = " + std::to_string(n) + "; expected a multiple of 8");
-  if (k < 8 || k % 8 != 0) invalid("K = " + std::to_string(k) + "; expected a multiple of 8");
+  gemm_engine::require_multiple_of_8(n, kOp, "N");
+  gemm_engine::require_multiple_of_8(k, kOp, "K");
   if (n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31)) invalid("N and K must be < 2^31");
   if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) invalid("unknown B layout");
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
-  require_device(a, "A", device);
-  require_device(b, "B", device);
-  require_device(c, "C", device);
-  require_device(group_rows, "group_rows", device);
+  gemm_engine::require_device_pointer(a, kOp, "A", device);
+  gemm_engine::require_device_pointer(b, kOp, "B", device);
+  gemm_engine::require_device_pointer(c, kOp, "C", device);
+  gemm_engine::require_device_pointer(group_rows, kOp, "group_rows", device, 4);
   int sms = config.sms;
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   // The rows per group are unknown here: widths are chosen for max_rows spread over the groups.
@@ -148,13 +103,9 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
   const int tiles_n = static_cast<int>((n + block_n - 1) / block_n);
   gemm_engine::grouped_prep_kernel<<<1, 32, 0, stream>>>(group_rows, groups, max_rows, tiles_n,
                                                          row_offset, tile_prefix);
-  if (b_layout == BLayout::kKN) {
-    launch_width<true>(block_n, a, b, c, row_offset, tile_prefix, groups, max_rows, n, k, sms,
-                       stream);
-  } else {
-    launch_width<false>(block_n, a, b, c, row_offset, tile_prefix, groups, max_rows, n, k, sms,
-                        stream);
-  }
+  gemm_engine::dispatch(block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
+    launch<kBlockN, kTransB>(a, b, c, row_offset, tile_prefix, groups, max_rows, n, k, sms, stream);
+  });
   MK_CUDA_CHECK(cudaFreeAsync(scratch, stream));
 }
 
