@@ -68,6 +68,7 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.comm = comm.device_comm();
   f.my_accum = static_cast<float*>(workspace);
   f.single_peer = topo.world_size == 2;
+  f.debug = std::getenv("MKERNEL_RS_DEBUG") ? std::atoi(std::getenv("MKERNEL_RS_DEBUG")) : 0;
   f.shard_rows = static_cast<int>(p.shard_rows);
   f.n = static_cast<int>(n);
   f.raster = {static_cast<int>((p.shard_rows + 127) / 128),
