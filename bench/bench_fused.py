@@ -49,8 +49,9 @@ def log(*args):
 
 
 def time_variants(variants, iters, rounds):
-    """{name: ms per call}: median over rounds of (events around `iters` back-to-back calls),
-    max over ranks."""
+    """({name: ms per call}, {name: spread}): the median over rounds of (events around `iters`
+    back-to-back calls), max over ranks; spread = (slowest - fastest round) / median, max over
+    ranks - how far one run can be trusted (the H200 host drifts by a few percent)."""
     times = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
@@ -63,9 +64,13 @@ def time_variants(variants, iters, rounds):
             end.record()
             end.synchronize()
             times[name].append(start.elapsed_time(end) / iters)
-    med = torch.tensor([sorted(t)[len(t) // 2] for t in times.values()], device="cuda")
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return dict(zip(times, med.tolist()))
+    med = [sorted(t)[len(t) // 2] for t in times.values()]
+    stats = torch.tensor(med + [(max(t) - min(t)) / m for t, m in zip(times.values(), med)],
+                         device="cuda")
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    n = len(times)
+    values = stats.tolist()
+    return dict(zip(times, values[:n])), dict(zip(times, values[n:]))
 
 
 def close(got, want):
@@ -152,44 +157,16 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
     return ok, err, mag, variants
 
 
-def torch_async_tp_rs(a, b):
-    """torch.ops.symm_mem.fused_matmul_reduce_scatter as a callable, or None (reason noted)."""
-    global _ASYNC_TP_NOTE
-    try:
-        from torch.distributed import _symmetric_memory  # noqa: F401 - registers the ops
-        group = dist.group.WORLD.group_name
-        bt = b.T
-
-        def run():
-            return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, bt, "sum", scatter_dim=0,
-                                                                  group_name=group)
-        run()
-        torch.cuda.synchronize()
-        return run
-    except Exception as e:  # noqa: BLE001 - any failure: the baseline is reported as missing
-        _ASYNC_TP_NOTE = f"torch async-TP unavailable: {type(e).__name__}: {e}"
-        log(_ASYNC_TP_NOTE)
-        return None
-
-
-_SYMM_GROUP = None
 _ASYNC_TP_NOTE = None
 
 
-def torch_async_tp_ag(a_shard, b):
-    """torch.ops.symm_mem.fused_all_gather_matmul as a callable, or None (reason noted)."""
-    global _SYMM_GROUP, _ASYNC_TP_NOTE
+def torch_async_tp(make_call):
+    """PyTorch's symmetric-memory fused op as a callable (make_call(group_name) -> call), run
+    once to check it works here; None (with the reason noted in the results) when it does not."""
+    global _ASYNC_TP_NOTE
     try:
-        from torch.distributed import _symmetric_memory as symm_mem
-        group = dist.group.WORLD.group_name
-        if _SYMM_GROUP is None:
-            symm_mem.enable_symm_mem_for_group(group)
-            _SYMM_GROUP = group
-        bt = b.T
-
-        def run():
-            return torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [bt], gather_dim=0,
-                                                              group_name=group)
+        from torch.distributed import _symmetric_memory  # noqa: F401 - registers the ops
+        run = make_call(dist.group.WORLD.group_name)
         run()
         torch.cuda.synchronize()
         return run
@@ -199,7 +176,24 @@ def torch_async_tp_ag(a_shard, b):
         return None
 
 
+def torch_async_tp_ag(a_shard, b):
+    bt = b.T
+    return torch_async_tp(lambda group: lambda: torch.ops.symm_mem.fused_all_gather_matmul(
+        a_shard, [bt], gather_dim=0, group_name=group))
+
+
+def torch_async_tp_rs(a, b):
+    bt = b.T
+    return torch_async_tp(lambda group: lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
+        a, bt, "sum", scatter_dim=0, group_name=group))
+
+
 CASES = {"ag_gemm": ag_gemm_case, "gemm_rs": gemm_rs_case}
+
+
+def row_keys(ms):
+    return [key for key in ("mkernel", "gemm_alone", "comm_alone", "sequential", "torch_async_tp",
+                            "mkernel_gemm") if key in ms]
 
 
 def parse_shapes(text):
@@ -240,7 +234,7 @@ def main():
             log(f"[{i + 1}/{len(shapes)}] {label:<20} max |mkernel - sequential| {diff:.4g} "
                 f"(max |C| {mag:.4g})  {'ok' if ok else 'WRONG'}")
             continue
-        ms = time_variants(variants, args.iters, args.rounds)
+        ms, spread = time_variants(variants, args.iters, args.rounds)
         limit = max(ms["gemm_alone"], ms["comm_alone"])
         row = {
             "shape": {"M": m, "N": n, "K": k}, "dtype": "bf16",
@@ -252,6 +246,7 @@ def main():
             "speedup_vs_torch_async_tp": (ms["torch_async_tp"] / ms["mkernel"]
                                           if "torch_async_tp" in ms else None),
             "tflops": 2 * m * n * k / ms["mkernel"] * 1e-9,
+            "spread": {key: round(spread[key], 4) for key in row_keys(ms)},
             "correct": bool(ok),
         }
         rows.append(row)
@@ -268,6 +263,8 @@ def main():
             log(f"  sweep {label}: mkernel {ms['mkernel']:.3f}, engine alone "
                 f"{ms['mkernel_gemm']:.3f}, " + ", ".join(sweep))
     if rows:
+        worst = max(max(r["spread"].values()) for r in rows)
+        log(f"spread between rounds (max over variants and shapes): {100 * worst:.1f}%")
         log("summary: ratio_to_limit " + ", ".join(f"{r['ratio_to_limit']:.3f}" for r in rows) +
             "; speedup vs sequential " +
             ", ".join(f"{r['speedup_vs_sequential']:.2f}" for r in rows))
