@@ -5,7 +5,7 @@
 
 (bench/run.sh starts it this way.) One rank per GPU. For each shape (M, N, K), every variant
 runs on the same fresh random inputs:
-  mkernel         the fused op (mkernel.ag_gemm, mkernel.gemm_rs)
+  mkernel         the fused op (mkernel.ag_gemm, mkernel.gemm_rs, mkernel.gemm_ar)
   gemm_alone      the GEMM alone through torch (cuBLAS), on the full operands
   comm_alone      the collective alone through torch.distributed (NCCL)
   sequential      the collective, then the GEMM (NCCL then cuBLAS)
@@ -39,6 +39,8 @@ SHAPES = {
                 (8192, 28672, 8192), (2048, 8192, 8192)],
     "gemm_rs": [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 2048, 8192),
                 (8192, 28672, 8192), (2048, 8192, 8192)],
+    "gemm_ar": [(128, 8192, 8192), (1024, 8192, 8192), (4096, 4096, 4096), (8192, 8192, 8192),
+                (16384, 8192, 8192), (8192, 2048, 8192), (8192, 28672, 8192)],
 }
 
 
@@ -159,6 +161,45 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
 _ASYNC_TP_NOTE = None
 
 
+def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
+    """(M, N, K): K is the full reduction length; each rank holds A_r [M, K / w], B_r [N, K / w];
+    every rank ends with the [M, N] sum. No PyTorch async-TP op exists for this one."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kl = k // world
+    log(f"  {m}x{n}x{k}: {mkernel._C.gemm_ar_plan(comm._impl, m, n, kl)}")
+    g = torch.Generator(device="cuda").manual_seed(5555 + 17 * rank + m + n + k)
+    a = torch.rand((m, kl), device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
+    b = torch.rand((n, kl), device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
+    out = comm.alloc_tensor((m, n), torch.bfloat16)
+    partial = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
+
+    def sequential():
+        torch.matmul(a, b.T, out=partial)
+        dist.all_reduce(partial)
+        return partial
+
+    mkernel.gemm_ar(a, b, comm, out)
+    seq = sequential().clone()
+    ref = a.float() @ b.float().T
+    dist.all_reduce(ref)
+    err = (out.float() - ref).abs().max().item()
+    err_seq = (seq.float() - ref).abs().max().item()
+    mag = ref.abs().max().item()
+    ok = err <= max(2 * err_seq, mag / 256)  # within twice NCCL-then-cuBLAS's error, or 1 ulp
+    variants = {
+        "mkernel": lambda: mkernel.gemm_ar(a, b, comm, out),
+        "gemm_alone": lambda: torch.matmul(a, b.T, out=partial),
+        "comm_alone": lambda: dist.all_reduce(partial),
+        "sequential": sequential,
+        "mkernel_gemm": lambda: mkernel.gemm(a, b),
+    }
+    if sweep:
+        for name, kw in (("n64", {"block_n": 64}), ("n128", {"block_n": 128}),
+                         ("n256", {"block_n": 256})):
+            variants["sweep: " + name] = (lambda kw=kw: mkernel.gemm_ar(a, b, comm, out, **kw))
+    return ok, err, mag, variants
+
+
 def torch_async_tp(make_call):
     """PyTorch's symmetric-memory fused op as a callable (make_call(group_name) -> call), run
     once to check it works here; None (with the reason noted in the results) when it does not."""
@@ -187,7 +228,7 @@ def torch_async_tp_rs(a, b):
         a, bt, "sum", scatter_dim=0, group_name=group))
 
 
-CASES = {"ag_gemm": ag_gemm_case, "gemm_rs": gemm_rs_case}
+CASES = {"ag_gemm": ag_gemm_case, "gemm_rs": gemm_rs_case, "gemm_ar": gemm_ar_case}
 
 
 def row_keys(ms):

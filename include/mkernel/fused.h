@@ -82,4 +82,22 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
 FusedGemmPlan gemm_rs_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
                            const FusedGemmConfig& config = {});
 
+// ---- GEMM + AllReduce ----------------------------------------------------------------------
+// out[M, N] = sum over ranks r of A_r @ op(B_r) on every rank, bitwise identical on all, where
+//   a:   this rank's A_r, [M, K_r] row-major bf16 (any M >= 1)
+//   b:   this rank's B_r, [N, K_r] (BLayout::kNK) or [K_r, N] (kKN) row-major bf16
+//   out: [M, N] bf16 inside a symmetric buffer (same offset on every rank): peers write into it
+//   workspace: gemm_ar_workspace_bytes(...) bytes in a symmetric buffer, zero before the first
+//     call (every call leaves it zero): this rank's fp32 accumulator of the columns it owns
+// N and K_r multiples of 8. Sums are fp32 until one final rounding by the rank that owns the
+// column; with more than two ranks the order of the peers' additions varies between runs, but
+// every rank always receives the same bits.
+std::size_t gemm_ar_workspace_bytes(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
+                                    const FusedGemmConfig& config = {});
+void gemm_ar(Communicator& comm, const void* a, const void* b, void* out, int64_t m, int64_t n,
+             int64_t k_local, BLayout b_layout, void* workspace, cudaStream_t stream,
+             const FusedGemmConfig& config = {});
+FusedGemmPlan gemm_ar_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
+                           const FusedGemmConfig& config = {});
+
 }  // namespace mk

@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - exercised on machines without torch
     torch = None
 
 __all__ = ["Communicator", "MkernelError", "init", "gemm", "grouped_gemm", "ag_gemm", "gemm_rs",
-           "dtype_name", "DTYPES", "ERROR_CODES"]
+           "gemm_ar", "dtype_name", "DTYPES", "ERROR_CODES"]
 __version__ = "0.1.0"
 
 
@@ -615,7 +615,52 @@ if torch is not None:
         it once per new largest shape before capturing: that allocates its workspace).
         """
         return _gemm_rs_op(a, b, b_layout, comm._id, block_n)
+    @torch.library.custom_op("mkernel::gemm_ar", mutates_args=("out",),
+                             schema="(Tensor a, Tensor b, Tensor(a!) out, str b_layout, int comm, "
+                                    "int block_n) -> ()")
+    def _gemm_ar_op(a, b, out, b_layout, comm, block_n):
+        c = _communicator(comm, "gemm_ar")
+        if a.dim() != 2:
+            raise ValueError(f"mkernel.gemm_ar: a must be 2-D [M, K / world]; got {tuple(a.shape)}")
+        m, n, k = _gemm_shapes(a, b, b_layout)
+        for name, x in (("a", a), ("b", b), ("out", out)):
+            if x.dtype != torch.bfloat16:
+                raise ValueError(f"mkernel.gemm_ar: {name} has dtype {x.dtype}; expected bfloat16")
+            _check_device("gemm_ar", name, x, c.device)
+        if tuple(out.shape) != (m, n) or not out.is_contiguous():
+            raise ValueError(f"mkernel.gemm_ar: out must be a contiguous [{m}, {n}] tensor; got "
+                             f"{tuple(out.shape)}")
+        a2, b2 = a.contiguous(), b.contiguous()
+        ws = c._workspace(_C.gemm_ar_workspace_bytes(c._impl, m, n, k, block_n), "gemm_ar",
+                          "accumulate")
+        with torch.cuda.device(c.device):
+            _C.gemm_ar(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
+                       ws.data_ptr(), c._stream(), block_n)
+
+    @_gemm_ar_op.register_fake
+    def _gemm_ar_fake(a, b, out, b_layout, comm, block_n):
+        return None
+
+    def gemm_ar(a: "torch.Tensor", b: "torch.Tensor", comm: "Communicator",
+                out: "torch.Tensor", *, b_layout: str = "nk", block_n: int = 0) -> "torch.Tensor":
+        """GEMM + AllReduce in one launch: out = sum over ranks of a @ op(b), on every rank.
+
+        a: this rank's A_r, [M, K / world] bf16 (any M >= 1; the row-parallel layer's input).
+        b: this rank's weight slice, [N, K / world] ('nk') or [K / world, N] ('kn') bf16.
+        out: [M, N] bf16 in symmetric memory - comm.alloc_tensor((M, N), torch.bfloat16), made
+            once and reused: the ranks write each other's outputs. Returned for convenience.
+        Every rank ends with the same bits; sums are fp32 until one rounding. Current CUDA
+        stream, no host synchronisation, the same order on every rank; torch.ops.mkernel.gemm_ar
+        (mutates out) works under torch.compile and in CUDA graphs (call once per new largest
+        shape before capturing: that allocates its workspace).
+        """
+        _gemm_ar_op(a, b, out, b_layout, comm._id, block_n)
+        return out
 else:  # pragma: no cover - without torch there is no tensor to multiply
+    def gemm_ar(a, b, comm, out, **kwargs):
+        """Needs PyTorch; see the docstring of the torch custom op."""
+        _require_torch("gemm_ar")
+
     def grouped_gemm(a, b, group_rows, b_layout="nk"):
         """Needs PyTorch; see the docstring of the torch custom op."""
         _require_torch("grouped_gemm")

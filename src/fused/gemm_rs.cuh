@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "fused/partials.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
 #include "mkernel/device_comm.h"
@@ -96,9 +97,9 @@ struct GemmRsFusion {
         pending.entered |= 1u << owner;
       }
       if (row0 < shard_rows && !(debug & 1)) {
-        send_slice(acc, row0, col0, consumer, scratch,
-                   accum_peers[owner] + slice_offset(tile.m, tile.n, consumer),
-                   slice_width(tile.n));
+        send_slice(acc, consumer, scratch,
+                   accum_peers[owner] + slice_offset(tile.m, tile.n, consumer), shard_rows - row0,
+                   slice_width(tile.n), !single_peer);
       }
       if (t == 0) {
         pending.owner = owner;
@@ -120,7 +121,7 @@ struct GemmRsFusion {
     }
     dev::named_barrier_sync(1 + consumer, 128);
     if (row0 < shard_rows && !(debug & 2)) {
-      add_and_clear(acc, row0, my_accum + slice_offset(tile.m, tile.n, consumer),
+      add_and_clear(acc, my_accum + slice_offset(tile.m, tile.n, consumer), shard_rows - row0,
                     slice_width(tile.n));
     }
     gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
@@ -140,109 +141,6 @@ struct GemmRsFusion {
 
   __device__ void consumer_done(ConsumerState& pending) const {
     if (threadIdx.x % 128 == 0) flush(pending, dev::Launch::begin(comm));
-  }
-
-  // acc += this thread's words of the slice (at `slice`, rows of `width` floats), and those words
-  // become 0. Two column blocks at a time (more spill at 128 x 256): their loads are all issued
-  // before any add or store, so they are in flight together (one loop of load-add-store would wait
-  // for each load in turn: the compiler cannot prove that the rows r and r + 8 differ from the ones
-  // it stores to).
-  template <int kRegs>
-  __device__ void add_and_clear(float (&acc)[kRegs], int row0, float* slice, int width) const {
-    const int t = threadIdx.x % 128;
-    const int r = (t / 32) * 16 + (t % 32) / 4;  // row in the slice; and r + 8
-    const int c = 2 * (t % 4);                   // column in the tile of block 0
-    const int rows = shard_rows - row0;          // rows of this slice that exist
-    constexpr int kBatch = 2;
-#pragma unroll
-    for (int b0 = 0; b0 < kRegs / 4; b0 += kBatch) {
-      float2 v[2 * kBatch];
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int col = c + 8 * (b0 + i), row = r + 8 * h;
-          v[2 * i + h] = row < rows && col < width
-                             ? __ldcg(reinterpret_cast<const float2*>(slice + row * width + col))
-                             : make_float2(0.f, 0.f);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          acc[4 * (b0 + i) + 2 * h] += v[2 * i + h].x;
-          acc[4 * (b0 + i) + 2 * h + 1] += v[2 * i + h].y;
-          const int col = c + 8 * (b0 + i), row = r + 8 * h;
-          if (row < rows && col < width) {
-            __stcg(reinterpret_cast<float2*>(slice + row * width + col), make_float2(0.f, 0.f));
-          }
-        }
-      }
-    }
-  }
-
-  // Sends a consumer's 64 x kBlockN fp32 slice to its place in an owner's accumulator (see
-  // slice_offset) over NVLink: 32-column
-  // chunks are transposed through a 128-byte-swizzled 64 x 32 buffer in shared memory (two
-  // alternating), then every thread writes whole 16-byte pieces of accumulator rows - coalesced
-  // 128-byte rows, posted writes; with two ranks plain stores (the accumulator receives one
-  // partial), else vector reductions (red.add.v4.f32). Ends with a barrier of the warpgroup, so
-  // that thread 0's release afterwards covers every thread's writes. (TMA stores and reduces to
-  // the peer, tried first, ran at ~30 GB/s: each waited for the remote write before its shared
-  // memory could be reused.)
-  template <int kRegs>
-  __device__ void send_slice(const float (&acc)[kRegs], int row0, int col0, int consumer,
-                             uint8_t* scratch, float* slice, int width) const {
-    constexpr int kChunks = kRegs / 16;  // 32 columns = 4 column blocks of 4 registers
-    constexpr int kChunkBytes = 64 * 32 * 4;
-    const int t = threadIdx.x % 128;
-    const int r = (t / 32) * 16 + (t % 32) / 4;
-    const int barrier = 1 + consumer;
-    const int my_row = t / 2;          // the row this thread writes out
-    const int my_units = 4 * (t % 2);  // its four 16-byte units of the row's 128 bytes
-    const bool row_ok = row0 + my_row < shard_rows;
-    float* dst_row = slice + my_row * width;
-    if (t == 0) dev::bulk_wait_group_read<0>();  // the buffers' earlier TMA stores have read them
-#pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
-      if (col0 + 32 * j >= n) break;
-      uint8_t* buf = scratch + (j % 2) * kChunkBytes;
-      dev::named_barrier_sync(barrier, 128);  // everyone is done reading buf (chunk j - 2)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const float* v = &acc[16 * j + 4 * b];
-        const int unit = 2 * b + (t % 4) / 2;  // 16-byte unit of the 128-byte row
-        const int offset = 8 * (t % 2);
-        st_shared_f32x2(buf + r * 128 + ((unit ^ (r % 8)) * 16) + offset, v[0], v[1]);
-        st_shared_f32x2(buf + (r + 8) * 128 + ((unit ^ ((r + 8) % 8)) * 16) + offset, v[2], v[3]);
-      }
-      dev::named_barrier_sync(barrier, 128);
-#pragma unroll
-      for (int u = my_units; u < my_units + 4; ++u) {
-        const int col = 32 * j + 4 * u;  // in the tile
-        if (!row_ok || col >= width) continue;
-        const float4 v =
-            *reinterpret_cast<const float4*>(buf + my_row * 128 + ((u ^ (my_row % 8)) * 16));
-        if (single_peer) {
-          *reinterpret_cast<float4*>(dst_row + col) = v;
-        } else {
-          red_add_f32x4(dst_row + col, v);
-        }
-      }
-    }
-    dev::named_barrier_sync(barrier, 128);
-  }
-
-  __device__ static void red_add_f32x4(float* p, float4 v) {
-    asm volatile("red.relaxed.sys.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x),
-                 "f"(v.y), "f"(v.z), "f"(v.w)
-                 : "memory");
-  }
-
-  __device__ static void st_shared_f32x2(void* p, float x, float y) {
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(dev::smem_addr(p)), "f"(x), "f"(y)
-                 : "memory");
   }
 
   // Producer warps 1..3 of CTA 0: announce this launch to the peers.

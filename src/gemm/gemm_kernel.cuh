@@ -118,9 +118,16 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // so packing chunk j overlaps the store of chunk j - 1 and the last stores overlap the next
 // tile's mainloop. Chunks at column >= n are skipped. All 128 threads of the warpgroup call.
 // The kernel waits for the last stores before it exits.
-template <int kRegs, class Issue>
+struct NoEach {
+  __device__ void operator()(const uint8_t*, int) const {}
+};
+
+// `each(buf, j)`, if given, runs on all 128 threads once chunk j is packed (e.g. to push it to
+// other GPUs with ordinary stores); buf stays valid until the warpgroup's next barrier.
+template <int kRegs, class Issue, class Each = NoEach>
 __device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0, int n,
-                                            int consumer, uint8_t* scratch, Issue&& issue) {
+                                            int consumer, uint8_t* scratch, Issue&& issue,
+                                            Each&& each = {}) {
   constexpr int kChunks = kRegs / 32;  // 64 columns = 8 column blocks of 4 registers
   constexpr int kChunkBytes = 64 * 64 * 2;
   const int t = threadIdx.x % 128;
@@ -146,6 +153,7 @@ __device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0,
       issue(buf, j);
       dev::bulk_commit_group();
     }
+    each(buf, j);
   }
 }
 
