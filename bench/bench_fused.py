@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
