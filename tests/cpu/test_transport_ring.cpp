@@ -28,6 +28,11 @@ struct Consumed {
 };
 
 // Consumes `total` commands, checking that each producer's commands come in order and intact.
+// How long producers and the consumer wait for each other before calling it a hang. Generous:
+// with eight spinning producers on a busy 2-core machine, a run that takes 35 ms when idle was
+// seen to take over 20 s (the scheduler starves the consumer); only a real hang takes minutes.
+constexpr std::chrono::duration<double> kPatience{180.0};
+
 // Sleeps `pause_us` every `pause_every` commands (a slow consumer).
 Consumed consume(const CommandRing& ring, uint64_t total, uint32_t producers, int pause_every = 0,
                  int pause_us = 0) {
@@ -62,7 +67,7 @@ Consumed consume(const CommandRing& ring, uint64_t total, uint32_t producers, in
       }
     }
     ring.complete(expected_ticket);
-    if (std::chrono::steady_clock::now() - start > std::chrono::seconds(20)) {
+    if (std::chrono::steady_clock::now() - start > kPatience) {
       out.error = "consumer timed out after " + std::to_string(out.count) + " commands";
     }
     if (n == 0) std::this_thread::yield();
@@ -73,7 +78,7 @@ Consumed consume(const CommandRing& ring, uint64_t total, uint32_t producers, in
 void produce(const CommandRing& ring, uint32_t producer, uint32_t count,
              std::atomic<int>* failures) {
   for (uint32_t i = 0; i < count; ++i) {
-    if (ring.push(numbered(producer, i), HostWait(20)).status != PushStatus::kOk) {
+    if (ring.push(numbered(producer, i), HostWait(kPatience.count())).status != PushStatus::kOk) {
       failures->fetch_add(1);
       return;
     }
