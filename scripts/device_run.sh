@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The one script sent to the GPU machine (see /work/.library/device/README.md).
 #
-#   bash scripts/device_run.sh [build|test|sanitize|bench|all]...     (default: all)
+#   bash scripts/device_run.sh [build|test|sanitize|python|bench|all]...     (default: all)
 #
-# Steps run in the order given; `all` = build test sanitize bench. A failed step does not stop
+# Steps run in the order given; `all` = build test sanitize python bench. `python` builds the
+# package into $SITE (/tmp/site) and runs tests/python (scripts/python_gpu_test.sh); later steps
+# import it from there (the fused kernels' benchmarks need it). A failed step does not stop
 # the later ones; each ends with one line "== <step>: PASS|FAIL|SKIP (<s> s) ..." and the script
 # exits non-zero when any step failed. Logs go to $OUT (./out when $OUT is unset):
 #   build.log  test.log  topo.txt  sanitize.log  bench.log  and the benchmark JSON files
@@ -14,7 +16,8 @@
 # run scripts/pack_deps.sh here and carry `.deps` (and `build` to reuse a build made here).
 #
 # Environment knobs: BACKEND (socket), BUILD_TYPE (Release), CMAKE_ARGS, CTEST_ARGS
-# (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), BENCH_KERNELS ("all gemm": bench/run.sh kernels).
+# (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), SITE (/tmp/site), BENCH_KERNELS ("all
+# transport": bench/run.sh kernels; all = collectives, gemm and the fused kernels).
 
 # NVLink multicast (NVLS) must stay off on the shared hosts: it can take their GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,6 +29,8 @@ set -uo pipefail  # no -e: every step reports and the later steps still run
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 REPO="$PWD"
 OUT="${OUT:-$REPO/out}"
+# The package the python step installs; the bench step's fused kernels import it.
+export PYTHONPATH="${SITE:-/tmp/site}${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 BUILD="$REPO/build"
 GPU_TESTS="$BUILD/tests/mkernel_gpu_tests"
@@ -180,13 +185,18 @@ step_sanitize() {
   } 2>&1 | tee "$OUT/sanitize.log"
 }
 
+# ---- python ---------------------------------------------------------------------------------
+step_python() {
+  SITE="${SITE:-/tmp/site}" OUT="$OUT" bash "$REPO/scripts/python_gpu_test.sh" || return 1
+}
+
 # ---- bench ----------------------------------------------------------------------------------
 step_bench() {
   local marker rc=0 kernel
   [[ -x "$BUILD/bench/bench_collectives" ]] || { log "no benchmarks in $BUILD"; return "$SKIP"; }
   marker="$(mktemp)"
   # The front users run, once per kernel family; each writes bench/results/<kernel>-*.json.
-  for kernel in ${BENCH_KERNELS:-all gemm}; do
+  for kernel in ${BENCH_KERNELS:-all transport}; do
     BUILD_DIR="$BUILD" bash "$REPO/bench/run.sh" "$kernel" bench 1 2>&1 | tee -a "$OUT/bench.log"
     ((PIPESTATUS[0] == 0)) || rc=1
   done
@@ -215,9 +225,9 @@ steps=("$@")
 plan=()
 for s in "${steps[@]}"; do
   case "$s" in
-    all) plan+=(build test sanitize bench) ;;
-    build | test | sanitize | bench) plan+=("$s") ;;
-    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|bench|all]..." >&2; exit 2 ;;
+    all) plan+=(build test sanitize python bench) ;;
+    build | test | sanitize | python | bench) plan+=("$s") ;;
+    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|all]..." >&2; exit 2 ;;
   esac
 done
 
@@ -233,6 +243,7 @@ for s in "${plan[@]}"; do
     build) step_build 2>&1 | tee -a "$OUT/build.log" ;;
     test) step_test ;;
     sanitize) step_sanitize ;;
+    python) step_python ;;
     bench) step_bench ;;
   esac
   rc=$?
