@@ -25,6 +25,20 @@ void resolve(Fn& fn, const char* symbol) {
   fn = reinterpret_cast<Fn>(ptr);
 }
 
+// The same for an entry point mkernel can do without: nullptr when it is missing.
+template <typename Fn>
+void resolve_optional(Fn& fn, const char* symbol) {
+  void* ptr = nullptr;
+  cudaDriverEntryPointQueryResult status{};
+  if (cudaGetDriverEntryPointByVersion(symbol, &ptr, 12000, cudaEnableDefault, &status) !=
+          cudaSuccess ||
+      status != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    ptr = nullptr;
+  }
+  fn = reinterpret_cast<Fn>(ptr);
+}
+
 DriverApi load() {
   DriverApi api{};
   resolve(api.GetErrorString, "cuGetErrorString");
@@ -41,6 +55,7 @@ DriverApi load() {
   resolve(api.MemUnmap, "cuMemUnmap");
   resolve(api.MemSetAccess, "cuMemSetAccess");
   resolve(api.TensorMapEncodeTiled, "cuTensorMapEncodeTiled");
+  resolve_optional(api.MemGetHandleForAddressRange, "cuMemGetHandleForAddressRange");
   return api;
 }
 

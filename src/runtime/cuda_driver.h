@@ -21,6 +21,8 @@ struct DriverApi {
   decltype(&::cuMemUnmap) MemUnmap;
   decltype(&::cuMemSetAccess) MemSetAccess;
   decltype(&::cuTensorMapEncodeTiled) TensorMapEncodeTiled;
+  // Optional (nullptr when the driver lacks it): DMA-BUF export of GPU memory for RDMA NICs.
+  decltype(&::cuMemGetHandleForAddressRange) MemGetHandleForAddressRange;
 };
 
 // Loaded once; throws mk::Error(kCuda) if the driver lacks an entry point.
