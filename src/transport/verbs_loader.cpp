@@ -33,46 +33,22 @@ void resolve(void* handle, const char* name, Fn* out, bool required, const std::
 
 std::mutex g_mutex;
 
-}  // namespace
-
-const VerbsApi& load_verbs(const std::string& backend, const std::string& path_in) {
-  static std::map<std::string, std::unique_ptr<VerbsApi>> cache;  // never unloaded
-  const std::string path = path_in.empty() ? kDefaultVerbsLibrary : path_in;
+// The loaded library at `path` (cached, never unloaded): dlopen, then resolve(api) fills the
+// entry points; a library that cannot be opened throws kUnsupported saying `missing`.
+template <class Api, class Resolve>
+const Api& load_library(std::map<std::string, std::unique_ptr<Api>>& cache, const std::string& path,
+                        const std::string& missing, Resolve&& resolve_all) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (auto it = cache.find(path); it != cache.end()) return *it->second;
-
   void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (handle == nullptr) {
-    throw Error(
-        ErrorCode::kUnsupported,
-        "the " + backend + " backend needs libibverbs (rdma-core); not found: " + last_dlerror());
+    throw Error(ErrorCode::kUnsupported, missing + "; not found: " + last_dlerror());
   }
-  auto api = std::make_unique<VerbsApi>();
+  auto api = std::make_unique<Api>();
   api->handle = handle;
   api->path = path;
   try {
-    resolve(handle, "ibv_get_device_list", &api->get_device_list, true, path, backend);
-    resolve(handle, "ibv_free_device_list", &api->free_device_list, true, path, backend);
-    resolve(handle, "ibv_get_device_name", &api->get_device_name, true, path, backend);
-    resolve(handle, "ibv_open_device", &api->open_device, true, path, backend);
-    resolve(handle, "ibv_close_device", &api->close_device, true, path, backend);
-    resolve(handle, "ibv_query_device", &api->query_device, true, path, backend);
-    resolve(handle, "ibv_query_port", &api->query_port_compat, true, path, backend);
-    resolve(handle, "ibv_query_gid", &api->query_gid, true, path, backend);
-    resolve(handle, "ibv_alloc_pd", &api->alloc_pd, true, path, backend);
-    resolve(handle, "ibv_dealloc_pd", &api->dealloc_pd, true, path, backend);
-    resolve(handle, "ibv_reg_mr", &api->reg_mr, true, path, backend);
-    resolve(handle, "ibv_reg_dmabuf_mr", &api->reg_dmabuf_mr, false, path, backend);
-    resolve(handle, "ibv_dereg_mr", &api->dereg_mr, true, path, backend);
-    resolve(handle, "ibv_create_cq", &api->create_cq, true, path, backend);
-    resolve(handle, "ibv_destroy_cq", &api->destroy_cq, true, path, backend);
-    resolve(handle, "ibv_create_qp", &api->create_qp, true, path, backend);
-    resolve(handle, "ibv_modify_qp", &api->modify_qp, true, path, backend);
-    resolve(handle, "ibv_destroy_qp", &api->destroy_qp, true, path, backend);
-    resolve(handle, "ibv_create_ah", &api->create_ah, true, path, backend);
-    resolve(handle, "ibv_destroy_ah", &api->destroy_ah, true, path, backend);
-    resolve(handle, "ibv_qp_to_qp_ex", &api->qp_to_qp_ex, false, path, backend);
-    resolve(handle, "ibv_wc_status_str", &api->wc_status_str, true, path, backend);
+    resolve_all(*api);
   } catch (...) {
     dlclose(handle);
     throw;
@@ -80,29 +56,47 @@ const VerbsApi& load_verbs(const std::string& backend, const std::string& path_i
   return *cache.emplace(path, std::move(api)).first->second;
 }
 
+}  // namespace
+
+const VerbsApi& load_verbs(const std::string& backend, const std::string& path_in) {
+  static std::map<std::string, std::unique_ptr<VerbsApi>> cache;
+  const std::string path = path_in.empty() ? kDefaultVerbsLibrary : path_in;
+  return load_library(
+      cache, path, "the " + backend + " backend needs libibverbs (rdma-core)", [&](VerbsApi& api) {
+        void* handle = api.handle;
+        resolve(handle, "ibv_get_device_list", &api.get_device_list, true, path, backend);
+        resolve(handle, "ibv_free_device_list", &api.free_device_list, true, path, backend);
+        resolve(handle, "ibv_get_device_name", &api.get_device_name, true, path, backend);
+        resolve(handle, "ibv_open_device", &api.open_device, true, path, backend);
+        resolve(handle, "ibv_close_device", &api.close_device, true, path, backend);
+        resolve(handle, "ibv_query_device", &api.query_device, true, path, backend);
+        resolve(handle, "ibv_query_port", &api.query_port_compat, true, path, backend);
+        resolve(handle, "ibv_query_gid", &api.query_gid, true, path, backend);
+        resolve(handle, "ibv_alloc_pd", &api.alloc_pd, true, path, backend);
+        resolve(handle, "ibv_dealloc_pd", &api.dealloc_pd, true, path, backend);
+        resolve(handle, "ibv_reg_mr", &api.reg_mr, true, path, backend);
+        resolve(handle, "ibv_reg_dmabuf_mr", &api.reg_dmabuf_mr, false, path, backend);
+        resolve(handle, "ibv_dereg_mr", &api.dereg_mr, true, path, backend);
+        resolve(handle, "ibv_create_cq", &api.create_cq, true, path, backend);
+        resolve(handle, "ibv_destroy_cq", &api.destroy_cq, true, path, backend);
+        resolve(handle, "ibv_create_qp", &api.create_qp, true, path, backend);
+        resolve(handle, "ibv_modify_qp", &api.modify_qp, true, path, backend);
+        resolve(handle, "ibv_destroy_qp", &api.destroy_qp, true, path, backend);
+        resolve(handle, "ibv_create_ah", &api.create_ah, true, path, backend);
+        resolve(handle, "ibv_destroy_ah", &api.destroy_ah, true, path, backend);
+        resolve(handle, "ibv_qp_to_qp_ex", &api.qp_to_qp_ex, false, path, backend);
+        resolve(handle, "ibv_wc_status_str", &api.wc_status_str, true, path, backend);
+      });
+}
+
 const EfaApi& load_efa(const std::string& path_in) {
   static std::map<std::string, std::unique_ptr<EfaApi>> cache;
   const std::string path = path_in.empty() ? kDefaultEfaLibrary : path_in;
-  std::lock_guard<std::mutex> lock(g_mutex);
-  if (auto it = cache.find(path); it != cache.end()) return *it->second;
-
-  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    throw Error(
-        ErrorCode::kUnsupported,
-        "the efa backend needs libefa (rdma-core's EFA provider); not found: " + last_dlerror());
-  }
-  auto api = std::make_unique<EfaApi>();
-  api->handle = handle;
-  api->path = path;
-  try {
-    resolve(handle, "efadv_query_device", &api->query_device, true, path, "efa");
-    resolve(handle, "efadv_create_qp_ex", &api->create_qp_ex, true, path, "efa");
-  } catch (...) {
-    dlclose(handle);
-    throw;
-  }
-  return *cache.emplace(path, std::move(api)).first->second;
+  return load_library(
+      cache, path, "the efa backend needs libefa (rdma-core's EFA provider)", [&](EfaApi& api) {
+        resolve(api.handle, "efadv_query_device", &api.query_device, true, path, "efa");
+        resolve(api.handle, "efadv_create_qp_ex", &api.create_qp_ex, true, path, "efa");
+      });
 }
 
 int query_port(const VerbsApi& api, ibv_context* context, uint8_t port, ibv_port_attr* attr) {
