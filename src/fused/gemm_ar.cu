@@ -45,21 +45,30 @@ FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
   p.shard_rows = m;  // every rank computes all rows (of the columns it does not own first)
   const int64_t tiles_m = (m + 127) / 128;
   const int budget = fused::sm_budget(comm, config.sms, kOp);
+  // The accumulator (gemm_ar.cuh, slice_at): M x (the most columns a rank owns) in bf16-sized
+  // words with two ranks, in fp32 with more. Prefer the engine's tile width; else the widest
+  // one that keeps it within the sequential [M, N] bf16 intermediate (one exists for N >= 128).
+  const int64_t word_bytes = world == 2 ? 2 : 4;
+  auto max_owned = [&](int block_n) {
+    const int64_t tiles_n = (n + block_n - 1) / block_n;
+    int64_t cols = 0;
+    for (int o = 0; o < world; ++o)
+      cols = std::max(cols, owned_cols(o, world, tiles_n, block_n, n));
+    return cols;
+  };
   p.block_n = gemm_engine::pick_block_n(config.block_n, m, n, budget, kOp);
-  if (config.block_n == 0 && std::getenv("MKERNEL_GEMM_BLOCK_N") == nullptr &&
-      ((n + p.block_n - 1) / p.block_n) % world != 0) {
-    // Column tiles that split evenly keep the accumulator within M x N / w fp32.
+  if (world > 2 && config.block_n == 0 && std::getenv("MKERNEL_GEMM_BLOCK_N") == nullptr &&
+      max_owned(p.block_n) * word_bytes > 2 * n) {
     for (int w : {256, 192, 128, 64}) {
-      if (((n + w - 1) / w) % world == 0) {
+      if (max_owned(w) * word_bytes <= 2 * n) {
         p.block_n = w;
         break;
       }
     }
   }
   const int64_t tiles_n = (n + p.block_n - 1) / p.block_n;
-  int64_t max_cols = 0, max_col_tiles = 0;
+  int64_t max_col_tiles = 0;
   for (int o = 0; o < world; ++o) {
-    max_cols = std::max(max_cols, owned_cols(o, world, tiles_n, p.block_n, n));
     max_col_tiles = std::max(max_col_tiles, (o + 1) * tiles_n / world - o * tiles_n / world);
   }
   if (2 * tiles_m * max_col_tiles > kMaxOpSignals) {
@@ -71,7 +80,8 @@ FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
   p.comm_ctas = 0;  // the consumers' epilogues move the data
   p.piece_rows = 0;
   p.pieces = 0;
-  p.workspace_bytes = world == 1 ? 0 : static_cast<std::size_t>(m * max_cols) * 4;
+  p.workspace_bytes =
+      world == 1 ? 0 : static_cast<std::size_t>(m * max_owned(p.block_n) * word_bytes);
   return p;
 }
 

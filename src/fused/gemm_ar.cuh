@@ -10,11 +10,12 @@
 //   - a tile r owns: wait for the peers' signals of the slice, add the accumulated sums, zero
 //     them, round to bf16 once, store into C here (TMA) and into every peer's C (coalesced
 //     16-byte stores over NVLink): one owner rounds each element, so all ranks get the same bits.
-// C must be symmetric memory (peers write into it); the workspace is this rank's accumulator,
-// M x (its columns) fp32 - at most the sequential [M, N] bf16 intermediate when the column tiles
-// split evenly (the plan prefers such tile widths). Reuse: a peer writes into o's accumulator or
-// C only after o entered the launch. Before a CTA ends it meets the same CTA of every rank
-// (exit barrier): when a rank's kernel is done, every push into its C has landed.
+// C must be symmetric memory (peers write into it); the workspace is this rank's accumulator
+// (slice_at): M x (its columns) bf16-sized with two ranks, fp32 with more - at most the sequential
+// [M, N] bf16 intermediate whenever a tile width allows it (N >= 128; the plan picks one). Reuse: a
+// peer writes into o's accumulator or C only after o entered the launch. Before a CTA ends it meets
+// the same CTA of every rank (exit barrier): when a rank's kernel is done, every push into its C
+// has landed.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,7 +41,7 @@ struct GemmArFusion {
   int n;
   int tiles_m;
   int tiles_n;
-  bool single_peer;  // two ranks: partials are stored (one per accumulator), not added
+  bool single_peer;  // two ranks: partials are stored (one per slice), not added
 
   __device__ int first_col_tile(int owner) const { return owner * tiles_n / comm.world_size; }
   __device__ int owned_cols(int owner) const {  // in elements
@@ -71,13 +72,38 @@ struct GemmArFusion {
     dev::tma_load_2d(dst, &a, bar, k0, tile.m * 128);
   }
 
-  // The accumulator of owner o: bands of 64 rows (the last may be shorter) of its columns, each
-  // band its tiles' slices one after the other, each slice [h][w] row-major.
-  __device__ int64_t slice_offset(const gemm_engine::Tile& tile, int consumer) const {
+  // The accumulator of owner o, slice by slice. Three or more ranks: fp32 in o's workspace, bands
+  // of 64 rows (the last may be shorter) of its columns, each band its tiles' slices one after the
+  // other, each slice [h][w] row-major. Two ranks (one partial per slice, stored): the slice's
+  // first w / 2 columns as fp32 in o's C, over the slice's own bf16 footprint there (o overwrites
+  // it with the result after reading it), the rest in the workspace, laid out as above with
+  // half-width slices - so the workspace is M x (o's columns) bf16-sized, never more than the
+  // sequential [M, N] bf16 intermediate.
+  struct SliceAt {
+    float* c_part;   // row 0 of the slice's columns [0, split) in C (fp32 view), or null
+    int c_stride;    // fp32 words per row of C (N / 2)
+    float* ws_part;  // row 0 of the slice's columns [split, w) in the workspace
+    int ws_width;
+    int split;
+    __device__ float* operator()(int r, int c) const {
+      return c < split ? c_part + static_cast<int64_t>(r) * c_stride + c
+                       : ws_part + r * ws_width + (c - split);
+    }
+  };
+  __device__ SliceAt slice_at(const gemm_engine::Tile& tile, int consumer) const {
+    const int owner = tile.shard;  // one node: global rank = local rank
     const int row0 = tile.m * 128 + consumer * 64;
-    const int h = min(64, m - row0);
-    return static_cast<int64_t>(row0) * owned_cols(tile.shard) +
-           static_cast<int64_t>(h) * (tile.n - first_col_tile(tile.shard)) * kBlockN;
+    const int h = min(64, m - row0), width = slice_width(tile);
+    const int64_t offset = static_cast<int64_t>(row0) * owned_cols(owner) +
+                           static_cast<int64_t>(h) * (tile.n - first_col_tile(owner)) * kBlockN;
+    SliceAt at{};
+    at.split = single_peer ? width / 2 : 0;
+    at.ws_width = width - at.split;
+    at.ws_part = accum_peers[owner] + (single_peer ? offset / 2 : offset);
+    at.c_stride = n / 2;
+    at.c_part = reinterpret_cast<float*>(out_peers[owner] + static_cast<int64_t>(row0) * n +
+                                         tile.n * kBlockN);
+    return at;
   }
   __device__ int slice_width(const gemm_engine::Tile& tile) const {
     return min(kBlockN, n - tile.n * kBlockN);
@@ -113,8 +139,7 @@ struct GemmArFusion {
     const int owner = tile.shard;  // one node: global rank = local rank
     if (owner != comm.rank) {
       if (t == 0) ensure_entered(state, owner, launch);
-      send_slice(acc, consumer, scratch, accum_peers[owner] + slice_offset(tile, consumer), rows,
-                 width, !single_peer);
+      send_slice(acc, consumer, scratch, slice_at(tile, consumer), rows, width, !single_peer);
       if (t == 0) {
         state.owner = owner;
         state.signal = slot(tile, consumer);
@@ -137,7 +162,9 @@ struct GemmArFusion {
       }
     }
     dev::named_barrier_sync(1 + consumer, 128);
-    add_and_clear(acc, my_accum() + slice_offset(tile, consumer), rows, width);
+    // Every thread has read its words of the slice (in C too) before store_slice's first barrier;
+    // the result overwrites them only after it.
+    add_and_clear(acc, slice_at(tile, consumer), rows, width, !single_peer);
     const int my_row = t / 2, my_half = t % 2;  // the half row this thread pushes to the peers
     gemm_engine::store_slice(
         acc, col0, n, consumer, scratch,
@@ -160,8 +187,6 @@ struct GemmArFusion {
           }
         });
   }
-
-  __device__ float* my_accum() const { return accum_peers[comm.local_rank]; }
 
   __device__ void flush(ConsumerState& state, const dev::Launch& launch) const {
     if (state.owner < 0) return;

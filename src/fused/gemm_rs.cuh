@@ -97,9 +97,11 @@ struct GemmRsFusion {
         pending.entered |= 1u << owner;
       }
       if (row0 < shard_rows && !(debug & 1)) {
-        send_slice(acc, consumer, scratch,
-                   accum_peers[owner] + slice_offset(tile.m, tile.n, consumer), shard_rows - row0,
-                   slice_width(tile.n), !single_peer);
+        const int width = slice_width(tile.n);
+        float* slice = accum_peers[owner] + slice_offset(tile.m, tile.n, consumer);
+        send_slice(
+            acc, consumer, scratch, [&](int r, int c) { return slice + r * width + c; },
+            shard_rows - row0, width, !single_peer);
       }
       if (t == 0) {
         pending.owner = owner;
@@ -121,8 +123,11 @@ struct GemmRsFusion {
     }
     dev::named_barrier_sync(1 + consumer, 128);
     if (row0 < shard_rows && !(debug & 2)) {
-      add_and_clear(acc, my_accum + slice_offset(tile.m, tile.n, consumer), shard_rows - row0,
-                    slice_width(tile.n));
+      const int width = slice_width(tile.n);
+      float* slice = my_accum + slice_offset(tile.m, tile.n, consumer);
+      add_and_clear(
+          acc, [&](int r, int c) { return slice + r * width + c; }, shard_rows - row0, width,
+          !single_peer);
     }
     gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
       dev::tma_store_2d(&out, buf, col0 + 64 * j, row0);

@@ -1,6 +1,6 @@
 // Moving fp32 partial sums of a consumer's 64 x kBlockN accumulator slice between ranks, for the
 // fused GEMMs that reduce (GEMM+ReduceScatter, GEMM+AllReduce). A slice lives in the owner's
-// accumulator as one contiguous [rows][width] fp32 block (see the policies' slice_offset).
+// accumulator at addresses the policy gives (see the policies' slice_offset and accum_at).
 #pragma once
 
 #include <cstdint>
@@ -20,14 +20,15 @@ __device__ __forceinline__ void st_shared_f32x2(void* p, float x, float y) {
                : "memory");
 }
 
-// acc += this thread's words of the slice ([rows][width] fp32 at `slice`), and those words become
-// 0 for the next launch. Two column blocks at a time: their loads are issued before any add or
-// store, so they are in flight together (a plain load-add-store loop waits for each load in turn:
-// the compiler cannot prove rows r and r + 8 apart from the words it stores; more than two spill
-// at 128 x 256).
-template <int kRegs>
-__device__ __forceinline__ void add_and_clear(float (&acc)[kRegs], float* slice, int rows,
-                                              int width) {
+// acc += this thread's words of a slice; `at(row, col)` is the address of the two fp32 words
+// (row, col), (row, col + 1) of the slice (col even). `clear`: those words become 0 for the next
+// launch (an accumulator that peers add into). Two column blocks at a time: their loads are issued
+// before any add or store, so they are in flight together (a plain load-add-store loop waits for
+// each load in turn: the compiler cannot prove rows r and r + 8 apart from the words it stores;
+// more than two spill at 128 x 256).
+template <int kRegs, typename At>
+__device__ __forceinline__ void add_and_clear(float (&acc)[kRegs], const At& at, int rows,
+                                              int width, bool clear) {
   const int t = threadIdx.x % 128;
   const int r = (t / 32) * 16 + (t % 32) / 4;  // row in the slice; and r + 8
   const int c = 2 * (t % 4);                   // column of block 0
@@ -41,7 +42,7 @@ __device__ __forceinline__ void add_and_clear(float (&acc)[kRegs], float* slice,
       for (int h = 0; h < 2; ++h) {
         const int col = c + 8 * (b0 + i), row = r + 8 * h;
         v[2 * i + h] = row < rows && col < width
-                           ? __ldcg(reinterpret_cast<const float2*>(slice + row * width + col))
+                           ? __ldcg(reinterpret_cast<const float2*>(at(row, col)))
                            : make_float2(0.f, 0.f);
       }
     }
@@ -52,33 +53,33 @@ __device__ __forceinline__ void add_and_clear(float (&acc)[kRegs], float* slice,
         acc[4 * (b0 + i) + 2 * h] += v[2 * i + h].x;
         acc[4 * (b0 + i) + 2 * h + 1] += v[2 * i + h].y;
         const int col = c + 8 * (b0 + i), row = r + 8 * h;
-        if (row < rows && col < width) {
-          __stcg(reinterpret_cast<float2*>(slice + row * width + col), make_float2(0.f, 0.f));
+        if (clear && row < rows && col < width) {
+          __stcg(reinterpret_cast<float2*>(at(row, col)), make_float2(0.f, 0.f));
         }
       }
     }
   }
 }
 
-// Sends the slice (rows < `rows`, columns < `width`) to `slice` ([rows][width] fp32, an owner's
-// accumulator, usually over NVLink): 32-column chunks are transposed through a 128-byte-swizzled
+// Sends the slice (rows < `rows`, columns < `width`) to an owner's accumulator, usually over
+// NVLink; `at(row, col)` is the 16-byte aligned address of the four fp32 words (row, col..col + 3)
+// there (col a multiple of 4). 32-column chunks are transposed through a 128-byte-swizzled
 // 64 x 32 buffer in shared memory (two alternating, in `scratch`), then every thread writes whole
 // 16-byte pieces of rows - coalesced, posted writes; `add`: vector reductions (red.add.v4.f32),
 // else plain stores (an accumulator that receives one partial). Ends with a barrier of the
 // warpgroup, so that thread 0's release afterwards covers every thread's writes. (TMA stores and
 // reduces to the peer, tried first, were no faster.) All 128 threads of the warpgroup call.
-template <int kRegs>
+template <int kRegs, typename At>
 __device__ __forceinline__ void send_slice(const float (&acc)[kRegs], int consumer,
-                                           uint8_t* scratch, float* slice, int rows, int width,
+                                           uint8_t* scratch, const At& at, int rows, int width,
                                            bool add) {
   constexpr int kChunks = kRegs / 16;  // 32 columns = 4 column blocks of 4 registers
   constexpr int kChunkBytes = 64 * 32 * 4;
   const int t = threadIdx.x % 128;
   const int r = (t / 32) * 16 + (t % 32) / 4;
   const int barrier = 1 + consumer;
-  const int my_row = t / 2;          // the row this thread writes out
-  const int my_units = 4 * (t % 2);  // its four 16-byte units of the row's 128 bytes
-  float* dst_row = slice + my_row * width;
+  const int my_row = t / 2;                    // the row this thread writes out
+  const int my_units = 4 * (t % 2);            // its four 16-byte units of the row's 128 bytes
   if (t == 0) dev::bulk_wait_group_read<0>();  // the buffers' earlier TMA stores have read them
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
@@ -101,9 +102,9 @@ __device__ __forceinline__ void send_slice(const float (&acc)[kRegs], int consum
       const float4 v =
           *reinterpret_cast<const float4*>(buf + my_row * 128 + ((u ^ (my_row % 8)) * 16));
       if (add) {
-        red_add_f32x4(dst_row + col, v);
+        red_add_f32x4(at(my_row, col), v);
       } else {
-        *reinterpret_cast<float4*>(dst_row + col) = v;
+        *reinterpret_cast<float4*>(at(my_row, col)) = v;
       }
     }
   }

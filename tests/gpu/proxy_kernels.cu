@@ -66,6 +66,15 @@ __global__ void fill_pattern_kernel(uint8_t* dst, uint64_t bytes, int rank) {
 
 }  // namespace
 
+void preload_proxy_kernels() {
+  cudaFuncAttributes attributes;
+  for (const void* kernel : {reinterpret_cast<const void*>(push_puts_kernel),
+                             reinterpret_cast<const void*>(await_and_check_kernel),
+                             reinterpret_cast<const void*>(fill_pattern_kernel)}) {
+    cudaFuncGetAttributes(&attributes, kernel);
+  }
+}
+
 void launch_push_puts(const ProxyRings& rings, int ctas, uint32_t peer, uint64_t chunk,
                       uint64_t chunks, uint64_t value, int* failures, cudaStream_t s) {
   push_puts_kernel<<<ctas, 32, 0, s>>>(rings, peer, chunk, chunks, value, failures);

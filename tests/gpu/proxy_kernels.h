@@ -30,6 +30,11 @@ void launch_await_and_check(const uint64_t* pad_words, int world, int src, int c
                             const uint8_t* dst, uint64_t bytes, unsigned long long* mismatches,
                             int* timeouts, cudaStream_t s);
 
+// Loads the kernels above on the current device. With lazy module loading (CUDA's default) the
+// first launch of a kernel waits for the kernels already running on the device, so a waiting
+// kernel launched before its producer's first launch would wait for nothing.
+void preload_proxy_kernels();
+
 // dst[i] = the byte pattern of rank `rank` at i.
 void launch_fill_pattern(uint8_t* dst, uint64_t bytes, int rank, cudaStream_t s);
 

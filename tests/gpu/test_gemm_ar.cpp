@@ -49,12 +49,15 @@ void expect_gemm_ar(Communicator& comm, const ArCase& c, uint64_t seed) {
   config.block_n = c.block_n;
   RsProblem p(world, c.m, c.n, c.k_local, c.layout == BLayout::kKN);
   const std::size_t ws_bytes = gemm_ar_workspace_bytes(comm, c.m, c.n, c.k_local, config);
-  // At most the sequential [M, N] bf16 intermediate, plus one tile column when the column tiles
-  // do not split evenly among the ranks.
-  const int block_n = gemm_ar_plan(comm, c.m, c.n, c.k_local, config).block_n;
-  const bool even = ((c.n + block_n - 1) / block_n) % world == 0;
-  EXPECT_LE(ws_bytes, static_cast<std::size_t>(c.m * c.n * 2 + (even ? 0 : c.m * block_n * 4)))
-      << "workspace larger than the sequential intermediate";
+  // At most the sequential [M, N] bf16 intermediate (issue 7), reported before launch; the one
+  // documented exception: three or more ranks and N < 128, where a rank owns a whole column tile
+  // of the few there are and its fp32 accumulator is up to M x N x 4 bytes.
+  const std::size_t intermediate = static_cast<std::size_t>(c.m) * c.n * 2;
+  if (world <= 2 || c.n >= 128) {
+    EXPECT_LE(ws_bytes, intermediate) << "workspace larger than the sequential intermediate";
+  } else {
+    EXPECT_LE(ws_bytes, 2 * intermediate) << "workspace larger than M x N fp32";
+  }
   SymmetricBuffer ws = comm.alloc(std::max<std::size_t>(ws_bytes, 16));
   SymmetricBuffer out = comm.alloc(c.m * c.n * 2);
   cudaStream_t stream;
@@ -117,6 +120,7 @@ TEST(InProcessGemmAr, LargeWorld2) {
     const uint64_t seed = shared_seed(comm);
     expect_gemm_ar(comm, {4096, 4096, 2048, BLayout::kNK, 0}, seed);
     expect_gemm_ar(comm, {128, 8192, 4096, BLayout::kNK, 0}, seed + 1);
+    expect_gemm_ar(comm, {8192, 1032, 512, BLayout::kKN, 0}, seed + 2);
   });
 }
 

@@ -65,9 +65,8 @@ void run_rank(Bootstrap& boot, int device) {
   MKT_CUDA(cudaMalloc(reinterpret_cast<void**>(&dst), kBytes));
   MKT_CUDA(cudaMalloc(reinterpret_cast<void**>(&counters), 2 * sizeof(int)));
   MKT_CUDA(cudaMalloc(reinterpret_cast<void**>(&mismatches), sizeof(unsigned long long)));
+  preload_proxy_kernels();
   launch_fill_pattern(src, kBytes, me, push_stream);
-  MKT_CUDA(cudaMemsetAsync(counters, 0, 2 * sizeof(int), push_stream));
-  MKT_CUDA(cudaMemsetAsync(mismatches, 0, sizeof(unsigned long long), push_stream));
   MKT_CUDA(cudaStreamSynchronize(push_stream));
   t->register_buffer(0, src, kBytes, MemoryKind::kDevice);
   t->register_buffer(1, dst, kBytes, MemoryKind::kDevice);
@@ -81,6 +80,8 @@ void run_rank(Bootstrap& boot, int device) {
   for (int i = 0; i < kRings; ++i) rings.ring[i] = proxy.ring(i);
   for (int round = 1; round <= kRounds; ++round) {
     MKT_CUDA(cudaMemsetAsync(dst, 0, kBytes, check_stream));
+    MKT_CUDA(cudaMemsetAsync(counters, 0, 2 * sizeof(int), check_stream));
+    MKT_CUDA(cudaMemsetAsync(mismatches, 0, sizeof(unsigned long long), check_stream));
     MKT_CUDA(cudaStreamSynchronize(check_stream));
     boot.barrier();  // the peer's dst is clear before anything is sent into it
     launch_await_and_check(pad.words(), 2, peer, kCtas, round, dst, kBytes, mismatches,
