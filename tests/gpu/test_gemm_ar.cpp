@@ -3,7 +3,7 @@
 // all ranks' inputs from the shared seed; its whole output must match the fp64 product of the
 // K-concatenated operands (the sum over ranks) within twice cuBLAS's error, and be bitwise equal
 // on every rank. M = 1, 7, 128, 1000 and more; fresh random data, poisoned outputs, the workspace
-// left zero, CUDA-graph replay with new inputs, the time limit, argument errors.
+// left zero (3+ ranks), CUDA-graph replay with new inputs, the time limit, argument errors.
 #include <chrono>
 
 #include "collective_checks.h"
@@ -82,7 +82,7 @@ void expect_gemm_ar(Communicator& comm, const ArCase& c, uint64_t seed) {
         << call_what << ": output elements unwritten (or NaN)";
     expect_rows_close(p, 0, c.m, out.data(), blas, c_blas, seed + call, stream, call_what);
     expect_same_on_all_ranks(comm, device_hash(out.data(), c.m * c.n * 2, stream), call_what);
-    if (ws_bytes > 0) {
+    if (ws_bytes > 0 && world > 2) {  // peers add into it: it must be zero for the next call
       EXPECT_EQ(count_different_bytes16(ws.data(), zeros, ws_bytes, stream), 0u)
           << call_what << ": the workspace was not left zero";
     }

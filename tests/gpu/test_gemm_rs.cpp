@@ -3,8 +3,8 @@
 // rebuilds all ranks' inputs from the shared seed, concatenates them along K, and checks its
 // output rows against the fp64 product by the tolerance rule (within twice the error of cuBLAS on
 // the concatenated operands, i.e. NCCL-free "GEMM then reduce" in fp32). Fresh random data,
-// poisoned outputs, shards not a multiple of the 128-row tile, the workspace left zero after
-// every call, CUDA-graph replay with new inputs, the time limit, and argument errors.
+// poisoned outputs, shards not a multiple of the 128-row tile, the workspace left zero (3+ ranks)
+// after every call, CUDA-graph replay with new inputs, the time limit, and argument errors.
 #include <chrono>
 
 #include "collective_checks.h"
@@ -59,7 +59,7 @@ void expect_gemm_rs(Communicator& comm, const RsCase& c, uint64_t seed,
         << call_what << ": output elements unwritten (or NaN)";
     expect_rows_close(p, rank * c.shard_rows, c.shard_rows, out, blas, c_blas, seed + call, stream,
                       call_what);
-    if (ws_bytes > 0) {
+    if (ws_bytes > 0 && world > 2) {  // peers add into it: it must be zero for the next call
       EXPECT_EQ(count_different_bytes16(ws.data(), zeros, ws_bytes, stream), 0u)
           << call_what << ": the workspace was not left zero";
     }
