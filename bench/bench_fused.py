@@ -5,7 +5,7 @@
 
 (bench/run.sh starts it this way.) One rank per GPU. For each shape (M, N, K), every variant
 runs on the same fresh random inputs:
-  mkernel         the fused op (mkernel.ag_gemm, mkernel.gemm_rs)
+  mkernel         the fused op (mkernel.ag_gemm, mkernel.gemm_rs, mkernel.gemm_ar)
   gemm_alone      the GEMM alone through torch (cuBLAS), on the full operands
   comm_alone      the collective alone through torch.distributed (NCCL)
   sequential      the collective, then the GEMM (NCCL then cuBLAS)
@@ -39,6 +39,8 @@ SHAPES = {
                 (8192, 28672, 8192), (2048, 8192, 8192)],
     "gemm_rs": [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 2048, 8192),
                 (8192, 28672, 8192), (2048, 8192, 8192)],
+    "gemm_ar": [(128, 8192, 8192), (1024, 8192, 8192), (4096, 4096, 4096), (8192, 8192, 8192),
+                (16384, 8192, 8192), (8192, 2048, 8192), (8192, 28672, 8192)],
 }
 
 
@@ -48,8 +50,9 @@ def log(*args):
 
 
 def time_variants(variants, iters, rounds):
-    """{name: ms per call}: median over rounds of (events around `iters` back-to-back calls),
-    max over ranks."""
+    """({name: ms per call}, {name: spread}): the median over rounds of (events around `iters`
+    back-to-back calls), max over ranks; spread = (slowest - fastest round) / median, max over
+    ranks - how far one run can be trusted (the H200 host drifts by a few percent)."""
     times = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
@@ -62,9 +65,13 @@ def time_variants(variants, iters, rounds):
             end.record()
             end.synchronize()
             times[name].append(start.elapsed_time(end) / iters)
-    med = torch.tensor([sorted(t)[len(t) // 2] for t in times.values()], device="cuda")
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return dict(zip(times, med.tolist()))
+    med = [sorted(t)[len(t) // 2] for t in times.values()]
+    stats = torch.tensor(med + [(max(t) - min(t)) / m for t, m in zip(times.values(), med)],
+                         device="cuda")
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    n = len(times)
+    values = stats.tolist()
+    return dict(zip(times, values[:n])), dict(zip(times, values[n:]))
 
 
 def close(got, want):
@@ -151,44 +158,55 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
     return ok, err, mag, variants
 
 
-def torch_async_tp_rs(a, b):
-    """torch.ops.symm_mem.fused_matmul_reduce_scatter as a callable, or None (reason noted)."""
-    global _ASYNC_TP_NOTE
-    try:
-        from torch.distributed import _symmetric_memory  # noqa: F401 - registers the ops
-        group = dist.group.WORLD.group_name
-        bt = b.T
-
-        def run():
-            return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, bt, "sum", scatter_dim=0,
-                                                                  group_name=group)
-        run()
-        torch.cuda.synchronize()
-        return run
-    except Exception as e:  # noqa: BLE001 - any failure: the baseline is reported as missing
-        _ASYNC_TP_NOTE = f"torch async-TP unavailable: {type(e).__name__}: {e}"
-        log(_ASYNC_TP_NOTE)
-        return None
-
-
-_SYMM_GROUP = None
 _ASYNC_TP_NOTE = None
 
 
-def torch_async_tp_ag(a_shard, b):
-    """torch.ops.symm_mem.fused_all_gather_matmul as a callable, or None (reason noted)."""
-    global _SYMM_GROUP, _ASYNC_TP_NOTE
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
-        group = dist.group.WORLD.group_name
-        if _SYMM_GROUP is None:
-            symm_mem.enable_symm_mem_for_group(group)
-            _SYMM_GROUP = group
-        bt = b.T
+def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
+    """(M, N, K): K is the full reduction length; each rank holds A_r [M, K / w], B_r [N, K / w];
+    every rank ends with the [M, N] sum. No PyTorch async-TP op exists for this one."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kl = k // world
+    log(f"  {m}x{n}x{k}: {mkernel._C.gemm_ar_plan(comm._impl, m, n, kl)}")
+    g = torch.Generator(device="cuda").manual_seed(5555 + 17 * rank + m + n + k)
+    a = torch.rand((m, kl), device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
+    b = torch.rand((n, kl), device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
+    out = comm.alloc_tensor((m, n), torch.bfloat16)
+    partial = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
 
-        def run():
-            return torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [bt], gather_dim=0,
-                                                              group_name=group)
+    def sequential():
+        torch.matmul(a, b.T, out=partial)
+        dist.all_reduce(partial)
+        return partial
+
+    mkernel.gemm_ar(a, b, comm, out)
+    seq = sequential().clone()
+    ref = a.float() @ b.float().T
+    dist.all_reduce(ref)
+    err = (out.float() - ref).abs().max().item()
+    err_seq = (seq.float() - ref).abs().max().item()
+    mag = ref.abs().max().item()
+    ok = err <= max(2 * err_seq, mag / 256)  # within twice NCCL-then-cuBLAS's error, or 1 ulp
+    variants = {
+        "mkernel": lambda: mkernel.gemm_ar(a, b, comm, out),
+        "gemm_alone": lambda: torch.matmul(a, b.T, out=partial),
+        "comm_alone": lambda: dist.all_reduce(partial),
+        "sequential": sequential,
+        "mkernel_gemm": lambda: mkernel.gemm(a, b),
+    }
+    if sweep:
+        for name, kw in (("n64", {"block_n": 64}), ("n128", {"block_n": 128}),
+                         ("n256", {"block_n": 256})):
+            variants["sweep: " + name] = (lambda kw=kw: mkernel.gemm_ar(a, b, comm, out, **kw))
+    return ok, err, mag, variants
+
+
+def torch_async_tp(make_call):
+    """PyTorch's symmetric-memory fused op as a callable (make_call(group_name) -> call), run
+    once to check it works here; None (with the reason noted in the results) when it does not."""
+    global _ASYNC_TP_NOTE
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401 - registers the ops
+        run = make_call(dist.group.WORLD.group_name)
         run()
         torch.cuda.synchronize()
         return run
@@ -198,7 +216,24 @@ def torch_async_tp_ag(a_shard, b):
         return None
 
 
-CASES = {"ag_gemm": ag_gemm_case, "gemm_rs": gemm_rs_case}
+def torch_async_tp_ag(a_shard, b):
+    bt = b.T
+    return torch_async_tp(lambda group: lambda: torch.ops.symm_mem.fused_all_gather_matmul(
+        a_shard, [bt], gather_dim=0, group_name=group))
+
+
+def torch_async_tp_rs(a, b):
+    bt = b.T
+    return torch_async_tp(lambda group: lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
+        a, bt, "sum", scatter_dim=0, group_name=group))
+
+
+CASES = {"ag_gemm": ag_gemm_case, "gemm_rs": gemm_rs_case, "gemm_ar": gemm_ar_case}
+
+
+def row_keys(ms):
+    return [key for key in ("mkernel", "gemm_alone", "comm_alone", "sequential", "torch_async_tp",
+                            "mkernel_gemm") if key in ms]
 
 
 def parse_shapes(text):
@@ -239,7 +274,7 @@ def main():
             log(f"[{i + 1}/{len(shapes)}] {label:<20} max |mkernel - sequential| {diff:.4g} "
                 f"(max |C| {mag:.4g})  {'ok' if ok else 'WRONG'}")
             continue
-        ms = time_variants(variants, args.iters, args.rounds)
+        ms, spread = time_variants(variants, args.iters, args.rounds)
         limit = max(ms["gemm_alone"], ms["comm_alone"])
         row = {
             "shape": {"M": m, "N": n, "K": k}, "dtype": "bf16",
@@ -251,6 +286,7 @@ def main():
             "speedup_vs_torch_async_tp": (ms["torch_async_tp"] / ms["mkernel"]
                                           if "torch_async_tp" in ms else None),
             "tflops": 2 * m * n * k / ms["mkernel"] * 1e-9,
+            "spread": {key: round(spread[key], 4) for key in row_keys(ms)},
             "correct": bool(ok),
         }
         rows.append(row)
@@ -267,6 +303,8 @@ def main():
             log(f"  sweep {label}: mkernel {ms['mkernel']:.3f}, engine alone "
                 f"{ms['mkernel_gemm']:.3f}, " + ", ".join(sweep))
     if rows:
+        worst = max(max(r["spread"].values()) for r in rows)
+        log(f"spread between rounds (max over variants and shapes): {100 * worst:.1f}%")
         log("summary: ratio_to_limit " + ", ".join(f"{r['ratio_to_limit']:.3f}" for r in rows) +
             "; speedup vs sequential " +
             ", ".join(f"{r['speedup_vs_sequential']:.2f}" for r in rows))

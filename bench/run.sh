@@ -3,7 +3,7 @@
 #
 #   bash bench/run.sh <kernel|all> <check|bench> <num_nodes> [sizes]
 #
-# kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm, ag_gemm, gemm_rs, and
+# kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm, ag_gemm, gemm_rs, gemm_ar,
 #         transport (the socket proxy path over loopback; no GPU needed). Other fused kernels
 #         join as they land. all = collectives, gemm and every fused kernel.
 # check = correctness on the GPUs present; bench = timings against the baselines (NCCL, cuBLAS,
@@ -23,12 +23,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 build="${BUILD_DIR:-build}"
 
 case "$kernel" in
-  all | collectives | all_gather | reduce_scatter | all_reduce | gemm | ag_gemm | gemm_rs) ;;
+  all | collectives | all_gather | reduce_scatter | all_reduce | gemm | ag_gemm | gemm_rs | gemm_ar) ;;
   transport)
     # The inter-node proxy path over loopback (host only, no GPU): latency and bandwidth.
     [[ -x "${BUILD_DIR:-build}/bench/bench_transport" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
     exec "${BUILD_DIR:-build}/bench/bench_transport" ;;
-  gemm_ar | moe_dispatch_gemm | moe_layer | ring_attention)
+  moe_dispatch_gemm | moe_layer | ring_attention)
     echo "bench/run.sh: $kernel is not implemented yet (see the open issues)" >&2; exit 2 ;;
   *) echo "bench/run.sh: unknown kernel '$kernel'" >&2; usage ;;
 esac
@@ -59,7 +59,7 @@ fi
 if [[ "$kernel" == all ]]; then
   # Every family in turn; the first failure is the exit status.
   status=0
-  for k in collectives gemm ag_gemm gemm_rs; do
+  for k in collectives gemm ag_gemm gemm_rs gemm_ar; do
     bash "$PWD/bench/run.sh" "$k" "$mode" "$nodes" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
   done
   exit "$status"
@@ -68,7 +68,7 @@ fi
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
 export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 
-if [[ "$kernel" == ag_gemm || "$kernel" == gemm_rs ]]; then
+if [[ "$kernel" == ag_gemm || "$kernel" == gemm_rs || "$kernel" == gemm_ar ]]; then
   python3 -c 'import mkernel' 2>/dev/null || {
     echo "bench/run.sh: the mkernel Python package is not importable: run 'pip install .' first" >&2
     exit 2

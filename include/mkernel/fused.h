@@ -68,8 +68,9 @@ FusedGemmPlan ag_gemm_plan(const Communicator& comm, int64_t m, int64_t n, int64
 //   b:   this rank's B_r, [N, K_r] (BLayout::kNK) or [K_r, N] (kKN) row-major bf16
 //   out: [M / world, N] row-major bf16 (any device memory)
 //   workspace: gemm_rs_workspace_bytes(m, n, world) bytes inside a symmetric buffer, all zero
-//     before the first call (Communicator::alloc memory is not: clear it once); every call leaves
-//     it zero again. It holds this rank's fp32 accumulator [M / world, N].
+//     before the first call (Communicator::alloc memory is not: clear it once); with three or
+//     more ranks every call leaves it zero again (with two, the one peer's partial is stored, not
+//     added: no zeroing needed). It holds this rank's fp32 accumulator [M / world, N].
 // M divisible by the world size (shards of any number of rows); N and K_r multiples of 8.
 // Sums are fp32 until the final rounding; with more than two ranks the order in which the peers'
 // partial sums are added varies from run to run (the last bits may differ).
@@ -80,6 +81,26 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
              int64_t k_local, BLayout b_layout, void* workspace, cudaStream_t stream,
              const FusedGemmConfig& config = {});
 FusedGemmPlan gemm_rs_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
+                           const FusedGemmConfig& config = {});
+
+// ---- GEMM + AllReduce ----------------------------------------------------------------------
+// out[M, N] = sum over ranks r of A_r @ op(B_r) on every rank, bitwise identical on all, where
+//   a:   this rank's A_r, [M, K_r] row-major bf16 (any M >= 1)
+//   b:   this rank's B_r, [N, K_r] (BLayout::kNK) or [K_r, N] (kKN) row-major bf16
+//   out: [M, N] bf16 inside a symmetric buffer (same offset on every rank): peers write into it
+//   workspace: gemm_ar_workspace_bytes(...) bytes in a symmetric buffer, zero before the first
+//     call (with three or more ranks every call leaves it zero): this rank's accumulator of the
+//     columns it owns - fp32 with three or more ranks; with two, half of it lives in `out` (see
+//     src/fused/gemm_ar.cuh), so the workspace never exceeds the bf16 [M, N] intermediate
+// N and K_r multiples of 8. Sums are fp32 until one final rounding by the rank that owns the
+// column; with more than two ranks the order of the peers' additions varies between runs, but
+// every rank always receives the same bits.
+std::size_t gemm_ar_workspace_bytes(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
+                                    const FusedGemmConfig& config = {});
+void gemm_ar(Communicator& comm, const void* a, const void* b, void* out, int64_t m, int64_t n,
+             int64_t k_local, BLayout b_layout, void* workspace, cudaStream_t stream,
+             const FusedGemmConfig& config = {});
+FusedGemmPlan gemm_ar_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
                            const FusedGemmConfig& config = {});
 
 }  // namespace mk

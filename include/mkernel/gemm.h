@@ -26,4 +26,19 @@ struct GemmConfig {
 void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout,
           cudaStream_t stream, const GemmConfig& config = {});
 
+// Grouped GEMM (the MoE experts' layout): C_g = A_g @ op(B_g) for every group g < groups, shared
+// N and K, the row counts M_g in device memory - e.g. tokens per expert computed on the GPU, so
+// nothing waits for the host; capturable in CUDA graphs with the counts changing between replays.
+//   a:          [max_rows, K] bf16: the groups' rows back to back (group g starts at row
+//               M_0 + ... + M_{g-1})
+//   b:          [groups, N, K] (BLayout::kNK) or [groups, K, N] (kKN) bf16
+//   c:          [max_rows, N] bf16, rows as in a; rows past the groups' total are not written
+//   group_rows: device int32 [groups]; a negative count counts as 0; rows past max_rows are
+//               dropped (keep the sum <= max_rows)
+// N and K multiples of 8, 1 <= groups <= 65536, max_rows < 2^31. Throws mk::Error before launching
+// on anything else. Uses a little stream-ordered scratch (cudaMallocAsync).
+void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_rows, int groups,
+                  int64_t max_rows, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream,
+                  const GemmConfig& config = {});
+
 }  // namespace mk

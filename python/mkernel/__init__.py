@@ -37,8 +37,8 @@ try:  # `import mkernel` works without torch (the C++ layer needs none); the API
 except ImportError:  # pragma: no cover - exercised on machines without torch
     torch = None
 
-__all__ = ["Communicator", "MkernelError", "init", "gemm", "ag_gemm", "gemm_rs", "dtype_name",
-           "DTYPES", "ERROR_CODES"]
+__all__ = ["Communicator", "MkernelError", "init", "gemm", "grouped_gemm", "ag_gemm", "gemm_rs",
+           "gemm_ar", "dtype_name", "DTYPES", "ERROR_CODES"]
 __version__ = "0.1.0"
 
 
@@ -458,6 +458,63 @@ if torch is not None:
         """
         return _gemm_op(a, b, b_layout)
 
+    def _grouped_shapes(a, b, group_rows, b_layout):
+        if b_layout not in ("nk", "kn"):
+            raise ValueError(f"mkernel.grouped_gemm: b_layout={b_layout!r}; expected 'nk' "
+                             "(b is [G, N, K]) or 'kn' (b is [G, K, N])")
+        if a.dim() != 2 or b.dim() != 3 or group_rows.dim() != 1:
+            raise ValueError("mkernel.grouped_gemm: a must be [rows, K], b [G, N, K] or [G, K, N] "
+                             f"and group_rows [G]; got {tuple(a.shape)}, {tuple(b.shape)}, "
+                             f"{tuple(group_rows.shape)}")
+        g = b.shape[0]
+        n, kb = (b.shape[1], b.shape[2]) if b_layout == "nk" else (b.shape[2], b.shape[1])
+        if kb != a.shape[1] or group_rows.shape[0] != g:
+            raise ValueError(f"mkernel.grouped_gemm: a has K = {a.shape[1]}, b ({b_layout}) has "
+                             f"K = {kb} and {g} groups, group_rows has {group_rows.shape[0]}")
+        return a.shape[0], n, a.shape[1], g
+
+    @torch.library.custom_op("mkernel::grouped_gemm", mutates_args=(),
+                             schema="(Tensor a, Tensor b, Tensor group_rows, str b_layout) -> "
+                                    "Tensor")
+    def _grouped_gemm_op(a, b, group_rows, b_layout):
+        rows, n, k, g = _grouped_shapes(a, b, group_rows, b_layout)
+        for name, x in (("a", a), ("b", b)):
+            if x.dtype != torch.bfloat16:
+                raise ValueError(f"mkernel.grouped_gemm: {name} has dtype {x.dtype}; "
+                                 "expected bfloat16")
+        if group_rows.dtype != torch.int32:
+            raise ValueError(f"mkernel.grouped_gemm: group_rows has dtype {group_rows.dtype}; "
+                             "expected int32")
+        for name, x in (("b", b), ("group_rows", group_rows)):
+            if x.device != a.device or not a.is_cuda:
+                raise ValueError(f"mkernel.grouped_gemm: {name} is on {x.device}, a on "
+                                 f"{a.device}; expected one CUDA device")
+        a2, b2, r2 = a.contiguous(), b.contiguous(), group_rows.contiguous()
+        c = torch.empty((rows, n), dtype=torch.bfloat16, device=a.device)
+        if rows == 0:
+            return c
+        with torch.cuda.device(a.device):
+            _C.grouped_gemm(a2.data_ptr(), b2.data_ptr(), c.data_ptr(), r2.data_ptr(), g, rows,
+                            n, k, b_layout, torch.cuda.current_stream(a.device).cuda_stream, 0)
+        return c
+
+    @_grouped_gemm_op.register_fake
+    def _grouped_gemm_fake(a, b, group_rows, b_layout):
+        rows, n, _, _ = _grouped_shapes(a, b, group_rows, b_layout)
+        return a.new_empty((rows, n))
+
+    def grouped_gemm(a: "torch.Tensor", b: "torch.Tensor", group_rows: "torch.Tensor",
+                     b_layout: str = "nk") -> "torch.Tensor":
+        """Grouped GEMM (MoE experts): C_g = A_g @ b[g].T ('nk') or @ b[g] ('kn') for each g.
+
+        a: [rows, K] bf16, the groups' rows back to back; b: [G, N, K] ('nk') or [G, K, N];
+        group_rows: int32 [G] on the GPU (row counts, e.g. tokens per expert; they stay on the
+        device, so nothing synchronises with the host). Returns [rows, N] bf16; rows past the
+        groups' total are left uninitialised. torch.ops.mkernel.grouped_gemm: current stream,
+        torch.compile, CUDA graphs (the counts may change between replays).
+        """
+        return _grouped_gemm_op(a, b, group_rows, b_layout)
+
     def _ag_gemm_shapes(comm, a_shard, b, b_layout):
         if a_shard.dim() != 2:
             raise ValueError(f"mkernel.ag_gemm: a_shard must be 2-D [M / world, K]; got "
@@ -558,7 +615,56 @@ if torch is not None:
         it once per new largest shape before capturing: that allocates its workspace).
         """
         return _gemm_rs_op(a, b, b_layout, comm._id, block_n)
+    @torch.library.custom_op("mkernel::gemm_ar", mutates_args=("out",),
+                             schema="(Tensor a, Tensor b, Tensor(a!) out, str b_layout, int comm, "
+                                    "int block_n) -> ()")
+    def _gemm_ar_op(a, b, out, b_layout, comm, block_n):
+        c = _communicator(comm, "gemm_ar")
+        if a.dim() != 2:
+            raise ValueError(f"mkernel.gemm_ar: a must be 2-D [M, K / world]; got {tuple(a.shape)}")
+        m, n, k = _gemm_shapes(a, b, b_layout)
+        for name, x in (("a", a), ("b", b), ("out", out)):
+            if x.dtype != torch.bfloat16:
+                raise ValueError(f"mkernel.gemm_ar: {name} has dtype {x.dtype}; expected bfloat16")
+            _check_device("gemm_ar", name, x, c.device)
+        if tuple(out.shape) != (m, n) or not out.is_contiguous():
+            raise ValueError(f"mkernel.gemm_ar: out must be a contiguous [{m}, {n}] tensor; got "
+                             f"{tuple(out.shape)}")
+        a2, b2 = a.contiguous(), b.contiguous()
+        ws = c._workspace(_C.gemm_ar_workspace_bytes(c._impl, m, n, k, block_n), "gemm_ar",
+                          "accumulate")
+        with torch.cuda.device(c.device):
+            _C.gemm_ar(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
+                       ws.data_ptr(), c._stream(), block_n)
+
+    @_gemm_ar_op.register_fake
+    def _gemm_ar_fake(a, b, out, b_layout, comm, block_n):
+        return None
+
+    def gemm_ar(a: "torch.Tensor", b: "torch.Tensor", comm: "Communicator",
+                out: "torch.Tensor", *, b_layout: str = "nk", block_n: int = 0) -> "torch.Tensor":
+        """GEMM + AllReduce in one launch: out = sum over ranks of a @ op(b), on every rank.
+
+        a: this rank's A_r, [M, K / world] bf16 (any M >= 1; the row-parallel layer's input).
+        b: this rank's weight slice, [N, K / world] ('nk') or [K / world, N] ('kn') bf16.
+        out: [M, N] bf16 in symmetric memory - comm.alloc_tensor((M, N), torch.bfloat16), made
+            once and reused: the ranks write each other's outputs. Returned for convenience.
+        Every rank ends with the same bits; sums are fp32 until one rounding. Current CUDA
+        stream, no host synchronisation, the same order on every rank; torch.ops.mkernel.gemm_ar
+        (mutates out) works under torch.compile and in CUDA graphs (call once per new largest
+        shape before capturing: that allocates its workspace).
+        """
+        _gemm_ar_op(a, b, out, b_layout, comm._id, block_n)
+        return out
 else:  # pragma: no cover - without torch there is no tensor to multiply
+    def gemm_ar(a, b, comm, out, **kwargs):
+        """Needs PyTorch; see the docstring of the torch custom op."""
+        _require_torch("gemm_ar")
+
+    def grouped_gemm(a, b, group_rows, b_layout="nk"):
+        """Needs PyTorch; see the docstring of the torch custom op."""
+        _require_torch("grouped_gemm")
+
     def gemm_rs(a, b, comm, **kwargs):
         """Needs PyTorch; see the docstring of the torch custom op."""
         _require_torch("gemm_rs")

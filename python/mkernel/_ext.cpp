@@ -348,6 +348,24 @@ NB_MODULE(_C, m) {
       "C[M, N] = A[M, K] @ op(B) in bf16 with fp32 accumulation on the current device; B is [N, K] "
       "('nk') or [K, N] ('kn'). Stream-ordered; no host synchronisation.");
 
+  m.def(
+      "grouped_gemm",
+      [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t group_rows,
+         int groups, int64_t max_rows, int64_t n, int64_t k, std::string_view b_layout,
+         std::uintptr_t stream, int block_n) {
+        const mk::BLayout layout = parse_layout(b_layout, "grouped_gemm");
+        mk::GemmConfig config;
+        config.block_n = block_n;
+        nb::gil_scoped_release nogil;
+        mk::grouped_gemm(as_pointer<const void>(a), as_pointer<const void>(b), as_pointer(c),
+                         as_pointer<const int32_t>(group_rows), groups, max_rows, n, k, layout,
+                         as_stream(stream), config);
+      },
+      "a"_a, "b"_a, "c"_a, "group_rows"_a, "groups"_a, "max_rows"_a, "n"_a, "k"_a,
+      "b_layout"_a, "stream"_a, "block_n"_a = 0,
+      "C_g = A_g @ op(B_g) for every group g; the groups' rows back to back in A and C, their "
+      "counts (int32) in device memory. Stream-ordered; no host synchronisation.");
+
   // ---- fused GEMMs ----
   m.def(
       "ag_gemm",
@@ -385,6 +403,36 @@ NB_MODULE(_C, m) {
       "gemm_rs_workspace_bytes(M, N, world) zeroed bytes in a symmetric buffer (left zero). "
       "Stream-ordered; no host synchronisation.");
   m.def("gemm_rs_workspace_bytes", &mk::gemm_rs_workspace_bytes, "m"_a, "n"_a, "world_size"_a);
+  m.def(
+      "gemm_ar",
+      [](mk::Communicator& comm, std::uintptr_t a, std::uintptr_t b, std::uintptr_t out,
+         int64_t m_rows, int64_t n, int64_t k_local, std::string_view b_layout,
+         std::uintptr_t workspace, std::uintptr_t stream, int block_n) {
+        const mk::BLayout layout = parse_layout(b_layout, "gemm_ar");
+        const mk::FusedGemmConfig config = fused_config(block_n, 0, 0);
+        nb::gil_scoped_release nogil;
+        mk::gemm_ar(comm, as_pointer<const void>(a), as_pointer<const void>(b), as_pointer(out),
+                    m_rows, n, k_local, layout, as_pointer(workspace), as_stream(stream), config);
+      },
+      "comm"_a, "a"_a, "b"_a, "out"_a, "m"_a, "n"_a, "k_local"_a, "b_layout"_a, "workspace"_a,
+      "stream"_a, "block_n"_a = 0,
+      "out[M, N] (symmetric) = sum over ranks of A_r @ op(B_r), the same bits on every rank; "
+      "workspace: gemm_ar_workspace_bytes zeroed bytes in a symmetric buffer (left zero). "
+      "Stream-ordered; no host synchronisation.");
+  m.def(
+      "gemm_ar_workspace_bytes",
+      [](const mk::Communicator& comm, int64_t m_rows, int64_t n, int64_t k_local, int block_n) {
+        return mk::gemm_ar_workspace_bytes(comm, m_rows, n, k_local,
+                                           fused_config(block_n, 0, 0));
+      },
+      "comm"_a, "m"_a, "n"_a, "k_local"_a, "block_n"_a = 0);
+  m.def(
+      "gemm_ar_plan",
+      [](const mk::Communicator& comm, int64_t m_rows, int64_t n, int64_t k_local, int block_n) {
+        return mk::gemm_ar_plan(comm, m_rows, n, k_local, fused_config(block_n, 0, 0)).describe();
+      },
+      "comm"_a, "m"_a, "n"_a, "k_local"_a, "block_n"_a = 0,
+      "The configuration gemm_ar picks for these arguments, as one line.");
   m.def(
       "gemm_rs_plan",
       [](const mk::Communicator& comm, int64_t m_rows, int64_t n, int64_t k_local, int block_n) {

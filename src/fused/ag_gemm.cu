@@ -8,6 +8,7 @@
 #include "fused/ag_gemm.cuh"
 #include "fused/fused_common.h"
 #include "gemm/gemm_internal.h"
+#include "gemm/launch.cuh"
 #include "mkernel/error.h"
 #include "mkernel/fused.h"
 #include "runtime/cuda_check.h"
@@ -28,15 +29,7 @@ using AgGemmPlan = FusedGemmPlan;
 AgGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
                 const FusedGemmConfig& config) {
   const int world = comm.world_size();
-  if (m < world || m % world != 0) {
-    invalid("M = " + std::to_string(m) + " is not a positive multiple of the world size " +
-            std::to_string(world));
-  }
-  if (n < 8 || n % 8 != 0) invalid("N = " + std::to_string(n) + "; expected a multiple of 8");
-  if (k < 8 || k % 8 != 0) invalid("K = " + std::to_string(k) + "; expected a multiple of 8");
-  if (m >= (int64_t{1} << 31) || n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31)) {
-    invalid("M, N and K must each be < 2^31");
-  }
+  fused::check_shapes(comm, m, n, k, kOp, "K");
   AgGemmPlan p{};
   p.shard_rows = m / world;
   const int64_t tiles_m = (p.shard_rows + 127) / 128;
@@ -78,7 +71,6 @@ template <int kBlockN, bool kTransB>
 void launch(const Communicator& comm, const AgGemmPlan& p, const void* a_shard, const void* b,
             void* c, int64_t n, int64_t k, const SymmetricRange& ws, void* workspace,
             cudaStream_t stream) {
-  using Cfg = gemm_engine::TileConfig<kBlockN>;
   using Fusion = fused::AgGemmFusion<kBlockN>;
   const int world = comm.world_size();
   Fusion f{};
@@ -98,35 +90,7 @@ void launch(const Communicator& comm, const AgGemmPlan& p, const void* a_shard, 
   f.pieces = p.pieces;
   f.comm_ctas = p.comm_ctas;
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
-  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, Fusion>;
-  MK_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-  kernel<<<p.ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_b, static_cast<int>(k), f);
-  fused::launch_check(kOp);
-}
-
-template <bool kTransB>
-void launch_width(const Communicator& comm, const AgGemmPlan& p, const void* a_shard, const void* b,
-                  void* c, int64_t n, int64_t k, const SymmetricRange& ws, void* workspace,
-                  cudaStream_t stream) {
-  switch (p.block_n) {
-    case 64:
-      return launch<64, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
-    case 128:
-      return launch<128, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
-    case 192:
-      return launch<192, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
-    default:
-      return launch<256, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
-  }
-}
-
-template <int kBlockN, bool kTransB>
-void preload_one() {
-  using Cfg = gemm_engine::TileConfig<kBlockN>;
-  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, fused::AgGemmFusion<kBlockN>>;
-  MK_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  gemm_engine::launch<kBlockN, kTransB>(f, map_b, k, p.ctas, stream, kOp);
 }
 
 }  // namespace
@@ -185,11 +149,9 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
     std::fprintf(stderr, "[mkernel] ag_gemm %lldx%lldx%lld: %s\n", static_cast<long long>(m),
                  static_cast<long long>(n), static_cast<long long>(k), p.describe().c_str());
   }
-  if (b_layout == BLayout::kKN) {
-    launch_width<true>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
-  } else {
-    launch_width<false>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
-  }
+  gemm_engine::dispatch(p.block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
+    launch<kBlockN, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
+  });
   if (gathered_a != nullptr) {
     // The peers' shards from the workspace, this rank's from a_shard (not in the workspace).
     const int r = comm.rank();
@@ -208,16 +170,7 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
 }
 
 namespace detail {
-void preload_ag_gemm_kernels() {
-  preload_one<64, false>();
-  preload_one<128, false>();
-  preload_one<192, false>();
-  preload_one<256, false>();
-  preload_one<64, true>();
-  preload_one<128, true>();
-  preload_one<192, true>();
-  preload_one<256, true>();
-}
+void preload_ag_gemm_kernels() { gemm_engine::preload_all<fused::AgGemmFusion>(); }
 }  // namespace detail
 
 }  // namespace mk

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 #include "mkernel/communicator.h"
 #include "mkernel/device_comm.h"
@@ -23,10 +24,25 @@ inline int sm_budget(const Communicator& comm, int requested, const char* op) {
   return requested > 0 ? std::min(requested, budget) : budget;
 }
 
-inline void launch_check(const char* op) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw Error(ErrorCode::kCuda, std::string(op) + ": launch failed: " + cudaGetErrorString(err));
+// The shape rules every fused GEMM shares: M a positive multiple of the world size (shards of
+// M / world rows), N and K multiples of 8 (`k_name`: what this op calls K), all below 2^31.
+inline void check_shapes(const Communicator& comm, int64_t m, int64_t n, int64_t k, const char* op,
+                         const char* k_name) {
+  const int world = comm.world_size();
+  auto invalid = [&](const std::string& what) {
+    throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": " + what);
+  };
+  if (m < world || m % world != 0) {
+    invalid("M = " + std::to_string(m) + " is not a positive multiple of the world size " +
+            std::to_string(world));
+  }
+  for (auto [value, name] : {std::pair<int64_t, std::string>{n, "N"}, {k, k_name}}) {
+    if (value < 8 || value % 8 != 0) {
+      invalid(name + " = " + std::to_string(value) + "; expected a multiple of 8");
+    }
+  }
+  if (m >= (int64_t{1} << 31) || n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31)) {
+    invalid(std::string("M, N and ") + k_name + " must each be < 2^31");
   }
 }
 

@@ -7,6 +7,7 @@
 #include "fused/fused_common.h"
 #include "fused/gemm_rs.cuh"
 #include "gemm/gemm_internal.h"
+#include "gemm/launch.cuh"
 #include "mkernel/error.h"
 #include "mkernel/fused.h"
 #include "runtime/cuda_check.h"
@@ -25,17 +26,7 @@ constexpr const char* kOp = "gemm_rs";
 FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
                    const FusedGemmConfig& config) {
   const int world = comm.world_size();
-  if (m < world || m % world != 0) {
-    invalid("M = " + std::to_string(m) + " is not a positive multiple of the world size " +
-            std::to_string(world));
-  }
-  if (n < 8 || n % 8 != 0) invalid("N = " + std::to_string(n) + "; expected a multiple of 8");
-  if (k < 8 || k % 8 != 0) {
-    invalid("K_r = " + std::to_string(k) + " (this rank's slice of K); expected a multiple of 8");
-  }
-  if (m >= (int64_t{1} << 31) || n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31)) {
-    invalid("M, N and K_r must each be < 2^31");
-  }
+  fused::check_shapes(comm, m, n, k, kOp, "K_r");
   if (comm.topology().local_size > fused::kMaxLocalRanks) {
     invalid("at most " + std::to_string(fused::kMaxLocalRanks) + " ranks per node are supported");
   }
@@ -65,7 +56,6 @@ template <int kBlockN, bool kTransB>
 void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, const void* b,
             void* out, int64_t n, int64_t k, const SymmetricRange& ws, void* workspace,
             cudaStream_t stream) {
-  using Cfg = gemm_engine::TileConfig<kBlockN>;
   using Fusion = fused::GemmRsFusion<kBlockN>;
   const Topology& topo = comm.topology();
   Fusion f{};
@@ -78,40 +68,13 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.comm = comm.device_comm();
   f.my_accum = static_cast<float*>(workspace);
   f.single_peer = topo.world_size == 2;
+  f.debug = std::getenv("MKERNEL_RS_DEBUG") ? std::atoi(std::getenv("MKERNEL_RS_DEBUG")) : 0;
   f.shard_rows = static_cast<int>(p.shard_rows);
   f.n = static_cast<int>(n);
   f.raster = {static_cast<int>((p.shard_rows + 127) / 128),
               static_cast<int>((n + kBlockN - 1) / kBlockN)};
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
-  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, Fusion>;
-  MK_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-  kernel<<<p.ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_b, static_cast<int>(k), f);
-  fused::launch_check(kOp);
-}
-
-template <bool kTransB>
-void launch_width(const Communicator& comm, const FusedGemmPlan& p, const void* a, const void* b,
-                  void* out, int64_t n, int64_t k, const SymmetricRange& ws, void* workspace,
-                  cudaStream_t stream) {
-  switch (p.block_n) {
-    case 64:
-      return launch<64, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
-    case 128:
-      return launch<128, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
-    case 192:
-      return launch<192, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
-    default:
-      return launch<256, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
-  }
-}
-
-template <int kBlockN, bool kTransB>
-void preload_one() {
-  using Cfg = gemm_engine::TileConfig<kBlockN>;
-  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, fused::GemmRsFusion<kBlockN>>;
-  MK_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  gemm_engine::launch<kBlockN, kTransB>(f, map_b, k, p.ctas, stream, kOp);
 }
 
 }  // namespace
@@ -162,24 +125,13 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
   if (detail::overlaps(out, out_bytes, workspace, p.workspace_bytes)) {
     invalid("out overlaps the workspace");
   }
-  if (b_layout == BLayout::kKN) {
-    launch_width<true>(comm, p, a, b, out, n, k, ws, workspace, stream);
-  } else {
-    launch_width<false>(comm, p, a, b, out, n, k, ws, workspace, stream);
-  }
+  gemm_engine::dispatch(p.block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
+    launch<kBlockN, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
+  });
 }
 
 namespace detail {
-void preload_gemm_rs_kernels() {
-  preload_one<64, false>();
-  preload_one<128, false>();
-  preload_one<192, false>();
-  preload_one<256, false>();
-  preload_one<64, true>();
-  preload_one<128, true>();
-  preload_one<192, true>();
-  preload_one<256, true>();
-}
+void preload_gemm_rs_kernels() { gemm_engine::preload_all<fused::GemmRsFusion>(); }
 }  // namespace detail
 
 }  // namespace mk

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "fused/partials.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
 #include "mkernel/device_comm.h"
@@ -33,6 +34,9 @@ struct GemmRsFusion {
   float* accum_peers[kMaxLocalRanks];  // each local rank's accumulator [S][N] fp32, mapped here
   DeviceComm comm;
   float* my_accum;   // this rank's accumulator (local address)
+  int debug;         // DIAGNOSTIC (branch wip/gemm-rs-diagnose): MKERNEL_RS_DEBUG bits
+                     //   1 skip sends, 2 skip add_and_clear, 4 skip the flush fence,
+                     //   8 skip the own tiles' waits (results wrong with 1, 2 or 8)
   bool single_peer;  // two ranks: the one peer stores its partial (a sum onto zero) instead of
                      // adding it - plain NVLink writes, no remote read-modify-write
   int shard_rows;    // S
@@ -60,6 +64,18 @@ struct GemmRsFusion {
     return dev::signal_index(SignalId::kOp, 2 * (tile.m * raster.tiles_n + tile.n) + consumer);
   }
 
+  // The accumulator is laid out slice by slice (not row-major), so that the 64 x kBlockN slice a
+  // consumer sends is one contiguous block (64 KiB at kBlockN = 256) instead of 64 rows 4*N
+  // bytes apart: band = 64 rows of a tile-row (the last band of the shard may be shorter), and
+  // inside a band the tiles' slices follow each other, each [h][w] row-major with
+  // h = rows of the band, w = columns of the tile. Total exactly S x N floats.
+  __device__ int64_t slice_offset(int m, int tile_n, int consumer) const {
+    const int row0 = m * 128 + consumer * 64;
+    const int h = min(64, shard_rows - row0);
+    return static_cast<int64_t>(row0) * n + static_cast<int64_t>(h) * tile_n * kBlockN;
+  }
+  __device__ int slice_width(int tile_n) const { return min(kBlockN, n - tile_n * kBlockN); }
+
   // Per consumer warpgroup, thread 0's bookkeeping between epilogues.
   struct ConsumerState {
     int owner = -1;  // a reduce whose signal is still owed, or -1
@@ -80,7 +96,13 @@ struct GemmRsFusion {
         launch.wait(owner, dev::signal_index(SignalId::kEntry, 0), 1);  // it may be reused
         pending.entered |= 1u << owner;
       }
-      send_slice(acc, row0, col0, consumer, scratch, accum_peers[owner]);
+      if (row0 < shard_rows && !(debug & 1)) {
+        const int width = slice_width(tile.n);
+        float* slice = accum_peers[owner] + slice_offset(tile.m, tile.n, consumer);
+        send_slice(
+            acc, consumer, scratch, [&](int r, int c) { return slice + r * width + c; },
+            shard_rows - row0, width, !single_peer);
+      }
       if (t == 0) {
         pending.owner = owner;
         pending.signal = slot(tile, consumer);
@@ -88,7 +110,7 @@ struct GemmRsFusion {
       return;
     }
     // Own rows: the peers' partial sums of this slice, then one rounding to bf16.
-    if (t == 0) {
+    if (t == 0 && !(debug & 8)) {
       const uint32_t signal = slot(tile, consumer);
       for (int src = 0; src < comm.world_size; ++src) {
         if (src == comm.rank) continue;
@@ -100,7 +122,13 @@ struct GemmRsFusion {
       dev::fence_acq_rel_sys();
     }
     dev::named_barrier_sync(1 + consumer, 128);
-    add_and_clear(acc, row0, col0);
+    if (row0 < shard_rows && !(debug & 2)) {
+      const int width = slice_width(tile.n);
+      float* slice = my_accum + slice_offset(tile.m, tile.n, consumer);
+      add_and_clear(
+          acc, [&](int r, int c) { return slice + r * width + c; }, shard_rows - row0, width,
+          !single_peer);
+    }
     gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
       dev::tma_store_2d(&out, buf, col0 + 64 * j, row0);
     });
@@ -109,98 +137,15 @@ struct GemmRsFusion {
   // Thread 0 of a consumer: the previous reduce has landed -> tell its owner.
   __device__ void flush(ConsumerState& pending, const dev::Launch& launch) const {
     if (pending.owner < 0) return;
-    dev::fence_acq_rel_sys();  // after the warpgroup's stores (send_slice ends with a barrier)
+    if (!(debug & 4))
+      dev::fence_acq_rel_sys();  // after the warpgroup's stores (send_slice ends
+                                 // with a barrier)
     launch.signal(pending.owner, pending.signal, 1);
     pending.owner = -1;
   }
 
   __device__ void consumer_done(ConsumerState& pending) const {
     if (threadIdx.x % 128 == 0) flush(pending, dev::Launch::begin(comm));
-  }
-
-  // acc += accumulator[rows, cols of this thread], and those accumulator words become 0.
-  template <int kRegs>
-  __device__ void add_and_clear(float (&acc)[kRegs], int row0, int col0) const {
-    const int t = threadIdx.x % 128;
-    const int r = row0 + (t / 32) * 16 + (t % 32) / 4;
-    const int c = col0 + 2 * (t % 4);
-#pragma unroll
-    for (int b = 0; b < kRegs / 4; ++b) {
-      const int col = c + 8 * b;
-      if (col >= n) continue;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = r + 8 * h;
-        if (row >= shard_rows) continue;
-        float2* p = reinterpret_cast<float2*>(my_accum + static_cast<int64_t>(row) * n + col);
-        const float2 v = *p;
-        acc[4 * b + 2 * h] += v.x;
-        acc[4 * b + 2 * h + 1] += v.y;
-        *p = make_float2(0.f, 0.f);
-      }
-    }
-  }
-
-  // Sends a consumer's 64 x kBlockN fp32 slice to an owner's accumulator over NVLink: 32-column
-  // chunks are transposed through a 128-byte-swizzled 64 x 32 buffer in shared memory (two
-  // alternating), then every thread writes whole 16-byte pieces of accumulator rows - coalesced
-  // 128-byte rows, posted writes; with two ranks plain stores (the accumulator receives one
-  // partial), else vector reductions (red.add.v4.f32). Ends with a barrier of the warpgroup, so
-  // that thread 0's release afterwards covers every thread's writes. (TMA stores and reduces to
-  // the peer, tried first, ran at ~30 GB/s: each waited for the remote write before its shared
-  // memory could be reused.)
-  template <int kRegs>
-  __device__ void send_slice(const float (&acc)[kRegs], int row0, int col0, int consumer,
-                             uint8_t* scratch, float* dst) const {
-    constexpr int kChunks = kRegs / 16;  // 32 columns = 4 column blocks of 4 registers
-    constexpr int kChunkBytes = 64 * 32 * 4;
-    const int t = threadIdx.x % 128;
-    const int r = (t / 32) * 16 + (t % 32) / 4;
-    const int barrier = 1 + consumer;
-    const int my_row = t / 2;          // the row this thread writes out
-    const int my_units = 4 * (t % 2);  // its four 16-byte units of the row's 128 bytes
-    const bool row_ok = row0 + my_row < shard_rows;
-    float* dst_row = dst + static_cast<int64_t>(row0 + my_row) * n;
-    if (t == 0) dev::bulk_wait_group_read<0>();  // the buffers' earlier TMA stores have read them
-#pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
-      if (col0 + 32 * j >= n) break;
-      uint8_t* buf = scratch + (j % 2) * kChunkBytes;
-      dev::named_barrier_sync(barrier, 128);  // everyone is done reading buf (chunk j - 2)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const float* v = &acc[16 * j + 4 * b];
-        const int unit = 2 * b + (t % 4) / 2;  // 16-byte unit of the 128-byte row
-        const int offset = 8 * (t % 2);
-        st_shared_f32x2(buf + r * 128 + ((unit ^ (r % 8)) * 16) + offset, v[0], v[1]);
-        st_shared_f32x2(buf + (r + 8) * 128 + ((unit ^ ((r + 8) % 8)) * 16) + offset, v[2], v[3]);
-      }
-      dev::named_barrier_sync(barrier, 128);
-#pragma unroll
-      for (int u = my_units; u < my_units + 4; ++u) {
-        const int col = col0 + 32 * j + 4 * u;
-        if (!row_ok || col >= n) continue;
-        const float4 v =
-            *reinterpret_cast<const float4*>(buf + my_row * 128 + ((u ^ (my_row % 8)) * 16));
-        if (single_peer) {
-          *reinterpret_cast<float4*>(dst_row + col) = v;
-        } else {
-          red_add_f32x4(dst_row + col, v);
-        }
-      }
-    }
-    dev::named_barrier_sync(barrier, 128);
-  }
-
-  __device__ static void red_add_f32x4(float* p, float4 v) {
-    asm volatile("red.relaxed.sys.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x),
-                 "f"(v.y), "f"(v.z), "f"(v.w)
-                 : "memory");
-  }
-
-  __device__ static void st_shared_f32x2(void* p, float x, float y) {
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(dev::smem_addr(p)), "f"(x), "f"(y)
-                 : "memory");
   }
 
   // Producer warps 1..3 of CTA 0: announce this launch to the peers.

@@ -9,6 +9,8 @@
 
 #include "gemm/gemm_internal.h"
 #include "gemm/gemm_kernel.cuh"
+#include "gemm/grouped_gemm.cuh"
+#include "gemm/launch.cuh"
 #include "mkernel/error.h"
 #include "mkernel/gemm.h"
 #include "runtime/cuda_check.h"
@@ -21,23 +23,6 @@ constexpr const char* kOp = "gemm";
 
 [[noreturn]] void invalid(const std::string& what) {
   throw Error(ErrorCode::kInvalidArgument, std::string(kOp) + ": " + what);
-}
-
-void require_pointer(const void* p, const char* name, int device) {
-  if (p == nullptr) invalid(std::string(name) + " is null");
-  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
-    invalid(std::string(name) + " is not 16-byte aligned (the tensor copy engine needs it)");
-  }
-  cudaPointerAttributes attr{};
-  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
-    cudaGetLastError();
-    invalid(std::string(name) + " is not a CUDA pointer");
-  }
-  if ((attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) ||
-      attr.device != device) {
-    invalid(std::string(name) + " is not device memory of the current GPU " +
-            std::to_string(device));
-  }
 }
 
 }  // namespace
@@ -96,27 +81,46 @@ using gemm_engine::make_map;
 template <int kBlockN, bool kTransB>
 void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, int sms,
             cudaStream_t stream) {
-  using Cfg = gemm_engine::TileConfig<kBlockN>;
   using Fusion = gemm_engine::PlainGemm<kBlockN>;
-  const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
-  const Fusion fusion{make_map(a, m, k, Cfg::kBlockM),
-                      make_map(c, m, n, 64),
-                      {static_cast<int>((m + Cfg::kBlockM - 1) / Cfg::kBlockM),
-                       static_cast<int>((n + Cfg::kBlockN - 1) / Cfg::kBlockN)},
-                      static_cast<int>(n)};
-  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, Fusion>;
-  MK_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  const Fusion fusion{
+      make_map(a, m, k, 128),
+      make_map(c, m, n, 64),
+      {static_cast<int>((m + 127) / 128), static_cast<int>((n + kBlockN - 1) / kBlockN)},
+      static_cast<int>(n)};
   const int tiles = fusion.raster.tiles_m * fusion.raster.tiles_n;
-  const int grid = std::min(tiles, sms);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_b, static_cast<int>(k), fusion);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw Error(ErrorCode::kCuda, std::string(kOp) + ": launch failed: " + cudaGetErrorString(err));
-  }
+  gemm_engine::launch<kBlockN, kTransB>(fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB),
+                                        k, std::min(tiles, sms), stream, kOp);
 }
 
 }  // namespace
+
+void gemm_engine::require_device_pointer(const void* p, const char* op, const char* name,
+                                         int device, std::size_t alignment) {
+  const std::string what = std::string(op) + ": " + name;
+  if (p == nullptr) throw Error(ErrorCode::kInvalidArgument, what + " is null");
+  if (reinterpret_cast<uintptr_t>(p) % alignment != 0) {
+    throw Error(ErrorCode::kInvalidArgument, what + " is not " + std::to_string(alignment) +
+                                                 "-byte aligned (the tensor copy engine needs 16)");
+  }
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    throw Error(ErrorCode::kInvalidArgument, what + " is not a CUDA pointer");
+  }
+  if ((attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) ||
+      attr.device != device) {
+    throw Error(ErrorCode::kInvalidArgument,
+                what + " is not device memory of the current GPU " + std::to_string(device));
+  }
+}
+
+void gemm_engine::require_multiple_of_8(int64_t value, const char* op, const char* what) {
+  if (value < 8 || value % 8 != 0) {
+    throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": " + what + " = " +
+                                                 std::to_string(value) +
+                                                 "; expected a multiple of 8");
+  }
+}
 
 // Tile width: the one with the least estimated time, waves x per-tile cost. A tile's cost grows
 // with its width but wide tiles use the tensor cores better (each wgmma re-reads the A slice from
@@ -151,32 +155,15 @@ int gemm_engine::pick_block_n(int requested, int64_t m, int64_t n, int sms, cons
 
 namespace {
 
-template <bool kTransB>
-void launch_width(int block_n, const void* a, const void* b, void* c, int64_t m, int64_t n,
-                  int64_t k, int sms, cudaStream_t stream) {
-  switch (block_n) {
-    case 64:
-      return launch<64, kTransB>(a, b, c, m, n, k, sms, stream);
-    case 128:
-      return launch<128, kTransB>(a, b, c, m, n, k, sms, stream);
-    case 192:
-      return launch<192, kTransB>(a, b, c, m, n, k, sms, stream);
-    default:
-      return launch<256, kTransB>(a, b, c, m, n, k, sms, stream);
-  }
-}
-
-template <int kBlockN, bool kTransB>
-void add_resources(std::vector<GemmKernelResources>& out) {
-  using Cfg = gemm_engine::TileConfig<kBlockN>;
-  auto kernel = gemm_engine::gemm_kernel<Cfg, kTransB, gemm_engine::PlainGemm<kBlockN>>;
-  MK_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+template <int kBlockN, bool kTransB, template <int> class Fusion = gemm_engine::PlainGemm>
+void add_resources(std::vector<GemmKernelResources>& out, const char* what = "gemm") {
+  auto kernel = gemm_engine::prepared_kernel<kBlockN, kTransB, Fusion<kBlockN>>();
   cudaFuncAttributes attr{};
   MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  out.push_back({"gemm 128x" + std::to_string(kBlockN) + (kTransB ? " B[K,N]" : " B[N,K]"),
-                 attr.numRegs, static_cast<int64_t>(attr.localSizeBytes),
-                 static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
+  out.push_back(
+      {std::string(what) + " 128x" + std::to_string(kBlockN) + (kTransB ? " B[K,N]" : " B[N,K]"),
+       attr.numRegs, static_cast<int64_t>(attr.localSizeBytes),
+       static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
 }
 
 }  // namespace
@@ -184,16 +171,16 @@ void add_resources(std::vector<GemmKernelResources>& out) {
 void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout,
           cudaStream_t stream, const GemmConfig& config) {
   if (m < 1) invalid("M = " + std::to_string(m) + "; expected M >= 1");
-  if (n < 8 || n % 8 != 0) invalid("N = " + std::to_string(n) + "; expected a multiple of 8");
-  if (k < 8 || k % 8 != 0) invalid("K = " + std::to_string(k) + "; expected a multiple of 8");
+  gemm_engine::require_multiple_of_8(n, kOp, "N");
+  gemm_engine::require_multiple_of_8(k, kOp, "K");
   constexpr int64_t kMax = int64_t{1} << 31;
   if (m >= kMax || n >= kMax || k >= kMax) invalid("M, N and K must each be < 2^31");
   if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) invalid("unknown B layout");
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
-  require_pointer(a, "A", device);
-  require_pointer(b, "B", device);
-  require_pointer(c, "C", device);
+  gemm_engine::require_device_pointer(a, kOp, "A", device);
+  gemm_engine::require_device_pointer(b, kOp, "B", device);
+  gemm_engine::require_device_pointer(c, kOp, "C", device);
   int sms = config.sms;
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int block_n = gemm_engine::pick_block_n(config.block_n, m, n, sms, kOp);
@@ -202,11 +189,9 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
                  static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
                  block_n, sms);
   }
-  if (b_layout == BLayout::kKN) {
-    launch_width<true>(block_n, a, b, c, m, n, k, sms, stream);
-  } else {
-    launch_width<false>(block_n, a, b, c, m, n, k, sms, stream);
-  }
+  gemm_engine::dispatch(block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
+    launch<kBlockN, kTransB>(a, b, c, m, n, k, sms, stream);
+  });
 }
 
 std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
@@ -219,6 +204,14 @@ std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
   add_resources<128, true>(out);
   add_resources<192, true>(out);
   add_resources<256, true>(out);
+  add_resources<64, false, gemm_engine::GroupedGemm>(out, "grouped");
+  add_resources<128, false, gemm_engine::GroupedGemm>(out, "grouped");
+  add_resources<192, false, gemm_engine::GroupedGemm>(out, "grouped");
+  add_resources<256, false, gemm_engine::GroupedGemm>(out, "grouped");
+  add_resources<64, true, gemm_engine::GroupedGemm>(out, "grouped");
+  add_resources<128, true, gemm_engine::GroupedGemm>(out, "grouped");
+  add_resources<192, true, gemm_engine::GroupedGemm>(out, "grouped");
+  add_resources<256, true, gemm_engine::GroupedGemm>(out, "grouped");
   return out;
 }
 

@@ -3,6 +3,7 @@
 
 #include <cuda.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -20,6 +21,13 @@ CUtensorMap make_map_3d(const void* base, int64_t batches, int64_t rows, int64_t
                         int box_rows);
 // B's map: [N, K] row-major (k_major_rows false) or [K, N] row-major (true).
 CUtensorMap make_b_map(const void* b, int64_t n, int64_t k, int block_n, bool k_major_rows);
+// `p` is device memory of `device` (aligned to `alignment` bytes), else mk::Error naming `op`
+// and `name`.
+void require_device_pointer(const void* p, const char* op, const char* name, int device,
+                            std::size_t alignment = 16);
+// Throws kInvalidArgument "op: N = 12; expected a multiple of 8" (what = "N") unless 8 | value.
+void require_multiple_of_8(int64_t value, const char* op, const char* what);
+
 // Tile width for an [m, n] output on `sms` CTAs: `requested` if not 0, else MKERNEL_GEMM_BLOCK_N,
 // else the width with the fewest estimated tile-waves. Throws (naming `op`) on a bad width.
 int pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op);

@@ -91,8 +91,20 @@ struct GroupedRaster {
 struct Tile {
   int m;
   int n;
-  int shard;
+  int shard;     // or, for a grouped GEMM, the group (B's third coordinate)
+  int row = 0;   // grouped GEMM: the tile's first row in A and C
+  int rows = 0;  // grouped GEMM: rows of the tile inside its group (<= 128 means a partial tile)
 };
+
+// Whether a policy's B is batched ([batches][...], the tile's `shard` picks the batch).
+template <class Fusion>
+constexpr bool batched_b() {
+  if constexpr (requires { Fusion::kBatchedB; }) {
+    return Fusion::kBatchedB;
+  } else {
+    return false;
+  }
+}
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -106,9 +118,16 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // so packing chunk j overlaps the store of chunk j - 1 and the last stores overlap the next
 // tile's mainloop. Chunks at column >= n are skipped. All 128 threads of the warpgroup call.
 // The kernel waits for the last stores before it exits.
-template <int kRegs, class Issue>
+struct NoEach {
+  __device__ void operator()(const uint8_t*, int) const {}
+};
+
+// `each(buf, j)`, if given, runs on all 128 threads once chunk j is packed (e.g. to push it to
+// other GPUs with ordinary stores); buf stays valid until the warpgroup's next barrier.
+template <int kRegs, class Issue, class Each = NoEach>
 __device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0, int n,
-                                            int consumer, uint8_t* scratch, Issue&& issue) {
+                                            int consumer, uint8_t* scratch, Issue&& issue,
+                                            Each&& each = {}) {
   constexpr int kChunks = kRegs / 32;  // 64 columns = 8 column blocks of 4 registers
   constexpr int kChunkBytes = 64 * 64 * 2;
   const int t = threadIdx.x % 128;
@@ -134,6 +153,7 @@ __device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0,
       issue(buf, j);
       dev::bulk_commit_group();
     }
+    each(buf, j);
   }
 }
 
@@ -214,7 +234,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           dev::mbarrier_wait(&empty[s], phase ^ 1);  // first lap passes at once
           dev::mbarrier_arrive_expect_tx(&full[s], Cfg::kStageBytes);
           fusion.load_a(stage_a(s), &full[s], tile, kb * Cfg::kBlockK);
-          if constexpr (kTransB) {
+          if constexpr (batched_b<Fusion>()) {  // B [batches][...]: 3-D boxes, batch = shard
+            if constexpr (kTransB) {
+#pragma unroll
+              for (int j = 0; j < Cfg::kBlockN / 64; ++j) {
+                dev::tma_load_3d(stage_b(s) + j * kMnBoxBytes, &tma_b, &full[s],
+                                 tn * Cfg::kBlockN + j * 64, kb * Cfg::kBlockK, tile.shard);
+              }
+            } else {
+              dev::tma_load_3d(stage_b(s), &tma_b, &full[s], kb * Cfg::kBlockK, tn * Cfg::kBlockN,
+                               tile.shard);
+            }
+          } else if constexpr (kTransB) {
 #pragma unroll
             for (int j = 0; j < Cfg::kBlockN / 64; ++j) {
               dev::tma_load_2d(stage_b(s) + j * kMnBoxBytes, &tma_b, &full[s],

@@ -57,6 +57,7 @@ struct CommState {
 void preload_collective_kernels();
 void preload_ag_gemm_kernels();
 void preload_gemm_rs_kernels();
+void preload_gemm_ar_kernels();
 
 // Collective: allocate and map a symmetric buffer (symmetric.cpp).
 std::shared_ptr<SymAllocation> create_symmetric(CommState& comm, std::size_t bytes);

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
 #include <thread>
 
 namespace mk::transport {
@@ -140,12 +141,24 @@ std::string CompletionTracker::describe_pending(std::size_t max) const {
 
 // ---- HostSignalPad ----------------------------------------------------------------------------
 
-HostSignalPad::HostSignalPad(uint32_t world_size, uint32_t num_signals)
-    : world_size_(world_size),
-      num_signals_(num_signals),
-      words_(new uint64_t[static_cast<std::size_t>(world_size) * num_signals]()) {}
+HostSignalPad::HostSignalPad(uint32_t world_size, uint32_t num_signals, RingAllocator memory)
+    : world_size_(world_size), num_signals_(num_signals), memory_(std::move(memory)) {
+  const std::size_t bytes = static_cast<std::size_t>(world_size) * num_signals * sizeof(uint64_t);
+  if (!memory_.alloc) {
+    memory_.alloc = [](std::size_t n) { return static_cast<void*>(new uint64_t[n / 8]); };
+    memory_.free = [](void* p) { delete[] static_cast<uint64_t*>(p); };
+  }
+  words_ = static_cast<uint64_t*>(memory_.alloc(std::max<std::size_t>(bytes, 8)));
+  if (words_ == nullptr) {
+    throw Error(ErrorCode::kOutOfMemory,
+                "host signal pad: no memory for " + std::to_string(bytes) + " bytes");
+  }
+  std::memset(words_, 0, bytes);
+}
 
-HostSignalPad::~HostSignalPad() = default;
+HostSignalPad::~HostSignalPad() {
+  if (memory_.free) memory_.free(words_);
+}
 
 void HostSignalPad::raise(uint32_t src_rank, uint32_t signal, uint64_t value) {
   if (src_rank >= world_size_ || signal >= num_signals_) {

@@ -221,5 +221,31 @@ TEST(TransportCompletion, HostSignalPadNeverLowersAWord) {
                Error);
 }
 
+// The words can live in caller-provided memory (pinned and device-mapped on the GPU path): the
+// pad takes it zeroed from the allocator and gives it back once.
+TEST(TransportCompletion, HostSignalPadUsesTheGivenMemory) {
+  std::vector<uint64_t> storage(3 * 5, 0xDEADBEEF);
+  int allocs = 0, frees = 0;
+  RingAllocator memory;
+  memory.alloc = [&](std::size_t bytes) {
+    ++allocs;
+    EXPECT_GE(bytes, storage.size() * sizeof(uint64_t));
+    return static_cast<void*>(storage.data());
+  };
+  memory.free = [&](void* p) {
+    ++frees;
+    EXPECT_EQ(p, storage.data());
+  };
+  {
+    HostSignalPad pad(3, 5, memory);
+    EXPECT_EQ(pad.words(), storage.data());
+    EXPECT_EQ(storage[7], 0u) << "words start at zero";
+    pad.raise(1, 2, 42);
+    EXPECT_EQ(storage[2 * 3 + 1], 42u);
+  }
+  EXPECT_EQ(allocs, 1);
+  EXPECT_EQ(frees, 1);
+}
+
 }  // namespace
 }  // namespace mk::transport

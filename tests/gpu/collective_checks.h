@@ -3,6 +3,9 @@
 // everyone's inputs), outputs are poisoned before each call, and every element is checked.
 #pragma once
 
+#include <chrono>
+#include <functional>
+
 #include "gpu_test_util.h"
 
 namespace mk::test {
@@ -12,6 +15,33 @@ namespace mk::test {
 // one rank while a peer's kernel already waits for it would stall both until the time limit.
 inline void ready(Communicator& comm, cudaStream_t stream) {
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  comm.bootstrap().barrier();
+}
+
+// Every rank but the last runs `launch` (which enqueues one op on `stream`); the last never does.
+// The others must fail with kTimeout naming the missing rank (and `signal`, when given) within
+// the communicator's time limit. Call after ready(); ends with a barrier of all ranks.
+inline void expect_missing_rank_times_out(Communicator& comm, cudaStream_t stream,
+                                          const std::function<void()>& launch,
+                                          const std::string& signal = "") {
+  const int rank = comm.rank(), missing = comm.world_size() - 1;
+  if (rank != missing) {
+    const auto start = std::chrono::steady_clock::now();
+    launch();
+    try {
+      comm.synchronize(stream);
+      ADD_FAILURE() << "rank " << rank << ": no time-out although rank " << missing
+                    << " never joined";
+    } catch (const Error& e) {
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const std::string msg = e.what();
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << msg;
+      EXPECT_NE(msg.find("for rank " + std::to_string(missing)), std::string::npos) << msg;
+      if (!signal.empty()) EXPECT_NE(msg.find(signal), std::string::npos) << msg;
+      EXPECT_LT(seconds, comm.timeout_seconds() + 5.0) << "time-out came too late";
+    }
+  }
   comm.bootstrap().barrier();
 }
 

@@ -3,13 +3,14 @@
 // rebuilds all ranks' inputs from the shared seed, concatenates them along K, and checks its
 // output rows against the fp64 product by the tolerance rule (within twice the error of cuBLAS on
 // the concatenated operands, i.e. NCCL-free "GEMM then reduce" in fp32). Fresh random data,
-// poisoned outputs, shards not a multiple of the 128-row tile, the workspace left zero after
-// every call, CUDA-graph replay with new inputs, the time limit, and argument errors.
+// poisoned outputs, shards not a multiple of the 128-row tile, the workspace left zero (3+ ranks)
+// after every call, CUDA-graph replay with new inputs, the time limit, and argument errors.
 #include <chrono>
 
 #include "collective_checks.h"
 #include "gemm_reference.h"
 #include "mkernel/fused.h"
+#include "reduce_checks.h"
 
 namespace mk::test {
 namespace {
@@ -19,68 +20,6 @@ struct RsCase {
   BLayout layout;
   int block_n;  // 0 = heuristic
 };
-
-uint64_t rank_seed(uint64_t seed, int rank, int which) {
-  return seed * 1000003u + 17 * rank + which;
-}
-
-// The problem on every rank's device: each rank's A_s, B_s and their concatenations along K.
-struct RsProblem {
-  int world;
-  int64_t m, n, k_local, k;
-  bool kn;
-  void* a_mine = nullptr;  // A_r [M, K_r]
-  void* b_mine = nullptr;  // B_r
-  void* a_cat = nullptr;   // [M, K]
-  void* b_cat = nullptr;   // [N, K] or [K, N]
-  void* scratch = nullptr;
-
-  RsProblem(int world_, int64_t shard, int64_t n_, int64_t k_local_, bool kn_)
-      : world(world_), m(shard * world_), n(n_), k_local(k_local_), k(k_local_ * world_), kn(kn_) {
-    cudaMalloc(&a_mine, m * k_local * 2);
-    cudaMalloc(&b_mine, n * k_local * 2);
-    cudaMalloc(&a_cat, m * k * 2);
-    cudaMalloc(&b_cat, n * k * 2);
-    cudaMalloc(&scratch, std::max(m * k_local, n * k_local) * 2);
-  }
-  ~RsProblem() {
-    for (void* p : {a_mine, b_mine, a_cat, b_cat, scratch}) cudaFree(p);
-  }
-
-  // Fills every rank's A from `seed` and B from `b_seed`, keeps this rank's, and builds the
-  // concatenations.
-  void fill(uint64_t seed, int rank, cudaStream_t s) { fill(seed, seed, rank, s); }
-  void fill(uint64_t seed, uint64_t b_seed, int rank, cudaStream_t s) {
-    for (int src = 0; src < world; ++src) {
-      fill_random_bf16(scratch, m * k_local, rank_seed(seed, src, 0), s);
-      if (src == rank) cudaMemcpyAsync(a_mine, scratch, m * k_local * 2, cudaMemcpyDefault, s);
-      cudaMemcpy2DAsync(static_cast<char*>(a_cat) + src * k_local * 2, k * 2, scratch, k_local * 2,
-                        k_local * 2, m, cudaMemcpyDefault, s);
-      fill_random_bf16(scratch, n * k_local, rank_seed(b_seed, src, 1), s);
-      if (src == rank) cudaMemcpyAsync(b_mine, scratch, n * k_local * 2, cudaMemcpyDefault, s);
-      if (kn) {  // [K_r, N] blocks stacked along K
-        cudaMemcpyAsync(static_cast<char*>(b_cat) + src * k_local * n * 2, scratch, k_local * n * 2,
-                        cudaMemcpyDefault, s);
-      } else {  // [N, K_r] blocks side by side
-        cudaMemcpy2DAsync(static_cast<char*>(b_cat) + src * k_local * 2, k * 2, scratch,
-                          k_local * 2, k_local * 2, n, cudaMemcpyDefault, s);
-      }
-    }
-  }
-};
-
-// Rows [rank * S, (rank + 1) * S) of A_cat @ op(B_cat): our output against the fp64 product,
-// within twice cuBLAS's error on the same operands.
-void expect_rows_close(const RsProblem& p, int rank, const void* out, cublasHandle_t blas,
-                       void* c_blas, uint64_t seed, cudaStream_t stream, const std::string& what) {
-  const int64_t shard = p.m / p.world;
-  cublas_gemm(blas, p.a_cat, p.b_cat, c_blas, p.m, p.n, p.k, p.kn);
-  const SampledErrors err = sampled_errors(out, static_cast<char*>(c_blas) + rank * shard * p.n * 2,
-                                           static_cast<char*>(p.a_cat) + rank * shard * p.k * 2,
-                                           p.b_cat, shard, p.n, p.k, p.kn, seed, stream);
-  EXPECT_LE(err.ours, 2 * err.cublas + 1e-6)
-      << what << ": error " << err.ours << ", cuBLAS error " << err.cublas;
-}
 
 void expect_gemm_rs(Communicator& comm, const RsCase& c, uint64_t seed,
                     FusedGemmConfig config = {}) {
@@ -93,7 +32,7 @@ void expect_gemm_rs(Communicator& comm, const RsCase& c, uint64_t seed,
   SCOPED_TRACE(what);
   config.block_n = c.block_n;
   const bool kn = c.layout == BLayout::kKN;
-  RsProblem p(world, c.shard_rows, c.n, c.k_local, kn);
+  RsProblem p(world, c.shard_rows * world, c.n, c.k_local, kn);
   const std::size_t ws_bytes = gemm_rs_workspace_bytes(p.m, p.n, world);
   SymmetricBuffer ws = comm.alloc(std::max<std::size_t>(ws_bytes, 16));
   cudaStream_t stream;
@@ -118,8 +57,9 @@ void expect_gemm_rs(Communicator& comm, const RsCase& c, uint64_t seed,
     const std::string call_what = what + ", call " + std::to_string(call);
     EXPECT_EQ(count_nans_bf16(out, c.shard_rows * c.n, stream), 0u)
         << call_what << ": output elements unwritten (or NaN)";
-    expect_rows_close(p, rank, out, blas, c_blas, seed + call, stream, call_what);
-    if (ws_bytes > 0) {
+    expect_rows_close(p, rank * c.shard_rows, c.shard_rows, out, blas, c_blas, seed + call, stream,
+                      call_what);
+    if (ws_bytes > 0 && world > 2) {  // peers add into it: it must be zero for the next call
       EXPECT_EQ(count_different_bytes16(ws.data(), zeros, ws_bytes, stream), 0u)
           << call_what << ": the workspace was not left zero";
     }
@@ -181,7 +121,7 @@ void expect_gemm_rs_graph(Communicator& comm, int replays) {
   const int world = comm.world_size(), rank = comm.rank();
   const int64_t shard = 136, n = 256, k_local = 64;
   const uint64_t seed = shared_seed(comm);
-  RsProblem p(world, shard, n, k_local, false);
+  RsProblem p(world, shard * world, n, k_local, false);
   SymmetricBuffer ws =
       comm.alloc(std::max<std::size_t>(gemm_rs_workspace_bytes(p.m, n, world), 16));
   cudaStream_t stream;
@@ -215,8 +155,8 @@ void expect_gemm_rs_graph(Communicator& comm, int replays) {
   comm.synchronize(stream);
   for (int i = 0; i < replays; ++i) {
     p.fill(a_seeds[i], seed, rank, stream);  // replay i's A, the B the graph used
-    expect_rows_close(p, rank, static_cast<char*>(history) + i * shard * n * 2, blas, c_blas,
-                      seed + i, stream, "replay " + std::to_string(i));
+    expect_rows_close(p, rank * shard, shard, static_cast<char*>(history) + i * shard * n * 2, blas,
+                      c_blas, seed + i, stream, "replay " + std::to_string(i));
   }
   comm.bootstrap().barrier();
   cublasDestroy(blas);
@@ -238,7 +178,7 @@ TEST(LaunchedGemmRs, GraphReplays100Times) {
 }
 
 void expect_gemm_rs_timeout(Communicator& comm) {
-  const int world = comm.world_size(), rank = comm.rank(), missing = world - 1;
+  const int world = comm.world_size();
   const int64_t shard = 256, m = shard * world, n = 256, k = 256;
   SymmetricBuffer ws = comm.alloc(gemm_rs_workspace_bytes(m, n, world));
   cudaStream_t stream;
@@ -251,24 +191,8 @@ void expect_gemm_rs_timeout(Communicator& comm) {
   fill_random_bf16(b, n * k, 2, stream);
   MKT_CUDA(cudaMemsetAsync(ws.data(), 0, ws.size(), stream));
   ready(comm, stream);
-  if (rank != missing) {
-    const auto start = std::chrono::steady_clock::now();
-    gemm_rs(comm, a, b, out, m, n, k, BLayout::kNK, ws.data(), stream);
-    try {
-      comm.synchronize(stream);
-      ADD_FAILURE() << "rank " << rank << ": no time-out although rank " << missing
-                    << " never joined";
-    } catch (const Error& e) {
-      const double seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
-      EXPECT_NE(std::string(e.what()).find("for rank " + std::to_string(missing)),
-                std::string::npos)
-          << e.what();
-      EXPECT_LT(seconds, comm.timeout_seconds() + 5.0) << "time-out came too late";
-    }
-  }
-  comm.bootstrap().barrier();
+  expect_missing_rank_times_out(
+      comm, stream, [&] { gemm_rs(comm, a, b, out, m, n, k, BLayout::kNK, ws.data(), stream); });
   for (void* q : {a, b, out}) cudaFree(q);
   cudaStreamDestroy(stream);
 }

@@ -103,3 +103,41 @@ def test_errors_before_launch():
         mkernel.gemm(a, b, "xx")
     with pytest.raises(mkernel.MkernelError, match="multiple of 8"):
         mkernel.gemm(a[:, :60].contiguous(), b[:, :60].contiguous())
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_grouped_gemm_matches_per_group(layout):
+    g = torch.Generator(device="cuda").manual_seed(torch.seed() % (1 << 31))
+    counts = [0, 1, 127, 128, 129, 300, 0, 45]
+    n, k = 264, 136
+    rows = sum(counts) + 17
+    a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    shape = (len(counts), n, k) if layout == "nk" else (len(counts), k, n)
+    b = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    group_rows = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    out = mkernel.grouped_gemm(a, b, group_rows, layout)
+    assert out.shape == (rows, n)
+    start = 0
+    for i, m in enumerate(counts):
+        if m == 0:
+            continue
+        a_g = a[start:start + m]
+        exact = _reference(a_g, b[i], layout)
+        err = (out[start:start + m].double() - exact).abs().max().item()
+        theirs = a_g @ (b[i].t() if layout == "nk" else b[i])
+        err_torch = (theirs.double() - exact).abs().max().item()
+        assert err <= 2 * err_torch + 1e-6, f"group {i}: error {err}, torch {err_torch}"
+        start += m
+
+
+def test_grouped_gemm_compile_and_errors():
+    a = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(3, 128, 64, device="cuda", dtype=torch.bfloat16)
+    group_rows = torch.tensor([100, 0, 200], dtype=torch.int32, device="cuda")
+    compiled = torch.compile(lambda x, w, r: mkernel.grouped_gemm(x, w, r) + 1, fullgraph=True)
+    want = mkernel.grouped_gemm(a, b, group_rows) + 1
+    torch.testing.assert_close(compiled(a, b, group_rows), want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="int32"):
+        mkernel.grouped_gemm(a, b, group_rows.long())
+    with pytest.raises(ValueError, match="groups, group_rows has 2"):
+        mkernel.grouped_gemm(a, b, group_rows[:2])

@@ -377,7 +377,59 @@ def _gemm_rs(rank, world, seed, use_nccl):
     dist.barrier()
 
 
+def _gemm_ar(rank, world, seed, use_nccl):
+    """mkernel.gemm_ar: the whole sum on every rank, within twice cuBLAS's error of the fp64
+    product of the K-concatenated operands, bitwise equal on all ranks; then a CUDA graph."""
+    comm = mkernel.init()
+    dev = torch.device("cuda", comm.device)
+    cases = [(1, 8, 8, "nk"), (7, 264, 136, "nk"), (128, 1024, 512, "kn"), (1000, 520, 256, "nk")]
+    for case, (m, n, kl, layout) in enumerate(cases):
+        what = f"gemm_ar case {case} (M {m}, N {n}, K_r {kl}, {layout}), rank {rank}"
+        a_all = [_inputs(seed, 500 + case, r, (m, kl), torch.bfloat16) for r in range(world)]
+        b_shape = (n, kl) if layout == "nk" else (kl, n)
+        b_all = [_inputs(seed, 600 + case, r, b_shape, torch.bfloat16) for r in range(world)]
+        out = comm.alloc_tensor((m, n), torch.bfloat16)
+        out.fill_(float("nan"))
+        mkernel.gemm_ar(a_all[rank].to(dev), b_all[rank].to(dev), comm, out, b_layout=layout)
+        a_cat = torch.cat(a_all, dim=1).to(dev)
+        b_cat = torch.cat(b_all, dim=1 if layout == "nk" else 0).to(dev)
+        bt = b_cat.T if layout == "nk" else b_cat
+        exact = a_cat.double() @ bt.double()
+        err = (out.double() - exact).abs().max().item()
+        err_blas = ((a_cat @ bt).double() - exact).abs().max().item()
+        assert err <= 2 * err_blas + 1e-6, f"{what}: error {err}, cuBLAS {err_blas}"
+        _assert_same_on_all_ranks(out, what)
+
+    m, n, kl = 200, 256, 64
+    b = _inputs(seed, 700, rank, (n, kl), torch.bfloat16).to(dev)
+    b_cat = torch.cat([_inputs(seed, 700, r, (n, kl), torch.bfloat16) for r in range(world)],
+                      dim=1).to(dev)
+    a_static = _inputs(seed, 701, rank, (m, kl), torch.bfloat16).to(dev)
+    out = comm.alloc_tensor((m, n), torch.bfloat16)
+    mkernel.gemm_ar(a_static, b, comm, out)  # allocates the workspace before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mkernel.gemm_ar(a_static, b, comm, out)
+    for replay in range(5):
+        a_all = [_inputs(seed, 800 + replay, r, (m, kl), torch.bfloat16) for r in range(world)]
+        a_static.copy_(a_all[rank])
+        graph.replay()
+        a_cat = torch.cat(a_all, dim=1).to(dev)
+        exact = a_cat.double() @ b_cat.T.double()
+        err = (out.double() - exact).abs().max().item()
+        err_blas = ((a_cat @ b_cat.T).double() - exact).abs().max().item()
+        assert err <= 2 * err_blas + 1e-6, f"graph replay {replay}: error {err}, cuBLAS {err_blas}"
+        _assert_same_on_all_ranks(out, f"graph replay {replay}")
+    comm.synchronize()
+    dist.barrier()
+
+
 # ---- tests ------------------------------------------------------------------------------------
+
+def test_gemm_ar_matches_references():
+    _spawn(_gemm_ar)
+
 
 def test_gemm_rs_matches_references():
     _spawn(_gemm_rs)

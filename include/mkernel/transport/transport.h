@@ -29,6 +29,7 @@
 #include "mkernel/device_comm.h"
 #include "mkernel/error.h"
 #include "mkernel/transport/command.h"
+#include "mkernel/transport/ring.h"
 
 namespace mk::transport {
 
@@ -66,20 +67,26 @@ class SignalSink {
 // a word; load() reads with acquire.
 class HostSignalPad final : public SignalSink {
  public:
-  HostSignalPad(uint32_t world_size, uint32_t num_signals);
+  // `memory` holds the words (default: the host heap). Give it pinned, device-mapped memory
+  // (cudaHostAlloc with cudaHostAllocMapped) and kernels can poll arrivals with system-scope
+  // acquire loads at words().
+  HostSignalPad(uint32_t world_size, uint32_t num_signals, RingAllocator memory = {});
   ~HostSignalPad() override;
+  HostSignalPad(const HostSignalPad&) = delete;
+  HostSignalPad& operator=(const HostSignalPad&) = delete;
   void raise(uint32_t src_rank, uint32_t signal, uint64_t value) override;
   uint64_t load(uint32_t src_rank, uint32_t signal) const;
   // Waits until word (signal, src) >= value (wrap-safe). Calls `poll` about every millisecond
   // (it may throw, e.g. Transport::check()). False when `timeout_seconds` passed first.
   bool wait(uint32_t src_rank, uint32_t signal, uint64_t value, double timeout_seconds,
             const std::function<void()>& poll = {}) const;
-  uint64_t* words() { return words_.get(); }
+  uint64_t* words() { return words_; }  // [num_signals][world_size]
 
  private:
   uint32_t world_size_;
   uint32_t num_signals_;
-  std::unique_ptr<uint64_t[]> words_;
+  RingAllocator memory_;
+  uint64_t* words_;
 };
 
 // Copies between host staging and a kDevice buffer (the GPU path passes cudaMemcpy).

@@ -1,0 +1,165 @@
+// Host side of GEMM + AllReduce: validate -> plan -> tensor maps -> launch.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "fused/fused_common.h"
+#include "fused/gemm_ar.cuh"
+#include "gemm/gemm_internal.h"
+#include "gemm/launch.cuh"
+#include "mkernel/error.h"
+#include "mkernel/fused.h"
+#include "runtime/device_guard.h"
+#include "runtime/validate.h"
+
+namespace mk {
+namespace {
+
+constexpr const char* kOp = "gemm_ar";
+
+[[noreturn]] void invalid(const std::string& what) {
+  throw Error(ErrorCode::kInvalidArgument, std::string(kOp) + ": " + what);
+}
+
+// Columns (elements) owned by rank o: column tiles [o * T / w, (o + 1) * T / w), T = tiles_n.
+int64_t owned_cols(int owner, int world, int64_t tiles_n, int block_n, int64_t n) {
+  const int64_t first = owner * tiles_n / world, last = (owner + 1) * tiles_n / world;
+  return std::min(last * block_n, n) - first * block_n;
+}
+
+FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
+                   const FusedGemmConfig& config) {
+  const int world = comm.world_size();
+  if (m < 1) invalid("M = " + std::to_string(m) + "; expected M >= 1");
+  gemm_engine::require_multiple_of_8(n, kOp, "N");
+  gemm_engine::require_multiple_of_8(k, kOp, "K_r");
+  if (m >= (int64_t{1} << 31) || n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31)) {
+    invalid("M, N and K_r must each be < 2^31");
+  }
+  if (comm.topology().local_size > fused::kMaxLocalRanks) {
+    invalid("at most " + std::to_string(fused::kMaxLocalRanks) + " ranks per node are supported");
+  }
+  if (config.comm_ctas < 0 || config.piece_rows < 0) invalid("negative comm_ctas or piece_rows");
+  FusedGemmPlan p{};
+  p.shard_rows = m;  // every rank computes all rows (of the columns it does not own first)
+  const int64_t tiles_m = (m + 127) / 128;
+  const int budget = fused::sm_budget(comm, config.sms, kOp);
+  // The accumulator (gemm_ar.cuh, slice_at): M x (the most columns a rank owns) in bf16-sized
+  // words with two ranks, in fp32 with more. Prefer the engine's tile width; else the widest
+  // one that keeps it within the sequential [M, N] bf16 intermediate (one exists for N >= 128).
+  const int64_t word_bytes = world == 2 ? 2 : 4;
+  auto max_owned = [&](int block_n) {
+    const int64_t tiles_n = (n + block_n - 1) / block_n;
+    int64_t cols = 0;
+    for (int o = 0; o < world; ++o)
+      cols = std::max(cols, owned_cols(o, world, tiles_n, block_n, n));
+    return cols;
+  };
+  p.block_n = gemm_engine::pick_block_n(config.block_n, m, n, budget, kOp);
+  if (world > 2 && config.block_n == 0 && std::getenv("MKERNEL_GEMM_BLOCK_N") == nullptr &&
+      max_owned(p.block_n) * word_bytes > 2 * n) {
+    for (int w : {256, 192, 128, 64}) {
+      if (max_owned(w) * word_bytes <= 2 * n) {
+        p.block_n = w;
+        break;
+      }
+    }
+  }
+  const int64_t tiles_n = (n + p.block_n - 1) / p.block_n;
+  int64_t max_col_tiles = 0;
+  for (int o = 0; o < world; ++o) {
+    max_col_tiles = std::max(max_col_tiles, (o + 1) * tiles_n / world - o * tiles_n / world);
+  }
+  if (2 * tiles_m * max_col_tiles > kMaxOpSignals) {
+    invalid(std::to_string(tiles_m * max_col_tiles) + " tiles of 128 x " +
+            std::to_string(p.block_n) + " per rank; at most " + std::to_string(kMaxOpSignals / 2) +
+            " are supported (use a wider block_n or fewer rows per call)");
+  }
+  p.ctas = static_cast<int>(std::min<int64_t>(tiles_m * tiles_n, budget));
+  p.comm_ctas = 0;  // the consumers' epilogues move the data
+  p.piece_rows = 0;
+  p.pieces = 0;
+  p.workspace_bytes =
+      world == 1 ? 0 : static_cast<std::size_t>(m * max_owned(p.block_n) * word_bytes);
+  return p;
+}
+
+template <int kBlockN, bool kTransB>
+void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, const void* b,
+            void* out, int64_t m, int64_t n, int64_t k, const SymmetricRange& out_range,
+            const SymmetricRange& ws, cudaStream_t stream) {
+  const Topology& topo = comm.topology();
+  fused::GemmArFusion<kBlockN> f{};
+  f.a = gemm_engine::make_map(a, m, k, 128);
+  f.out = gemm_engine::make_map(out, m, n, 64);
+  for (int i = 0; i < topo.local_size; ++i) {
+    f.out_peers[i] = reinterpret_cast<__nv_bfloat16*>(out_range.host_peers[i] + out_range.offset);
+    f.accum_peers[i] = reinterpret_cast<float*>(ws.host_peers[i] + ws.offset);
+  }
+  f.comm = comm.device_comm();
+  f.m = static_cast<int>(m);
+  f.n = static_cast<int>(n);
+  f.tiles_m = static_cast<int>((m + 127) / 128);
+  f.tiles_n = static_cast<int>((n + kBlockN - 1) / kBlockN);
+  f.single_peer = topo.world_size == 2;
+  gemm_engine::launch<kBlockN, kTransB>(f, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k,
+                                        p.ctas, stream, kOp);
+}
+
+}  // namespace
+
+std::size_t gemm_ar_workspace_bytes(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
+                                    const FusedGemmConfig& config) {
+  return plan(comm, m, n, k_local, config).workspace_bytes;
+}
+
+FusedGemmPlan gemm_ar_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
+                           const FusedGemmConfig& config) {
+  return plan(comm, m, n, k_local, config);
+}
+
+void gemm_ar(Communicator& comm, const void* a, const void* b, void* out, int64_t m, int64_t n,
+             int64_t k, BLayout b_layout, void* workspace, cudaStream_t stream,
+             const FusedGemmConfig& config) {
+  detail::DeviceGuard guard(comm.device());
+  detail::require_usable(comm, kOp);
+  detail::require_single_node(comm, kOp);
+  detail::require_stream(comm, stream, kOp);
+  if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) invalid("unknown B layout");
+  const FusedGemmPlan p = plan(comm, m, n, k, config);
+  detail::require_device_pointer(comm, a, 16, kOp, "A");
+  detail::require_device_pointer(comm, b, 16, kOp, "B");
+  detail::require_device_pointer(comm, out, 16, kOp, "out");
+  const std::size_t out_bytes = static_cast<std::size_t>(m) * n * 2;
+  if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr && comm.rank() == 0) {
+    std::fprintf(stderr, "[mkernel] gemm_ar %lldx%lldx%lld: %s\n", static_cast<long long>(m),
+                 static_cast<long long>(n), static_cast<long long>(k), p.describe().c_str());
+  }
+  if (comm.world_size() == 1) {  // nothing to reduce: the GEMM alone
+    GemmConfig plain;
+    plain.block_n = p.block_n;
+    plain.sms = p.ctas;
+    gemm(a, b, out, m, n, k, b_layout, stream, plain);
+    return;
+  }
+  const SymmetricRange out_range = detail::require_symmetric(comm, out, out_bytes, kOp, "out");
+  detail::require_device_pointer(comm, workspace, 16, kOp, "workspace");
+  const SymmetricRange ws =
+      detail::require_symmetric(comm, workspace, p.workspace_bytes, kOp, "workspace");
+  if (ws.offset % 16 != 0 || out_range.offset % 16 != 0) {
+    invalid("out and workspace must be 16-byte aligned inside their symmetric buffers");
+  }
+  if (detail::overlaps(out, out_bytes, workspace, p.workspace_bytes)) {
+    invalid("out overlaps the workspace");
+  }
+  gemm_engine::dispatch(p.block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
+    launch<kBlockN, kTransB>(comm, p, a, b, out, m, n, k, out_range, ws, stream);
+  });
+}
+
+namespace detail {
+void preload_gemm_ar_kernels() { gemm_engine::preload_all<fused::GemmArFusion>(); }
+}  // namespace detail
+
+}  // namespace mk

@@ -1,0 +1,219 @@
+// GEMM + AllReduce as a Fusion policy of the GEMM engine (src/gemm/gemm_kernel.cuh).
+//
+// Every rank holds A_r [M, K_r] and B_r; every rank ends with C = sum_r A_r B_r^T, [M, N] bf16,
+// bitwise identical everywhere. The output's tile columns are split among the ranks: rank o owns
+// column tiles [first(o), first(o + 1)) for all M rows, so each rank reads its B once and any M
+// (1 included) spreads the reduction over all ranks. Rank r computes the tiles the others own
+// first, in the order r + 1, r + 2, ..., and its own last:
+//   - a tile owned by o != r: its fp32 slice goes to o's accumulator (plain stores with two
+//     ranks, red.add otherwise; partials.cuh), then o's op signal (deferred to the next epilogue);
+//   - a tile r owns: wait for the peers' signals of the slice, add the accumulated sums, zero
+//     them, round to bf16 once, store into C here (TMA) and into every peer's C (coalesced
+//     16-byte stores over NVLink): one owner rounds each element, so all ranks get the same bits.
+// C must be symmetric memory (peers write into it); the workspace is this rank's accumulator
+// (slice_at): M x (its columns) bf16-sized with two ranks, fp32 with more - at most the sequential
+// [M, N] bf16 intermediate whenever a tile width allows it (N >= 128; the plan picks one). Reuse: a
+// peer writes into o's accumulator or C only after o entered the launch. Before a CTA ends it meets
+// the same CTA of every rank (exit barrier): when a rank's kernel is done, every push into its C
+// has landed.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "fused/gemm_rs.cuh"  // kMaxLocalRanks
+#include "fused/partials.cuh"
+#include "gemm/gemm_kernel.cuh"
+#include "mkernel/device/launch.cuh"
+#include "mkernel/device_comm.h"
+
+namespace mk::fused {
+
+template <int kBlockN>
+struct GemmArFusion {
+  CUtensorMap a;                             // A_r [M, K_r], boxes 128 x 64
+  CUtensorMap out;                           // this rank's C [M, N] bf16, boxes 64 x 64
+  __nv_bfloat16* out_peers[kMaxLocalRanks];  // each local rank's C, mapped here
+  float* accum_peers[kMaxLocalRanks];        // each local rank's accumulator, mapped here
+  DeviceComm comm;
+  int m;
+  int n;
+  int tiles_m;
+  int tiles_n;
+  bool single_peer;  // two ranks: partials are stored (one per slice), not added
+
+  __device__ int first_col_tile(int owner) const { return owner * tiles_n / comm.world_size; }
+  __device__ int owned_cols(int owner) const {  // in elements
+    return min(first_col_tile(owner + 1) * kBlockN, n) - first_col_tile(owner) * kBlockN;
+  }
+
+  __device__ int num_tiles() const { return tiles_m * tiles_n; }
+
+  __device__ gemm_engine::Tile tile(int t) const {
+    const int world = comm.world_size;
+    int owner = comm.rank;
+    for (int q = 1; q <= world; ++q) {  // owners r + 1, ..., r - 1, then r
+      owner = (comm.rank + q) % world;
+      const int count = tiles_m * (first_col_tile(owner + 1) - first_col_tile(owner));
+      if (t < count) break;
+      t -= count;
+    }
+    gemm_engine::Tile tile{0, 0, owner};
+    const int cols = first_col_tile(owner + 1) - first_col_tile(owner);
+    gemm_engine::GroupedRaster{tiles_m, cols}.tile(t, tile.m, tile.n);
+    tile.n += first_col_tile(owner);
+    return tile;
+  }
+
+  __device__ void wait_operands(const gemm_engine::Tile&) const {}
+
+  __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
+    dev::tma_load_2d(dst, &a, bar, k0, tile.m * 128);
+  }
+
+  // The accumulator of owner o, slice by slice. Three or more ranks: fp32 in o's workspace, bands
+  // of 64 rows (the last may be shorter) of its columns, each band its tiles' slices one after the
+  // other, each slice [h][w] row-major. Two ranks (one partial per slice, stored): the slice's
+  // first w / 2 columns as fp32 in o's C, over the slice's own bf16 footprint there (o overwrites
+  // it with the result after reading it), the rest in the workspace, laid out as above with
+  // half-width slices - so the workspace is M x (o's columns) bf16-sized, never more than the
+  // sequential [M, N] bf16 intermediate.
+  struct SliceAt {
+    float* c_part;   // row 0 of the slice's columns [0, split) in C (fp32 view), or null
+    int c_stride;    // fp32 words per row of C (N / 2)
+    float* ws_part;  // row 0 of the slice's columns [split, w) in the workspace
+    int ws_width;
+    int split;
+    __device__ float* operator()(int r, int c) const {
+      return c < split ? c_part + static_cast<int64_t>(r) * c_stride + c
+                       : ws_part + r * ws_width + (c - split);
+    }
+  };
+  __device__ SliceAt slice_at(const gemm_engine::Tile& tile, int consumer) const {
+    const int owner = tile.shard;  // one node: global rank = local rank
+    const int row0 = tile.m * 128 + consumer * 64;
+    const int h = min(64, m - row0), width = slice_width(tile);
+    const int64_t offset = static_cast<int64_t>(row0) * owned_cols(owner) +
+                           static_cast<int64_t>(h) * (tile.n - first_col_tile(owner)) * kBlockN;
+    SliceAt at{};
+    at.split = single_peer ? width / 2 : 0;
+    at.ws_width = width - at.split;
+    at.ws_part = accum_peers[owner] + (single_peer ? offset / 2 : offset);
+    at.c_stride = n / 2;
+    at.c_part = reinterpret_cast<float*>(out_peers[owner] + static_cast<int64_t>(row0) * n +
+                                         tile.n * kBlockN);
+    return at;
+  }
+  __device__ int slice_width(const gemm_engine::Tile& tile) const {
+    return min(kBlockN, n - tile.n * kBlockN);
+  }
+  __device__ uint32_t slot(const gemm_engine::Tile& tile, int consumer) const {
+    const int cols = first_col_tile(tile.shard + 1) - first_col_tile(tile.shard);
+    const int index = tile.m * cols + (tile.n - first_col_tile(tile.shard));
+    return dev::signal_index(SignalId::kOp, 2 * index + consumer);
+  }
+
+  struct ConsumerState {
+    int owner = -1;  // a partial whose signal is still owed, or -1
+    uint32_t signal = 0;
+    uint32_t entered = 0;  // bit p: rank p is known to have entered this launch
+  };
+
+  // Thread 0: peer p may be written to (its previous launch is over).
+  __device__ void ensure_entered(ConsumerState& state, int peer, const dev::Launch& launch) const {
+    if (state.entered & (1u << peer)) return;
+    launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1);
+    state.entered |= 1u << peer;
+  }
+
+  template <int kRegs>
+  __device__ void store(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
+                        uint8_t* scratch, ConsumerState& state) const {
+    const dev::Launch launch = dev::Launch::begin(comm);
+    const int t = threadIdx.x % 128;
+    if (t == 0) flush(state, launch);
+    const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
+    if (row0 >= m) return;  // the slice lies below C (the last tile-row is partial)
+    const int rows = min(64, m - row0), width = slice_width(tile);
+    const int owner = tile.shard;  // one node: global rank = local rank
+    if (owner != comm.rank) {
+      if (t == 0) ensure_entered(state, owner, launch);
+      send_slice(acc, consumer, scratch, slice_at(tile, consumer), rows, width, !single_peer);
+      if (t == 0) {
+        state.owner = owner;
+        state.signal = slot(tile, consumer);
+      }
+      return;
+    }
+    // Own slice: the peers' sums, one rounding, then C here and in every peer.
+    if (t == 0) {
+      const uint32_t signal = slot(tile, consumer);
+      for (int src = 0; src < comm.world_size; ++src) {
+        if (src == comm.rank) continue;
+        if (!dev::reached(dev::ld_relaxed_sys(comm.signals + signal * comm.world_size + src),
+                          dev::signal_value(launch.epoch, 1))) {
+          if (!launch.wait(src, signal, 1)) break;  // time-out recorded: finish with what is there
+        }
+      }
+      dev::fence_acq_rel_sys();
+      for (int p = 0; p < comm.local_size; ++p) {
+        if (p != comm.local_rank) ensure_entered(state, p, launch);
+      }
+    }
+    dev::named_barrier_sync(1 + consumer, 128);
+    // Every thread has read its words of the slice (in C too) before store_slice's first barrier;
+    // the result overwrites them only after it.
+    add_and_clear(acc, slice_at(tile, consumer), rows, width, !single_peer);
+    const int my_row = t / 2, my_half = t % 2;  // the half row this thread pushes to the peers
+    gemm_engine::store_slice(
+        acc, col0, n, consumer, scratch,
+        [&](const uint8_t* buf, int j) { dev::tma_store_2d(&out, buf, col0 + 64 * j, row0); },
+        [&](const uint8_t* buf, int j) {
+          // Every thread: its 64 bytes of the packed 64 x 64 bf16 chunk, to every peer's C.
+          const int col = col0 + 64 * j + 32 * my_half;
+          if (my_row >= rows || col >= n) return;
+          const int64_t offset = static_cast<int64_t>(row0 + my_row) * n + col;
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            if (col + 8 * u >= n) break;
+            const int unit = 4 * my_half + u;  // 16-byte unit of the 128-byte row
+            const uint4 v =
+                *reinterpret_cast<const uint4*>(buf + my_row * 128 + ((unit ^ (my_row % 8)) * 16));
+            for (int p = 0; p < comm.local_size; ++p) {
+              if (p != comm.local_rank)
+                *reinterpret_cast<uint4*>(out_peers[p] + offset + 8 * u) = v;
+            }
+          }
+        });
+  }
+
+  __device__ void flush(ConsumerState& state, const dev::Launch& launch) const {
+    if (state.owner < 0) return;
+    dev::fence_acq_rel_sys();  // after the warpgroup's writes (send_slice ends with a barrier)
+    launch.signal(state.owner, state.signal, 1);
+    state.owner = -1;
+  }
+
+  __device__ void consumer_done(ConsumerState& state) const {
+    if (threadIdx.x % 128 == 0) flush(state, dev::Launch::begin(comm));
+  }
+
+  // Producer warps 1..3 of CTA 0: announce this launch to the peers.
+  __device__ void side_task(int thread, int threads) const {
+    if (blockIdx.x != 0) return;
+    const dev::Launch launch = dev::Launch::begin(comm);
+    for (int peer = thread; peer < comm.local_size; peer += threads) {
+      if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
+    }
+  }
+
+  // Every thread: meet the same CTA of every rank (all pushes into C have landed), then end.
+  __device__ void finish() const {
+    const dev::Launch launch = dev::Launch::begin(comm);
+    launch.channel_barrier(SignalId::kExit, blockIdx.x, 1);
+    launch.end();
+  }
+};
+
+}  // namespace mk::fused

@@ -1,0 +1,77 @@
+// The problem every rank of a reducing fused GEMM test (gemm_rs, gemm_ar) builds: each rank's
+// A_r [M, K_r] and B_r from a shared seed, and their concatenations along K, whose product is the
+// sum over ranks; plus the check of output rows against it (fp64, tolerance rule).
+#pragma once
+
+#include <algorithm>
+#include <string>
+
+#include "gemm_reference.h"
+#include "gpu_test_util.h"
+
+namespace mk::test {
+
+inline uint64_t rank_seed(uint64_t seed, int rank, int which) {
+  return seed * 1000003u + 17 * rank + which;
+}
+
+// The problem on every rank's device: each rank's A_s, B_s and their concatenations along K.
+struct RsProblem {  // (named for reduce-scatter; gemm_ar uses it too)
+  int world;
+  int64_t m, n, k_local, k;
+  bool kn;
+  void* a_mine = nullptr;  // A_r [M, K_r]
+  void* b_mine = nullptr;  // B_r
+  void* a_cat = nullptr;   // [M, K]
+  void* b_cat = nullptr;   // [N, K] or [K, N]
+  void* scratch = nullptr;
+
+  // m_: all rows (the sum's); k_local_: each rank's slice of K.
+  RsProblem(int world_, int64_t m_, int64_t n_, int64_t k_local_, bool kn_)
+      : world(world_), m(m_), n(n_), k_local(k_local_), k(k_local_ * world_), kn(kn_) {
+    cudaMalloc(&a_mine, m * k_local * 2);
+    cudaMalloc(&b_mine, n * k_local * 2);
+    cudaMalloc(&a_cat, m * k * 2);
+    cudaMalloc(&b_cat, n * k * 2);
+    cudaMalloc(&scratch, std::max(m * k_local, n * k_local) * 2);
+  }
+  ~RsProblem() {
+    for (void* p : {a_mine, b_mine, a_cat, b_cat, scratch}) cudaFree(p);
+  }
+
+  // Fills every rank's A from `seed` and B from `b_seed`, keeps this rank's, and builds the
+  // concatenations.
+  void fill(uint64_t seed, int rank, cudaStream_t s) { fill(seed, seed, rank, s); }
+  void fill(uint64_t seed, uint64_t b_seed, int rank, cudaStream_t s) {
+    for (int src = 0; src < world; ++src) {
+      fill_random_bf16(scratch, m * k_local, rank_seed(seed, src, 0), s);
+      if (src == rank) cudaMemcpyAsync(a_mine, scratch, m * k_local * 2, cudaMemcpyDefault, s);
+      cudaMemcpy2DAsync(static_cast<char*>(a_cat) + src * k_local * 2, k * 2, scratch, k_local * 2,
+                        k_local * 2, m, cudaMemcpyDefault, s);
+      fill_random_bf16(scratch, n * k_local, rank_seed(b_seed, src, 1), s);
+      if (src == rank) cudaMemcpyAsync(b_mine, scratch, n * k_local * 2, cudaMemcpyDefault, s);
+      if (kn) {  // [K_r, N] blocks stacked along K
+        cudaMemcpyAsync(static_cast<char*>(b_cat) + src * k_local * n * 2, scratch, k_local * n * 2,
+                        cudaMemcpyDefault, s);
+      } else {  // [N, K_r] blocks side by side
+        cudaMemcpy2DAsync(static_cast<char*>(b_cat) + src * k_local * 2, k * 2, scratch,
+                          k_local * 2, k_local * 2, n, cudaMemcpyDefault, s);
+      }
+    }
+  }
+};
+
+// Rows [first, first + rows) of A_cat @ op(B_cat) (the sum over ranks): `out` (those rows)
+// against the fp64 product, within twice cuBLAS's error on the same operands.
+inline void expect_rows_close(const RsProblem& p, int64_t first, int64_t rows, const void* out,
+                              cublasHandle_t blas, void* c_blas, uint64_t seed, cudaStream_t stream,
+                              const std::string& what) {
+  cublas_gemm(blas, p.a_cat, p.b_cat, c_blas, p.m, p.n, p.k, p.kn);
+  const SampledErrors err = sampled_errors(out, static_cast<char*>(c_blas) + first * p.n * 2,
+                                           static_cast<char*>(p.a_cat) + first * p.k * 2, p.b_cat,
+                                           rows, p.n, p.k, p.kn, seed, stream);
+  EXPECT_LE(err.ours, 2 * err.cublas + 1e-6)
+      << what << ": error " << err.ours << ", cuBLAS error " << err.cublas;
+}
+
+}  // namespace mk::test
