@@ -39,7 +39,8 @@ struct FusedGemmPlan {
   int piece_rows = 0;      // rows per signalled piece
   int pieces = 0;          // pieces per shard
   std::size_t workspace_bytes = 0;
-  std::string describe() const;  // one line
+  std::size_t staging_bytes = 0;  // of which: partials' staging slots (0: sent by the epilogue)
+  std::string describe() const;   // one line
 };
 
 // ---- AllGather + GEMM --------------------------------------------------------------------------

@@ -82,6 +82,16 @@ FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
   p.pieces = 0;
   p.workspace_bytes =
       world == 1 ? 0 : static_cast<std::size_t>(m * max_owned(p.block_n) * word_bytes);
+  // Staging slots of the outbox (partials.cuh) behind the accumulator, when they fit within the
+  // intermediate's size too; else the epilogue sends the partials itself (small M, tiny N).
+  const std::size_t staging = static_cast<std::size_t>(p.ctas) * 2 * fused::kOutboxSlots *
+                              std::min<int64_t>(64, m) * p.block_n * 4;
+  const char* outbox = std::getenv("MKERNEL_OUTBOX");  // "0": no outbox (for comparisons)
+  if (world > 1 && !(outbox != nullptr && std::string(outbox) == "0") &&
+      p.workspace_bytes + staging <= static_cast<std::size_t>(m * n * 2)) {
+    p.staging_bytes = staging;
+    p.workspace_bytes += staging;
+  }
   return p;
 }
 
@@ -103,6 +113,11 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.tiles_m = static_cast<int>((m + 127) / 128);
   f.tiles_n = static_cast<int>((n + kBlockN - 1) / kBlockN);
   f.single_peer = topo.world_size == 2;
+  f.slot_floats = std::min<int64_t>(64, m) * kBlockN;
+  f.staging = p.staging_bytes == 0
+                  ? nullptr
+                  : reinterpret_cast<float*>(ws.host_peers[topo.local_rank] + ws.offset +
+                                             (p.workspace_bytes - p.staging_bytes));
   gemm_engine::launch<kBlockN, kTransB>(f, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k,
                                         p.ctas, stream, kOp);
 }

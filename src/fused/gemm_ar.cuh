@@ -32,6 +32,7 @@ namespace mk::fused {
 
 template <int kBlockN>
 struct GemmArFusion {
+  static constexpr int kProducerRegs = 48;   // the outbox's copy loop (partials.cuh)
   CUtensorMap a;                             // A_r [M, K_r], boxes 128 x 64
   CUtensorMap out;                           // this rank's C [M, N] bf16, boxes 64 x 64
   __nv_bfloat16* out_peers[kMaxLocalRanks];  // each local rank's C, mapped here
@@ -42,6 +43,8 @@ struct GemmArFusion {
   int tiles_m;
   int tiles_n;
   bool single_peer;  // two ranks: partials are stored (one per slice), not added
+  float* staging;    // this rank's outbox slots, [CTA][consumer][slot][slot_floats]; or null
+  int64_t slot_floats;
 
   __device__ int first_col_tile(int owner) const { return owner * tiles_n / comm.world_size; }
   __device__ int owned_cols(int owner) const {  // in elements
@@ -79,24 +82,13 @@ struct GemmArFusion {
   // it with the result after reading it), the rest in the workspace, laid out as above with
   // half-width slices - so the workspace is M x (o's columns) bf16-sized, never more than the
   // sequential [M, N] bf16 intermediate.
-  struct SliceAt {
-    float* c_part;   // row 0 of the slice's columns [0, split) in C (fp32 view), or null
-    int c_stride;    // fp32 words per row of C (N / 2)
-    float* ws_part;  // row 0 of the slice's columns [split, w) in the workspace
-    int ws_width;
-    int split;
-    __device__ float* operator()(int r, int c) const {
-      return c < split ? c_part + static_cast<int64_t>(r) * c_stride + c
-                       : ws_part + r * ws_width + (c - split);
-    }
-  };
-  __device__ SliceAt slice_at(const gemm_engine::Tile& tile, int consumer) const {
+  __device__ PartialAt slice_at(const gemm_engine::Tile& tile, int consumer) const {
     const int owner = tile.shard;  // one node: global rank = local rank
     const int row0 = tile.m * 128 + consumer * 64;
     const int h = min(64, m - row0), width = slice_width(tile);
     const int64_t offset = static_cast<int64_t>(row0) * owned_cols(owner) +
                            static_cast<int64_t>(h) * (tile.n - first_col_tile(owner)) * kBlockN;
-    SliceAt at{};
+    PartialAt at{};
     at.split = single_peer ? width / 2 : 0;
     at.ws_width = width - at.split;
     at.ws_part = accum_peers[owner] + (single_peer ? offset / 2 : offset);
@@ -118,7 +110,19 @@ struct GemmArFusion {
     int owner = -1;  // a partial whose signal is still owed, or -1
     uint32_t signal = 0;
     uint32_t entered = 0;  // bit p: rank p is known to have entered this launch
+    OutboxCursor outbox;
   };
+
+  // This consumer's staging slots (the outbox), or null: partials are sent by the epilogue.
+  __device__ float* my_staging(int consumer) const {
+    return staging == nullptr ? nullptr
+                              : staging + (static_cast<int64_t>(blockIdx.x) * 2 + consumer) *
+                                              kOutboxSlots * slot_floats;
+  }
+
+  __device__ void init_shared() const {
+    if (staging != nullptr) outbox_init();
+  }
 
   // Thread 0: peer p may be written to (its previous launch is over).
   __device__ void ensure_entered(ConsumerState& state, int peer, const dev::Launch& launch) const {
@@ -134,9 +138,19 @@ struct GemmArFusion {
     const int t = threadIdx.x % 128;
     if (t == 0) flush(state, launch);
     const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
-    if (row0 >= m) return;  // the slice lies below C (the last tile-row is partial)
     const int rows = min(64, m - row0), width = slice_width(tile);
-    const int owner = tile.shard;  // one node: global rank = local rank
+    const int owner = tile.shard;                    // one node: global rank = local rank
+    if (owner != comm.rank && staging != nullptr) {  // one item per remote tile, even if empty
+      OutboxItem item{};
+      item.at = slice_at(tile, consumer);
+      item.rows = max(rows, 0);
+      item.width = width;
+      item.owner = owner;
+      item.signal = slot(tile, consumer);
+      outbox_post(acc, consumer, state.outbox, my_staging(consumer), slot_floats, item);
+      return;
+    }
+    if (row0 >= m) return;  // the slice lies below C (the last tile-row is partial)
     if (owner != comm.rank) {
       if (t == 0) ensure_entered(state, owner, launch);
       send_slice(acc, consumer, scratch, slice_at(tile, consumer), rows, width, !single_peer);
@@ -196,16 +210,31 @@ struct GemmArFusion {
   }
 
   __device__ void consumer_done(ConsumerState& state) const {
-    if (threadIdx.x % 128 == 0) flush(state, dev::Launch::begin(comm));
+    if (staging != nullptr) {
+      outbox_close(state.outbox);
+    } else if (threadIdx.x % 128 == 0) {
+      flush(state, dev::Launch::begin(comm));
+    }
   }
 
-  // Producer warps 1..3 of CTA 0: announce this launch to the peers.
+  // Producer warps 1..3: CTA 0 announces this launch to the peers; then every CTA's three
+  // warps serve its outbox.
   __device__ void side_task(int thread, int threads) const {
-    if (blockIdx.x != 0) return;
     const dev::Launch launch = dev::Launch::begin(comm);
-    for (int peer = thread; peer < comm.local_size; peer += threads) {
-      if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
+    if (blockIdx.x == 0) {
+      for (int peer = thread; peer < comm.local_size; peer += threads) {
+        if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
+      }
     }
+    if (staging == nullptr) return;
+    uint32_t entered = 0;  // thread 0's: bit p, rank p has entered this launch
+    outbox_serve(comm, staging + static_cast<int64_t>(blockIdx.x) * 2 * kOutboxSlots * slot_floats,
+                 slot_floats, !single_peer, [&](int peer) {
+                   if (entered & (1u << peer)) return true;
+                   if (!launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1)) return false;
+                   entered |= 1u << peer;
+                   return true;
+                 });
   }
 
   // Every thread: meet the same CTA of every rank (all pushes into C have landed), then end.

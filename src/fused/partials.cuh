@@ -5,6 +5,9 @@
 
 #include <cstdint>
 
+#include "mkernel/device/launch.cuh"
+#include "mkernel/device/mbarrier.cuh"
+#include "mkernel/device/sync.cuh"
 #include "mkernel/device/tma.cuh"
 
 namespace mk::fused {
@@ -109,6 +112,177 @@ __device__ __forceinline__ void send_slice(const float (&acc)[kRegs], int consum
     }
   }
   dev::named_barrier_sync(barrier, 128);
+}
+
+// Where a slice's fp32 words go in an owner's accumulator: columns [0, split) of row r at
+// c_part + r * c_stride (for two-rank GEMM+AllReduce, over the slice's own bf16 footprint in the
+// owner's output), columns [split, width) at ws_part + r * ws_width. split = 0: one [rows][width]
+// block at ws_part.
+struct PartialAt {
+  float* c_part;
+  int64_t c_stride;
+  float* ws_part;
+  int ws_width;
+  int split;
+  __device__ float* operator()(int r, int c) const {
+    return c < split ? c_part + r * c_stride + c : ws_part + r * ws_width + (c - split);
+  }
+};
+
+// ---- Outbox: partial slices leave through the producer warpgroup's spare warps -----------------
+// Sending a slice from the consumer's epilogue stalls its tensor cores for the whole NVLink
+// transfer (a CTA moves only a few GB/s over NVLink). Instead a consumer writes its slice into a
+// staging slot in local memory (fast), hands the slot to the 96 side threads, and goes on to its
+// next tile; the side threads copy the slot into the owner's accumulator (stores, or red.add with
+// more than two ranks), release, raise the owner's signal and free the slot. Each consumer has
+// kOutboxSlots slots used in turn; it posts exactly one item per remote tile (rows 0 when its
+// half of the tile lies below the matrix) and a last one (rows -1) when it is done, and the side
+// threads take the items in that order, consumer 0 then 1, so all 96 agree without talking.
+constexpr int kOutboxSlots = 2;
+constexpr int kOutboxBarrier = 3;  // named barrier of the 96 side threads
+
+struct OutboxItem {
+  PartialAt at;
+  int rows;  // -1: the consumer is done
+  int width;
+  int owner;  // local rank
+  uint32_t signal;
+};
+
+struct OutboxShared {
+  uint64_t full[2][kOutboxSlots];   // consumer -> side threads: the slot holds an item (128 arrive)
+  uint64_t empty[2][kOutboxSlots];  // side threads -> consumer: the slot is free (96 arrive)
+  OutboxItem item[2][kOutboxSlots];
+};
+
+// The CTA's outbox bookkeeping (static shared memory: one per CTA).
+__device__ __forceinline__ OutboxShared& outbox_shared() {
+  __shared__ OutboxShared box;
+  return box;
+}
+
+// Thread 0, before the kernel's first __syncthreads.
+__device__ __forceinline__ void outbox_init() {
+  OutboxShared& box = outbox_shared();
+  for (int c = 0; c < 2; ++c) {
+    for (int s = 0; s < kOutboxSlots; ++s) {
+      dev::mbarrier_init(&box.full[c][s], 128);
+      dev::mbarrier_init(&box.empty[c][s], 96);
+    }
+  }
+}
+
+// A consumer's position in its slot ring.
+struct OutboxCursor {
+  int next = 0;
+  __device__ int slot() const { return next % kOutboxSlots; }
+  __device__ uint32_t parity() const { return (next / kOutboxSlots) & 1; }
+};
+
+// All 128 threads of a consumer: waits for a free slot, writes the slice ([rows][width] fp32 at
+// `staging` + slot * slot_floats) and posts it. rows <= 0 posts an item without data.
+template <int kRegs>
+__device__ __forceinline__ void outbox_post(const float (&acc)[kRegs], int consumer,
+                                            OutboxCursor& cursor, float* staging,
+                                            int64_t slot_floats, const OutboxItem& item) {
+  OutboxShared& box = outbox_shared();
+  const int s = cursor.slot();
+  dev::mbarrier_wait(&box.empty[consumer][s], cursor.parity() ^ 1);  // first lap passes at once
+  const int t = threadIdx.x % 128;
+  if (item.rows > 0) {
+    float* slot = staging + s * slot_floats;
+    const int r = (t / 32) * 16 + (t % 32) / 4, c = 2 * (t % 4);
+#pragma unroll
+    for (int b = 0; b < kRegs / 4; ++b) {
+      const int col = c + 8 * b;
+      if (col < item.width) {
+        if (r < item.rows) {
+          *reinterpret_cast<float2*>(slot + r * item.width + col) =
+              make_float2(acc[4 * b], acc[4 * b + 1]);
+        }
+        if (r + 8 < item.rows) {
+          *reinterpret_cast<float2*>(slot + (r + 8) * item.width + col) =
+              make_float2(acc[4 * b + 2], acc[4 * b + 3]);
+        }
+      }
+    }
+  }
+  if (t == 0) box.item[consumer][s] = item;
+  dev::mbarrier_arrive(&box.full[consumer][s]);  // release: this thread's writes
+  ++cursor.next;
+}
+
+// All 128 threads of a consumer, after its last tile: tells the side threads it is done.
+__device__ __forceinline__ void outbox_close(OutboxCursor& cursor) {
+  OutboxShared& box = outbox_shared();
+  const int consumer = threadIdx.x / 128 - 1, s = cursor.slot();
+  dev::mbarrier_wait(&box.empty[consumer][s], cursor.parity() ^ 1);
+  if (threadIdx.x % 128 == 0) box.item[consumer][s].rows = -1;
+  dev::mbarrier_arrive(&box.full[consumer][s]);
+  ++cursor.next;
+}
+
+// The 96 side threads: serve both consumers' items until both are done. `ensure_entered(owner)`
+// (thread 0 only) returns once the owner may be written to; a false return (time-out, recorded)
+// skips the copies of that item, which still gets its slot back.
+template <class EnsureEntered>
+__device__ __forceinline__ void outbox_serve(const DeviceComm& comm, const float* staging,
+                                             int64_t slot_floats, bool add,
+                                             const EnsureEntered& ensure_entered) {
+  OutboxShared& box = outbox_shared();
+  const int t = threadIdx.x - 32;  // 0..95
+  const dev::Launch launch = dev::Launch::begin(comm);
+  __shared__ int skip;
+  bool done[2] = {false, false};
+  OutboxCursor cursor[2];
+  while (!done[0] || !done[1]) {
+#pragma unroll  // constant indices keep done[] and cursor[] in registers
+    for (int consumer = 0; consumer < 2; ++consumer) {
+      if (done[consumer]) continue;
+      const int s = cursor[consumer].slot();
+      dev::mbarrier_wait(&box.full[consumer][s], cursor[consumer].parity());
+      const OutboxItem item = box.item[consumer][s];
+      if (item.rows < 0) {
+        done[consumer] = true;
+        continue;
+      }
+      if (item.rows > 0) {
+        if (t == 0) skip = ensure_entered(item.owner) ? 0 : 1;
+        dev::named_barrier_sync(kOutboxBarrier, 96);
+        if (!skip) {
+          const float* slot = staging + s * slot_floats;
+          const int units_per_row = item.width / 4, units = item.rows * units_per_row;
+          constexpr int kBatch = 2;
+          for (int u0 = t; u0 < units; u0 += 96 * kBatch) {
+            float4 v[kBatch];
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i) {
+              const int u = u0 + 96 * i;
+              if (u < units) v[i] = __ldcg(reinterpret_cast<const float4*>(slot) + u);
+            }
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i) {
+              const int u = u0 + 96 * i;
+              if (u >= units) break;
+              float* dst = item.at(u / units_per_row, 4 * (u % units_per_row));
+              if (add) {
+                red_add_f32x4(dst, v[i]);
+              } else {
+                *reinterpret_cast<float4*>(dst) = v[i];
+              }
+            }
+          }
+        }
+        dev::named_barrier_sync(kOutboxBarrier, 96);  // every copy issued (and the slot read)
+        if (t == 0 && !skip) {
+          dev::fence_acq_rel_sys();  // the copies have landed before the signal
+          launch.signal(item.owner, item.signal, 1);
+        }
+      }
+      dev::mbarrier_arrive(&box.empty[consumer][s]);
+      ++cursor[consumer].next;
+    }
+  }
 }
 
 }  // namespace mk::fused

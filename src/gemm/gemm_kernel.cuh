@@ -19,6 +19,7 @@
 //   consumer_done(state)          each consumer warpgroup, after its last tile
 //   side_task(thread, threads)    producer warps 1..3 (96 threads): communication, or nothing
 //   finish()                      every thread, last (fused: end of the launch's bookkeeping)
+//   init_shared()                 optional: thread 0, before the first __syncthreads (mbarriers)
 //
 //   smem:     [ stage 0 | ... | stage S-1 | epilogue buffers | full[S] | empty[S] ]
 //   stage s:  [ A tile (128 x 64) | B tile (kBlockN x 64) ]   both 128-byte swizzled
@@ -103,6 +104,21 @@ constexpr bool batched_b() {
     return Fusion::kBatchedB;
   } else {
     return false;
+  }
+}
+
+// Registers of a producer thread: TileConfig's 40, or a Fusion's kProducerRegs (at most 48 next
+// to the consumers' 232: 48 + 2 x 232 = 512 per thread slot of the register file) for side work
+// that needs them.
+template <class Cfg, class Fusion>
+constexpr int producer_regs() {
+  if constexpr (requires { Fusion::kProducerRegs; }) {
+    static_assert(Fusion::kProducerRegs % 8 == 0 &&
+                      Fusion::kProducerRegs + Cfg::kConsumers * Cfg::kConsumerRegs <= 512,
+                  "the register file holds 64 K registers for the CTA's 3 x 128 threads");
+    return Fusion::kProducerRegs;
+  } else {
+    return Cfg::kProducerRegs;
   }
 }
 
@@ -211,6 +227,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       dev::mbarrier_init(&full[s], 1);
       dev::mbarrier_init(&empty[s], Cfg::kConsumers);
     }
+    if constexpr (requires { fusion.init_shared(); }) fusion.init_shared();
     dev::mbarrier_init_fence();
   }
   __syncthreads();
@@ -220,7 +237,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   if (warpgroup == 0) {
     // ---- producer ----
-    dev::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    dev::warpgroup_reg_dealloc<producer_regs<Cfg, Fusion>()>();
     if (threadIdx.x == 0) {
       dev::tma_prefetch_descriptor(&tma_b);
       int it = 0;  // k-iterations issued by this CTA, across tiles: position in the stage ring
