@@ -32,7 +32,8 @@ namespace mk::fused {
 
 template <int kBlockN>
 struct GemmArFusion {
-  static constexpr int kProducerRegs = 48;   // the outbox's copy loop (partials.cuh)
+  static constexpr int kProducerRegs = 48;   // the outbox copy loop (partials.cuh), and
+  static constexpr int kConsumerRegs = 224;  // 48 + 2 x 224 <= 3 x 168 (gemm_kernel.cuh)
   CUtensorMap a;                             // A_r [M, K_r], boxes 128 x 64
   CUtensorMap out;                           // this rank's C [M, N] bf16, boxes 64 x 64
   __nv_bfloat16* out_peers[kMaxLocalRanks];  // each local rank's C, mapped here

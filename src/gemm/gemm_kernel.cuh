@@ -107,19 +107,32 @@ constexpr bool batched_b() {
   }
 }
 
-// Registers of a producer thread: TileConfig's 40, or a Fusion's kProducerRegs (at most 48 next
-// to the consumers' 232: 48 + 2 x 232 = 512 per thread slot of the register file) for side work
-// that needs them.
+// Registers per thread of the producer and the consumer warpgroups: TileConfig's 40 and 232, or a
+// Fusion's kProducerRegs / kConsumerRegs (side work that needs more). setmaxnreg moves registers
+// within what the CTA was launched with - 168 per thread (64 K / 384, in steps of 8) - so
+// producer + 2 x consumer must stay within 3 x 168 = 504, or the consumers' allocation waits
+// forever.
 template <class Cfg, class Fusion>
 constexpr int producer_regs() {
   if constexpr (requires { Fusion::kProducerRegs; }) {
-    static_assert(Fusion::kProducerRegs % 8 == 0 &&
-                      Fusion::kProducerRegs + Cfg::kConsumers * Cfg::kConsumerRegs <= 512,
-                  "the register file holds 64 K registers for the CTA's 3 x 128 threads");
     return Fusion::kProducerRegs;
   } else {
     return Cfg::kProducerRegs;
   }
+}
+template <class Cfg, class Fusion>
+constexpr int consumer_regs() {
+  if constexpr (requires { Fusion::kConsumerRegs; }) {
+    return Fusion::kConsumerRegs;
+  } else {
+    return Cfg::kConsumerRegs;
+  }
+}
+template <class Cfg, class Fusion>
+constexpr bool registers_fit() {
+  return producer_regs<Cfg, Fusion>() % 8 == 0 && consumer_regs<Cfg, Fusion>() % 8 == 0 &&
+         producer_regs<Cfg, Fusion>() + Cfg::kConsumers * consumer_regs<Cfg, Fusion>() <=
+             (1 + Cfg::kConsumers) * 168;
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -213,6 +226,7 @@ template <class Cfg, bool kTransB, class Fusion>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tma_b, int k,
                 const __grid_constant__ Fusion fusion) {
+  static_assert(registers_fit<Cfg, Fusion>(), "setmaxnreg split beyond the CTA's registers");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -278,7 +292,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
   } else {
     // ---- consumers ----
-    dev::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    dev::warpgroup_reg_alloc<consumer_regs<Cfg, Fusion>()>();
     const int consumer = warpgroup - 1;  // rows [64 * consumer, 64 * consumer + 64) of the tile
     const bool leader = threadIdx.x % 128 == 0;
     float acc[Cfg::kAccRegs];
