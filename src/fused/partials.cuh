@@ -222,7 +222,8 @@ __device__ __forceinline__ void outbox_close(OutboxCursor& cursor) {
   ++cursor.next;
 }
 
-// The 96 side threads: serve both consumers' items until both are done. `ensure_entered(owner)`
+// The 96 side threads: serve both consumers' items until both are done; `staging` is the CTA's
+// slots, [consumer][slot][slot_floats]. `ensure_entered(owner)`
 // (thread 0 only) returns once the owner may be written to; a false return (time-out, recorded)
 // skips the copies of that item, which still gets its slot back.
 template <class EnsureEntered>
@@ -250,7 +251,7 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, const float
         if (t == 0) skip = ensure_entered(item.owner) ? 0 : 1;
         dev::named_barrier_sync(kOutboxBarrier, 96);
         if (!skip) {
-          const float* slot = staging + s * slot_floats;
+          const float* slot = staging + (consumer * kOutboxSlots + s) * slot_floats;
           const int units_per_row = item.width / 4, units = item.rows * units_per_row;
           constexpr int kBatch = 2;
           for (int u0 = t; u0 < units; u0 += 96 * kBatch) {
