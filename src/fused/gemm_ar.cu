@@ -84,7 +84,7 @@ FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
       world == 1 ? 0 : static_cast<std::size_t>(m * max_owned(p.block_n) * word_bytes);
   // Staging slots of the outbox (partials.cuh) behind the accumulator, when they fit within the
   // intermediate's size too; else the epilogue sends the partials itself (small M, tiny N).
-  const std::size_t staging = static_cast<std::size_t>(p.ctas) * 2 * fused::kOutboxSlots *
+  const std::size_t staging = static_cast<std::size_t>(p.ctas) * 2 * fused::kMaxOutboxSlots *
                               std::min<int64_t>(64, m) * p.block_n * 4;
   const char* outbox = std::getenv("MKERNEL_OUTBOX");  // "0": no outbox (for comparisons)
   if (world > 1 && !(outbox != nullptr && std::string(outbox) == "0") &&

@@ -91,11 +91,11 @@ struct GemmArFusion {
                            static_cast<int64_t>(h) * (tile.n - first_col_tile(owner)) * kBlockN;
     PartialAt at{};
     at.split = single_peer ? width / 2 : 0;
-    at.ws_width = width - at.split;
-    at.ws_part = accum_peers[owner] + (single_peer ? offset / 2 : offset);
-    at.c_stride = n / 2;
-    at.c_part = reinterpret_cast<float*>(out_peers[owner] + static_cast<int64_t>(row0) * n +
-                                         tile.n * kBlockN);
+    at.second_stride = width - at.split;
+    at.second = accum_peers[owner] + (single_peer ? offset / 2 : offset);
+    at.first_stride = n / 2;
+    at.first = reinterpret_cast<float*>(out_peers[owner] + static_cast<int64_t>(row0) * n +
+                                        tile.n * kBlockN);
     return at;
   }
   __device__ int slice_width(const gemm_engine::Tile& tile) const {
@@ -118,7 +118,7 @@ struct GemmArFusion {
   __device__ float* my_staging(int consumer) const {
     return staging == nullptr ? nullptr
                               : staging + (static_cast<int64_t>(blockIdx.x) * 2 + consumer) *
-                                              kOutboxSlots * slot_floats;
+                                              kMaxOutboxSlots * slot_floats;
   }
 
   __device__ void init_shared() const {
@@ -142,13 +142,15 @@ struct GemmArFusion {
     const int rows = min(64, m - row0), width = slice_width(tile);
     const int owner = tile.shard;                    // one node: global rank = local rank
     if (owner != comm.rank && staging != nullptr) {  // one item per remote tile, even if empty
+      state.outbox.slots = kMaxOutboxSlots;
       OutboxItem item{};
+      item.src = PartialAt::block(my_staging(consumer) + state.outbox.slot() * slot_floats, width);
       item.at = slice_at(tile, consumer);
       item.rows = max(rows, 0);
       item.width = width;
       item.owner = owner;
       item.signal = slot(tile, consumer);
-      outbox_post(acc, consumer, state.outbox, my_staging(consumer), slot_floats, item);
+      outbox_post(acc, consumer, state.outbox, item);
       return;
     }
     if (row0 >= m) return;  // the slice lies below C (the last tile-row is partial)
@@ -212,6 +214,7 @@ struct GemmArFusion {
 
   __device__ void consumer_done(ConsumerState& state) const {
     if (staging != nullptr) {
+      state.outbox.slots = kMaxOutboxSlots;  // (a consumer without remote tiles never set it)
       outbox_close(state.outbox);
     } else if (threadIdx.x % 128 == 0) {
       flush(state, dev::Launch::begin(comm));
@@ -229,13 +232,12 @@ struct GemmArFusion {
     }
     if (staging == nullptr) return;
     uint32_t entered = 0;  // thread 0's: bit p, rank p has entered this launch
-    outbox_serve(comm, staging + static_cast<int64_t>(blockIdx.x) * 2 * kOutboxSlots * slot_floats,
-                 slot_floats, !single_peer, [&](int peer) {
-                   if (entered & (1u << peer)) return true;
-                   if (!launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1)) return false;
-                   entered |= 1u << peer;
-                   return true;
-                 });
+    outbox_serve(comm, kMaxOutboxSlots, !single_peer, [&](int peer) {
+      if (entered & (1u << peer)) return true;
+      if (!launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1)) return false;
+      entered |= 1u << peer;
+      return true;
+    });
   }
 
   // Every thread: meet the same CTA of every rank (all pushes into C have landed), then end.

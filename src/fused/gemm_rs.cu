@@ -68,6 +68,9 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.comm = comm.device_comm();
   f.my_accum = static_cast<float*>(workspace);
   f.single_peer = topo.world_size == 2;
+  f.out_local = static_cast<__nv_bfloat16*>(out);
+  const char* outbox = std::getenv("MKERNEL_OUTBOX");  // "0": no outbox (for comparisons)
+  f.outbox = !(outbox != nullptr && std::string(outbox) == "0");
   f.debug = std::getenv("MKERNEL_RS_DEBUG") ? std::atoi(std::getenv("MKERNEL_RS_DEBUG")) : 0;
   f.shard_rows = static_cast<int>(p.shard_rows);
   f.n = static_cast<int>(n);

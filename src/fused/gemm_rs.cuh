@@ -16,6 +16,8 @@
 // which read and zeroed it, is over). The workspace must be zero before the first launch.
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "fused/partials.cuh"
@@ -29,14 +31,18 @@ constexpr int kMaxLocalRanks = 8;  // tensor maps of the peers' accumulators tra
 
 template <int kBlockN>
 struct GemmRsFusion {
-  CUtensorMap a;                       // A_r as [world][S][K_r], boxes 128 x 64 x 1
-  CUtensorMap out;                     // this rank's output [S][N] bf16, boxes 64 x 64
+  static constexpr int kProducerRegs = 48;   // the outbox copy loop (partials.cuh), and
+  static constexpr int kConsumerRegs = 224;  // 48 + 2 x 224 <= 3 x 168 (gemm_kernel.cuh)
+  CUtensorMap a;                             // A_r as [world][S][K_r], boxes 128 x 64 x 1
+  CUtensorMap out;                           // this rank's output [S][N] bf16, boxes 64 x 64
   float* accum_peers[kMaxLocalRanks];  // each local rank's accumulator [S][N] fp32, mapped here
   DeviceComm comm;
-  float* my_accum;   // this rank's accumulator (local address)
-  int debug;         // DIAGNOSTIC (branch wip/gemm-rs-diagnose): MKERNEL_RS_DEBUG bits
-                     //   1 skip sends, 2 skip add_and_clear, 4 skip the flush fence,
-                     //   8 skip the own tiles' waits (results wrong with 1, 2 or 8)
+  float* my_accum;           // this rank's accumulator (local address)
+  int debug;                 // DIAGNOSTIC (branch wip/gemm-rs-diagnose): MKERNEL_RS_DEBUG bits
+                             //   1 skip sends, 2 skip add_and_clear, 4 skip the flush fence,
+                             //   8 skip the own tiles' waits (results wrong with 1, 2 or 8)
+  __nv_bfloat16* out_local;  // the output [S][N] (this rank's address): outbox staging, see below
+  bool outbox;               // partials may leave through the outbox (MKERNEL_OUTBOX != 0)
   bool single_peer;  // two ranks: the one peer stores its partial (a sum onto zero) instead of
                      // adding it - plain NVLink writes, no remote read-modify-write
   int shard_rows;    // S
@@ -77,11 +83,44 @@ struct GemmRsFusion {
   __device__ int slice_width(int tile_n) const { return min(kBlockN, n - tile_n * kBlockN); }
 
   // Per consumer warpgroup, thread 0's bookkeeping between epilogues.
+  // ---- Outbox staging in the output ----
+  // A CTA stages its outgoing slices (partials.cuh) in the output footprints of its own last
+  // tiles: nothing writes there before the CTA's own final stores of those tiles, which come
+  // after every remote tile of the CTA, and the CTA waits for its outbox to drain before them.
+  // So the outbox costs no memory beyond the accumulator. A footprint (128 x kBlockN bf16) holds
+  // one slot (64 x kBlockN fp32: slot row r = output rows 2r and 2r + 1). Up to
+  // 2 x kMaxOutboxSlots whole (not clipped) own tiles of this CTA, last first; returns how many.
+  __device__ int footprints(gemm_engine::Tile (&found)[2 * kMaxOutboxSlots]) const {
+    const int own_first = (comm.world_size - 1) * raster.num_tiles();
+    const int last = num_tiles() - 1 -
+                     (num_tiles() - 1 - static_cast<int>(blockIdx.x)) % static_cast<int>(gridDim.x);
+    int count = 0;
+    for (int t = last; t >= own_first && count < 2 * kMaxOutboxSlots; t -= gridDim.x) {
+      const gemm_engine::Tile own = tile(t);
+      if (own.m * 128 + 128 <= shard_rows && (own.n + 1) * kBlockN <= n) found[count++] = own;
+    }
+    return count;
+  }
+  // Outbox slots per consumer of this CTA: 0 (the epilogue sends), 1 or 2.
+  __device__ int outbox_slots(int footprint_count) const {
+    return outbox ? footprint_count / 2 : 0;
+  }
+  __device__ PartialAt footprint_at(const gemm_engine::Tile& own) const {
+    __nv_bfloat16* base = out_local + static_cast<int64_t>(own.m) * 128 * n + own.n * kBlockN;
+    return {reinterpret_cast<float*>(base), n, reinterpret_cast<float*>(base + n), n, kBlockN / 2};
+  }
+
   struct ConsumerState {
     int owner = -1;  // a reduce whose signal is still owed, or -1
     uint32_t signal = 0;
     uint32_t entered = 0;  // bit o: owner o has been seen in this launch
+    bool ready = false;    // footprints below computed
+    int footprint_count = 0;
+    gemm_engine::Tile footprint[2 * kMaxOutboxSlots];
+    OutboxCursor outbox;
   };
+
+  __device__ void init_shared() const { outbox_init(); }
 
   template <int kRegs>
   __device__ void store(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
@@ -89,7 +128,27 @@ struct GemmRsFusion {
     const dev::Launch launch = dev::Launch::begin(comm);
     const int t = threadIdx.x % 128;
     if (t == 0) flush(pending, launch);
+    if (!pending.ready) {
+      pending.footprint_count = footprints(pending.footprint);
+      pending.outbox.slots = outbox_slots(pending.footprint_count);
+      pending.ready = true;
+    }
     const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
+    const int slots = pending.outbox.slots;
+    if (tile.shard != comm.rank && slots > 0) {  // one item per remote tile, even if empty
+      const int owner = tile.shard;              // one node: global rank = local rank
+      const int width = slice_width(tile.n);
+      OutboxItem item{};
+      item.src = footprint_at(pending.footprint[consumer * slots + pending.outbox.slot()]);
+      item.at =
+          PartialAt::block(accum_peers[owner] + slice_offset(tile.m, tile.n, consumer), width);
+      item.rows = max(0, min(64, shard_rows - row0));
+      item.width = width;
+      item.owner = owner;
+      item.signal = slot(tile, consumer);
+      outbox_post(acc, consumer, pending.outbox, item);
+      return;
+    }
     if (tile.shard != comm.rank) {
       const int owner = tile.shard;  // one node: global rank = local rank
       if (t == 0 && !(pending.entered & (1u << owner))) {
@@ -109,6 +168,7 @@ struct GemmRsFusion {
       }
       return;
     }
+    outbox_close(pending.outbox);  // own rows come last: no more remote tiles here
     // Own rows: the peers' partial sums of this slice, then one rounding to bf16.
     if (t == 0 && !(debug & 8)) {
       const uint32_t signal = slot(tile, consumer);
@@ -129,6 +189,13 @@ struct GemmRsFusion {
           acc, [&](int r, int c) { return slice + r * width + c; }, shard_rows - row0, width,
           !single_peer);
     }
+    for (int k = 0; k < 2 * slots; ++k) {  // a staging footprint: wait until it is free
+      if (pending.footprint[k].m == tile.m && pending.footprint[k].n == tile.n) {
+        outbox_wait_drained();
+        dev::fence_proxy_async_global();  // the slots' generic writes, before TMA stores there
+        break;
+      }
+    }
     gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
       dev::tma_store_2d(&out, buf, col0 + 64 * j, row0);
     });
@@ -145,16 +212,29 @@ struct GemmRsFusion {
   }
 
   __device__ void consumer_done(ConsumerState& pending) const {
+    outbox_close(pending.outbox);
     if (threadIdx.x % 128 == 0) flush(pending, dev::Launch::begin(comm));
   }
 
-  // Producer warps 1..3 of CTA 0: announce this launch to the peers.
+  // Producer warps 1..3: CTA 0 announces this launch to the peers; then every CTA with an
+  // outbox serves it.
   __device__ void side_task(int thread, int threads) const {
-    if (blockIdx.x != 0) return;
     const dev::Launch launch = dev::Launch::begin(comm);
-    for (int peer = thread; peer < comm.local_size; peer += threads) {
-      if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
+    if (blockIdx.x == 0) {
+      for (int peer = thread; peer < comm.local_size; peer += threads) {
+        if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
+      }
     }
+    gemm_engine::Tile found[2 * kMaxOutboxSlots];
+    const int slots = outbox_slots(footprints(found));
+    if (slots == 0) return;
+    uint32_t entered = 0;  // thread 0's: bit p, rank p has entered this launch
+    outbox_serve(comm, slots, !single_peer, [&](int peer) {
+      if (entered & (1u << peer)) return true;
+      if (!launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1)) return false;
+      entered |= 1u << peer;
+      return true;
+    });
   }
 
   __device__ void finish() const { dev::Launch::begin(comm).end(); }

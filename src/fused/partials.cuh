@@ -114,45 +114,51 @@ __device__ __forceinline__ void send_slice(const float (&acc)[kRegs], int consum
   dev::named_barrier_sync(barrier, 128);
 }
 
-// Where a slice's fp32 words go in an owner's accumulator: columns [0, split) of row r at
-// c_part + r * c_stride (for two-rank GEMM+AllReduce, over the slice's own bf16 footprint in the
-// owner's output), columns [split, width) at ws_part + r * ws_width. split = 0: one [rows][width]
-// block at ws_part.
+// Where a slice's fp32 words live: columns [0, split) of row r at first + r * first_stride,
+// columns [split, width) at second + r * second_stride (floats). Uses: an owner's accumulator
+// (split = 0: [rows][width] at `second`; two-rank GEMM+AllReduce: the first half over the slice's
+// own bf16 footprint in the owner's C), and staging slots (a contiguous block, or a 128-row bf16
+// output tile's footprint seen as 64 fp32 rows: row r = output rows 2r and 2r + 1).
 struct PartialAt {
-  float* c_part;
-  int64_t c_stride;
-  float* ws_part;
-  int ws_width;
+  float* first;
+  int64_t first_stride;
+  float* second;
+  int64_t second_stride;
   int split;
   __device__ float* operator()(int r, int c) const {
-    return c < split ? c_part + r * c_stride + c : ws_part + r * ws_width + (c - split);
+    return c < split ? first + r * first_stride + c : second + r * second_stride + (c - split);
   }
+  __device__ static PartialAt block(float* p, int width) { return {p, 0, p, width, 0}; }
 };
 
 // ---- Outbox: partial slices leave through the producer warpgroup's spare warps -----------------
 // Sending a slice from the consumer's epilogue stalls its tensor cores for the whole NVLink
-// transfer (a CTA moves only a few GB/s over NVLink). Instead a consumer writes its slice into a
-// staging slot in local memory (fast), hands the slot to the 96 side threads, and goes on to its
-// next tile; the side threads copy the slot into the owner's accumulator (stores, or red.add with
-// more than two ranks), release, raise the owner's signal and free the slot. Each consumer has
-// kOutboxSlots slots used in turn; it posts exactly one item per remote tile (rows 0 when its
-// half of the tile lies below the matrix) and a last one (rows -1) when it is done, and the side
-// threads take the items in that order, consumer 0 then 1, so all 96 agree without talking.
-constexpr int kOutboxSlots = 2;
+// transfer (from an epilogue a CTA moves only ~1 GB/s over NVLink, journal 2026-11-30 session 3).
+// Instead a consumer writes its slice into a staging slot in local memory (fast), hands the slot
+// to the 96 side threads and goes on to its next tile; the side threads copy the slot into the
+// owner's accumulator (stores, or red.add with more than two ranks), release, raise the owner's
+// signal and free the slot. Each consumer has `slots` (1 or 2, the same for both consumers of a
+// CTA) used in turn; it posts exactly one item per remote tile (rows 0 when its half of the tile
+// lies below the matrix) and closes the outbox once it has no more remote tiles; the side threads
+// take the items in that order, consumer 0 then 1, so all 96 agree without talking, and arrive on
+// `drained` when both consumers closed and every copy has been signalled.
+constexpr int kMaxOutboxSlots = 2;
 constexpr int kOutboxBarrier = 3;  // named barrier of the 96 side threads
 
 struct OutboxItem {
-  PartialAt at;
-  int rows;  // -1: the consumer is done
+  PartialAt src;  // the staging slot
+  PartialAt at;   // the owner's accumulator
+  int rows;       // -1: the consumer closed its outbox
   int width;
   int owner;  // local rank
   uint32_t signal;
 };
 
 struct OutboxShared {
-  uint64_t full[2][kOutboxSlots];   // consumer -> side threads: the slot holds an item (128 arrive)
-  uint64_t empty[2][kOutboxSlots];  // side threads -> consumer: the slot is free (96 arrive)
-  OutboxItem item[2][kOutboxSlots];
+  uint64_t full[2][kMaxOutboxSlots];   // consumer -> side threads: an item (128 arrive)
+  uint64_t empty[2][kMaxOutboxSlots];  // side threads -> consumer: the slot is free (96 arrive)
+  uint64_t drained;                    // side threads -> consumers: all sent (1 arrive)
+  OutboxItem item[2][kMaxOutboxSlots];
 };
 
 // The CTA's outbox bookkeeping (static shared memory: one per CTA).
@@ -165,43 +171,44 @@ __device__ __forceinline__ OutboxShared& outbox_shared() {
 __device__ __forceinline__ void outbox_init() {
   OutboxShared& box = outbox_shared();
   for (int c = 0; c < 2; ++c) {
-    for (int s = 0; s < kOutboxSlots; ++s) {
+    for (int s = 0; s < kMaxOutboxSlots; ++s) {
       dev::mbarrier_init(&box.full[c][s], 128);
       dev::mbarrier_init(&box.empty[c][s], 96);
     }
   }
+  dev::mbarrier_init(&box.drained, 1);
 }
 
-// A consumer's position in its slot ring.
+// A consumer's (or the side threads') position in a slot ring.
 struct OutboxCursor {
   int next = 0;
-  __device__ int slot() const { return next % kOutboxSlots; }
-  __device__ uint32_t parity() const { return (next / kOutboxSlots) & 1; }
+  int slots = 0;  // 0: no outbox (the epilogue sends)
+  bool closed = false;
+  __device__ int slot() const { return next % slots; }
+  __device__ uint32_t parity() const { return (next / slots) & 1; }
 };
 
-// All 128 threads of a consumer: waits for a free slot, writes the slice ([rows][width] fp32 at
-// `staging` + slot * slot_floats) and posts it. rows <= 0 posts an item without data.
+// All 128 threads of a consumer: waits for the slot cursor.slot() to be free, writes the slice
+// into item.src (rows < item.rows, columns < item.width) and posts the item; rows 0 posts an item
+// without data.
 template <int kRegs>
 __device__ __forceinline__ void outbox_post(const float (&acc)[kRegs], int consumer,
-                                            OutboxCursor& cursor, float* staging,
-                                            int64_t slot_floats, const OutboxItem& item) {
+                                            OutboxCursor& cursor, const OutboxItem& item) {
   OutboxShared& box = outbox_shared();
   const int s = cursor.slot();
   dev::mbarrier_wait(&box.empty[consumer][s], cursor.parity() ^ 1);  // first lap passes at once
   const int t = threadIdx.x % 128;
   if (item.rows > 0) {
-    float* slot = staging + s * slot_floats;
     const int r = (t / 32) * 16 + (t % 32) / 4, c = 2 * (t % 4);
 #pragma unroll
     for (int b = 0; b < kRegs / 4; ++b) {
       const int col = c + 8 * b;
       if (col < item.width) {
         if (r < item.rows) {
-          *reinterpret_cast<float2*>(slot + r * item.width + col) =
-              make_float2(acc[4 * b], acc[4 * b + 1]);
+          *reinterpret_cast<float2*>(item.src(r, col)) = make_float2(acc[4 * b], acc[4 * b + 1]);
         }
         if (r + 8 < item.rows) {
-          *reinterpret_cast<float2*>(slot + (r + 8) * item.width + col) =
+          *reinterpret_cast<float2*>(item.src(r + 8, col)) =
               make_float2(acc[4 * b + 2], acc[4 * b + 3]);
         }
       }
@@ -212,23 +219,29 @@ __device__ __forceinline__ void outbox_post(const float (&acc)[kRegs], int consu
   ++cursor.next;
 }
 
-// All 128 threads of a consumer, after its last tile: tells the side threads it is done.
+// All 128 threads of a consumer, once it has no more remote tiles (idempotent).
 __device__ __forceinline__ void outbox_close(OutboxCursor& cursor) {
+  if (cursor.slots == 0 || cursor.closed) return;
   OutboxShared& box = outbox_shared();
   const int consumer = threadIdx.x / 128 - 1, s = cursor.slot();
   dev::mbarrier_wait(&box.empty[consumer][s], cursor.parity() ^ 1);
   if (threadIdx.x % 128 == 0) box.item[consumer][s].rows = -1;
   dev::mbarrier_arrive(&box.full[consumer][s]);
   ++cursor.next;
+  cursor.closed = true;
 }
 
-// The 96 side threads: serve both consumers' items until both are done; `staging` is the CTA's
-// slots, [consumer][slot][slot_floats]. `ensure_entered(owner)`
-// (thread 0 only) returns once the owner may be written to; a false return (time-out, recorded)
-// skips the copies of that item, which still gets its slot back.
+// All threads of a consumer: every item of the CTA has been copied and signalled, and the slots
+// are no longer read (call only after outbox_close, and only with an outbox).
+__device__ __forceinline__ void outbox_wait_drained() {
+  dev::mbarrier_wait(&outbox_shared().drained, 0);
+}
+
+// The 96 side threads: serve both consumers' items until both closed, then arrive on `drained`.
+// `ensure_entered(owner)` (thread 0 only) returns once the owner may be written to; a false
+// return (time-out, recorded) skips the copies of that item, which still gets its slot back.
 template <class EnsureEntered>
-__device__ __forceinline__ void outbox_serve(const DeviceComm& comm, const float* staging,
-                                             int64_t slot_floats, bool add,
+__device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, bool add,
                                              const EnsureEntered& ensure_entered) {
   OutboxShared& box = outbox_shared();
   const int t = threadIdx.x - 32;  // 0..95
@@ -236,30 +249,34 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, const float
   __shared__ int skip;
   bool done[2] = {false, false};
   OutboxCursor cursor[2];
+  cursor[0].slots = cursor[1].slots = slots;
   while (!done[0] || !done[1]) {
 #pragma unroll  // constant indices keep done[] and cursor[] in registers
     for (int consumer = 0; consumer < 2; ++consumer) {
       if (done[consumer]) continue;
       const int s = cursor[consumer].slot();
       dev::mbarrier_wait(&box.full[consumer][s], cursor[consumer].parity());
-      const OutboxItem item = box.item[consumer][s];
-      if (item.rows < 0) {
+      const OutboxItem& item = box.item[consumer][s];
+      const int rows = item.rows;
+      if (rows < 0) {
         done[consumer] = true;
         continue;
       }
-      if (item.rows > 0) {
+      if (rows > 0) {
         if (t == 0) skip = ensure_entered(item.owner) ? 0 : 1;
         dev::named_barrier_sync(kOutboxBarrier, 96);
         if (!skip) {
-          const float* slot = staging + (consumer * kOutboxSlots + s) * slot_floats;
-          const int units_per_row = item.width / 4, units = item.rows * units_per_row;
+          const int units_per_row = item.width / 4, units = rows * units_per_row;
           constexpr int kBatch = 2;
           for (int u0 = t; u0 < units; u0 += 96 * kBatch) {
             float4 v[kBatch];
 #pragma unroll
             for (int i = 0; i < kBatch; ++i) {
               const int u = u0 + 96 * i;
-              if (u < units) v[i] = __ldcg(reinterpret_cast<const float4*>(slot) + u);
+              if (u < units) {
+                v[i] = __ldcg(reinterpret_cast<const float4*>(
+                    item.src(u / units_per_row, 4 * (u % units_per_row))));
+              }
             }
 #pragma unroll
             for (int i = 0; i < kBatch; ++i) {
@@ -284,6 +301,8 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, const float
       ++cursor[consumer].next;
     }
   }
+  dev::named_barrier_sync(kOutboxBarrier, 96);  // all 96 are done with the slots
+  if (t == 0) dev::mbarrier_arrive(&box.drained);
 }
 
 }  // namespace mk::fused
