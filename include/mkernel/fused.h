@@ -40,7 +40,9 @@ struct FusedGemmPlan {
   int pieces = 0;          // pieces per shard
   std::size_t workspace_bytes = 0;
   std::size_t staging_bytes = 0;  // of which: partials' staging slots (0: sent by the epilogue)
-  std::string describe() const;   // one line
+  int outbox_slots = 0;  // gemm_ar's staging slots per consumer warpgroup (0: no outbox; gemm_rs
+                         // stages in its output, per CTA, and reports 0 here)
+  std::string describe() const;  // one line
 };
 
 // ---- AllGather + GEMM --------------------------------------------------------------------------

@@ -83,14 +83,27 @@ FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
   p.workspace_bytes =
       world == 1 ? 0 : static_cast<std::size_t>(m * max_owned(p.block_n) * word_bytes);
   // Staging slots of the outbox (partials.cuh) behind the accumulator, when they fit within the
-  // intermediate's size too; else the epilogue sends the partials itself (small M, tiny N).
-  const std::size_t staging = static_cast<std::size_t>(p.ctas) * 2 * fused::kMaxOutboxSlots *
-                              std::min<int64_t>(64, m) * p.block_n * 4;
+  // intermediate's size too: two slots per consumer, else one, with every CTA of the budget,
+  // else with up to 1/8 of the CTAs given up for them (the epilogue's own sends cost far more);
+  // else the epilogue sends the partials itself (small M, tiny N).
   const char* outbox = std::getenv("MKERNEL_OUTBOX");  // "0": no outbox (for comparisons)
+  const auto bound = static_cast<std::size_t>(m * n * 2);
   if (world > 1 && !(outbox != nullptr && std::string(outbox) == "0") &&
-      p.workspace_bytes + staging <= static_cast<std::size_t>(m * n * 2)) {
-    p.staging_bytes = staging;
-    p.workspace_bytes += staging;
+      p.workspace_bytes < bound) {
+    const auto slot_bytes = static_cast<std::size_t>(std::min<int64_t>(64, m) * p.block_n * 4);
+    const std::size_t room = bound - p.workspace_bytes;
+    for (const int min_ctas : {p.ctas, p.ctas - p.ctas / 8}) {
+      for (const int slots : {fused::kMaxOutboxSlots, 1}) {
+        const auto ctas = static_cast<int>(std::min<std::size_t>(
+            p.ctas, room / (2 * static_cast<std::size_t>(slots) * slot_bytes)));
+        if (p.outbox_slots == 0 && ctas >= std::max(min_ctas, 1)) {
+          p.ctas = ctas;
+          p.outbox_slots = slots;
+          p.staging_bytes = static_cast<std::size_t>(ctas) * 2 * slots * slot_bytes;
+        }
+      }
+    }
+    p.workspace_bytes += p.staging_bytes;
   }
   return p;
 }
@@ -114,6 +127,7 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.tiles_n = static_cast<int>((n + kBlockN - 1) / kBlockN);
   f.single_peer = topo.world_size == 2;
   f.slot_floats = std::min<int64_t>(64, m) * kBlockN;
+  f.outbox_slots = p.outbox_slots;
   f.staging = p.staging_bytes == 0
                   ? nullptr
                   : reinterpret_cast<float*>(ws.host_peers[topo.local_rank] + ws.offset +

@@ -46,6 +46,7 @@ struct GemmArFusion {
   bool single_peer;  // two ranks: partials are stored (one per slice), not added
   float* staging;    // this rank's outbox slots, [CTA][consumer][slot][slot_floats]; or null
   int64_t slot_floats;
+  int outbox_slots;  // per consumer, when staging is set
 
   __device__ int first_col_tile(int owner) const { return owner * tiles_n / comm.world_size; }
   __device__ int owned_cols(int owner) const {  // in elements
@@ -118,7 +119,7 @@ struct GemmArFusion {
   __device__ float* my_staging(int consumer) const {
     return staging == nullptr ? nullptr
                               : staging + (static_cast<int64_t>(blockIdx.x) * 2 + consumer) *
-                                              kMaxOutboxSlots * slot_floats;
+                                              outbox_slots * slot_floats;
   }
 
   __device__ void init_shared() const {
@@ -142,7 +143,7 @@ struct GemmArFusion {
     const int rows = min(64, m - row0), width = slice_width(tile);
     const int owner = tile.shard;                    // one node: global rank = local rank
     if (owner != comm.rank && staging != nullptr) {  // one item per remote tile, even if empty
-      state.outbox.slots = kMaxOutboxSlots;
+      state.outbox.slots = outbox_slots;
       OutboxItem item{};
       item.src = PartialAt::block(my_staging(consumer) + state.outbox.slot() * slot_floats, width);
       item.at = slice_at(tile, consumer);
@@ -214,7 +215,7 @@ struct GemmArFusion {
 
   __device__ void consumer_done(ConsumerState& state) const {
     if (staging != nullptr) {
-      state.outbox.slots = kMaxOutboxSlots;  // (a consumer without remote tiles never set it)
+      state.outbox.slots = outbox_slots;  // (a consumer without remote tiles never set it)
       outbox_close(state.outbox);
     } else if (threadIdx.x % 128 == 0) {
       flush(state, dev::Launch::begin(comm));
@@ -232,7 +233,7 @@ struct GemmArFusion {
     }
     if (staging == nullptr) return;
     uint32_t entered = 0;  // thread 0's: bit p, rank p has entered this launch
-    outbox_serve(comm, kMaxOutboxSlots, !single_peer, [&](int peer) {
+    outbox_serve(comm, outbox_slots, !single_peer, [&](int peer) {
       if (entered & (1u << peer)) return true;
       if (!launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1)) return false;
       entered |= 1u << peer;
