@@ -16,6 +16,10 @@
 // peer writes into o's accumulator or C only after o entered the launch. Before a CTA ends it meets
 // the same CTA of every rank (exit barrier): when a rank's kernel is done, every push into its C
 // has landed.
+// Outbox (partials.cuh), when its staging slots fit behind the accumulator (the plan decides):
+// the remote slices are staged locally and sent by the producer warpgroup's side threads, and an
+// owned slice, once stored into C here by TMA, is copied from there to the peers' C by the side
+// threads too - the consumers never wait for NVLink. Without it the epilogue does both itself.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -139,11 +143,11 @@ struct GemmArFusion {
     const dev::Launch launch = dev::Launch::begin(comm);
     const int t = threadIdx.x % 128;
     if (t == 0) flush(state, launch);
+    if (staging != nullptr) state.outbox.slots = outbox_slots;
     const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
     const int rows = min(64, m - row0), width = slice_width(tile);
     const int owner = tile.shard;                    // one node: global rank = local rank
     if (owner != comm.rank && staging != nullptr) {  // one item per remote tile, even if empty
-      state.outbox.slots = outbox_slots;
       OutboxItem item{};
       item.src = PartialAt::block(my_staging(consumer) + state.outbox.slot() * slot_floats, width);
       item.at = slice_at(tile, consumer);
@@ -233,12 +237,19 @@ struct GemmArFusion {
     }
     if (staging == nullptr) return;
     uint32_t entered = 0;  // thread 0's: bit p, rank p has entered this launch
-    outbox_serve(comm, outbox_slots, !single_peer, [&](int peer) {
-      if (entered & (1u << peer)) return true;
-      if (!launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1)) return false;
-      entered |= 1u << peer;
-      return true;
-    });
+    outbox_serve(
+        comm, outbox_slots, !single_peer,
+        [&](int peer) {
+          if (entered & (1u << peer)) return true;
+          if (!launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1)) return false;
+          entered |= 1u << peer;
+          return true;
+        },
+        [&](int peer) {  // in floats: peer's C minus this rank's (same offset, other mapping)
+          return static_cast<int64_t>(reinterpret_cast<uintptr_t>(out_peers[peer]) -
+                                      reinterpret_cast<uintptr_t>(out_peers[comm.local_rank])) /
+                 4;
+        });
   }
 
   // Every thread: meet the same CTA of every rank (all pushes into C have landed), then end.

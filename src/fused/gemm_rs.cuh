@@ -229,12 +229,15 @@ struct GemmRsFusion {
     const int slots = outbox_slots(footprints(found));
     if (slots == 0) return;
     uint32_t entered = 0;  // thread 0's: bit p, rank p has entered this launch
-    outbox_serve(comm, slots, !single_peer, [&](int peer) {
-      if (entered & (1u << peer)) return true;
-      if (!launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1)) return false;
-      entered |= 1u << peer;
-      return true;
-    });
+    outbox_serve(
+        comm, slots, !single_peer,
+        [&](int peer) {
+          if (entered & (1u << peer)) return true;
+          if (!launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1)) return false;
+          entered |= 1u << peer;
+          return true;
+        },
+        [](int) { return int64_t{0}; });  // no broadcast items here
   }
 
   __device__ void finish() const { dev::Launch::begin(comm).end(); }

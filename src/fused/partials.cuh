@@ -145,12 +145,17 @@ struct PartialAt {
 constexpr int kMaxOutboxSlots = 2;
 constexpr int kOutboxBarrier = 3;  // named barrier of the 96 side threads
 
+// Two kinds of item. A partial (owner >= 0): rows x width fp32 from the staging slot `src` to
+// the owner's accumulator `at`, then the owner's `signal`. A broadcast (owner < 0): rows x width
+// fp32-sized words (finished bf16 output, two values a word) from `src` in this rank's output to
+// every peer's output at the same place - `at` addresses them in this rank's output, and the side
+// threads add each peer's distance (`peer_shift`); no signal (the kernel's exit barrier covers it).
 struct OutboxItem {
-  PartialAt src;  // the staging slot
-  PartialAt at;   // the owner's accumulator
-  int rows;       // -1: the consumer closed its outbox
+  PartialAt src;
+  PartialAt at;
+  int rows;  // -1: the consumer closed its outbox
   int width;
-  int owner;  // local rank
+  int owner;  // local rank, or -1: broadcast
   uint32_t signal;
 };
 
@@ -219,6 +224,19 @@ __device__ __forceinline__ void outbox_post(const float (&acc)[kRegs], int consu
   ++cursor.next;
 }
 
+// All 128 threads of a consumer: posts an item whose data is already in place (item.src); every
+// thread's earlier writes to it are released with its arrival (a TMA store: the issuing thread
+// waits for it and fences the async proxy first).
+__device__ __forceinline__ void outbox_post_ready(int consumer, OutboxCursor& cursor,
+                                                  const OutboxItem& item) {
+  OutboxShared& box = outbox_shared();
+  const int s = cursor.slot();
+  dev::mbarrier_wait(&box.empty[consumer][s], cursor.parity() ^ 1);
+  if (threadIdx.x % 128 == 0) box.item[consumer][s] = item;
+  dev::mbarrier_arrive(&box.full[consumer][s]);
+  ++cursor.next;
+}
+
 // All 128 threads of a consumer, once it has no more remote tiles (idempotent).
 __device__ __forceinline__ void outbox_close(OutboxCursor& cursor) {
   if (cursor.slots == 0 || cursor.closed) return;
@@ -238,15 +256,45 @@ __device__ __forceinline__ void outbox_wait_drained() {
 }
 
 // The 96 side threads: serve both consumers' items until both closed, then arrive on `drained`.
-// `ensure_entered(owner)` (thread 0 only) returns once the owner may be written to; a false
-// return (time-out, recorded) skips the copies of that item, which still gets its slot back.
-template <class EnsureEntered>
+// `ensure_entered(peer)` (thread 0 only) returns once the peer may be written to; a false return
+// (time-out, recorded) skips the copies to that peer, and the item still gets its slot back.
+// `peer_shift(p)`: how far local rank p's copy of this rank's output lies from this rank's (in
+// floats; broadcast items only).
+template <class EnsureEntered, class PeerShift>
 __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, bool add,
-                                             const EnsureEntered& ensure_entered) {
+                                             const EnsureEntered& ensure_entered,
+                                             const PeerShift& peer_shift) {
   OutboxShared& box = outbox_shared();
   const int t = threadIdx.x - 32;  // 0..95
   const dev::Launch launch = dev::Launch::begin(comm);
   __shared__ int skip;
+  // Copies one item's rows x width words from src to at + shift (96 threads; stores or adds).
+  auto copy = [&](const OutboxItem& item, int64_t shift, bool add_words) {
+    const int units_per_row = item.width / 4, units = item.rows * units_per_row;
+    constexpr int kBatch = 2;
+    for (int u0 = t; u0 < units; u0 += 96 * kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int u = u0 + 96 * i;
+        if (u < units) {
+          v[i] = __ldcg(reinterpret_cast<const float4*>(
+              item.src(u / units_per_row, 4 * (u % units_per_row))));
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int u = u0 + 96 * i;
+        if (u >= units) break;
+        float* dst = item.at(u / units_per_row, 4 * (u % units_per_row)) + shift;
+        if (add_words) {
+          red_add_f32x4(dst, v[i]);
+        } else {
+          *reinterpret_cast<float4*>(dst) = v[i];
+        }
+      }
+    }
+  };
   bool done[2] = {false, false};
   OutboxCursor cursor[2];
   cursor[0].slots = cursor[1].slots = slots;
@@ -262,39 +310,22 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, 
         done[consumer] = true;
         continue;
       }
-      if (rows > 0) {
+      if (rows > 0 && item.owner >= 0) {  // a partial: to its owner, then the owner's signal
         if (t == 0) skip = ensure_entered(item.owner) ? 0 : 1;
         dev::named_barrier_sync(kOutboxBarrier, 96);
-        if (!skip) {
-          const int units_per_row = item.width / 4, units = rows * units_per_row;
-          constexpr int kBatch = 2;
-          for (int u0 = t; u0 < units; u0 += 96 * kBatch) {
-            float4 v[kBatch];
-#pragma unroll
-            for (int i = 0; i < kBatch; ++i) {
-              const int u = u0 + 96 * i;
-              if (u < units) {
-                v[i] = __ldcg(reinterpret_cast<const float4*>(
-                    item.src(u / units_per_row, 4 * (u % units_per_row))));
-              }
-            }
-#pragma unroll
-            for (int i = 0; i < kBatch; ++i) {
-              const int u = u0 + 96 * i;
-              if (u >= units) break;
-              float* dst = item.at(u / units_per_row, 4 * (u % units_per_row));
-              if (add) {
-                red_add_f32x4(dst, v[i]);
-              } else {
-                *reinterpret_cast<float4*>(dst) = v[i];
-              }
-            }
-          }
-        }
+        if (!skip) copy(item, 0, add);
         dev::named_barrier_sync(kOutboxBarrier, 96);  // every copy issued (and the slot read)
         if (t == 0 && !skip) {
           dev::fence_acq_rel_sys();  // the copies have landed before the signal
           launch.signal(item.owner, item.signal, 1);
+        }
+      } else if (rows > 0) {  // a broadcast: to every peer, no signal
+        for (int p = 0; p < comm.local_size; ++p) {
+          if (p == comm.local_rank) continue;
+          if (t == 0) skip = ensure_entered(p) ? 0 : 1;
+          dev::named_barrier_sync(kOutboxBarrier, 96);
+          if (!skip) copy(item, peer_shift(p), false);
+          dev::named_barrier_sync(kOutboxBarrier, 96);  // skip is read; the next p may set it
         }
       }
       dev::mbarrier_arrive(&box.empty[consumer][s]);
