@@ -236,15 +236,9 @@ struct GemmArFusion {
       }
     }
     if (staging == nullptr) return;
-    uint32_t entered = 0;  // thread 0's: bit p, rank p has entered this launch
+    EnteredPeers entered;  // thread 0's
     outbox_serve(
-        comm, outbox_slots, !single_peer,
-        [&](int peer) {
-          if (entered & (1u << peer)) return true;
-          if (!launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1)) return false;
-          entered |= 1u << peer;
-          return true;
-        },
+        comm, outbox_slots, !single_peer, [&](int peer) { return entered.ensure(launch, peer); },
         [&](int peer) {  // in floats: peer's C minus this rank's (same offset, other mapping)
           return static_cast<int64_t>(reinterpret_cast<uintptr_t>(out_peers[peer]) -
                                       reinterpret_cast<uintptr_t>(out_peers[comm.local_rank])) /

@@ -88,16 +88,20 @@ struct GemmRsFusion {
   // tiles: nothing writes there before the CTA's own final stores of those tiles, which come
   // after every remote tile of the CTA, and the CTA waits for its outbox to drain before them.
   // So the outbox costs no memory beyond the accumulator. A footprint (128 x kBlockN bf16) holds
-  // one slot (64 x kBlockN fp32: slot row r = output rows 2r and 2r + 1). Up to
-  // 2 x kMaxOutboxSlots whole (not clipped) own tiles of this CTA, last first; returns how many.
-  __device__ int footprints(gemm_engine::Tile (&found)[2 * kMaxOutboxSlots]) const {
+  // one slot (64 x kBlockN fp32: slot row r = output rows 2r and 2r + 1).
+  // footprints(): the whole (not clipped) own tiles of this CTA, last first - how many there
+  // are (up to 2 x kMaxOutboxSlots), and the k-th of them in `found`.
+  __device__ int footprints(int k, gemm_engine::Tile& found) const {
     const int own_first = (comm.world_size - 1) * raster.num_tiles();
     const int last = num_tiles() - 1 -
                      (num_tiles() - 1 - static_cast<int>(blockIdx.x)) % static_cast<int>(gridDim.x);
     int count = 0;
     for (int t = last; t >= own_first && count < 2 * kMaxOutboxSlots; t -= gridDim.x) {
       const gemm_engine::Tile own = tile(t);
-      if (own.m * 128 + 128 <= shard_rows && (own.n + 1) * kBlockN <= n) found[count++] = own;
+      if (own.m * 128 + 128 <= shard_rows && (own.n + 1) * kBlockN <= n) {
+        if (count == k) found = own;
+        ++count;
+      }
     }
     return count;
   }
@@ -114,9 +118,7 @@ struct GemmRsFusion {
     int owner = -1;  // a reduce whose signal is still owed, or -1
     uint32_t signal = 0;
     uint32_t entered = 0;  // bit o: owner o has been seen in this launch
-    bool ready = false;    // footprints below computed
-    int footprint_count = 0;
-    gemm_engine::Tile footprint[2 * kMaxOutboxSlots];
+    bool ready = false;    // outbox.slots set
     OutboxCursor outbox;
   };
 
@@ -129,8 +131,8 @@ struct GemmRsFusion {
     const int t = threadIdx.x % 128;
     if (t == 0) flush(pending, launch);
     if (!pending.ready) {
-      pending.footprint_count = footprints(pending.footprint);
-      pending.outbox.slots = outbox_slots(pending.footprint_count);
+      gemm_engine::Tile unused;
+      pending.outbox.slots = outbox_slots(footprints(0, unused));
       pending.ready = true;
     }
     const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
@@ -139,7 +141,9 @@ struct GemmRsFusion {
       const int owner = tile.shard;              // one node: global rank = local rank
       const int width = slice_width(tile.n);
       OutboxItem item{};
-      item.src = footprint_at(pending.footprint[consumer * slots + pending.outbox.slot()]);
+      gemm_engine::Tile staging_tile;
+      footprints(consumer * slots + pending.outbox.slot(), staging_tile);
+      item.src = footprint_at(staging_tile);
       item.at =
           PartialAt::block(accum_peers[owner] + slice_offset(tile.m, tile.n, consumer), width);
       item.rows = max(0, min(64, shard_rows - row0));
@@ -190,7 +194,9 @@ struct GemmRsFusion {
           !single_peer);
     }
     for (int k = 0; k < 2 * slots; ++k) {  // a staging footprint: wait until it is free
-      if (pending.footprint[k].m == tile.m && pending.footprint[k].n == tile.n) {
+      gemm_engine::Tile staging_tile;
+      footprints(k, staging_tile);
+      if (staging_tile.m == tile.m && staging_tile.n == tile.n) {
         outbox_wait_drained();
         dev::fence_proxy_async_global();  // the slots' generic writes, before TMA stores there
         break;
@@ -225,18 +231,12 @@ struct GemmRsFusion {
         if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
       }
     }
-    gemm_engine::Tile found[2 * kMaxOutboxSlots];
-    const int slots = outbox_slots(footprints(found));
+    gemm_engine::Tile unused;
+    const int slots = outbox_slots(footprints(0, unused));
     if (slots == 0) return;
-    uint32_t entered = 0;  // thread 0's: bit p, rank p has entered this launch
+    EnteredPeers entered;  // thread 0's
     outbox_serve(
-        comm, slots, !single_peer,
-        [&](int peer) {
-          if (entered & (1u << peer)) return true;
-          if (!launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1)) return false;
-          entered |= 1u << peer;
-          return true;
-        },
+        comm, slots, !single_peer, [&](int peer) { return entered.ensure(launch, peer); },
         [](int) { return int64_t{0}; });  // no broadcast items here
   }
 

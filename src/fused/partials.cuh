@@ -131,6 +131,19 @@ struct PartialAt {
   __device__ static PartialAt block(float* p, int width) { return {p, 0, p, width, 0}; }
 };
 
+// Thread 0's record of the peers known to have entered this launch (their previous launch is
+// over, so their buffers may be written); ensure() waits for a peer's entry signal once. False:
+// the wait timed out (recorded).
+struct EnteredPeers {
+  uint32_t bits = 0;
+  __device__ bool ensure(const dev::Launch& launch, int peer) {
+    if (bits & (1u << peer)) return true;
+    if (!launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1)) return false;
+    bits |= 1u << peer;
+    return true;
+  }
+};
+
 // ---- Outbox: partial slices leave through the producer warpgroup's spare warps -----------------
 // Sending a slice from the consumer's epilogue stalls its tensor cores for the whole NVLink
 // transfer (from an epilogue a CTA moves only ~1 GB/s over NVLink, journal 2026-11-30 session 3).
