@@ -102,6 +102,7 @@ void expect_gemm_ar_cases(Communicator& comm) {
       {1, 8, 8, BLayout::kNK, 0},           {7, 264, 136, BLayout::kNK, 0},
       {128, 1024, 512, BLayout::kKN, 0},    {1000, 520, 1000, BLayout::kNK, 64},
       {1000, 1024, 256, BLayout::kNK, 192}, {333, 2056, 256, BLayout::kKN, 128},
+      {4096, 4096, 64, BLayout::kNK, 0},  // staging fits: through the outbox (red.add at w > 2)
   };
   for (std::size_t i = 0; i < cases.size(); ++i) expect_gemm_ar(comm, cases[i], seed + 100 * i);
 }

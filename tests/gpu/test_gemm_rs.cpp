@@ -73,10 +73,14 @@ void expect_gemm_rs(Communicator& comm, const RsCase& c, uint64_t seed,
 void expect_gemm_rs_cases(Communicator& comm) {
   const uint64_t seed = shared_seed(comm);
   const std::vector<RsCase> cases = {
-      {1, 8, 8, BLayout::kNK, 0},          {200, 264, 136, BLayout::kNK, 0},
-      {200, 264, 136, BLayout::kKN, 192},  {333, 520, 1000, BLayout::kNK, 64},
-      {1000, 1024, 512, BLayout::kKN, 0},  {1000, 1024, 512, BLayout::kNK, 256},
+      {1, 8, 8, BLayout::kNK, 0},
+      {200, 264, 136, BLayout::kNK, 0},
+      {200, 264, 136, BLayout::kKN, 192},
+      {333, 520, 1000, BLayout::kNK, 64},
+      {1000, 1024, 512, BLayout::kKN, 0},
+      {1000, 1024, 512, BLayout::kNK, 256},
       {517, 2056, 256, BLayout::kNK, 128},
+      {2048, 2048, 64, BLayout::kNK, 0},  // CTAs with two whole own tiles: through the outbox
   };
   for (std::size_t i = 0; i < cases.size(); ++i) expect_gemm_rs(comm, cases[i], seed + 100 * i);
 }
