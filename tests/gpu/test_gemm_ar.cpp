@@ -38,14 +38,14 @@ void expect_same_on_all_ranks(Communicator& comm, uint64_t hash, const std::stri
   }
 }
 
-void expect_gemm_ar(Communicator& comm, const ArCase& c, uint64_t seed) {
+void expect_gemm_ar(Communicator& comm, const ArCase& c, uint64_t seed,
+                    FusedGemmConfig config = {}) {
   const int world = comm.world_size(), rank = comm.rank();
   const std::string what = "gemm_ar world " + std::to_string(world) + ", M " + std::to_string(c.m) +
                            " N " + std::to_string(c.n) + " K_r " + std::to_string(c.k_local) +
                            (c.layout == BLayout::kKN ? ", B [K, N]" : ", B [N, K]") + ", block_n " +
                            std::to_string(c.block_n) + ", rank " + std::to_string(rank);
   SCOPED_TRACE(what);
-  FusedGemmConfig config;
   config.block_n = c.block_n;
   RsProblem p(world, c.m, c.n, c.k_local, c.layout == BLayout::kKN);
   const std::size_t ws_bytes = gemm_ar_workspace_bytes(comm, c.m, c.n, c.k_local, config);
@@ -140,6 +140,11 @@ TEST(SanitizeGemmAr, SmallWorld2) {
     const uint64_t seed = shared_seed(comm);
     expect_gemm_ar(comm, {130, 136, 72, BLayout::kNK, 0}, seed);
     expect_gemm_ar(comm, {7, 200, 64, BLayout::kKN, 64}, seed + 1);
+    FusedGemmConfig four_ctas;  // staging fits: the outbox, two slots per consumer
+    four_ctas.sms = 4;
+    const FusedGemmPlan plan = gemm_ar_plan(comm, 512, 1024, 64, {.block_n = 128, .sms = 4});
+    EXPECT_EQ(plan.outbox_slots, 2) << plan.describe();
+    expect_gemm_ar(comm, {512, 1024, 64, BLayout::kNK, 128}, seed + 2, four_ctas);
   });
 }
 

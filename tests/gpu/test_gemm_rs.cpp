@@ -116,6 +116,9 @@ TEST(SanitizeGemmRs, SmallWorld2) {
     const uint64_t seed = shared_seed(comm);
     expect_gemm_rs(comm, {130, 136, 72, BLayout::kNK, 0}, seed);
     expect_gemm_rs(comm, {70, 200, 64, BLayout::kKN, 64}, seed + 1);
+    FusedGemmConfig four_ctas;  // two whole own tiles per CTA: the outbox, one slot per consumer
+    four_ctas.sms = 4;
+    expect_gemm_rs(comm, {256, 512, 64, BLayout::kNK, 128}, seed + 2, four_ctas);
   });
 }
 
