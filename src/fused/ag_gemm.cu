@@ -109,9 +109,10 @@ std::string FusedGemmPlan::describe() const {
   char line[256];
   std::snprintf(line, sizeof(line),
                 "shards of %lld rows, tiles 128x%d, %d CTAs (%d moving data), pieces of %d rows "
-                "(%d per shard), workspace %zu bytes (staging %zu: %d outbox slots per consumer)",
+                "(%d per shard), workspace %zu bytes (staging %zu: %d outbox slots per consumer), "
+                "lag %d",
                 static_cast<long long>(shard_rows), block_n, ctas, comm_ctas, piece_rows, pieces,
-                workspace_bytes, staging_bytes, outbox_slots);
+                workspace_bytes, staging_bytes, outbox_slots, lag);
   return line;
 }
 

@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -23,6 +24,16 @@ inline int sm_budget(const Communicator& comm, int requested, const char* op) {
   const int budget = std::max(1, std::min(comm.topology().sm_budget(), kMaxChannels));
   return requested > 0 ? std::min(requested, budget) : budget;
 }
+
+// Switches for measuring what a mechanism buys: on unless the variable is "0".
+//   MKERNEL_OUTBOX      partials leave through the producer's side threads (partials.cuh)
+//   MKERNEL_INTERLEAVE  reducing kernels interleave peers' and own tiles (reduce_order.h)
+inline bool switch_on(const char* variable) {
+  const char* v = std::getenv(variable);
+  return v == nullptr || std::string(v) != "0";
+}
+inline bool outbox_enabled() { return switch_on("MKERNEL_OUTBOX"); }
+inline bool interleave_enabled() { return switch_on("MKERNEL_INTERLEAVE"); }
 
 // The shape rules every fused GEMM shares: M a positive multiple of the world size (shards of
 // M / world rows), N and K multiples of 8 (`k_name`: what this op calls K), all below 2^31.

@@ -86,10 +86,8 @@ FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
   // intermediate's size too: two slots per consumer, else one, with every CTA of the budget,
   // else with up to 1/8 of the CTAs given up for them (the epilogue's own sends cost far more);
   // else the epilogue sends the partials itself (small M, tiny N).
-  const char* outbox = std::getenv("MKERNEL_OUTBOX");  // "0": no outbox (for comparisons)
   const auto bound = static_cast<std::size_t>(m * n * 2);
-  if (world > 1 && !(outbox != nullptr && std::string(outbox) == "0") &&
-      p.workspace_bytes < bound) {
+  if (world > 1 && fused::outbox_enabled() && p.workspace_bytes < bound) {
     const auto slot_bytes = static_cast<std::size_t>(std::min<int64_t>(64, m) * p.block_n * 4);
     const std::size_t room = bound - p.workspace_bytes;
     for (const int min_ctas : {p.ctas, p.ctas - p.ctas / 8}) {
@@ -104,6 +102,13 @@ FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
       }
     }
     p.workspace_bytes += p.staging_bytes;
+  }
+  // Peers' tiles and own tiles interleaved (reduce_order.h), lag two waves, when the outbox
+  // carries the traffic and the column tiles split evenly (the same count for every owner).
+  p.lag = -1;
+  if (p.outbox_slots > 0 && fused::interleave_enabled() && tiles_n % world == 0 &&
+      tiles_m * (tiles_n / world) >= 2 * static_cast<int64_t>(p.ctas)) {
+    p.lag = 2 * (world - 1) * p.ctas;
   }
   return p;
 }
@@ -128,6 +133,7 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.single_peer = topo.world_size == 2;
   f.slot_floats = std::min<int64_t>(64, m) * kBlockN;
   f.outbox_slots = p.outbox_slots;
+  f.order = {topo.world_size, static_cast<int>(f.tiles_m * (f.tiles_n / topo.world_size)), p.lag};
   f.staging = p.staging_bytes == 0
                   ? nullptr
                   : reinterpret_cast<float*>(ws.host_peers[topo.local_rank] + ws.offset +

@@ -28,6 +28,7 @@
 
 #include "fused/gemm_rs.cuh"  // kMaxLocalRanks
 #include "fused/partials.cuh"
+#include "fused/reduce_order.h"
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
 #include "mkernel/device_comm.h"
@@ -50,7 +51,8 @@ struct GemmArFusion {
   bool single_peer;  // two ranks: partials are stored (one per slice), not added
   float* staging;    // this rank's outbox slots, [CTA][consumer][slot][slot_floats]; or null
   int64_t slot_floats;
-  int outbox_slots;  // per consumer, when staging is set
+  int outbox_slots;   // per consumer, when staging is set
+  ReduceOrder order;  // lag >= 0: interleaved (reduce_order.h); else owners r + 1, ..., r
 
   __device__ int first_col_tile(int owner) const { return owner * tiles_n / comm.world_size; }
   __device__ int owned_cols(int owner) const {  // in elements
@@ -61,6 +63,15 @@ struct GemmArFusion {
 
   __device__ gemm_engine::Tile tile(int t) const {
     const int world = comm.world_size;
+    if (order.lag >= 0) {  // interleaved (the column tiles split evenly: P the same for all)
+      int step = 0, index = 0;
+      order.at(t, step, index);
+      const int owner = (comm.rank + step) % world;
+      gemm_engine::Tile tile{0, 0, owner};
+      gemm_engine::GroupedRaster{tiles_m, tiles_n / world}.tile(index, tile.m, tile.n);
+      tile.n += first_col_tile(owner);
+      return tile;
+    }
     int owner = comm.rank;
     for (int q = 1; q <= world; ++q) {  // owners r + 1, ..., r - 1, then r
       owner = (comm.rank + q) % world;

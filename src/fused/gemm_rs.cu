@@ -49,6 +49,13 @@ FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
   p.piece_rows = 128;
   p.pieces = static_cast<int>(tiles_m);
   p.workspace_bytes = gemm_rs_workspace_bytes(m, n, world);
+  // Peers' tiles and own tiles interleaved (reduce_order.h) when every CTA still gets two own
+  // tiles after the last remote one for its outbox staging: lag = two waves of remote tiles.
+  p.lag = -1;
+  if (world > 1 && fused::outbox_enabled() && fused::interleave_enabled() &&
+      tiles_m * tiles_n >= 2 * static_cast<int64_t>(p.ctas)) {
+    p.lag = 2 * (world - 1) * p.ctas;
+  }
   return p;
 }
 
@@ -69,13 +76,13 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.my_accum = static_cast<float*>(workspace);
   f.single_peer = topo.world_size == 2;
   f.out_local = static_cast<__nv_bfloat16*>(out);
-  const char* outbox = std::getenv("MKERNEL_OUTBOX");  // "0": no outbox (for comparisons)
-  f.outbox = !(outbox != nullptr && std::string(outbox) == "0");
+  f.outbox = fused::outbox_enabled();
   f.debug = std::getenv("MKERNEL_RS_DEBUG") ? std::atoi(std::getenv("MKERNEL_RS_DEBUG")) : 0;
   f.shard_rows = static_cast<int>(p.shard_rows);
   f.n = static_cast<int>(n);
   f.raster = {static_cast<int>((p.shard_rows + 127) / 128),
               static_cast<int>((n + kBlockN - 1) / kBlockN)};
+  f.order = {topo.world_size, f.raster.tiles_m * f.raster.tiles_n, p.lag};
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
   gemm_engine::launch<kBlockN, kTransB>(f, map_b, k, p.ctas, stream, kOp);
 }

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "fused/partials.cuh"
+#include "fused/reduce_order.h"
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
 #include "mkernel/device_comm.h"
@@ -48,14 +49,16 @@ struct GemmRsFusion {
   int shard_rows;    // S
   int n;
   gemm_engine::GroupedRaster raster;  // tiles of one shard
+  ReduceOrder order;                  // peers' tiles and own tiles in time (reduce_order.h)
 
   __device__ int num_tiles() const { return comm.world_size * raster.num_tiles(); }
 
   __device__ gemm_engine::Tile tile(int t) const {
-    const int per_shard = raster.num_tiles();
+    int step = 0, index = 0;
+    order.at(t, step, index);
     gemm_engine::Tile tile;
-    tile.shard = (comm.rank + 1 + t / per_shard) % comm.world_size;  // own rows last
-    raster.tile(t % per_shard, tile.m, tile.n);
+    tile.shard = (comm.rank + step) % comm.world_size;  // step 0: own rows
+    raster.tile(index, tile.m, tile.n);
     return tile;
   }
 
@@ -85,18 +88,18 @@ struct GemmRsFusion {
   // Per consumer warpgroup, thread 0's bookkeeping between epilogues.
   // ---- Outbox staging in the output ----
   // A CTA stages its outgoing slices (partials.cuh) in the output footprints of its own last
-  // tiles: nothing writes there before the CTA's own final stores of those tiles, which come
-  // after every remote tile of the CTA, and the CTA waits for its outbox to drain before them.
+  // tiles, those after the last remote position of the order: nothing writes there before the
+  // CTA's own final stores of those tiles, and before them the CTA closes its outbox and waits
+  // for it to drain.
   // So the outbox costs no memory beyond the accumulator. A footprint (128 x kBlockN bf16) holds
   // one slot (64 x kBlockN fp32: slot row r = output rows 2r and 2r + 1).
   // footprints(): the whole (not clipped) own tiles of this CTA, last first - how many there
   // are (up to 2 x kMaxOutboxSlots), and the k-th of them in `found`.
   __device__ int footprints(int k, gemm_engine::Tile& found) const {
-    const int own_first = (comm.world_size - 1) * raster.num_tiles();
     const int last = num_tiles() - 1 -
                      (num_tiles() - 1 - static_cast<int>(blockIdx.x)) % static_cast<int>(gridDim.x);
     int count = 0;
-    for (int t = last; t >= own_first && count < 2 * kMaxOutboxSlots; t -= gridDim.x) {
+    for (int t = last; t > order.last_remote() && count < 2 * kMaxOutboxSlots; t -= gridDim.x) {
       const gemm_engine::Tile own = tile(t);
       if (own.m * 128 + 128 <= shard_rows && (own.n + 1) * kBlockN <= n) {
         if (count == k) found = own;
@@ -172,7 +175,6 @@ struct GemmRsFusion {
       }
       return;
     }
-    outbox_close(pending.outbox);  // own rows come last: no more remote tiles here
     // Own rows: the peers' partial sums of this slice, then one rounding to bf16.
     if (t == 0 && !(debug & 8)) {
       const uint32_t signal = slot(tile, consumer);
@@ -197,6 +199,7 @@ struct GemmRsFusion {
       gemm_engine::Tile staging_tile;
       footprints(k, staging_tile);
       if (staging_tile.m == tile.m && staging_tile.n == tile.n) {
+        outbox_close(pending.outbox);  // footprints come after this CTA's last remote tile
         outbox_wait_drained();
         dev::fence_proxy_async_global();  // the slots' generic writes, before TMA stores there
         break;

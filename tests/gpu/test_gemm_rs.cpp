@@ -119,6 +119,21 @@ TEST(SanitizeGemmRs, SmallWorld2) {
     FusedGemmConfig four_ctas;  // two whole own tiles per CTA: the outbox, one slot per consumer
     four_ctas.sms = 4;
     expect_gemm_rs(comm, {256, 512, 64, BLayout::kNK, 128}, seed + 2, four_ctas);
+    // 16 own tiles on 4 CTAs: peers' and own tiles interleave after a lag of two waves
+    four_ctas.block_n = 128;
+    EXPECT_EQ(gemm_rs_plan(comm, 2 * 512, 512, 64, four_ctas).lag, 8);
+    expect_gemm_rs(comm, {512, 512, 64, BLayout::kNK, 128}, seed + 3, four_ctas);
+  });
+}
+
+TEST(InProcessGemmRs, InterleavedWorld4) {
+  MKT_REQUIRE_GPU();
+  run_in_process(4, [](Communicator& comm) {
+    FusedGemmConfig four_ctas;
+    four_ctas.sms = 4;
+    four_ctas.block_n = 128;
+    EXPECT_EQ(gemm_rs_plan(comm, 4 * 512, 512, 64, four_ctas).lag, 24);
+    expect_gemm_rs(comm, {512, 512, 64, BLayout::kKN, 128}, shared_seed(comm), four_ctas);
   });
 }
 

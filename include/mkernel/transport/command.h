@@ -33,11 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define MK_HOST_DEVICE __host__ __device__
-#else
-#define MK_HOST_DEVICE
-#endif
+#include "mkernel/host_device.h"
 
 namespace mk::transport {
 
