@@ -85,7 +85,6 @@ struct GemmRsFusion {
   }
   __device__ int slice_width(int tile_n) const { return min(kBlockN, n - tile_n * kBlockN); }
 
-  // Per consumer warpgroup, thread 0's bookkeeping between epilogues.
   // ---- Outbox staging in the output ----
   // A CTA stages its outgoing slices (partials.cuh) in the output footprints of its own last
   // tiles, those after the last remote position of the order: nothing writes there before the
@@ -117,6 +116,7 @@ struct GemmRsFusion {
     return {reinterpret_cast<float*>(base), n, reinterpret_cast<float*>(base + n), n, kBlockN / 2};
   }
 
+  // Per consumer warpgroup: bookkeeping between epilogues (thread 0's, and the outbox cursor).
   struct ConsumerState {
     int owner = -1;  // a reduce whose signal is still owed, or -1
     uint32_t signal = 0;
