@@ -190,7 +190,7 @@ struct GemmArFusion {
         }
       }
       dev::fence_acq_rel_sys();
-      for (int p = 0; p < comm.local_size; ++p) {
+      for (int p = 0; p < comm.local_size && staging == nullptr; ++p) {  // (else: side threads)
         if (p != comm.local_rank) ensure_entered(state, p, launch);
       }
     }
@@ -198,6 +198,25 @@ struct GemmArFusion {
     // Every thread has read its words of the slice (in C too) before store_slice's first barrier;
     // the result overwrites them only after it.
     add_and_clear(acc, slice_at(tile, consumer), rows, width, !single_peer);
+    if (staging != nullptr) {  // C here by TMA; the side threads copy it to the peers' C
+      gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
+        dev::tma_store_2d(&out, buf, col0 + 64 * j, row0);
+      });
+      if (t == 0) {  // the issuing thread: the stores have landed, visible to generic loads
+        dev::bulk_wait_group<0>();
+        dev::fence_proxy_async_global();
+      }
+      float* here = reinterpret_cast<float*>(out_peers[comm.local_rank] +
+                                             static_cast<int64_t>(row0) * n + col0);
+      OutboxItem item{};
+      item.src = {here, n / 2, here, n / 2, 1 << 30};  // rows of C, two bf16 values a word
+      item.at = item.src;
+      item.rows = rows;
+      item.width = width / 2;
+      item.owner = -1;  // to every peer
+      outbox_post_ready(consumer, state.outbox, item);
+      return;
+    }
     const int my_row = t / 2, my_half = t % 2;  // the half row this thread pushes to the peers
     gemm_engine::store_slice(
         acc, col0, n, consumer, scratch,
