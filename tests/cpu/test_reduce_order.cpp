@@ -74,6 +74,26 @@ TEST(ReduceOrder, BlockedAndInterleavedCoverEverythingOnce) {
   }
 }
 
+// The plans' lag, two waves of remote positions per peer (2 (w - 1) CTAs): every CTA (positions
+// t = b, b + grid, ...) has at least two own positions after the last remote one - gemm_rs's
+// outbox staging footprints.
+TEST(ReduceOrder, PlansLagLeavesEveryCtaTwoTailTiles) {
+  for (int world : {2, 3, 4, 8}) {
+    for (int grid : {1, 4, 66, 132}) {
+      for (int per_owner : {2 * grid, 2 * grid + 5, 7 * grid + 3}) {
+        const ReduceOrder o{world, per_owner, 2 * (world - 1) * grid};
+        const int total = world * per_owner;
+        for (int b = 0; b < grid; ++b) {
+          int tail = 0;
+          for (int t = b; t < total; t += grid) tail += t > o.last_remote() ? 1 : 0;
+          EXPECT_GE(tail, 2) << "world " << world << ", grid " << grid << ", P " << per_owner
+                             << ": CTA " << b;
+        }
+      }
+    }
+  }
+}
+
 TEST(ReduceOrder, TwoRanksAlternateAfterTheLag) {
   const ReduceOrder o{2, 6, 2};  // R R | R O R O R O R O | O O
   const std::vector<std::pair<int, int>> want = {{1, 0}, {1, 1}, {1, 2}, {0, 0}, {1, 3}, {0, 1},
