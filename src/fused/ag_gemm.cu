@@ -120,10 +120,7 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
              int64_t k, BLayout b_layout, void* workspace, cudaStream_t stream,
              const FusedGemmConfig& config, void* gathered_a) {
   detail::DeviceGuard guard(comm.device());
-  detail::require_usable(comm, kOp);
-  detail::require_single_node(comm, kOp);
-  detail::require_stream(comm, stream, kOp);
-  if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) invalid("unknown B layout");
+  fused::check_call(comm, stream, b_layout, kOp);
   const AgGemmPlan p = plan(comm, m, n, k, config);
   const std::size_t shard_bytes = static_cast<std::size_t>(p.shard_rows) * k * 2;
   const std::size_t ws_bytes = ag_gemm_workspace_bytes(m, k);

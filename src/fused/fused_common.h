@@ -11,6 +11,8 @@
 #include "mkernel/communicator.h"
 #include "mkernel/device_comm.h"
 #include "mkernel/error.h"
+#include "mkernel/gemm.h"
+#include "runtime/validate.h"
 
 namespace mk::fused {
 
@@ -34,6 +36,18 @@ inline bool switch_on(const char* variable) {
 }
 inline bool outbox_enabled() { return switch_on("MKERNEL_OUTBOX"); }
 inline bool interleave_enabled() { return switch_on("MKERNEL_INTERLEAVE"); }
+
+// The first checks of every fused GEMM call: the communicator usable, one node, the stream on the
+// communicator's device, a known B layout.
+inline void check_call(const Communicator& comm, cudaStream_t stream, BLayout b_layout,
+                       const char* op) {
+  detail::require_usable(comm, op);
+  detail::require_single_node(comm, op);
+  detail::require_stream(comm, stream, op);
+  if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) {
+    throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": unknown B layout");
+  }
+}
 
 // The shape rules every fused GEMM shares: M a positive multiple of the world size (shards of
 // M / world rows), N and K multiples of 8 (`k_name`: what this op calls K), all below 2^31.

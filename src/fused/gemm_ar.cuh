@@ -181,15 +181,7 @@ struct GemmArFusion {
     }
     // Own slice: the peers' sums, one rounding, then C here and in every peer.
     if (t == 0) {
-      const uint32_t signal = slot(tile, consumer);
-      for (int src = 0; src < comm.world_size; ++src) {
-        if (src == comm.rank) continue;
-        if (!dev::reached(dev::ld_relaxed_sys(comm.signals + signal * comm.world_size + src),
-                          dev::signal_value(launch.epoch, 1))) {
-          if (!launch.wait(src, signal, 1)) break;  // time-out recorded: finish with what is there
-        }
-      }
-      dev::fence_acq_rel_sys();
+      wait_for_partials(comm, launch, slot(tile, consumer));
       for (int p = 0; p < comm.local_size && staging == nullptr; ++p) {  // (else: side threads)
         if (p != comm.local_rank) ensure_entered(state, p, launch);
       }

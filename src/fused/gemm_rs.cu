@@ -104,10 +104,7 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
              int64_t k, BLayout b_layout, void* workspace, cudaStream_t stream,
              const FusedGemmConfig& config) {
   detail::DeviceGuard guard(comm.device());
-  detail::require_usable(comm, kOp);
-  detail::require_single_node(comm, kOp);
-  detail::require_stream(comm, stream, kOp);
-  if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) invalid("unknown B layout");
+  fused::check_call(comm, stream, b_layout, kOp);
   const FusedGemmPlan p = plan(comm, m, n, k, config);
   detail::require_device_pointer(comm, a, 16, kOp, "A");
   detail::require_device_pointer(comm, b, 16, kOp, "B");

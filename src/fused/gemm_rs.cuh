@@ -177,15 +177,7 @@ struct GemmRsFusion {
     }
     // Own rows: the peers' partial sums of this slice, then one rounding to bf16.
     if (t == 0 && !(debug & 8)) {
-      const uint32_t signal = slot(tile, consumer);
-      for (int src = 0; src < comm.world_size; ++src) {
-        if (src == comm.rank) continue;
-        if (!dev::reached(dev::ld_relaxed_sys(comm.signals + signal * comm.world_size + src),
-                          dev::signal_value(launch.epoch, 1))) {
-          if (!launch.wait(src, signal, 1)) break;  // time-out recorded: finish with what is there
-        }
-      }
-      dev::fence_acq_rel_sys();
+      wait_for_partials(comm, launch, slot(tile, consumer));
     }
     dev::named_barrier_sync(1 + consumer, 128);
     if (row0 < shard_rows && !(debug & 2)) {

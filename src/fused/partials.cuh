@@ -131,6 +131,21 @@ struct PartialAt {
   __device__ static PartialAt block(float* p, int width) { return {p, 0, p, width, 0}; }
 };
 
+// Thread 0 of a consumer, before it reads an own slice's partials: every peer has raised
+// `signal` in this launch (each wait bounded by the time limit; after a time-out it stops
+// waiting - the launch is failing and says so), then an acquire fence for the peers' writes.
+__device__ __forceinline__ void wait_for_partials(const DeviceComm& comm, const dev::Launch& launch,
+                                                  uint32_t signal) {
+  for (int src = 0; src < comm.world_size; ++src) {
+    if (src == comm.rank) continue;
+    if (!dev::reached(dev::ld_relaxed_sys(comm.signals + signal * comm.world_size + src),
+                      dev::signal_value(launch.epoch, 1))) {
+      if (!launch.wait(src, signal, 1)) break;
+    }
+  }
+  dev::fence_acq_rel_sys();
+}
+
 // Thread 0's record of the peers known to have entered this launch (their previous launch is
 // over, so their buffers may be written); ensure() waits for a peer's entry signal once. False:
 // the wait timed out (recorded).
