@@ -4,8 +4,9 @@
 #   bash bench/run.sh <kernel|all> <check|bench> <num_nodes> [sizes]
 #
 # kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm, ag_gemm, gemm_rs, gemm_ar,
-#         transport (the socket proxy path over loopback; no GPU needed). Other fused kernels
-#         join as they land. all = collectives, gemm and every fused kernel.
+#         transport (the socket proxy path over loopback; no GPU needed), p2p (NVLink push /
+#         red.add / pull rate per CTA between GPU 0 and 1: what the fused kernels are sized by).
+#         Other fused kernels join as they land. all = collectives, gemm and every fused kernel.
 # check = correctness on the GPUs present; bench = timings against the baselines (NCCL, cuBLAS,
 #         NCCL-then-cuBLAS, PyTorch async-TP), written to bench/results/<kernel>-<gpu>-w<world>.json
 #         (../shared/BENCH_SCHEMA.md). sizes: collectives: MiB per rank, comma-separated (bench:
@@ -28,6 +29,9 @@ case "$kernel" in
     # The inter-node proxy path over loopback (host only, no GPU): latency and bandwidth.
     [[ -x "${BUILD_DIR:-build}/bench/bench_transport" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
     exec "${BUILD_DIR:-build}/bench/bench_transport" ;;
+  p2p)
+    [[ -x "${BUILD_DIR:-build}/bench/bench_p2p" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
+    exec "${BUILD_DIR:-build}/bench/bench_p2p" ;;
   moe_dispatch_gemm | moe_layer | ring_attention)
     echo "bench/run.sh: $kernel is not implemented yet (see the open issues)" >&2; exit 2 ;;
   *) echo "bench/run.sh: unknown kernel '$kernel'" >&2; usage ;;

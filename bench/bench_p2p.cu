@@ -1,0 +1,146 @@
+// How fast can one CTA move data over point-to-point NVLink, and how many CTAs does the link
+// take? The fused kernels size their communication from these numbers (docs/PERFORMANCE.md):
+// a CTA of T threads with V 16-byte vectors in flight per thread pushes (st.global to the peer),
+// reduces (red.global.add.v4.f32 to the peer) or pulls (ld.global from the peer) B bytes; GPU 0
+// talks to GPU 1, one direction.
+//
+//   build/bench/bench_p2p [--mib-per-cta N]      (default 2; needs two GPUs with P2P access)
+//
+// Prints one line per (op, CTAs, threads, V): GB/s per CTA and in total, median of 5 runs.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#define P2P_CHECK(call)                                                                     \
+  do {                                                                                      \
+    const cudaError_t e_ = (call);                                                          \
+    if (e_ != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "bench_p2p: %s failed: %s\n", #call, cudaGetErrorString(e_));   \
+      std::exit(1);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+enum class Op { kPush, kReduce, kPull };
+const char* name(Op op) {
+  return op == Op::kPush ? "push" : op == Op::kReduce ? "red.add" : "pull";
+}
+
+// CTA b moves vectors [b * per_cta, (b + 1) * per_cta): each step every thread handles V
+// vectors blockDim.x apart (coalesced), all V loads issued before the V stores.
+template <int V, Op kOp>
+__global__ void move(float4* remote, float4* local, long long per_cta) {
+  const long long base = blockIdx.x * per_cta;
+  const long long step = static_cast<long long>(blockDim.x) * V;
+  for (long long i = threadIdx.x; i < per_cta; i += step) {
+    float4 v[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const long long k = i + j * static_cast<long long>(blockDim.x);
+      if (k < per_cta) v[j] = kOp == Op::kPull ? remote[base + k] : local[base + k];
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const long long k = i + j * static_cast<long long>(blockDim.x);
+      if (k >= per_cta) break;
+      if (kOp == Op::kPush) {
+        remote[base + k] = v[j];
+      } else if (kOp == Op::kPull) {
+        local[base + k] = v[j];
+      } else {
+        float* p = reinterpret_cast<float*>(remote + base + k);
+        asm volatile("red.relaxed.sys.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p),
+                     "f"(v[j].x), "f"(v[j].y), "f"(v[j].z), "f"(v[j].w)
+                     : "memory");
+      }
+    }
+  }
+}
+
+template <Op kOp>
+void launch(int v, int ctas, int threads, float4* remote, float4* local, long long per_cta) {
+  switch (v) {
+    case 1: move<1, kOp><<<ctas, threads>>>(remote, local, per_cta); break;
+    case 2: move<2, kOp><<<ctas, threads>>>(remote, local, per_cta); break;
+    case 4: move<4, kOp><<<ctas, threads>>>(remote, local, per_cta); break;
+    default: move<8, kOp><<<ctas, threads>>>(remote, local, per_cta); break;
+  }
+}
+
+void run(Op op, int v, int ctas, int threads, float4* remote, float4* local, long long per_cta) {
+  if (op == Op::kPush) launch<Op::kPush>(v, ctas, threads, remote, local, per_cta);
+  if (op == Op::kReduce) launch<Op::kReduce>(v, ctas, threads, remote, local, per_cta);
+  if (op == Op::kPull) launch<Op::kPull>(v, ctas, threads, remote, local, per_cta);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  double mib_per_cta = 2;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--mib-per-cta") == 0 && i + 1 < argc) {
+      mib_per_cta = std::atof(argv[++i]);
+    } else {
+      std::fprintf(stderr, "usage: bench_p2p [--mib-per-cta N]\n");
+      return 2;
+    }
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 2) {
+    std::fprintf(stderr, "bench_p2p: needs two GPUs (found %d); nothing measured\n", devices);
+    return 3;
+  }
+  int can = 0;
+  P2P_CHECK(cudaDeviceCanAccessPeer(&can, 0, 1));
+  if (!can) {
+    std::fprintf(stderr, "bench_p2p: GPU 0 cannot access GPU 1 (no P2P); nothing measured\n");
+    return 3;
+  }
+  const int kMaxCtas = 132;
+  const long long per_cta = static_cast<long long>(mib_per_cta * (1 << 20)) / 16;
+  const size_t bytes = static_cast<size_t>(per_cta) * 16 * kMaxCtas;
+  float4 *remote = nullptr, *local = nullptr;
+  P2P_CHECK(cudaSetDevice(1));
+  P2P_CHECK(cudaMalloc(&remote, bytes));
+  P2P_CHECK(cudaMemset(remote, 0, bytes));
+  P2P_CHECK(cudaSetDevice(0));
+  P2P_CHECK(cudaDeviceEnablePeerAccess(1, 0));
+  P2P_CHECK(cudaMalloc(&local, bytes));
+  P2P_CHECK(cudaMemset(local, 0, bytes));
+  cudaEvent_t start, stop;
+  P2P_CHECK(cudaEventCreate(&start));
+  P2P_CHECK(cudaEventCreate(&stop));
+  std::printf("%-8s %5s %7s %2s %12s %12s\n", "op", "CTAs", "threads", "V", "GB/s per CTA",
+              "GB/s total");
+  for (Op op : {Op::kPush, Op::kReduce, Op::kPull}) {
+    for (int ctas : {1, 4, 16, 33, 66, 132}) {
+      for (int threads : {96, 128, 256, 512}) {
+        for (int v : {1, 2, 4, 8}) {
+          run(op, v, ctas, threads, remote, local, per_cta);  // warm-up
+          std::vector<float> ms(5);
+          for (float& t : ms) {
+            P2P_CHECK(cudaEventRecord(start));
+            run(op, v, ctas, threads, remote, local, per_cta);
+            P2P_CHECK(cudaEventRecord(stop));
+            P2P_CHECK(cudaEventSynchronize(stop));
+            P2P_CHECK(cudaEventElapsedTime(&t, start, stop));
+          }
+          P2P_CHECK(cudaGetLastError());
+          std::sort(ms.begin(), ms.end());
+          const double per_cta_gbs = static_cast<double>(per_cta) * 16 / (ms[2] * 1e6);
+          std::printf("%-8s %5d %7d %2d %12.2f %12.1f\n", name(op), ctas, threads, v, per_cta_gbs,
+                      per_cta_gbs * ctas);
+        }
+      }
+    }
+  }
+  cudaFree(local);
+  P2P_CHECK(cudaSetDevice(1));
+  cudaFree(remote);
+  return 0;
+}
