@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script sent to the GPU machine (see /work/.library/device/README.md).
 #
-#   bash scripts/device_run.sh [build|test|sanitize|python|bench|all]...     (default: all)
+#   bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|all]...   (default: all)
 #
 # Steps run in the order given; `all` = build test sanitize python bench. `python` builds the
 # package into $SITE (/tmp/site) and runs tests/python (scripts/python_gpu_test.sh); later steps
@@ -191,6 +191,21 @@ step_python() {
 }
 
 # ---- bench ----------------------------------------------------------------------------------
+# The reducing kernels' mechanisms, switched off one at a time (scripts/compare_outbox.sh), and
+# the NVLink rates per CTA (bench_p2p): needs the python step's package. Everything goes into
+# $OUT/compare.tar.gz (the machine returns at most 8 files); the tables also go to stdout.
+step_compare() {
+  local dir=/tmp/mk-compare rc=0
+  rm -rf "$dir" && mkdir -p "$dir"
+  if [[ -x "$BUILD/bench/bench_p2p" ]]; then
+    "$BUILD/bench/bench_p2p" 2>&1 | tee "$dir/p2p.log" || rc=1
+  fi
+  bash "$REPO/scripts/compare_outbox.sh" "${COMPARE_SHAPES:-}" "$dir" 2>&1 |
+    tee "$dir/compare.log" || rc=1
+  tar -czf "$OUT/compare.tar.gz" -C "$dir" .
+  return "$rc"
+}
+
 step_bench() {
   local marker rc=0 kernel
   [[ -x "$BUILD/bench/bench_collectives" ]] || { log "no benchmarks in $BUILD"; return "$SKIP"; }
@@ -226,8 +241,8 @@ plan=()
 for s in "${steps[@]}"; do
   case "$s" in
     all) plan+=(build test sanitize python bench) ;;
-    build | test | sanitize | python | bench) plan+=("$s") ;;
-    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|all]..." >&2; exit 2 ;;
+    build | test | sanitize | python | bench | compare) plan+=("$s") ;;
+    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|all]..." >&2; exit 2 ;;
   esac
 done
 
@@ -245,6 +260,7 @@ for s in "${plan[@]}"; do
     sanitize) step_sanitize ;;
     python) step_python ;;
     bench) step_bench ;;
+    compare) step_compare ;;
   esac
   rc=$?
   case "$rc" in
