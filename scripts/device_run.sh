@@ -198,10 +198,15 @@ step_compare() {
   local dir=/tmp/mk-compare rc=0
   rm -rf "$dir" && mkdir -p "$dir"
   if [[ -x "$BUILD/bench/bench_p2p" ]]; then
-    "$BUILD/bench/bench_p2p" 2>&1 | tee "$dir/p2p.log" || rc=1
+    "$BUILD/bench/bench_p2p" 2>&1 | tee "$dir/p2p.log"
+    ((PIPESTATUS[0] == 0)) || rc=1
+  else
+    log "no $BUILD/bench/bench_p2p"
+    rc=1
   fi
-  bash "$REPO/scripts/compare_outbox.sh" "${COMPARE_SHAPES:-}" "$dir" 2>&1 |
-    tee "$dir/compare.log" || rc=1
+  bash "$REPO/scripts/compare_outbox.sh" "${COMPARE_SHAPES:-}" "$dir" 2>&1 | tee "$dir/compare.log"
+  # Two kernels x three variants, each a JSON file when its run finished.
+  (($(find "$dir" -maxdepth 1 -name '*.json' | wc -l) == 6)) || rc=1
   tar -czf "$OUT/compare.tar.gz" -C "$dir" .
   return "$rc"
 }
