@@ -155,10 +155,34 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
         for name, kw in (("n128", {"block_n": 128}), ("n192", {"block_n": 192}),
                          ("n256", {"block_n": 256})):
             variants["sweep: " + name] = (lambda kw=kw: mkernel.gemm_rs(a, b, comm, **kw))
+        variants.update(reduce_switch_variants(variants["mkernel"]))
     return ok, err, mag, variants
 
 
 _ASYNC_TP_NOTE = None
+
+
+def with_switch(fn, variable):
+    """fn with the environment switch `variable` set to "0" during the call (the library reads
+    MKERNEL_OUTBOX / MKERNEL_INTERLEAVE at each call), so that --sweep times the fused op with a
+    mechanism off in the same run as with it on."""
+    def call():
+        saved = os.environ.get(variable)
+        os.environ[variable] = "0"
+        try:
+            return fn()
+        finally:
+            if saved is None:
+                del os.environ[variable]
+            else:
+                os.environ[variable] = saved
+    return call
+
+
+def reduce_switch_variants(fn):
+    """The reducing kernels' mechanisms, each switched off (src/fused/fused_common.h)."""
+    return {"sweep: interleave0": with_switch(fn, "MKERNEL_INTERLEAVE"),
+            "sweep: outbox0": with_switch(fn, "MKERNEL_OUTBOX")}
 
 
 def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
@@ -197,6 +221,7 @@ def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
         for name, kw in (("n64", {"block_n": 64}), ("n128", {"block_n": 128}),
                          ("n256", {"block_n": 256})):
             variants["sweep: " + name] = (lambda kw=kw: mkernel.gemm_ar(a, b, comm, out, **kw))
+        variants.update(reduce_switch_variants(variants["mkernel"]))
     return ok, err, mag, variants
 
 
@@ -249,7 +274,9 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sweep", action="store_true",
-                    help="also time other configurations of the fused op (printed, not saved)")
+                    help="also time other configurations of the fused op - tile widths, and for "
+                         "gemm_rs / gemm_ar with MKERNEL_INTERLEAVE=0 and MKERNEL_OUTBOX=0 "
+                         "(printed, not saved)")
     args = ap.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
