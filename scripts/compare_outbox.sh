@@ -1,21 +1,18 @@
 #!/usr/bin/env bash
-# gemm_rs and gemm_ar three ways, same shapes, on the 2-GPU host (after
-# `pip install --target /tmp/site .`):
+# gemm_rs and gemm_ar with their reduction mechanisms on and off, in the same run (interleaved
+# rounds), on the 2-GPU host (after `pip install --target /tmp/site .`):
 #   PYTHONPATH=/tmp/site bash scripts/compare_outbox.sh [shapes] [out_dir]
-#   default           outbox (src/fused/partials.cuh) + interleaved order (reduce_order.h)
-#   interleave0       outbox, all peers' tiles first (MKERNEL_INTERLEAVE=0)
-#   outbox0           the epilogue sends the partials itself (MKERNEL_OUTBOX=0; no interleaving)
+# bench_fused.py --sweep times, next to the default (outbox, src/fused/partials.cuh, and the
+# interleaved order, src/fused/reduce_order.h): MKERNEL_INTERLEAVE=0 (all peers' tiles first),
+# MKERNEL_OUTBOX=0 (the epilogue sends the partials itself), and the other tile widths.
+# The default's results go to <out_dir>/<kernel>.json.
 export NCCL_NVLS_ENABLE=0 NCCL_NVLS_DISABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 shapes="${1:-4096x4096x4096,8192x8192x8192,16384x8192x8192,8192x2048x8192}"
 out="${2:-/tmp}"
 for kernel in gemm_rs gemm_ar; do
-  for variant in default interleave0 outbox0; do
-    echo "=== $kernel $variant"
-    env MKERNEL_OUTBOX=$([[ $variant == outbox0 ]] && echo 0 || echo 1) \
-      MKERNEL_INTERLEAVE=$([[ $variant == interleave0 ]] && echo 0 || echo 1) \
-      timeout 120 python3 -m torch.distributed.run --standalone \
-      --nproc-per-node 2 bench/bench_fused.py --kernel "$kernel" --shapes "$shapes" --rounds 3 \
-      --json "$out/$kernel-$variant.json" 2>&1 | grep -E "^[0-9]+x|^shape|rror"
-  done
+  echo "=== $kernel"
+  timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+    bench/bench_fused.py --kernel "$kernel" --shapes "$shapes" --rounds 3 --sweep \
+    --json "$out/$kernel.json" 2>&1 | grep -E "^[0-9]+x|^shape|sweep|rror"
 done
