@@ -17,13 +17,13 @@
 
 namespace {
 
-#define P2P_CHECK(call)                                                                     \
-  do {                                                                                      \
-    const cudaError_t e_ = (call);                                                          \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "bench_p2p: %s failed: %s\n", #call, cudaGetErrorString(e_));   \
-      std::exit(1);                                                                         \
-    }                                                                                       \
+#define P2P_CHECK(call)                                                                  \
+  do {                                                                                   \
+    const cudaError_t e_ = (call);                                                       \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "bench_p2p: %s failed: %s\n", #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
   } while (0)
 
 enum class Op { kPush, kReduce, kPull };
@@ -65,10 +65,18 @@ __global__ void move(float4* remote, float4* local, long long per_cta) {
 template <Op kOp>
 void launch(int v, int ctas, int threads, float4* remote, float4* local, long long per_cta) {
   switch (v) {
-    case 1: move<1, kOp><<<ctas, threads>>>(remote, local, per_cta); break;
-    case 2: move<2, kOp><<<ctas, threads>>>(remote, local, per_cta); break;
-    case 4: move<4, kOp><<<ctas, threads>>>(remote, local, per_cta); break;
-    default: move<8, kOp><<<ctas, threads>>>(remote, local, per_cta); break;
+    case 1:
+      move<1, kOp><<<ctas, threads>>>(remote, local, per_cta);
+      break;
+    case 2:
+      move<2, kOp><<<ctas, threads>>>(remote, local, per_cta);
+      break;
+    case 4:
+      move<4, kOp><<<ctas, threads>>>(remote, local, per_cta);
+      break;
+    default:
+      move<8, kOp><<<ctas, threads>>>(remote, local, per_cta);
+      break;
   }
 }
 

@@ -77,7 +77,6 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.single_peer = topo.world_size == 2;
   f.out_local = static_cast<__nv_bfloat16*>(out);
   f.outbox = fused::outbox_enabled();
-  f.debug = std::getenv("MKERNEL_RS_DEBUG") ? std::atoi(std::getenv("MKERNEL_RS_DEBUG")) : 0;
   f.shard_rows = static_cast<int>(p.shard_rows);
   f.n = static_cast<int>(n);
   f.raster = {static_cast<int>((p.shard_rows + 127) / 128),

@@ -39,9 +39,6 @@ struct GemmRsFusion {
   float* accum_peers[kMaxLocalRanks];  // each local rank's accumulator [S][N] fp32, mapped here
   DeviceComm comm;
   float* my_accum;           // this rank's accumulator (local address)
-  int debug;                 // DIAGNOSTIC (branch wip/gemm-rs-diagnose): MKERNEL_RS_DEBUG bits
-                             //   1 skip sends, 2 skip add_and_clear, 4 skip the flush fence,
-                             //   8 skip the own tiles' waits (results wrong with 1, 2 or 8)
   __nv_bfloat16* out_local;  // the output [S][N] (this rank's address): outbox staging, see below
   bool outbox;               // partials may leave through the outbox (MKERNEL_OUTBOX != 0)
   bool single_peer;  // two ranks: the one peer stores its partial (a sum onto zero) instead of
@@ -162,25 +159,25 @@ struct GemmRsFusion {
         launch.wait(owner, dev::signal_index(SignalId::kEntry, 0), 1);  // it may be reused
         pending.entered |= 1u << owner;
       }
-      if (row0 < shard_rows && !(debug & 1)) {
+      if (row0 < shard_rows) {
         const int width = slice_width(tile.n);
         float* slice = accum_peers[owner] + slice_offset(tile.m, tile.n, consumer);
         send_slice(
             acc, consumer, scratch, [&](int r, int c) { return slice + r * width + c; },
             shard_rows - row0, width, !single_peer);
       }
-      if (t == 0) {
+      if (t == 0 && row0 < shard_rows) {  // an empty slice (below the shard) has no signal
         pending.owner = owner;
         pending.signal = slot(tile, consumer);
       }
       return;
     }
     // Own rows: the peers' partial sums of this slice, then one rounding to bf16.
-    if (t == 0 && !(debug & 8)) {
+    if (t == 0 && row0 < shard_rows) {
       wait_for_partials(comm, launch, slot(tile, consumer));
     }
     dev::named_barrier_sync(1 + consumer, 128);
-    if (row0 < shard_rows && !(debug & 2)) {
+    if (row0 < shard_rows) {
       const int width = slice_width(tile.n);
       float* slice = my_accum + slice_offset(tile.m, tile.n, consumer);
       add_and_clear(
@@ -205,9 +202,7 @@ struct GemmRsFusion {
   // Thread 0 of a consumer: the previous reduce has landed -> tell its owner.
   __device__ void flush(ConsumerState& pending, const dev::Launch& launch) const {
     if (pending.owner < 0) return;
-    if (!(debug & 4))
-      dev::fence_acq_rel_sys();  // after the warpgroup's stores (send_slice ends
-                                 // with a barrier)
+    dev::fence_acq_rel_sys();  // after the warpgroup's stores (send_slice ends with a barrier)
     launch.signal(pending.owner, pending.signal, 1);
     pending.owner = -1;
   }

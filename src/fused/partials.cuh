@@ -295,7 +295,6 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, 
   OutboxShared& box = outbox_shared();
   const int t = threadIdx.x - 32;  // 0..95
   const dev::Launch launch = dev::Launch::begin(comm);
-  __shared__ int skip;
   // Copies one item's rows x width words from src to at + shift (96 threads; stores or adds).
   auto copy = [&](const OutboxItem& item, int64_t shift, bool add_words) {
     const int units_per_row = item.width / 4, units = item.rows * units_per_row;
@@ -339,8 +338,9 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, 
         continue;
       }
       if (rows > 0 && item.owner >= 0) {  // a partial: to its owner, then the owner's signal
-        if (t == 0) skip = ensure_entered(item.owner) ? 0 : 1;
-        dev::named_barrier_sync(kOutboxBarrier, 96);
+        // (thread 0's verdict reaches the 96 through the barrier: no shared word to race on)
+        const bool skip =
+            dev::named_barrier_or(kOutboxBarrier, 96, t == 0 && !ensure_entered(item.owner));
         if (!skip) copy(item, 0, add);
         dev::named_barrier_sync(kOutboxBarrier, 96);  // every copy issued (and the slot read)
         if (t == 0 && !skip) {
@@ -350,10 +350,8 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, 
       } else if (rows > 0) {  // a broadcast: to every peer, no signal
         for (int p = 0; p < comm.local_size; ++p) {
           if (p == comm.local_rank) continue;
-          if (t == 0) skip = ensure_entered(p) ? 0 : 1;
-          dev::named_barrier_sync(kOutboxBarrier, 96);
+          const bool skip = dev::named_barrier_or(kOutboxBarrier, 96, t == 0 && !ensure_entered(p));
           if (!skip) copy(item, peer_shift(p), false);
-          dev::named_barrier_sync(kOutboxBarrier, 96);  // skip is read; the next p may set it
         }
       }
       dev::mbarrier_arrive(&box.empty[consumer][s]);
