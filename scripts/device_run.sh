@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script sent to the GPU machine (see /work/.library/device/README.md).
 #
-#   bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|all]...   (default: all)
+#   bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|all]... (default: all)
 #
 # Steps run in the order given; `all` = build test sanitize python bench. `python` builds the
 # package into $SITE (/tmp/site) and runs tests/python (scripts/python_gpu_test.sh); later steps
@@ -211,6 +211,24 @@ step_compare() {
   return "$rc"
 }
 
+# ---- trace ----------------------------------------------------------------------------------
+# Timelines of gemm_rs / gemm_ar launches (bench/trace_fused.cpp, two ranks): the summaries go to
+# stdout, the records to $OUT/trace.tar.gz. TRACE_CASES: "kernel:MxNxK[:VAR=value,...]" words.
+step_trace() {
+  local dir=/tmp/mk-trace rc=0 c kernel shape envs i=0
+  [[ -x "$BUILD/bench/trace_fused" ]] || { log "no $BUILD/bench/trace_fused"; return 1; }
+  rm -rf "$dir" && mkdir -p "$dir"
+  for c in ${TRACE_CASES:-gemm_rs:8192x8192x8192 gemm_ar:8192x8192x8192}; do
+    IFS=: read -r kernel shape envs <<<"$c"
+    i=$((i + 1))
+    echo "=== trace $c"
+    env ${envs//,/ } timeout 120 "$BUILD/mkrun" -n 2 -- "$BUILD/bench/trace_fused" \
+      --kernel "$kernel" --shape "$shape" --csv "$dir/$i-$kernel-$shape.csv" || rc=1
+  done
+  tar -czf "$OUT/trace.tar.gz" -C "$dir" .
+  return "$rc"
+}
+
 step_bench() {
   local marker rc=0 kernel
   [[ -x "$BUILD/bench/bench_collectives" ]] || { log "no benchmarks in $BUILD"; return "$SKIP"; }
@@ -246,8 +264,8 @@ plan=()
 for s in "${steps[@]}"; do
   case "$s" in
     all) plan+=(build test sanitize python bench) ;;
-    build | test | sanitize | python | bench | compare) plan+=("$s") ;;
-    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|all]..." >&2; exit 2 ;;
+    build | test | sanitize | python | bench | compare | trace) plan+=("$s") ;;
+    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|all]..." >&2; exit 2 ;;
   esac
 done
 
@@ -266,6 +284,7 @@ for s in "${plan[@]}"; do
     python) step_python ;;
     bench) step_bench ;;
     compare) step_compare ;;
+    trace) step_trace ;;
   esac
   rc=$?
   case "$rc" in

@@ -6,6 +6,7 @@
 
 #include "fused/fused_common.h"
 #include "fused/gemm_ar.cuh"
+#include "fused/trace_layout.h"
 #include "gemm/gemm_internal.h"
 #include "gemm/launch.cuh"
 #include "mkernel/error.h"
@@ -133,6 +134,7 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.single_peer = topo.world_size == 2;
   f.slot_floats = std::min<int64_t>(64, m) * kBlockN;
   f.outbox_slots = p.outbox_slots;
+  f.trace = fused::trace_arm(p.ctas, stream);
   f.order = {topo.world_size, static_cast<int>(f.tiles_m * (f.tiles_n / topo.world_size)), p.lag};
   f.staging = p.staging_bytes == 0
                   ? nullptr

@@ -29,6 +29,7 @@
 #include "fused/gemm_rs.cuh"  // kMaxLocalRanks
 #include "fused/partials.cuh"
 #include "fused/reduce_order.h"
+#include "fused/trace.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
 #include "mkernel/device_comm.h"
@@ -53,6 +54,7 @@ struct GemmArFusion {
   int64_t slot_floats;
   int outbox_slots;   // per consumer, when staging is set
   ReduceOrder order;  // lag >= 0: interleaved (reduce_order.h); else owners r + 1, ..., r
+  uint64_t* trace;    // timeline records (fused/trace.cuh), or null
 
   __device__ int first_col_tile(int owner) const { return owner * tiles_n / comm.world_size; }
   __device__ int owned_cols(int owner) const {  // in elements
@@ -139,6 +141,7 @@ struct GemmArFusion {
 
   __device__ void init_shared() const {
     if (staging != nullptr) outbox_init();
+    trace_init();
   }
 
   // Thread 0: peer p may be written to (its previous launch is over).
@@ -151,6 +154,17 @@ struct GemmArFusion {
   template <int kRegs>
   __device__ void store(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
                         uint8_t* scratch, ConsumerState& state) const {
+    const bool leader = threadIdx.x % 128 == 0;
+    if (leader) {
+      trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreBegin, tile.shard != comm.rank);
+    }
+    store_tile(acc, tile, consumer, scratch, state);
+    if (leader) trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreEnd);
+  }
+
+  template <int kRegs>
+  __device__ void store_tile(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
+                             uint8_t* scratch, ConsumerState& state) const {
     const dev::Launch launch = dev::Launch::begin(comm);
     const int t = threadIdx.x % 128;
     if (t == 0) flush(state, launch);
@@ -182,6 +196,7 @@ struct GemmArFusion {
     // Own slice: the peers' sums, one rounding, then C here and in every peer.
     if (t == 0) {
       wait_for_partials(comm, launch, slot(tile, consumer));
+      trace_mark(trace, kTraceConsumer0 + consumer, kTraceWaited);
       for (int p = 0; p < comm.local_size && staging == nullptr; ++p) {  // (else: side threads)
         if (p != comm.local_rank) ensure_entered(state, p, launch);
       }
@@ -246,12 +261,15 @@ struct GemmArFusion {
     } else if (threadIdx.x % 128 == 0) {
       flush(state, dev::Launch::begin(comm));
     }
+    if (threadIdx.x % 128 == 0)
+      trace_mark(trace, kTraceConsumer0 + threadIdx.x / 128 - 1, kTraceDone);
   }
 
   // Producer warps 1..3: CTA 0 announces this launch to the peers; then every CTA's three
   // warps serve its outbox.
   __device__ void side_task(int thread, int threads) const {
     const dev::Launch launch = dev::Launch::begin(comm);
+    if (thread == 0) trace_mark(trace, kTraceSide, kTraceSideStart);
     if (blockIdx.x == 0) {
       for (int peer = thread; peer < comm.local_size; peer += threads) {
         if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
@@ -265,7 +283,9 @@ struct GemmArFusion {
           return static_cast<int64_t>(reinterpret_cast<uintptr_t>(out_peers[peer]) -
                                       reinterpret_cast<uintptr_t>(out_peers[comm.local_rank])) /
                  4;
-        });
+        },
+        trace);
+    if (thread == 0) trace_mark(trace, kTraceSide, kTraceSideEnd);
   }
 
   // Every thread: meet the same CTA of every rank (all pushes into C have landed), then end.

@@ -6,6 +6,7 @@
 
 #include "fused/fused_common.h"
 #include "fused/gemm_rs.cuh"
+#include "fused/trace_layout.h"
 #include "gemm/gemm_internal.h"
 #include "gemm/launch.cuh"
 #include "mkernel/error.h"
@@ -82,6 +83,7 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.raster = {static_cast<int>((p.shard_rows + 127) / 128),
               static_cast<int>((n + kBlockN - 1) / kBlockN)};
   f.order = {topo.world_size, f.raster.tiles_m * f.raster.tiles_n, p.lag};
+  f.trace = fused::trace_arm(p.ctas, stream);
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
   gemm_engine::launch<kBlockN, kTransB>(f, map_b, k, p.ctas, stream, kOp);
 }

@@ -22,6 +22,7 @@
 
 #include "fused/partials.cuh"
 #include "fused/reduce_order.h"
+#include "fused/trace.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
 #include "mkernel/device_comm.h"
@@ -47,6 +48,7 @@ struct GemmRsFusion {
   int n;
   gemm_engine::GroupedRaster raster;  // tiles of one shard
   ReduceOrder order;                  // peers' tiles and own tiles in time (reduce_order.h)
+  uint64_t* trace;                    // timeline records (fused/trace.cuh), or null
 
   __device__ int num_tiles() const { return comm.world_size * raster.num_tiles(); }
 
@@ -122,11 +124,25 @@ struct GemmRsFusion {
     OutboxCursor outbox;
   };
 
-  __device__ void init_shared() const { outbox_init(); }
+  __device__ void init_shared() const {
+    outbox_init();
+    trace_init();
+  }
 
   template <int kRegs>
   __device__ void store(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
                         uint8_t* scratch, ConsumerState& pending) const {
+    const bool leader = threadIdx.x % 128 == 0;
+    if (leader) {
+      trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreBegin, tile.shard != comm.rank);
+    }
+    store_tile(acc, tile, consumer, scratch, pending);
+    if (leader) trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreEnd);
+  }
+
+  template <int kRegs>
+  __device__ void store_tile(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
+                             uint8_t* scratch, ConsumerState& pending) const {
     const dev::Launch launch = dev::Launch::begin(comm);
     const int t = threadIdx.x % 128;
     if (t == 0) flush(pending, launch);
@@ -175,6 +191,7 @@ struct GemmRsFusion {
     // Own rows: the peers' partial sums of this slice, then one rounding to bf16.
     if (t == 0 && row0 < shard_rows) {
       wait_for_partials(comm, launch, slot(tile, consumer));
+      trace_mark(trace, kTraceConsumer0 + consumer, kTraceWaited);
     }
     dev::named_barrier_sync(1 + consumer, 128);
     if (row0 < shard_rows) {
@@ -209,13 +226,17 @@ struct GemmRsFusion {
 
   __device__ void consumer_done(ConsumerState& pending) const {
     outbox_close(pending.outbox);
-    if (threadIdx.x % 128 == 0) flush(pending, dev::Launch::begin(comm));
+    if (threadIdx.x % 128 == 0) {
+      flush(pending, dev::Launch::begin(comm));
+      trace_mark(trace, kTraceConsumer0 + threadIdx.x / 128 - 1, kTraceDone);
+    }
   }
 
   // Producer warps 1..3: CTA 0 announces this launch to the peers; then every CTA with an
   // outbox serves it.
   __device__ void side_task(int thread, int threads) const {
     const dev::Launch launch = dev::Launch::begin(comm);
+    if (thread == 0) trace_mark(trace, kTraceSide, kTraceSideStart);
     if (blockIdx.x == 0) {
       for (int peer = thread; peer < comm.local_size; peer += threads) {
         if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
@@ -227,7 +248,8 @@ struct GemmRsFusion {
     EnteredPeers entered;  // thread 0's
     outbox_serve(
         comm, slots, !single_peer, [&](int peer) { return entered.ensure(launch, peer); },
-        [](int) { return int64_t{0}; });  // no broadcast items here
+        [](int) { return int64_t{0}; }, trace);  // no broadcast items here
+    if (thread == 0) trace_mark(trace, kTraceSide, kTraceSideEnd);
   }
 
   __device__ void finish() const { dev::Launch::begin(comm).end(); }

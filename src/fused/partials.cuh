@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "fused/trace.cuh"
 #include "mkernel/device/launch.cuh"
 #include "mkernel/device/mbarrier.cuh"
 #include "mkernel/device/sync.cuh"
@@ -287,11 +288,11 @@ __device__ __forceinline__ void outbox_wait_drained() {
 // `ensure_entered(peer)` (thread 0 only) returns once the peer may be written to; a false return
 // (time-out, recorded) skips the copies to that peer, and the item still gets its slot back.
 // `peer_shift(p)`: how far local rank p's copy of this rank's output lies from this rank's (in
-// floats; broadcast items only).
+// floats; broadcast items only). `trace`: the timeline buffer (fused/trace.cuh), or null.
 template <class EnsureEntered, class PeerShift>
 __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, bool add,
                                              const EnsureEntered& ensure_entered,
-                                             const PeerShift& peer_shift) {
+                                             const PeerShift& peer_shift, uint64_t* trace) {
   OutboxShared& box = outbox_shared();
   const int t = threadIdx.x - 32;  // 0..95
   const dev::Launch launch = dev::Launch::begin(comm);
@@ -333,6 +334,7 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, 
       dev::mbarrier_wait(&box.full[consumer][s], cursor[consumer].parity());
       const OutboxItem& item = box.item[consumer][s];
       const int rows = item.rows;
+      if (t == 0 && rows >= 0) trace_mark(trace, kTraceSide, kTraceItem, consumer);
       if (rows < 0) {
         done[consumer] = true;
         continue;
@@ -354,6 +356,7 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, 
           if (!skip) copy(item, peer_shift(p), false);
         }
       }
+      if (t == 0) trace_mark(trace, kTraceSide, kTraceSent, consumer);
       dev::mbarrier_arrive(&box.empty[consumer][s]);
       ++cursor[consumer].next;
     }

@@ -1,0 +1,269 @@
+// Where a reducing fused GEMM's launch spends its time. Runs gemm_rs or gemm_ar on random data
+// with MKERNEL_TRACE set, then summarises the last launch's timeline (src/fused/trace_layout.h)
+// on every rank: consumers' mainloops, epilogues and waits for partials, the side threads' copies,
+// and how these shares change over the launch (ten time bins).
+//   mkrun -n 2 -- trace_fused [--kernel gemm_rs|gemm_ar] [--shape MxNxK] [--iters 5] [--csv FILE]
+// K is the whole K (each rank holds K / world of it), as in bench_fused.py. --csv writes every
+// record (rank, cta, lane, ns since the launch's first record, event, argument), rank by rank.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "bench_kernels.h"
+#include "fused/trace_layout.h"
+#include "mkernel/mkernel.h"
+
+namespace {
+
+using namespace mk;
+using namespace mk::fused;
+
+#define CK(x)                                                                               \
+  do {                                                                                      \
+    cudaError_t e_ = (x);                                                                   \
+    if (e_ != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #x, cudaGetErrorString(e_), __FILE__, \
+                   __LINE__);                                                               \
+      std::exit(2);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+struct Args {
+  std::string kernel = "gemm_rs";
+  int64_t m = 8192, n = 8192, k = 8192;
+  int iters = 5;
+  std::string csv;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string key = argv[i], v = argv[i + 1];
+    if (key == "--kernel") {
+      a.kernel = v;
+    } else if (key == "--shape") {
+      if (std::sscanf(v.c_str(), "%ldx%ldx%ld", &a.m, &a.n, &a.k) != 3) {
+        std::fprintf(stderr, "--shape MxNxK, got %s\n", v.c_str());
+        std::exit(2);
+      }
+    } else if (key == "--iters") {
+      a.iters = std::atoi(v.c_str());
+    } else if (key == "--csv") {
+      a.csv = v;
+    } else {
+      std::fprintf(stderr, "unknown option %s\n", key.c_str());
+      std::exit(2);
+    }
+  }
+  if (a.kernel != "gemm_rs" && a.kernel != "gemm_ar") {
+    std::fprintf(stderr, "--kernel gemm_rs or gemm_ar\n");
+    std::exit(2);
+  }
+  return a;
+}
+
+struct Record {
+  double us;  // since the launch's first record
+  uint32_t event, arg;
+};
+
+// Records of one lane of one CTA, in order.
+using Lane = std::vector<Record>;
+
+struct Totals {  // microseconds summed over consumer lanes (or side lanes)
+  double mainloop = 0, remote_epilogue = 0, own_wait = 0, own_epilogue = 0, after_done = 0;
+  double side_busy = 0;
+  int remote_tiles = 0, own_tiles = 0, items = 0;
+};
+
+constexpr int kBins = 10;
+
+// Adds [a, b) of one activity to the time bins (share of each bin).
+void bin_add(std::vector<double>& bins, double a, double b, double span) {
+  for (int i = 0; i < kBins; ++i) {
+    const double lo = span * i / kBins, hi = span * (i + 1) / kBins;
+    const double overlap = std::min(b, hi) - std::max(a, lo);
+    if (overlap > 0) bins[i] += overlap;
+  }
+}
+
+void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double event_ms, FILE* csv) {
+  uint64_t t0 = ~0ull;
+  for (std::size_t i = 0; i + 1 < raw.size(); i += 2) {
+    if (raw[i] != 0) t0 = std::min(t0, raw[i]);
+  }
+  std::vector<std::vector<Lane>> lanes(ctas, std::vector<Lane>(kTraceLanes));
+  double span = 0;
+  for (int c = 0; c < ctas; ++c) {
+    for (int l = 0; l < kTraceLanes; ++l) {
+      const uint64_t* row =
+          raw.data() + (static_cast<std::size_t>(c) * kTraceLanes + l) * kTraceWordsPerLane;
+      for (int r = 0; 2 * r + 1 < kTraceWordsPerLane && row[2 * r] != 0; ++r) {
+        Record rec{(row[2 * r] - t0) / 1e3, static_cast<uint32_t>(row[2 * r + 1] & 0xff),
+                   static_cast<uint32_t>(row[2 * r + 1] >> 8)};
+        lanes[c][l].push_back(rec);
+        span = std::max(span, rec.us);
+        if (csv != nullptr) {
+          std::fprintf(csv, "%d,%d,%d,%.3f,%u,%u\n", rank, c, l, rec.us, rec.event, rec.arg);
+        }
+      }
+    }
+  }
+  Totals tot;
+  std::vector<double> b_main(kBins), b_epi(kBins), b_wait(kBins), b_side(kBins);
+  std::vector<double> done_at;
+  for (int c = 0; c < ctas; ++c) {
+    const double start = lanes[c][kTraceSide].empty() ? 0 : lanes[c][kTraceSide][0].us;
+    for (int l = kTraceConsumer0; l < kTraceLanes; ++l) {
+      double prev_end = start, begin = 0, waited = -1;
+      bool remote = false;
+      for (const Record& r : lanes[c][l]) {
+        switch (r.event) {
+          case kTraceStoreBegin:
+            begin = r.us;
+            remote = r.arg != 0;
+            waited = -1;
+            tot.mainloop += begin - prev_end;
+            bin_add(b_main, prev_end, begin, span);
+            break;
+          case kTraceWaited:
+            waited = r.us;
+            tot.own_wait += waited - begin;
+            bin_add(b_wait, begin, waited, span);
+            break;
+          case kTraceStoreEnd:
+            if (remote) {
+              tot.remote_epilogue += r.us - begin;
+              ++tot.remote_tiles;
+            } else {
+              tot.own_epilogue += r.us - (waited >= 0 ? waited : begin);
+              ++tot.own_tiles;
+            }
+            bin_add(b_epi, waited >= 0 ? waited : begin, r.us, span);
+            prev_end = r.us;
+            break;
+          case kTraceDone:
+            tot.after_done += span - r.us;
+            done_at.push_back(r.us);
+            break;
+          default:
+            break;
+        }
+      }
+    }
+    double item_at = -1;
+    for (const Record& r : lanes[c][kTraceSide]) {
+      if (r.event == kTraceItem) item_at = r.us;
+      if (r.event == kTraceSent && item_at >= 0) {
+        tot.side_busy += r.us - item_at;
+        bin_add(b_side, item_at, r.us, span);
+        ++tot.items;
+        item_at = -1;
+      }
+    }
+  }
+  const double consumers = 2.0 * ctas;
+  std::sort(done_at.begin(), done_at.end());
+  auto pct = [&](double us) { return 100.0 * us / (consumers * span); };
+  std::printf(
+      "rank %d: launch %.1f us by the trace (%.1f us by CUDA events), %d CTAs\n"
+      "  consumer time: mainloop %.1f%%, peers' tiles' epilogues %.1f%%, waits for partials "
+      "%.1f%%, own epilogues %.1f%%, idle after the last tile %.1f%%\n"
+      "  per tile (us): mainloop %.2f, peer's-tile epilogue %.2f (%d), own wait %.2f + epilogue "
+      "%.2f (%d)\n"
+      "  last tile done (us): first CTA %.1f, median %.1f, last %.1f\n"
+      "  side threads: %d items, %.2f us each, busy %.1f%% of the launch\n",
+      rank, span, event_ms * 1e3, ctas, pct(tot.mainloop), pct(tot.remote_epilogue),
+      pct(tot.own_wait), pct(tot.own_epilogue), pct(tot.after_done),
+      tot.mainloop / std::max(1, tot.remote_tiles + tot.own_tiles),
+      tot.remote_epilogue / std::max(1, tot.remote_tiles), tot.remote_tiles,
+      tot.own_wait / std::max(1, tot.own_tiles), tot.own_epilogue / std::max(1, tot.own_tiles),
+      tot.own_tiles, done_at.empty() ? 0 : done_at.front(),
+      done_at.empty() ? 0 : done_at[done_at.size() / 2], done_at.empty() ? 0 : done_at.back(),
+      tot.items, tot.side_busy / std::max(1, tot.items), 100.0 * tot.side_busy / (ctas * span));
+  std::printf("  bins of %.1f us  mainloop / epilogue / wait (%% of consumers), side busy (%%)\n",
+              span / kBins);
+  for (int i = 0; i < kBins; ++i) {
+    const double cap = consumers * span / kBins;
+    std::printf("    %2d  %5.1f %5.1f %5.1f   %5.1f\n", i, 100 * b_main[i] / cap,
+                100 * b_epi[i] / cap, 100 * b_wait[i] / cap,
+                100 * b_side[i] / (ctas * span / kBins));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = parse(argc, argv);
+  if (!launched_by_mkrun()) {
+    std::fprintf(stderr, "run me under mkrun: mkrun -n 2 -- %s\n", argv[0]);
+    return 2;
+  }
+  setenv("MKERNEL_TRACE", "1", 1);
+  auto boot = bootstrap_from_launcher();
+  int ndev = 0;
+  CK(cudaGetDeviceCount(&ndev));
+  CK(cudaSetDevice(boot->rank() % ndev));
+  auto comm = Communicator::create(std::move(boot));
+  const int rank = comm->rank(), world = comm->world_size();
+  const int64_t m = args.m, n = args.n, k_local = args.k / world;
+  const bool rs = args.kernel == "gemm_rs";
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  void *a, *b, *out_plain = nullptr;
+  CK(cudaMalloc(&a, m * k_local * 2));
+  CK(cudaMalloc(&b, n * k_local * 2));
+  bench::launch_fill(a, m * k_local, 1, rank, stream);
+  bench::launch_fill(b, n * k_local, 2, rank, stream);
+  const std::size_t ws_bytes =
+      rs ? gemm_rs_workspace_bytes(m, n, world) : gemm_ar_workspace_bytes(*comm, m, n, k_local);
+  SymmetricBuffer ws = comm->alloc(std::max<std::size_t>(ws_bytes, 16));
+  CK(cudaMemsetAsync(ws.data(), 0, ws.size(), stream));
+  SymmetricBuffer out_sym = comm->alloc(rs ? 16 : m * n * 2);
+  if (rs) CK(cudaMalloc(&out_plain, m / world * n * 2));
+  void* out = rs ? out_plain : out_sym.data();
+  const FusedGemmPlan plan =
+      rs ? gemm_rs_plan(*comm, m, n, k_local) : gemm_ar_plan(*comm, m, n, k_local);
+  if (rank == 0) {
+    std::printf("%s %ldx%ldx%ld, world %d: %s\n", args.kernel.c_str(), m, n, args.k, world,
+                plan.describe().c_str());
+  }
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  float ms = 0;
+  for (int i = 0; i < args.iters; ++i) {  // the last launch is the one traced
+    CK(cudaStreamSynchronize(stream));
+    comm->bootstrap().barrier();
+    CK(cudaEventRecord(e0, stream));
+    if (rs) {
+      gemm_rs(*comm, a, b, out, m, n, k_local, BLayout::kNK, ws.data(), stream);
+    } else {
+      gemm_ar(*comm, a, b, out, m, n, k_local, BLayout::kNK, ws.data(), stream);
+    }
+    CK(cudaEventRecord(e1, stream));
+  }
+  CK(cudaEventSynchronize(e1));
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  int ctas = 0;
+  const std::vector<uint64_t> raw = trace_read(ctas);
+  FILE* csv = nullptr;
+  for (int r = 0; r < world; ++r) {  // one rank at a time: readable output, one CSV
+    comm->bootstrap().barrier();
+    if (r != rank) continue;
+    if (!args.csv.empty()) {
+      csv = std::fopen(args.csv.c_str(), r == 0 ? "w" : "a");
+      if (csv != nullptr && r == 0) std::fprintf(csv, "rank,cta,lane,us,event,arg\n");
+    }
+    summarise(rank, ctas, raw, ms, csv);
+    std::fflush(stdout);
+    if (csv != nullptr) std::fclose(csv);
+  }
+  comm->bootstrap().barrier();
+  return 0;
+}

@@ -1,0 +1,56 @@
+// Host side of the fused kernels' timelines (fused/trace_layout.h).
+#include <cuda_runtime_api.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include "fused/trace_layout.h"
+#include "runtime/cuda_check.h"
+
+namespace mk::fused {
+namespace {
+
+struct TraceState {
+  std::mutex mutex;
+  uint64_t* buffer = nullptr;
+  std::size_t words = 0;
+  int ctas = 0;
+};
+
+TraceState& state() {
+  static TraceState s;
+  return s;
+}
+
+}  // namespace
+
+uint64_t* trace_arm(int ctas, cudaStream_t stream) {
+  const char* v = std::getenv("MKERNEL_TRACE");
+  if (v == nullptr || std::string(v) == "0") return nullptr;
+  TraceState& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  const std::size_t words = static_cast<std::size_t>(ctas) * kTraceLanes * kTraceWordsPerLane;
+  if (words > s.words) {
+    if (s.buffer != nullptr) MK_CUDA_CHECK(cudaFree(s.buffer));
+    MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&s.buffer), words * sizeof(uint64_t)));
+    s.words = words;
+  }
+  MK_CUDA_CHECK(cudaMemsetAsync(s.buffer, 0, words * sizeof(uint64_t), stream));
+  s.ctas = ctas;
+  return s.buffer;
+}
+
+std::vector<uint64_t> trace_read(int& ctas) {
+  TraceState& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  ctas = s.ctas;
+  std::vector<uint64_t> host(static_cast<std::size_t>(s.ctas) * kTraceLanes * kTraceWordsPerLane);
+  if (s.buffer == nullptr) return host;
+  MK_CUDA_CHECK(cudaDeviceSynchronize());
+  MK_CUDA_CHECK(
+      cudaMemcpy(host.data(), s.buffer, host.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+}  // namespace mk::fused

@@ -1,0 +1,42 @@
+// The trace buffer's layout and events, shared by the kernels (fused/trace.cuh), the host side that
+// arms it (fused/trace.cpp) and the reader (bench/trace_fused.cpp). Internal: not installed.
+//
+// Buffer: [CTA][lane][kTraceWordsPerLane] uint64; a lane's records are word pairs (globaltimer ns,
+// event | argument << 8), in order, zero after the last.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace mk::fused {
+
+constexpr int kTraceSide = 0;       // the producer warpgroup's side threads (thread 32)
+constexpr int kTraceConsumer0 = 1;  // consumer c: lane 1 + c (its thread 0)
+constexpr int kTraceLanes = 3;
+constexpr int kTraceWordsPerLane = 512;  // 256 records
+
+enum TraceEvent : uint32_t {
+  kTraceNone = 0,
+  // consumers (argument: 1 a peer's tile, 0 an own tile)
+  kTraceStoreBegin = 1,  // the tile's mainloop is done, its epilogue starts
+  kTraceWaited = 2,      // own: the peers' partials are in; peer's: the outbox slot is free
+  kTraceStoreEnd = 3,    // the epilogue is done (the next mainloop starts)
+  kTraceDone = 4,        // after the last tile (the outbox closed)
+  // side threads (argument: the consumer whose item it is)
+  kTraceSideStart = 10,  // the CTA's side threads begin (about when the CTA starts)
+  kTraceItem = 11,       // an item arrived
+  kTraceSent = 12,       // its copies are issued and signalled
+  kTraceSideEnd = 13,
+};
+
+// Host: the buffer for the next launch of a fused kernel on `stream` with `ctas` CTAs, zeroed on
+// that stream; nullptr unless the environment has MKERNEL_TRACE (not "0"). One buffer per
+// process (grown as needed): a trace holds the last armed launch only.
+uint64_t* trace_arm(int ctas, cudaStream_t stream);
+
+// Host: the last armed launch's records (synchronises the device); `ctas` receives its CTA count.
+std::vector<uint64_t> trace_read(int& ctas);
+
+}  // namespace mk::fused
