@@ -105,10 +105,16 @@ FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
     p.workspace_bytes += p.staging_bytes;
   }
   // Peers' tiles and own tiles interleaved (reduce_order.h), lag two waves, when the outbox
-  // carries the traffic and the column tiles split evenly (the same count for every owner).
+  // carries the traffic and the column tiles split evenly (the same count for every owner); on a
+  // grid coprime to the world size, so that every CTA sends its share (fewer staging slots).
   p.lag = -1;
   if (p.outbox_slots > 0 && fused::interleave_enabled() && tiles_n % world == 0 &&
       tiles_m * (tiles_n / world) >= 2 * static_cast<int64_t>(p.ctas)) {
+    const std::size_t per_cta = p.staging_bytes / p.ctas;
+    p.workspace_bytes -= p.staging_bytes;
+    p.ctas = fused::ReduceOrder::interleave_grid(p.ctas, world);
+    p.staging_bytes = per_cta * p.ctas;
+    p.workspace_bytes += p.staging_bytes;
     p.lag = 2 * (world - 1) * p.ctas;
   }
   return p;

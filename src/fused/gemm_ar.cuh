@@ -38,8 +38,8 @@ namespace mk::fused {
 
 template <int kBlockN>
 struct GemmArFusion {
-  static constexpr int kProducerRegs = 48;   // the outbox copy loop (partials.cuh), and
-  static constexpr int kConsumerRegs = 224;  // 48 + 2 x 224 <= 3 x 168 (gemm_kernel.cuh)
+  static constexpr int kProducerRegs = 56;   // the outbox copy loop (partials.cuh), and
+  static constexpr int kConsumerRegs = 224;  // 56 + 2 x 224 <= 3 x 168 (gemm_kernel.cuh)
   CUtensorMap a;                             // A_r [M, K_r], boxes 128 x 64
   CUtensorMap out;                           // this rank's C [M, N] bf16, boxes 64 x 64
   __nv_bfloat16* out_peers[kMaxLocalRanks];  // each local rank's C, mapped here
@@ -129,6 +129,7 @@ struct GemmArFusion {
     int owner = -1;  // a partial whose signal is still owed, or -1
     uint32_t signal = 0;
     uint32_t entered = 0;  // bit p: rank p is known to have entered this launch
+    int tiles = 0;         // tiles stored so far
     OutboxCursor outbox;
   };
 
@@ -157,6 +158,15 @@ struct GemmArFusion {
     const bool leader = threadIdx.x % 128 == 0;
     if (leader) {
       trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreBegin, tile.shard != comm.rank);
+    }
+    // The next tile's partials (an own tile), into L2 while this epilogue and its mainloop run.
+    const int next = static_cast<int>(blockIdx.x) + ++state.tiles * static_cast<int>(gridDim.x);
+    if (next < num_tiles()) {
+      const gemm_engine::Tile own = this->tile(next);
+      const int row0 = own.m * 128 + consumer * 64;
+      if (own.shard == comm.rank && row0 < m) {
+        prefetch_slice_l2(slice_at(own, consumer), min(64, m - row0), slice_width(own));
+      }
     }
     store_tile(acc, tile, consumer, scratch, state);
     if (leader) trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreEnd);

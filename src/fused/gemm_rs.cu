@@ -51,10 +51,12 @@ FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
   p.pieces = static_cast<int>(tiles_m);
   p.workspace_bytes = gemm_rs_workspace_bytes(m, n, world);
   // Peers' tiles and own tiles interleaved (reduce_order.h) when every CTA still gets two own
-  // tiles after the last remote one for its outbox staging: lag = two waves of remote tiles.
+  // tiles after the last remote one for its outbox staging: lag = two waves of remote tiles, on
+  // a grid coprime to the world size (every CTA then sends its share).
   p.lag = -1;
   if (world > 1 && fused::outbox_enabled() && fused::interleave_enabled() &&
       tiles_m * tiles_n >= 2 * static_cast<int64_t>(p.ctas)) {
+    p.ctas = fused::ReduceOrder::interleave_grid(p.ctas, world);
     p.lag = 2 * (world - 1) * p.ctas;
   }
   return p;

@@ -33,8 +33,8 @@ constexpr int kMaxLocalRanks = 8;  // tensor maps of the peers' accumulators tra
 
 template <int kBlockN>
 struct GemmRsFusion {
-  static constexpr int kProducerRegs = 48;   // the outbox copy loop (partials.cuh), and
-  static constexpr int kConsumerRegs = 224;  // 48 + 2 x 224 <= 3 x 168 (gemm_kernel.cuh)
+  static constexpr int kProducerRegs = 56;   // the outbox copy loop (partials.cuh), and
+  static constexpr int kConsumerRegs = 224;  // 56 + 2 x 224 <= 3 x 168 (gemm_kernel.cuh)
   CUtensorMap a;                             // A_r as [world][S][K_r], boxes 128 x 64 x 1
   CUtensorMap out;                           // this rank's output [S][N] bf16, boxes 64 x 64
   float* accum_peers[kMaxLocalRanks];  // each local rank's accumulator [S][N] fp32, mapped here
@@ -121,6 +121,7 @@ struct GemmRsFusion {
     uint32_t signal = 0;
     uint32_t entered = 0;  // bit o: owner o has been seen in this launch
     bool ready = false;    // outbox.slots set
+    int tiles = 0;         // tiles stored so far
     OutboxCursor outbox;
   };
 
@@ -135,6 +136,17 @@ struct GemmRsFusion {
     const bool leader = threadIdx.x % 128 == 0;
     if (leader) {
       trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreBegin, tile.shard != comm.rank);
+    }
+    // The next tile's partials (an own tile), into L2 while this epilogue and its mainloop run.
+    const int next = static_cast<int>(blockIdx.x) + ++pending.tiles * static_cast<int>(gridDim.x);
+    if (next < num_tiles()) {
+      const gemm_engine::Tile own = this->tile(next);
+      const int row0 = own.m * 128 + consumer * 64;
+      if (own.shard == comm.rank && row0 < shard_rows) {
+        const int width = slice_width(own.n);
+        prefetch_slice_l2(PartialAt::block(my_accum + slice_offset(own.m, own.n, consumer), width),
+                          min(64, shard_rows - row0), width);
+      }
     }
     store_tile(acc, tile, consumer, scratch, pending);
     if (leader) trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreEnd);

@@ -12,7 +12,12 @@
 // waits only for partials made at least max(1, L / (w - 1)) positions earlier (L + 1 before the
 // tail), so no wait forms a cycle (each points to a strictly earlier position), and the traffic
 // spreads over the whole kernel. At least the last L / (w - 1) positions are own tiles after
-// every remote one (gemm_rs stages its outbox in them). Host-testable
+// every remote one (gemm_rs stages its outbox in them).
+// The persistent schedule gives CTA b the positions b, b + grid, b + 2 grid, ...: with a grid that
+// shares a factor with w, a CTA sits on the same slot of every group (w = 2, grid 132: half of the
+// CTAs make every remote tile, and their side threads send everything while the others' idle).
+// The plans therefore interleave on a grid coprime to w (interleave_grid): CTA b's slot then
+// walks through all w slots and every CTA makes one own tile in w. Host-testable
 // (tests/cpu/test_reduce_order.cpp).
 #pragma once
 
@@ -63,6 +68,21 @@ struct ReduceOrder {
     } else {
       step = 0;
     }
+  }
+
+  // The largest grid <= `budget` coprime to `world` (budget itself when it is).
+  MK_HOST_DEVICE static int interleave_grid(int budget, int world) {
+    auto gcd = [](int a, int b) {
+      while (b != 0) {
+        const int r = a % b;
+        a = b;
+        b = r;
+      }
+      return a;
+    };
+    int grid = budget;
+    while (grid > 1 && gcd(grid, world) != 1) --grid;
+    return grid;
   }
 
   // The last position holding a remote tile (-1: none).

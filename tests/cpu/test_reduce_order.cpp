@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <utility>
 #include <vector>
 
@@ -89,6 +90,32 @@ TEST(ReduceOrder, PlansLagLeavesEveryCtaTwoTailTiles) {
           EXPECT_GE(tail, 2) << "world " << world << ", grid " << grid << ", P " << per_owner
                              << ": CTA " << b;
         }
+      }
+    }
+  }
+}
+
+// On a grid coprime to w (the plans' interleave_grid) every CTA makes one own tile in w of the
+// interleaved part, so all CTAs' side threads share the sending.
+TEST(ReduceOrder, CoprimeGridSpreadsOwnTilesOverTheCtas) {
+  for (int world : {2, 3, 4, 8}) {
+    for (int budget : {4, 33, 66, 132}) {
+      const int grid = ReduceOrder::interleave_grid(budget, world);
+      EXPECT_LE(grid, budget);
+      EXPECT_GE(grid, budget - 3);
+      const int per_owner = 40 * grid;
+      const ReduceOrder o{world, per_owner, 2 * (world - 1) * grid};
+      const int end = o.lag + o.groups() * world;  // the interleaved part: [lag, end)
+      for (int b = 0; b < grid; ++b) {
+        int own = 0, all = 0;
+        for (int t = o.lag + b; t + world * grid <= end; t += grid, ++all) {
+          int step = -1, index = -1;
+          o.at(t, step, index);
+          own += step == 0 ? 1 : 0;
+        }
+        EXPECT_LE(std::abs(own * world - all), world - 1)
+            << "world " << world << ", grid " << grid << ": CTA " << b << " makes " << own
+            << " own tiles of " << all;
       }
     }
   }

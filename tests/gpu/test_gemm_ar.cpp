@@ -144,7 +144,9 @@ TEST(SanitizeGemmAr, SmallWorld2) {
     four_ctas.sms = 4;
     const FusedGemmPlan plan = gemm_ar_plan(comm, 512, 1024, 64, {.block_n = 128, .sms = 4});
     EXPECT_EQ(plan.outbox_slots, 2) << plan.describe();
-    EXPECT_EQ(plan.lag, 8) << plan.describe();  // 16 own tiles per rank on 4 CTAs: interleaved
+    // 16 own tiles per rank on 4 CTAs: interleaved, on 3 CTAs (coprime to the world size)
+    EXPECT_EQ(plan.ctas, 3) << plan.describe();
+    EXPECT_EQ(plan.lag, 6) << plan.describe();
     expect_gemm_ar(comm, {512, 1024, 64, BLayout::kNK, 128}, seed + 2, four_ctas);
   });
 }

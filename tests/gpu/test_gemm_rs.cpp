@@ -119,9 +119,11 @@ TEST(SanitizeGemmRs, SmallWorld2) {
     FusedGemmConfig four_ctas;  // two whole own tiles per CTA: the outbox, one slot per consumer
     four_ctas.sms = 4;
     expect_gemm_rs(comm, {256, 512, 64, BLayout::kNK, 128}, seed + 2, four_ctas);
-    // 16 own tiles on 4 CTAs: peers' and own tiles interleave after a lag of two waves
+    // 16 own tiles on 4 CTAs: peers' and own tiles interleave after a lag of two waves, on 3 CTAs
+    // (a grid coprime to the world size)
     four_ctas.block_n = 128;
-    EXPECT_EQ(gemm_rs_plan(comm, 2 * 512, 512, 64, four_ctas).lag, 8);
+    EXPECT_EQ(gemm_rs_plan(comm, 2 * 512, 512, 64, four_ctas).ctas, 3);
+    EXPECT_EQ(gemm_rs_plan(comm, 2 * 512, 512, 64, four_ctas).lag, 6);
     expect_gemm_rs(comm, {512, 512, 64, BLayout::kNK, 128}, seed + 3, four_ctas);
   });
 }
@@ -132,7 +134,7 @@ TEST(InProcessGemmRs, InterleavedWorld4) {
     FusedGemmConfig four_ctas;
     four_ctas.sms = 4;
     four_ctas.block_n = 128;
-    EXPECT_EQ(gemm_rs_plan(comm, 4 * 512, 512, 64, four_ctas).lag, 24);
+    EXPECT_EQ(gemm_rs_plan(comm, 4 * 512, 512, 64, four_ctas).lag, 18);  // 3 CTAs
     expect_gemm_rs(comm, {512, 512, 64, BLayout::kKN, 128}, shared_seed(comm), four_ctas);
   });
 }
