@@ -77,6 +77,7 @@ using Lane = std::vector<Record>;
 
 struct Totals {  // microseconds summed over consumer lanes (or side lanes)
   double mainloop = 0, remote_epilogue = 0, own_wait = 0, own_epilogue = 0, after_done = 0;
+  double own_add = 0;  // part of own_epilogue: adding the partials
   double side_busy = 0;
   int remote_tiles = 0, own_tiles = 0, items = 0;
 };
@@ -120,7 +121,7 @@ void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double even
   for (int c = 0; c < ctas; ++c) {
     const double start = lanes[c][kTraceSide].empty() ? 0 : lanes[c][kTraceSide][0].us;
     for (int l = kTraceConsumer0; l < kTraceLanes; ++l) {
-      double prev_end = start, begin = 0, waited = -1;
+      double prev_end = start, begin = 0, waited = -1, added = -1;
       bool remote = false;
       for (const Record& r : lanes[c][l]) {
         switch (r.event) {
@@ -128,6 +129,7 @@ void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double even
             begin = r.us;
             remote = r.arg != 0;
             waited = -1;
+            added = -1;
             tot.mainloop += begin - prev_end;
             bin_add(b_main, prev_end, begin, span);
             break;
@@ -135,6 +137,10 @@ void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double even
             waited = r.us;
             tot.own_wait += waited - begin;
             bin_add(b_wait, begin, waited, span);
+            break;
+          case kTraceAdded:
+            added = r.us;
+            tot.own_add += added - (waited >= 0 ? waited : begin);
             break;
           case kTraceStoreEnd:
             if (remote) {
@@ -175,7 +181,7 @@ void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double even
       "  consumer time: mainloop %.1f%%, peers' tiles' epilogues %.1f%%, waits for partials "
       "%.1f%%, own epilogues %.1f%%, idle after the last tile %.1f%%\n"
       "  per tile (us): mainloop %.2f, peer's-tile epilogue %.2f (%d), own wait %.2f + epilogue "
-      "%.2f (%d)\n"
+      "%.2f (%d; adding the partials %.2f of it)\n"
       "  last tile done (us): first CTA %.1f, median %.1f, last %.1f\n"
       "  side threads: %d items, %.2f us each, busy %.1f%% of the launch\n",
       rank, span, event_ms * 1e3, ctas, pct(tot.mainloop), pct(tot.remote_epilogue),
@@ -183,9 +189,10 @@ void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double even
       tot.mainloop / std::max(1, tot.remote_tiles + tot.own_tiles),
       tot.remote_epilogue / std::max(1, tot.remote_tiles), tot.remote_tiles,
       tot.own_wait / std::max(1, tot.own_tiles), tot.own_epilogue / std::max(1, tot.own_tiles),
-      tot.own_tiles, done_at.empty() ? 0 : done_at.front(),
-      done_at.empty() ? 0 : done_at[done_at.size() / 2], done_at.empty() ? 0 : done_at.back(),
-      tot.items, tot.side_busy / std::max(1, tot.items), 100.0 * tot.side_busy / (ctas * span));
+      tot.own_tiles, tot.own_add / std::max(1, tot.own_tiles),
+      done_at.empty() ? 0 : done_at.front(), done_at.empty() ? 0 : done_at[done_at.size() / 2],
+      done_at.empty() ? 0 : done_at.back(), tot.items, tot.side_busy / std::max(1, tot.items),
+      100.0 * tot.side_busy / (ctas * span));
   std::printf("  bins of %.1f us  mainloop / epilogue / wait (%% of consumers), side busy (%%)\n",
               span / kBins);
   for (int i = 0; i < kBins; ++i) {

@@ -215,6 +215,7 @@ struct GemmArFusion {
     // Every thread has read its words of the slice (in C too) before store_slice's first barrier;
     // the result overwrites them only after it.
     add_and_clear(acc, slice_at(tile, consumer), rows, width, !single_peer);
+    if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
     if (staging != nullptr) {  // C here by TMA; the side threads copy it to the peers' C
       gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
         dev::tma_store_2d(&out, buf, col0 + 64 * j, row0);

@@ -212,6 +212,7 @@ struct GemmRsFusion {
       add_and_clear(
           acc, [&](int r, int c) { return slice + r * width + c; }, shard_rows - row0, width,
           !single_peer);
+      if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
     }
     for (int k = 0; k < 2 * slots; ++k) {  // a staging footprint: wait until it is free
       gemm_engine::Tile staging_tile;

@@ -26,17 +26,18 @@ __device__ __forceinline__ void st_shared_f32x2(void* p, float x, float y) {
 
 // acc += this thread's words of a slice; `at(row, col)` is the address of the two fp32 words
 // (row, col), (row, col + 1) of the slice (col even). `clear`: those words become 0 for the next
-// launch (an accumulator that peers add into). Two column blocks at a time: their loads are issued
-// before any add or store, so they are in flight together (a plain load-add-store loop waits for
-// each load in turn: the compiler cannot prove rows r and r + 8 apart from the words it stores;
-// more than two spill at 128 x 256).
+// launch (an accumulator that peers add into). Four column blocks at a time (two at 192 wide,
+// where four spill): their loads are issued before any add or store, so they are in flight
+// together (a plain load-add-store loop waits for each load in turn: the compiler cannot prove
+// rows r and r + 8 apart from the words it stores). The slice is read while the GEMM loads L2
+// heavily: with two blocks in flight the own tiles' epilogues took ~16 us at 128 x 256 (trace).
 template <int kRegs, typename At>
 __device__ __forceinline__ void add_and_clear(float (&acc)[kRegs], const At& at, int rows,
                                               int width, bool clear) {
   const int t = threadIdx.x % 128;
   const int r = (t / 32) * 16 + (t % 32) / 4;  // row in the slice; and r + 8
   const int c = 2 * (t % 4);                   // column of block 0
-  constexpr int kBatch = 2;
+  constexpr int kBatch = kRegs == 96 ? 2 : 4;
 #pragma unroll
   for (int b0 = 0; b0 < kRegs / 4; b0 += kBatch) {
     float2 v[2 * kBatch];
@@ -318,6 +319,9 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, 
   OutboxShared& box = outbox_shared();
   const int t = threadIdx.x - 32;  // 0..95
   const dev::Launch launch = dev::Launch::begin(comm);
+  // Thread 0's verdict on a peer (1: its entry wait timed out, skip it), for all 96: written
+  // before a barrier, read into registers between it and the next barrier.
+  __shared__ int skip_word;
   // Copies one item's rows x width words from src to at + shift (96 threads; stores or adds).
   auto copy = [&](const OutboxItem& item, int64_t shift, bool add_words) {
     const int units_per_row = item.width / 4, units = item.rows * units_per_row;
@@ -364,11 +368,9 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, 
         continue;
       }
       if (rows > 0 && item.owner >= 0) {  // a partial: to its owner, then the owner's signal
-        // (thread 0's verdict reaches the 96 through the barrier: no shared word to race on)
-        bool failed = false;
-        if (t == 0) failed = !ensure_entered(item.owner);
-        __syncwarp();  // reconverged before the barrier (synccheck)
-        const bool skip = dev::named_barrier_or(kOutboxBarrier, 96, failed);
+        if (t == 0) skip_word = ensure_entered(item.owner) ? 0 : 1;
+        dev::named_barrier_sync(kOutboxBarrier, 96);
+        const bool skip = skip_word != 0;  // read only between the two barriers
         if (!skip) copy(item, 0, add);
         dev::named_barrier_sync(kOutboxBarrier, 96);  // every copy issued (and the slot read)
         if (t == 0 && !skip) {
@@ -378,11 +380,11 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, 
       } else if (rows > 0) {  // a broadcast: to every peer, no signal
         for (int p = 0; p < comm.local_size; ++p) {
           if (p == comm.local_rank) continue;
-          bool failed = false;
-          if (t == 0) failed = !ensure_entered(p);
-          __syncwarp();
-          const bool skip = dev::named_barrier_or(kOutboxBarrier, 96, failed);
+          if (t == 0) skip_word = ensure_entered(p) ? 0 : 1;
+          dev::named_barrier_sync(kOutboxBarrier, 96);
+          const bool skip = skip_word != 0;
           if (!skip) copy(item, peer_shift(p), false);
+          dev::named_barrier_sync(kOutboxBarrier, 96);  // skip_word read: the next p may set it
         }
       }
       if (t == 0) trace_mark(trace, kTraceSide, kTraceSent, consumer);

@@ -24,6 +24,7 @@ enum TraceEvent : uint32_t {
   kTraceWaited = 2,      // own: the peers' partials are in; peer's: the outbox slot is free
   kTraceStoreEnd = 3,    // the epilogue is done (the next mainloop starts)
   kTraceDone = 4,        // after the last tile (the outbox closed)
+  kTraceAdded = 5,       // own: the peers' partials are added (the bf16 stores follow)
   // side threads (argument: the consumer whose item it is)
   kTraceSideStart = 10,  // the CTA's side threads begin (about when the CTA starts)
   kTraceItem = 11,       // an item arrived
