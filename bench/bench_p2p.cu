@@ -2,9 +2,10 @@
 // take? The fused kernels size their communication from these numbers (docs/PERFORMANCE.md):
 // a CTA of T threads with V 16-byte vectors in flight per thread pushes (st.global to the peer),
 // reduces (red.global.add.v4.f32 to the peer) or pulls (ld.global from the peer) B bytes; GPU 0
-// talks to GPU 1, one direction.
+// talks to GPU 1, one direction - or, with --both, both directions at once (GPU 1 runs the same
+// kernel towards GPU 0 meanwhile, as the reducing fused GEMMs do; GPU 0's time is reported).
 //
-//   build/bench/bench_p2p [--mib-per-cta N]      (default 2; needs two GPUs with P2P access)
+//   build/bench/bench_p2p [--mib-per-cta N] [--both]  (default 2 MiB; needs two GPUs with P2P)
 //
 // Prints one line per (op, CTAs, threads, V): GB/s per CTA and in total, median of 5 runs.
 #include <cuda_runtime.h>
@@ -63,38 +64,43 @@ __global__ void move(float4* remote, float4* local, long long per_cta) {
 }
 
 template <Op kOp>
-void launch(int v, int ctas, int threads, float4* remote, float4* local, long long per_cta) {
+void launch(int v, int ctas, int threads, float4* remote, float4* local, long long per_cta,
+            cudaStream_t stream) {
   switch (v) {
     case 1:
-      move<1, kOp><<<ctas, threads>>>(remote, local, per_cta);
+      move<1, kOp><<<ctas, threads, 0, stream>>>(remote, local, per_cta);
       break;
     case 2:
-      move<2, kOp><<<ctas, threads>>>(remote, local, per_cta);
+      move<2, kOp><<<ctas, threads, 0, stream>>>(remote, local, per_cta);
       break;
     case 4:
-      move<4, kOp><<<ctas, threads>>>(remote, local, per_cta);
+      move<4, kOp><<<ctas, threads, 0, stream>>>(remote, local, per_cta);
       break;
     default:
-      move<8, kOp><<<ctas, threads>>>(remote, local, per_cta);
+      move<8, kOp><<<ctas, threads, 0, stream>>>(remote, local, per_cta);
       break;
   }
 }
 
-void run(Op op, int v, int ctas, int threads, float4* remote, float4* local, long long per_cta) {
-  if (op == Op::kPush) launch<Op::kPush>(v, ctas, threads, remote, local, per_cta);
-  if (op == Op::kReduce) launch<Op::kReduce>(v, ctas, threads, remote, local, per_cta);
-  if (op == Op::kPull) launch<Op::kPull>(v, ctas, threads, remote, local, per_cta);
+void run(Op op, int v, int ctas, int threads, float4* remote, float4* local, long long per_cta,
+         cudaStream_t stream = nullptr) {
+  if (op == Op::kPush) launch<Op::kPush>(v, ctas, threads, remote, local, per_cta, stream);
+  if (op == Op::kReduce) launch<Op::kReduce>(v, ctas, threads, remote, local, per_cta, stream);
+  if (op == Op::kPull) launch<Op::kPull>(v, ctas, threads, remote, local, per_cta, stream);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   double mib_per_cta = 2;
+  bool both = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--mib-per-cta") == 0 && i + 1 < argc) {
       mib_per_cta = std::atof(argv[++i]);
+    } else if (std::strcmp(argv[i], "--both") == 0) {
+      both = true;
     } else {
-      std::fprintf(stderr, "usage: bench_p2p [--mib-per-cta N]\n");
+      std::fprintf(stderr, "usage: bench_p2p [--mib-per-cta N] [--both]\n");
       return 2;
     }
   }
@@ -120,23 +126,54 @@ int main(int argc, char** argv) {
   P2P_CHECK(cudaDeviceEnablePeerAccess(1, 0));
   P2P_CHECK(cudaMalloc(&local, bytes));
   P2P_CHECK(cudaMemset(local, 0, bytes));
+  // --both: GPU 1's own pair of buffers, pushing / pulling towards GPU 0 at the same time.
+  float4 *remote1 = nullptr, *local1 = nullptr;
+  cudaStream_t stream1 = nullptr;
+  if (both) {
+    P2P_CHECK(cudaMalloc(&remote1, bytes));  // on GPU 0
+    P2P_CHECK(cudaMemset(remote1, 0, bytes));
+    P2P_CHECK(cudaSetDevice(1));
+    P2P_CHECK(cudaDeviceEnablePeerAccess(0, 0));
+    P2P_CHECK(cudaMalloc(&local1, bytes));
+    P2P_CHECK(cudaMemset(local1, 0, bytes));
+    P2P_CHECK(cudaStreamCreateWithFlags(&stream1, cudaStreamNonBlocking));
+    P2P_CHECK(cudaDeviceSynchronize());
+    P2P_CHECK(cudaSetDevice(0));
+  }
+  // GPU 1's run in the other direction (a few times GPU 0's work, so that it covers it).
+  auto other = [&](Op op, int v, int ctas, int threads) {
+    if (!both) return;
+    P2P_CHECK(cudaSetDevice(1));
+    for (int i = 0; i < 3; ++i) run(op, v, ctas, threads, remote1, local1, per_cta, stream1);
+    P2P_CHECK(cudaSetDevice(0));
+  };
+  auto other_done = [&]() {
+    if (!both) return;
+    P2P_CHECK(cudaSetDevice(1));
+    P2P_CHECK(cudaStreamSynchronize(stream1));
+    P2P_CHECK(cudaSetDevice(0));
+  };
   cudaEvent_t start, stop;
   P2P_CHECK(cudaEventCreate(&start));
   P2P_CHECK(cudaEventCreate(&stop));
-  std::printf("%-8s %5s %7s %2s %12s %12s\n", "op", "CTAs", "threads", "V", "GB/s per CTA",
-              "GB/s total");
+  std::printf("%-8s %5s %7s %2s %12s %12s%s\n", "op", "CTAs", "threads", "V", "GB/s per CTA",
+              "GB/s total", both ? "  (both directions at once)" : "");
+  const std::vector<int> all_ctas = {1, 4, 16, 33, 66, 132}, all_threads = {96, 128, 256, 512};
+  const std::vector<int> some_ctas = {66, 131, 132}, some_threads = {96};
   for (Op op : {Op::kPush, Op::kReduce, Op::kPull}) {
-    for (int ctas : {1, 4, 16, 33, 66, 132}) {
-      for (int threads : {96, 128, 256, 512}) {
+    for (int ctas : both ? some_ctas : all_ctas) {
+      for (int threads : both ? some_threads : all_threads) {
         for (int v : {1, 2, 4, 8}) {
           run(op, v, ctas, threads, remote, local, per_cta);  // warm-up
           std::vector<float> ms(5);
           for (float& t : ms) {
+            other(op, v, ctas, threads);
             P2P_CHECK(cudaEventRecord(start));
             run(op, v, ctas, threads, remote, local, per_cta);
             P2P_CHECK(cudaEventRecord(stop));
             P2P_CHECK(cudaEventSynchronize(stop));
             P2P_CHECK(cudaEventElapsedTime(&t, start, stop));
+            other_done();
           }
           P2P_CHECK(cudaGetLastError());
           std::sort(ms.begin(), ms.end());
