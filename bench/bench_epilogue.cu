@@ -8,8 +8,12 @@
 //   stage      the outbox's staging write (float2 stores into a bf16 tile footprint)
 //   read4      a coalesced float4 read of the slice (the best case for 64 KiB)
 // "hot": the same slice every repetition (L2); "cold": a new slice each time (HBM).
+// --beside-gemm S: the same while the GEMM engine (mk::gemm, 8192 x 8192 x 4096, persistent on S
+// SMs, back to back) runs on another stream; the operations then run on the SMs the GEMM leaves
+// free. Slow there as well: the contention is in L2 / the memory system (TMA multicast would
+// relieve it); fast: it is inside the SM (multicast would not help).
 //
-//   build/bench/bench_epilogue [--ctas N]        (default 2 x the SM count)
+//   build/bench/bench_epilogue [--ctas N] [--beside-gemm S]   (default 2 x the SM count CTAs)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,6 +23,7 @@
 #include <vector>
 
 #include "fused/partials.cuh"
+#include "mkernel/gemm.h"
 
 namespace {
 
@@ -88,19 +93,20 @@ __global__ void __launch_bounds__(128)
   if (s == 12345.f) sink[t] = s;
 }
 
-void launch(int mode, int ctas, float* slices, bool cold, uint64_t* times, float* sink) {
+void launch(int mode, int ctas, float* slices, bool cold, uint64_t* times, float* sink,
+            cudaStream_t s) {
   switch (mode) {
     case kAdd:
-      epilogue<kAdd><<<ctas, 128>>>(slices, cold, times, sink);
+      epilogue<kAdd><<<ctas, 128, 0, s>>>(slices, cold, times, sink);
       break;
     case kAddClear:
-      epilogue<kAddClear><<<ctas, 128>>>(slices, cold, times, sink);
+      epilogue<kAddClear><<<ctas, 128, 0, s>>>(slices, cold, times, sink);
       break;
     case kStage:
-      epilogue<kStage><<<ctas, 128>>>(slices, cold, times, sink);
+      epilogue<kStage><<<ctas, 128, 0, s>>>(slices, cold, times, sink);
       break;
     default:
-      epilogue<kRead4><<<ctas, 128>>>(slices, cold, times, sink);
+      epilogue<kRead4><<<ctas, 128, 0, s>>>(slices, cold, times, sink);
       break;
   }
 }
@@ -113,15 +119,47 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_epilogue: no GPU; nothing measured\n");
     return 3;
   }
-  int ctas = 2 * sms;
+  int ctas = 2 * sms, gemm_sms = 0;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--ctas") == 0 && i + 1 < argc) {
       ctas = std::atoi(argv[++i]);
+    } else if (std::strcmp(argv[i], "--beside-gemm") == 0 && i + 1 < argc) {
+      gemm_sms = std::atoi(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: bench_epilogue [--ctas N]\n");
+      std::fprintf(stderr, "usage: bench_epilogue [--ctas N] [--beside-gemm SMS]\n");
       return 2;
     }
   }
+  // The GEMM beside the operations (--beside-gemm): its operands and a stream of its own.
+  const int64_t gm = 8192, gn = 8192, gk = 4096;
+  void *ga = nullptr, *gb = nullptr, *gc = nullptr;
+  cudaStream_t gemm_stream = nullptr, ops_stream = nullptr;
+  cudaEvent_t first_gemm = nullptr;
+  EPI_CHECK(cudaStreamCreateWithFlags(&ops_stream, cudaStreamNonBlocking));
+  mk::GemmConfig gemm_config;
+  gemm_config.sms = gemm_sms;
+  if (gemm_sms > 0) {
+    EPI_CHECK(cudaMalloc(&ga, gm * gk * 2));
+    EPI_CHECK(cudaMalloc(&gb, gn * gk * 2));
+    EPI_CHECK(cudaMalloc(&gc, gm * gn * 2));
+    EPI_CHECK(cudaMemset(ga, 0x3c, gm * gk * 2));  // bf16 ~1.2: finite products
+    EPI_CHECK(cudaMemset(gb, 0x3c, gn * gk * 2));
+    EPI_CHECK(cudaStreamCreateWithFlags(&gemm_stream, cudaStreamNonBlocking));
+    EPI_CHECK(cudaEventCreate(&first_gemm));
+    mk::gemm(ga, gb, gc, gm, gn, gk, mk::BLayout::kNK, gemm_stream, gemm_config);  // loads it
+    EPI_CHECK(cudaDeviceSynchronize());
+  }
+  // ~25 GEMMs back to back (tens of ms, far longer than one measurement); returns once the
+  // first is done, i.e. while the others hold their SMs.
+  auto start_gemms = [&]() {
+    if (gemm_sms == 0) return;
+    mk::gemm(ga, gb, gc, gm, gn, gk, mk::BLayout::kNK, gemm_stream, gemm_config);
+    EPI_CHECK(cudaEventRecord(first_gemm, gemm_stream));
+    for (int i = 0; i < 24; ++i) {
+      mk::gemm(ga, gb, gc, gm, gn, gk, mk::BLayout::kNK, gemm_stream, gemm_config);
+    }
+    EPI_CHECK(cudaEventSynchronize(first_gemm));
+  };
   const size_t slices_count = static_cast<size_t>(ctas) * kReps;
   float* slices = nullptr;
   uint64_t* times = nullptr;
@@ -138,12 +176,19 @@ int main(int argc, char** argv) {
       "%d CTAs of 128 threads, a 64 x 256 fp32 slice (64 KiB) per operation; us per "
       "operation over all CTAs and repetitions 1..%d\n",
       ctas, kReps - 1);
+  if (gemm_sms > 0) {
+    std::printf("beside the GEMM engine (8192 x 8192 x 4096) persistent on %d of %d SMs\n",
+                gemm_sms, sms);
+  }
   std::printf("%-10s %-5s %8s %8s %8s %12s\n", "op", "data", "p10", "median", "p90", "GB/s per WG");
   std::vector<uint64_t> host(slices_count);
   for (int mode = 0; mode < kModes; ++mode) {
     for (bool cold : {false, true}) {
       EPI_CHECK(cudaMemset(flush, mode, flush_bytes));
-      launch(mode, ctas, slices, cold, times, sink);
+      EPI_CHECK(cudaDeviceSynchronize());
+      start_gemms();
+      launch(mode, ctas, slices, cold, times, sink, ops_stream);
+      EPI_CHECK(cudaStreamSynchronize(ops_stream));
       EPI_CHECK(cudaDeviceSynchronize());
       EPI_CHECK(cudaGetLastError());
       EPI_CHECK(cudaMemcpy(host.data(), times, slices_count * 8, cudaMemcpyDeviceToHost));
