@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_check.h"
 #include "bench_kernels.h"
 #include "mkernel/mkernel.h"
 #include "nccl_dl.h"
@@ -26,16 +27,6 @@ namespace {
 
 using namespace mk;
 using namespace mk::bench;
-
-#define CK(x)                                                                               \
-  do {                                                                                      \
-    cudaError_t e_ = (x);                                                                   \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #x, cudaGetErrorString(e_), __FILE__, \
-                   __LINE__);                                                               \
-      std::exit(2);                                                                         \
-    }                                                                                       \
-  } while (0)
 
 struct Args {
   std::vector<std::size_t> sizes_mib = {8, 64, 512};

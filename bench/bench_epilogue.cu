@@ -22,19 +22,11 @@
 #include <cstring>
 #include <vector>
 
+#include "bench_check.h"
 #include "fused/partials.cuh"
 #include "mkernel/gemm.h"
 
 namespace {
-
-#define EPI_CHECK(call)                                                                       \
-  do {                                                                                        \
-    const cudaError_t e_ = (call);                                                            \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "bench_epilogue: %s failed: %s\n", #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 constexpr int kRows = 64, kWidth = 256, kRegs = 128;  // a consumer's slice at 128 x 256 tiles
 constexpr int kSliceFloats = kRows * kWidth;
@@ -135,43 +127,43 @@ int main(int argc, char** argv) {
   void *ga = nullptr, *gb = nullptr, *gc = nullptr;
   cudaStream_t gemm_stream = nullptr, ops_stream = nullptr;
   cudaEvent_t first_gemm = nullptr;
-  EPI_CHECK(cudaStreamCreateWithFlags(&ops_stream, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&ops_stream, cudaStreamNonBlocking));
   mk::GemmConfig gemm_config;
   gemm_config.sms = gemm_sms;
   if (gemm_sms > 0) {
-    EPI_CHECK(cudaMalloc(&ga, gm * gk * 2));
-    EPI_CHECK(cudaMalloc(&gb, gn * gk * 2));
-    EPI_CHECK(cudaMalloc(&gc, gm * gn * 2));
-    EPI_CHECK(cudaMemset(ga, 0x3c, gm * gk * 2));  // bf16 ~1.2: finite products
-    EPI_CHECK(cudaMemset(gb, 0x3c, gn * gk * 2));
-    EPI_CHECK(cudaStreamCreateWithFlags(&gemm_stream, cudaStreamNonBlocking));
-    EPI_CHECK(cudaEventCreate(&first_gemm));
+    CK(cudaMalloc(&ga, gm * gk * 2));
+    CK(cudaMalloc(&gb, gn * gk * 2));
+    CK(cudaMalloc(&gc, gm * gn * 2));
+    CK(cudaMemset(ga, 0x3c, gm * gk * 2));  // bf16 ~1.2: finite products
+    CK(cudaMemset(gb, 0x3c, gn * gk * 2));
+    CK(cudaStreamCreateWithFlags(&gemm_stream, cudaStreamNonBlocking));
+    CK(cudaEventCreate(&first_gemm));
     mk::gemm(ga, gb, gc, gm, gn, gk, mk::BLayout::kNK, gemm_stream, gemm_config);  // loads it
-    EPI_CHECK(cudaDeviceSynchronize());
+    CK(cudaDeviceSynchronize());
   }
   // ~25 GEMMs back to back (tens of ms, far longer than one measurement); returns once the
   // first is done, i.e. while the others hold their SMs.
   auto start_gemms = [&]() {
     if (gemm_sms == 0) return;
     mk::gemm(ga, gb, gc, gm, gn, gk, mk::BLayout::kNK, gemm_stream, gemm_config);
-    EPI_CHECK(cudaEventRecord(first_gemm, gemm_stream));
+    CK(cudaEventRecord(first_gemm, gemm_stream));
     for (int i = 0; i < 24; ++i) {
       mk::gemm(ga, gb, gc, gm, gn, gk, mk::BLayout::kNK, gemm_stream, gemm_config);
     }
-    EPI_CHECK(cudaEventSynchronize(first_gemm));
+    CK(cudaEventSynchronize(first_gemm));
   };
   const size_t slices_count = static_cast<size_t>(ctas) * kReps;
   float* slices = nullptr;
   uint64_t* times = nullptr;
   float* sink = nullptr;
-  EPI_CHECK(cudaMalloc(&slices, slices_count * kSliceFloats * 4));
-  EPI_CHECK(cudaMemset(slices, 0, slices_count * kSliceFloats * 4));
-  EPI_CHECK(cudaMalloc(&times, slices_count * 8));
-  EPI_CHECK(cudaMalloc(&sink, 128 * 4));
+  CK(cudaMalloc(&slices, slices_count * kSliceFloats * 4));
+  CK(cudaMemset(slices, 0, slices_count * kSliceFloats * 4));
+  CK(cudaMalloc(&times, slices_count * 8));
+  CK(cudaMalloc(&sink, 128 * 4));
   // A buffer larger than L2 to evict the slices between cold runs.
   const size_t flush_bytes = size_t{512} << 20;
   void* flush = nullptr;
-  EPI_CHECK(cudaMalloc(&flush, flush_bytes));
+  CK(cudaMalloc(&flush, flush_bytes));
   std::printf(
       "%d CTAs of 128 threads, a 64 x 256 fp32 slice (64 KiB) per operation; us per "
       "operation over all CTAs and repetitions 1..%d\n",
@@ -184,14 +176,14 @@ int main(int argc, char** argv) {
   std::vector<uint64_t> host(slices_count);
   for (int mode = 0; mode < kModes; ++mode) {
     for (bool cold : {false, true}) {
-      EPI_CHECK(cudaMemset(flush, mode, flush_bytes));
-      EPI_CHECK(cudaDeviceSynchronize());
+      CK(cudaMemset(flush, mode, flush_bytes));
+      CK(cudaDeviceSynchronize());
       start_gemms();
       launch(mode, ctas, slices, cold, times, sink, ops_stream);
-      EPI_CHECK(cudaStreamSynchronize(ops_stream));
-      EPI_CHECK(cudaDeviceSynchronize());
-      EPI_CHECK(cudaGetLastError());
-      EPI_CHECK(cudaMemcpy(host.data(), times, slices_count * 8, cudaMemcpyDeviceToHost));
+      CK(cudaStreamSynchronize(ops_stream));
+      CK(cudaDeviceSynchronize());
+      CK(cudaGetLastError());
+      CK(cudaMemcpy(host.data(), times, slices_count * 8, cudaMemcpyDeviceToHost));
       std::vector<double> us;
       for (int c = 0; c < ctas; ++c) {
         for (int r = 1; r < kReps; ++r) us.push_back(host[c * kReps + r] / 1e3);

@@ -16,16 +16,9 @@
 #include <cstring>
 #include <vector>
 
-namespace {
+#include "bench_check.h"
 
-#define P2P_CHECK(call)                                                                  \
-  do {                                                                                   \
-    const cudaError_t e_ = (call);                                                       \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "bench_p2p: %s failed: %s\n", #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
+namespace {
 
 enum class Op { kPush, kReduce, kPull };
 const char* name(Op op) {
@@ -110,7 +103,7 @@ int main(int argc, char** argv) {
     return 3;
   }
   int can = 0;
-  P2P_CHECK(cudaDeviceCanAccessPeer(&can, 0, 1));
+  CK(cudaDeviceCanAccessPeer(&can, 0, 1));
   if (!can) {
     std::fprintf(stderr, "bench_p2p: GPU 0 cannot access GPU 1 (no P2P); nothing measured\n");
     return 3;
@@ -119,43 +112,43 @@ int main(int argc, char** argv) {
   const long long per_cta = static_cast<long long>(mib_per_cta * (1 << 20)) / 16;
   const size_t bytes = static_cast<size_t>(per_cta) * 16 * kMaxCtas;
   float4 *remote = nullptr, *local = nullptr;
-  P2P_CHECK(cudaSetDevice(1));
-  P2P_CHECK(cudaMalloc(&remote, bytes));
-  P2P_CHECK(cudaMemset(remote, 0, bytes));
-  P2P_CHECK(cudaSetDevice(0));
-  P2P_CHECK(cudaDeviceEnablePeerAccess(1, 0));
-  P2P_CHECK(cudaMalloc(&local, bytes));
-  P2P_CHECK(cudaMemset(local, 0, bytes));
+  CK(cudaSetDevice(1));
+  CK(cudaMalloc(&remote, bytes));
+  CK(cudaMemset(remote, 0, bytes));
+  CK(cudaSetDevice(0));
+  CK(cudaDeviceEnablePeerAccess(1, 0));
+  CK(cudaMalloc(&local, bytes));
+  CK(cudaMemset(local, 0, bytes));
   // --both: GPU 1's own pair of buffers, pushing / pulling towards GPU 0 at the same time.
   float4 *remote1 = nullptr, *local1 = nullptr;
   cudaStream_t stream1 = nullptr;
   if (both) {
-    P2P_CHECK(cudaMalloc(&remote1, bytes));  // on GPU 0
-    P2P_CHECK(cudaMemset(remote1, 0, bytes));
-    P2P_CHECK(cudaSetDevice(1));
-    P2P_CHECK(cudaDeviceEnablePeerAccess(0, 0));
-    P2P_CHECK(cudaMalloc(&local1, bytes));
-    P2P_CHECK(cudaMemset(local1, 0, bytes));
-    P2P_CHECK(cudaStreamCreateWithFlags(&stream1, cudaStreamNonBlocking));
-    P2P_CHECK(cudaDeviceSynchronize());
-    P2P_CHECK(cudaSetDevice(0));
+    CK(cudaMalloc(&remote1, bytes));  // on GPU 0
+    CK(cudaMemset(remote1, 0, bytes));
+    CK(cudaSetDevice(1));
+    CK(cudaDeviceEnablePeerAccess(0, 0));
+    CK(cudaMalloc(&local1, bytes));
+    CK(cudaMemset(local1, 0, bytes));
+    CK(cudaStreamCreateWithFlags(&stream1, cudaStreamNonBlocking));
+    CK(cudaDeviceSynchronize());
+    CK(cudaSetDevice(0));
   }
   // GPU 1's run in the other direction (a few times GPU 0's work, so that it covers it).
   auto other = [&](Op op, int v, int ctas, int threads) {
     if (!both) return;
-    P2P_CHECK(cudaSetDevice(1));
+    CK(cudaSetDevice(1));
     for (int i = 0; i < 3; ++i) run(op, v, ctas, threads, remote1, local1, per_cta, stream1);
-    P2P_CHECK(cudaSetDevice(0));
+    CK(cudaSetDevice(0));
   };
   auto other_done = [&]() {
     if (!both) return;
-    P2P_CHECK(cudaSetDevice(1));
-    P2P_CHECK(cudaStreamSynchronize(stream1));
-    P2P_CHECK(cudaSetDevice(0));
+    CK(cudaSetDevice(1));
+    CK(cudaStreamSynchronize(stream1));
+    CK(cudaSetDevice(0));
   };
   cudaEvent_t start, stop;
-  P2P_CHECK(cudaEventCreate(&start));
-  P2P_CHECK(cudaEventCreate(&stop));
+  CK(cudaEventCreate(&start));
+  CK(cudaEventCreate(&stop));
   std::printf("%-8s %5s %7s %2s %12s %12s%s\n", "op", "CTAs", "threads", "V", "GB/s per CTA",
               "GB/s total", both ? "  (both directions at once)" : "");
   const std::vector<int> all_ctas = {1, 4, 16, 33, 66, 132}, all_threads = {96, 128, 256, 512};
@@ -168,14 +161,14 @@ int main(int argc, char** argv) {
           std::vector<float> ms(5);
           for (float& t : ms) {
             other(op, v, ctas, threads);
-            P2P_CHECK(cudaEventRecord(start));
+            CK(cudaEventRecord(start));
             run(op, v, ctas, threads, remote, local, per_cta);
-            P2P_CHECK(cudaEventRecord(stop));
-            P2P_CHECK(cudaEventSynchronize(stop));
-            P2P_CHECK(cudaEventElapsedTime(&t, start, stop));
+            CK(cudaEventRecord(stop));
+            CK(cudaEventSynchronize(stop));
+            CK(cudaEventElapsedTime(&t, start, stop));
             other_done();
           }
-          P2P_CHECK(cudaGetLastError());
+          CK(cudaGetLastError());
           std::sort(ms.begin(), ms.end());
           const double per_cta_gbs = static_cast<double>(per_cta) * 16 / (ms[2] * 1e6);
           std::printf("%-8s %5d %7d %2d %12.2f %12.1f\n", name(op), ctas, threads, v, per_cta_gbs,
@@ -185,7 +178,7 @@ int main(int argc, char** argv) {
     }
   }
   cudaFree(local);
-  P2P_CHECK(cudaSetDevice(1));
+  CK(cudaSetDevice(1));
   cudaFree(remote);
   return 0;
 }

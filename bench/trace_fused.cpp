@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_check.h"
 #include "bench_kernels.h"
 #include "fused/trace_layout.h"
 #include "mkernel/mkernel.h"
@@ -22,16 +23,6 @@ namespace {
 
 using namespace mk;
 using namespace mk::fused;
-
-#define CK(x)                                                                               \
-  do {                                                                                      \
-    cudaError_t e_ = (x);                                                                   \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #x, cudaGetErrorString(e_), __FILE__, \
-                   __LINE__);                                                               \
-      std::exit(2);                                                                         \
-    }                                                                                       \
-  } while (0)
 
 struct Args {
   std::string kernel = "gemm_rs";
