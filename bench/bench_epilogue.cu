@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(128)
     if constexpr (kMode == kAdd || kMode == kAddClear) {
       mk::fused::add_and_clear(
           acc, [&](int r, int c) { return slice + r * kWidth + c; }, kRows, kWidth,
-          kMode == kAddClear);
+          kMode == kAddClear ? slice : nullptr, 1);
     } else if constexpr (kMode == kStage) {
       // outbox_post's loop: fp32 row r of the slot = bf16 rows 2r and 2r + 1 of a 128 x 256 tile
       const mk::fused::PartialAt at{slice, kWidth, slice + kWidth / 2, kWidth, kWidth / 2};

@@ -214,7 +214,8 @@ struct GemmArFusion {
     dev::named_barrier_sync(1 + consumer, 128);
     // Every thread has read its words of the slice (in C too) before store_slice's first barrier;
     // the result overwrites them only after it.
-    add_and_clear(acc, slice_at(tile, consumer), rows, width, !single_peer);
+    const PartialAt sums = slice_at(tile, consumer);  // three or more ranks: one block, cleared
+    add_and_clear(acc, sums, rows, width, single_peer ? nullptr : sums.second, 1 + consumer);
     if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
     if (staging != nullptr) {  // C here by TMA; the side threads copy it to the peers' C
       gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {

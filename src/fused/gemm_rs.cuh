@@ -210,8 +210,8 @@ struct GemmRsFusion {
       const int width = slice_width(tile.n);
       float* slice = my_accum + slice_offset(tile.m, tile.n, consumer);
       add_and_clear(
-          acc, [&](int r, int c) { return slice + r * width + c; }, shard_rows - row0, width,
-          !single_peer);
+          acc, [&](int r, int c) { return slice + r * width + c; }, min(64, shard_rows - row0),
+          width, single_peer ? nullptr : slice, 1 + consumer);
       if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
     }
     for (int k = 0; k < 2 * slots; ++k) {  // a staging footprint: wait until it is free

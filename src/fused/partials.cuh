@@ -25,15 +25,19 @@ __device__ __forceinline__ void st_shared_f32x2(void* p, float x, float y) {
 }
 
 // acc += this thread's words of a slice; `at(row, col)` is the address of the two fp32 words
-// (row, col), (row, col + 1) of the slice (col even). `clear`: those words become 0 for the next
-// launch (an accumulator that peers add into). Four column blocks at a time (two at 192 wide,
+// (row, col), (row, col + 1) of the slice (col even). `clear_block` (or null): the slice as one
+// contiguous [rows][width] fp32 block, zeroed afterwards for the next launch (an accumulator that
+// peers add into) - by the whole warpgroup in a separate, coalesced pass once every thread's loads
+// are back (`barrier`: the warpgroup's named barrier). 8-byte zero stores into the lines just read,
+// interleaved with the loads, took 42 us per 64 KiB slice from HBM on an idle GPU
+// (bench_epilogue, "add+clear cold"). Four column blocks at a time (two at 192 wide,
 // where four spill): their loads are issued before any add or store, so they are in flight
 // together (a plain load-add-store loop waits for each load in turn: the compiler cannot prove
 // rows r and r + 8 apart from the words it stores). The slice is read while the GEMM loads L2
 // heavily: with two blocks in flight the own tiles' epilogues took ~16 us at 128 x 256 (trace).
 template <int kRegs, typename At>
 __device__ __forceinline__ void add_and_clear(float (&acc)[kRegs], const At& at, int rows,
-                                              int width, bool clear) {
+                                              int width, float* clear_block, int barrier) {
   const int t = threadIdx.x % 128;
   const int r = (t / 32) * 16 + (t % 32) / 4;  // row in the slice; and r + 8
   const int c = 2 * (t % 4);                   // column of block 0
@@ -57,12 +61,14 @@ __device__ __forceinline__ void add_and_clear(float (&acc)[kRegs], const At& at,
       for (int h = 0; h < 2; ++h) {
         acc[4 * (b0 + i) + 2 * h] += v[2 * i + h].x;
         acc[4 * (b0 + i) + 2 * h + 1] += v[2 * i + h].y;
-        const int col = c + 8 * (b0 + i), row = r + 8 * h;
-        if (clear && row < rows && col < width) {
-          __stcg(reinterpret_cast<float2*>(at(row, col)), make_float2(0.f, 0.f));
-        }
       }
     }
+  }
+  if (clear_block != nullptr) {
+    dev::named_barrier_sync(barrier, 128);  // every thread has its words (the adds used them)
+    const int vectors = rows * width / 4;   // width is a multiple of 8: whole 16-byte vectors
+    float4* block = reinterpret_cast<float4*>(clear_block);
+    for (int i = t; i < vectors; i += 128) __stcg(block + i, make_float4(0.f, 0.f, 0.f, 0.f));
   }
 }
 
@@ -157,17 +163,16 @@ __device__ __forceinline__ void prefetch_slice_l2(const PartialAt& at, int rows,
 
 // Thread 0 of a consumer, before it reads an own slice's partials: every peer has raised
 // `signal` in this launch (each wait bounded by the time limit; after a time-out it stops
-// waiting - the launch is failing and says so), then an acquire fence for the peers' writes.
+// waiting - the launch is failing and says so), each seen with an acquire load.
 __device__ __forceinline__ void wait_for_partials(const DeviceComm& comm, const dev::Launch& launch,
                                                   uint32_t signal) {
+  // launch.wait reads with acquire loads: no fence afterwards. (A relaxed check plus a
+  // fence.acq_rel.sys here cost ~3.7 us per own tile inside gemm_rs, signals long since raised,
+  // trace at 94ea99f - to be measured again without it.)
   for (int src = 0; src < comm.world_size; ++src) {
     if (src == comm.rank) continue;
-    if (!dev::reached(dev::ld_relaxed_sys(comm.signals + signal * comm.world_size + src),
-                      dev::signal_value(launch.epoch, 1))) {
-      if (!launch.wait(src, signal, 1)) break;
-    }
+    if (!launch.wait(src, signal, 1)) break;
   }
-  dev::fence_acq_rel_sys();
 }
 
 // Thread 0's record of the peers known to have entered this launch (their previous launch is
