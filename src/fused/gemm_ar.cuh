@@ -152,24 +152,18 @@ struct GemmArFusion {
     state.entered |= 1u << peer;
   }
 
+  // This rank's accumulator slice of an own tile (rows 0: below C).
+  __device__ PartialAt own_slice(const gemm_engine::Tile& tile, int consumer, int& rows,
+                                 int& width) const {
+    rows = max(0, min(64, m - (tile.m * 128 + consumer * 64)));
+    width = slice_width(tile);
+    return slice_at(tile, consumer);
+  }
+
   template <int kRegs>
   __device__ void store(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
                         uint8_t* scratch, ConsumerState& state) const {
-    const bool leader = threadIdx.x % 128 == 0;
-    if (leader) {
-      trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreBegin, tile.shard != comm.rank);
-    }
-    // The next tile's partials (an own tile), into L2 while this epilogue and its mainloop run.
-    const int next = static_cast<int>(blockIdx.x) + ++state.tiles * static_cast<int>(gridDim.x);
-    if (next < num_tiles()) {
-      const gemm_engine::Tile own = this->tile(next);
-      const int row0 = own.m * 128 + consumer * 64;
-      if (own.shard == comm.rank && row0 < m) {
-        prefetch_slice_l2(slice_at(own, consumer), min(64, m - row0), slice_width(own));
-      }
-    }
-    store_tile(acc, tile, consumer, scratch, state);
-    if (leader) trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreEnd);
+    reducing_store(*this, acc, tile, consumer, scratch, state);
   }
 
   template <int kRegs>

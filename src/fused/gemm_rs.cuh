@@ -130,26 +130,18 @@ struct GemmRsFusion {
     trace_init();
   }
 
+  // This rank's accumulator slice of an own tile: one contiguous block (rows 0: below the shard).
+  __device__ PartialAt own_slice(const gemm_engine::Tile& tile, int consumer, int& rows,
+                                 int& width) const {
+    rows = max(0, min(64, shard_rows - (tile.m * 128 + consumer * 64)));
+    width = slice_width(tile.n);
+    return PartialAt::block(my_accum + slice_offset(tile.m, tile.n, consumer), width);
+  }
+
   template <int kRegs>
   __device__ void store(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
                         uint8_t* scratch, ConsumerState& pending) const {
-    const bool leader = threadIdx.x % 128 == 0;
-    if (leader) {
-      trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreBegin, tile.shard != comm.rank);
-    }
-    // The next tile's partials (an own tile), into L2 while this epilogue and its mainloop run.
-    const int next = static_cast<int>(blockIdx.x) + ++pending.tiles * static_cast<int>(gridDim.x);
-    if (next < num_tiles()) {
-      const gemm_engine::Tile own = this->tile(next);
-      const int row0 = own.m * 128 + consumer * 64;
-      if (own.shard == comm.rank && row0 < shard_rows) {
-        const int width = slice_width(own.n);
-        prefetch_slice_l2(PartialAt::block(my_accum + slice_offset(own.m, own.n, consumer), width),
-                          min(64, shard_rows - row0), width);
-      }
-    }
-    store_tile(acc, tile, consumer, scratch, pending);
-    if (leader) trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreEnd);
+    reducing_store(*this, acc, tile, consumer, scratch, pending);
   }
 
   template <int kRegs>
@@ -207,11 +199,9 @@ struct GemmRsFusion {
     }
     dev::named_barrier_sync(1 + consumer, 128);
     if (row0 < shard_rows) {
-      const int width = slice_width(tile.n);
-      float* slice = my_accum + slice_offset(tile.m, tile.n, consumer);
-      add_and_clear(
-          acc, [&](int r, int c) { return slice + r * width + c; }, min(64, shard_rows - row0),
-          width, single_peer ? nullptr : slice, 1 + consumer);
+      int rows = 0, width = 0;
+      const PartialAt sums = own_slice(tile, consumer, rows, width);
+      add_and_clear(acc, sums, rows, width, single_peer ? nullptr : sums.second, 1 + consumer);
       if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
     }
     for (int k = 0; k < 2 * slots; ++k) {  // a staging footprint: wait until it is free

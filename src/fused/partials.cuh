@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "fused/trace.cuh"
+#include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
 #include "mkernel/device/mbarrier.cuh"
 #include "mkernel/device/sync.cuh"
@@ -159,6 +160,33 @@ __device__ __forceinline__ void prefetch_slice_l2(const PartialAt& at, int rows,
   if (split > 0 && t < rows) {
     prefetch_l2(at.first + t * at.first_stride, static_cast<uint32_t>(split * 4));
   }
+}
+
+// The reducing policies' store() (gemm_rs, gemm_ar): the epilogue's begin and end in the
+// timeline, and - when the CTA's next tile is one of this rank's own - that tile's partial sums
+// started on their way into L2 first. The policy provides num_tiles(), tile(t), comm, trace,
+// own_slice(tile, consumer, rows, width) (where this rank's accumulator keeps the slice; rows 0:
+// below the matrix) and store_tile(); its ConsumerState counts the tiles stored (`tiles`).
+template <class Policy, int kRegs, class State>
+__device__ __forceinline__ void reducing_store(const Policy& policy, float (&acc)[kRegs],
+                                               const gemm_engine::Tile& tile, int consumer,
+                                               uint8_t* scratch, State& state) {
+  const bool leader = threadIdx.x % 128 == 0;
+  if (leader) {
+    trace_mark(policy.trace, kTraceConsumer0 + consumer, kTraceStoreBegin,
+               tile.shard != policy.comm.rank);
+  }
+  const int next = static_cast<int>(blockIdx.x) + ++state.tiles * static_cast<int>(gridDim.x);
+  if (next < policy.num_tiles()) {
+    const gemm_engine::Tile own = policy.tile(next);
+    int rows = 0, width = 0;
+    if (own.shard == policy.comm.rank) {
+      const PartialAt at = policy.own_slice(own, consumer, rows, width);
+      if (rows > 0) prefetch_slice_l2(at, rows, width);
+    }
+  }
+  policy.store_tile(acc, tile, consumer, scratch, state);
+  if (leader) trace_mark(policy.trace, kTraceConsumer0 + consumer, kTraceStoreEnd);
 }
 
 // Thread 0 of a consumer, before it reads an own slice's partials: every peer has raised
