@@ -78,7 +78,7 @@ namespace {
 
 using gemm_engine::make_map;
 
-template <int kBlockN, bool kTransB>
+template <int kBlockN, bool kTransB, bool kPingPong = false>
 void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, int sms,
             cudaStream_t stream) {
   using Fusion = gemm_engine::PlainGemm<kBlockN>;
@@ -88,8 +88,9 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
       {static_cast<int>((m + 127) / 128), static_cast<int>((n + kBlockN - 1) / kBlockN)},
       static_cast<int>(n)};
   const int tiles = fusion.raster.tiles_m * fusion.raster.tiles_n;
-  gemm_engine::launch<kBlockN, kTransB>(fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB),
-                                        k, std::min(tiles, sms), stream, kOp);
+  gemm_engine::launch<kBlockN, kTransB, Fusion, kPingPong>(
+      fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, std::min(tiles, sms), stream,
+      kOp);
 }
 
 }  // namespace
@@ -155,9 +156,10 @@ int gemm_engine::pick_block_n(int requested, int64_t m, int64_t n, int sms, cons
 
 namespace {
 
-template <int kBlockN, bool kTransB, template <int> class Fusion = gemm_engine::PlainGemm>
+template <int kBlockN, bool kTransB, template <int> class Fusion = gemm_engine::PlainGemm,
+          bool kPingPong = false>
 void add_resources(std::vector<GemmKernelResources>& out, const char* what = "gemm") {
-  auto kernel = gemm_engine::prepared_kernel<kBlockN, kTransB, Fusion<kBlockN>>();
+  auto kernel = gemm_engine::prepared_kernel<kBlockN, kTransB, Fusion<kBlockN>, kPingPong>();
   cudaFuncAttributes attr{};
   MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
   out.push_back(
@@ -183,11 +185,26 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   gemm_engine::require_device_pointer(c, kOp, "C", device);
   int sms = config.sms;
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int block_n = gemm_engine::pick_block_n(config.block_n, m, n, sms, kOp);
+  const char* schedule = std::getenv("MKERNEL_GEMM_SCHEDULE");
+  const bool pingpong =
+      config.pingpong || (schedule != nullptr && std::string(schedule) == "pingpong");
+  if (pingpong && config.block_n != 0 && config.block_n != 128) {
+    invalid("the ping-pong schedule computes 128 x 128 tiles; block_n = " +
+            std::to_string(config.block_n) + " (expected 0 or 128)");
+  }
+  const int block_n = pingpong ? 128 : gemm_engine::pick_block_n(config.block_n, m, n, sms, kOp);
   if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr) {
-    std::fprintf(stderr, "[mkernel] gemm %lldx%lldx%lld: block 128x%dx64, %d SMs\n",
+    std::fprintf(stderr, "[mkernel] gemm %lldx%lldx%lld: block 128x%dx64, %d SMs%s\n",
                  static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
-                 block_n, sms);
+                 block_n, sms, pingpong ? ", ping-pong" : "");
+  }
+  if (pingpong) {
+    if (b_layout == BLayout::kKN) {
+      launch<128, true, true>(a, b, c, m, n, k, sms, stream);
+    } else {
+      launch<128, false, true>(a, b, c, m, n, k, sms, stream);
+    }
+    return;
   }
   gemm_engine::dispatch(block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     launch<kBlockN, kTransB>(a, b, c, m, n, k, sms, stream);
@@ -204,6 +221,8 @@ std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
   add_resources<128, true>(out);
   add_resources<192, true>(out);
   add_resources<256, true>(out);
+  add_resources<128, false, gemm_engine::PlainGemm, true>(out, "gemm ping-pong");
+  add_resources<128, true, gemm_engine::PlainGemm, true>(out, "gemm ping-pong");
   add_resources<64, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<128, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<192, false, gemm_engine::GroupedGemm>(out, "grouped");

@@ -28,6 +28,13 @@
 //             arrive empty[prev]
 // Partial tiles: TMA reads out-of-bounds elements as zero (K, M and N tails), and the epilogue's
 // TMA stores clip at the matrix edge.
+//
+// Ping-pong schedule (kPingPong, experimental, plain GEMM only so far): the same producer and
+// stages, but each consumer warpgroup owns whole tiles - the CTA's tiles alternate between them -
+// and computes all 128 rows (two m64 accumulators). The stage ring hands the tiles' k-blocks out in
+// order, so the two mainloops alternate, and one warpgroup's epilogue runs while the other's
+// wgmma keep the tensor cores busy (the cooperative schedule idles them for every epilogue).
+// store() is called once per 64-row half with tile.half = 0 / 1 and `consumer` = the warpgroup.
 #pragma once
 
 #include <cuda.h>
@@ -92,10 +99,16 @@ struct GroupedRaster {
 struct Tile {
   int m;
   int n;
-  int shard;     // or, for a grouped GEMM, the group (B's third coordinate)
-  int row = 0;   // grouped GEMM: the tile's first row in A and C
-  int rows = 0;  // grouped GEMM: rows of the tile inside its group (<= 128 means a partial tile)
+  int shard;      // or, for a grouped GEMM, the group (B's third coordinate)
+  int row = 0;    // grouped GEMM: the tile's first row in A and C
+  int rows = 0;   // grouped GEMM: rows of the tile inside its group (<= 128 means a partial tile)
+  int half = -1;  // ping-pong epilogue: the 64-row half being stored (-1: the consumer's own)
 };
+
+// First row (within the tile) of the 64-row slice a store() call gets.
+__device__ __forceinline__ int slice_half(const Tile& tile, int consumer) {
+  return tile.half >= 0 ? tile.half : consumer;
+}
 
 // Whether a policy's B is batched ([batches][...], the tile's `shard` picks the batch).
 template <class Fusion>
@@ -209,7 +222,7 @@ struct PlainGemm {
   template <int kRegs>
   __device__ void store(const float (&acc)[kRegs], const Tile& tile, int consumer, uint8_t* scratch,
                         ConsumerState&) const {
-    const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
+    const int row0 = tile.m * 128 + slice_half(tile, consumer) * 64, col0 = tile.n * kBlockN;
     store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
       dev::tma_store_2d(&c, buf, col0 + 64 * j, row0);
     });
@@ -222,11 +235,12 @@ struct PlainGemm {
 // B box of an N-major stage: 64 K rows x 64 N values (128 bytes a row).
 constexpr int kMnBoxBytes = 64 * 128;
 
-template <class Cfg, bool kTransB, class Fusion>
+template <class Cfg, bool kTransB, class Fusion, bool kPingPong = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tma_b, int k,
                 const __grid_constant__ Fusion fusion) {
   static_assert(registers_fit<Cfg, Fusion>(), "setmaxnreg split beyond the CTA's registers");
+  static_assert(!kPingPong || Cfg::kBlockN <= 128, "ping-pong: 128 x 128 tiles per warpgroup");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -239,7 +253,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
       dev::mbarrier_init(&full[s], 1);
-      dev::mbarrier_init(&empty[s], Cfg::kConsumers);
+      dev::mbarrier_init(&empty[s], kPingPong ? 1 : Cfg::kConsumers);  // ping-pong: one owner
     }
     if constexpr (requires { fusion.init_shared(); }) fusion.init_shared();
     dev::mbarrier_init_fence();
@@ -290,6 +304,53 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     } else if (threadIdx.x >= 32) {
       fusion.side_task(threadIdx.x - 32, 96);
     }
+  } else if constexpr (kPingPong) {
+    // ---- consumers, ping-pong: warpgroup c takes the CTA's tiles c, c + 2, ... whole ----
+    dev::warpgroup_reg_alloc<consumer_regs<Cfg, Fusion>()>();
+    const int consumer = warpgroup - 1;
+    const bool leader = threadIdx.x % 128 == 0;
+    float acc0[Cfg::kAccRegs], acc1[Cfg::kAccRegs];  // rows 0-63 and 64-127 of the tile
+    typename Fusion::ConsumerState state{};
+    uint8_t* scratch = epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers);
+    for (int i = consumer;; i += 2) {  // i: the tile's place among this CTA's tiles
+      const int t = static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
+      if (t >= fusion.num_tiles()) break;
+      Tile tile = fusion.tile(t);
+      int it = i * k_iters;  // the tile's k-blocks sit at ring positions it, it + 1, ...
+      for (int kb = 0; kb < k_iters; ++kb, ++it) {
+        const int s = it % Cfg::kStages;
+        const uint32_t phase = (it / Cfg::kStages) & 1;
+        dev::mbarrier_wait(&full[s], phase);
+        dev::wgmma_fence_operands(acc0);
+        dev::wgmma_fence_operands(acc1);
+        dev::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kBlockK / 16; ++kk) {
+          const uint64_t da0 = dev::wgmma_desc_sw128(stage_a(s) + kk * 32);
+          const uint64_t da1 = dev::wgmma_desc_sw128(stage_a(s) + 64 * 128 + kk * 32);
+          const uint64_t db =
+              kTransB ? dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes)
+                      : dev::wgmma_desc_sw128(stage_b(s) + kk * 32);
+          dev::wgmma_bf16<Cfg::kBlockN, kTransB>(acc0, da0, db, kb > 0 || kk > 0);
+          dev::wgmma_bf16<Cfg::kBlockN, kTransB>(acc1, da1, db, kb > 0 || kk > 0);
+        }
+        dev::wgmma_commit();
+        dev::wgmma_fence_operands(acc0);
+        dev::wgmma_fence_operands(acc1);
+        dev::wgmma_wait<1>();  // the previous stage's group has retired
+        if (kb > 0 && leader) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
+      }
+      dev::wgmma_wait<0>();
+      dev::wgmma_fence_operands(acc0);
+      dev::wgmma_fence_operands(acc1);
+      if (leader && k_iters > 0) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
+      tile.half = 0;
+      fusion.store(acc0, tile, consumer, scratch, state);
+      tile.half = 1;
+      fusion.store(acc1, tile, consumer, scratch, state);
+    }
+    fusion.consumer_done(state);
+    if (leader) dev::bulk_wait_group<0>();  // the last stores have landed
   } else {
     // ---- consumers ----
     dev::warpgroup_reg_alloc<consumer_regs<Cfg, Fusion>()>();

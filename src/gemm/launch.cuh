@@ -37,10 +37,10 @@ void dispatch(int block_n, bool trans_b, Fn&& fn) {
 }
 
 // gemm_kernel<..., Fusion> with its shared memory allowed (which also loads the kernel now).
-template <int kBlockN, bool kTransB, class Fusion>
+template <int kBlockN, bool kTransB, class Fusion, bool kPingPong = false>
 auto prepared_kernel() {
   using Cfg = TileConfig<kBlockN>;
-  auto kernel = gemm_kernel<Cfg, kTransB, Fusion>;
+  auto kernel = gemm_kernel<Cfg, kTransB, Fusion, kPingPong>;
   MK_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   return kernel;
@@ -60,11 +60,11 @@ void preload_all() {
 }
 
 // Launches gemm_kernel<..., Fusion> on `grid` persistent CTAs; throws naming `op` if it fails.
-template <int kBlockN, bool kTransB, class Fusion>
+template <int kBlockN, bool kTransB, class Fusion, bool kPingPong = false>
 void launch(const Fusion& fusion, const CUtensorMap& map_b, int64_t k, int grid,
             cudaStream_t stream, const char* op) {
   using Cfg = TileConfig<kBlockN>;
-  auto kernel = prepared_kernel<kBlockN, kTransB, Fusion>();
+  auto kernel = prepared_kernel<kBlockN, kTransB, Fusion, kPingPong>();
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_b, static_cast<int>(k), fusion);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
