@@ -67,55 +67,76 @@ FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
       }
     }
   }
-  const int64_t tiles_n = (n + p.block_n - 1) / p.block_n;
-  int64_t max_col_tiles = 0;
-  for (int o = 0; o < world; ++o) {
-    max_col_tiles = std::max(max_col_tiles, (o + 1) * tiles_n / world - o * tiles_n / world);
-  }
-  if (2 * tiles_m * max_col_tiles > kMaxOpSignals) {
-    invalid(std::to_string(tiles_m * max_col_tiles) + " tiles of 128 x " +
+  // Column tiles per rank fit the op signals (two per tile)?
+  auto signals_fit = [&](int block_n) {
+    const int64_t tiles_n = (n + block_n - 1) / block_n;
+    int64_t max_col_tiles = 0;
+    for (int o = 0; o < world; ++o) {
+      max_col_tiles = std::max(max_col_tiles, (o + 1) * tiles_n / world - o * tiles_n / world);
+    }
+    return 2 * tiles_m * max_col_tiles <= kMaxOpSignals;
+  };
+  if (!signals_fit(p.block_n)) {
+    const int64_t tiles_n = (n + p.block_n - 1) / p.block_n;
+    invalid(std::to_string(tiles_m * ((tiles_n + world - 1) / world)) + " tiles of 128 x " +
             std::to_string(p.block_n) + " per rank; at most " + std::to_string(kMaxOpSignals / 2) +
             " are supported (use a wider block_n or fewer rows per call)");
   }
-  p.ctas = static_cast<int>(std::min<int64_t>(tiles_m * tiles_n, budget));
-  p.comm_ctas = 0;  // the consumers' epilogues move the data
-  p.piece_rows = 0;
-  p.pieces = 0;
-  p.workspace_bytes =
-      world == 1 ? 0 : static_cast<std::size_t>(m * max_owned(p.block_n) * word_bytes);
-  // Staging slots of the outbox (partials.cuh) behind the accumulator, when they fit within the
-  // intermediate's size too: two slots per consumer, else one, with every CTA of the budget,
-  // else with up to 1/8 of the CTAs given up for them (the epilogue's own sends cost far more);
-  // else the epilogue sends the partials itself (small M, tiny N).
-  const auto bound = static_cast<std::size_t>(m * n * 2);
-  if (world > 1 && fused::outbox_enabled() && p.workspace_bytes < bound) {
-    const auto slot_bytes = static_cast<std::size_t>(std::min<int64_t>(64, m) * p.block_n * 4);
-    const std::size_t room = bound - p.workspace_bytes;
-    for (const int min_ctas : {p.ctas, p.ctas - p.ctas / 8}) {
-      for (const int slots : {fused::kMaxOutboxSlots, 1}) {
-        const auto ctas = static_cast<int>(std::min<std::size_t>(
-            p.ctas, room / (2 * static_cast<std::size_t>(slots) * slot_bytes)));
-        if (p.outbox_slots == 0 && ctas >= std::max(min_ctas, 1)) {
-          p.ctas = ctas;
-          p.outbox_slots = slots;
-          p.staging_bytes = static_cast<std::size_t>(ctas) * 2 * slots * slot_bytes;
+  // The rest of the plan for a tile width.
+  auto with_width = [&](int block_n) {
+    FusedGemmPlan q = p;
+    q.block_n = block_n;
+    const int64_t tiles_n = (n + block_n - 1) / block_n;
+    q.ctas = static_cast<int>(std::min<int64_t>(tiles_m * tiles_n, budget));
+    q.comm_ctas = 0;  // the consumers' epilogues (or the outbox's side threads) move the data
+    q.piece_rows = 0;
+    q.pieces = 0;
+    q.workspace_bytes =
+        world == 1 ? 0 : static_cast<std::size_t>(m * max_owned(block_n) * word_bytes);
+    // Staging slots of the outbox (partials.cuh) behind the accumulator, when they fit within
+    // the intermediate's size too: two slots per consumer, else one, with every CTA of the
+    // budget, else with up to 1/8 of the CTAs given up for them (the epilogue's own sends cost
+    // far more); else the epilogue sends the partials itself (small M, tiny N).
+    const auto bound = static_cast<std::size_t>(m * n * 2);
+    if (world > 1 && fused::outbox_enabled() && q.workspace_bytes < bound) {
+      const auto slot_bytes = static_cast<std::size_t>(std::min<int64_t>(64, m) * block_n * 4);
+      const std::size_t room = bound - q.workspace_bytes;
+      for (const int min_ctas : {q.ctas, q.ctas - q.ctas / 8}) {
+        for (const int slots : {fused::kMaxOutboxSlots, 1}) {
+          const auto ctas = static_cast<int>(std::min<std::size_t>(
+              q.ctas, room / (2 * static_cast<std::size_t>(slots) * slot_bytes)));
+          if (q.outbox_slots == 0 && ctas >= std::max(min_ctas, 1)) {
+            q.ctas = ctas;
+            q.outbox_slots = slots;
+            q.staging_bytes = static_cast<std::size_t>(ctas) * 2 * slots * slot_bytes;
+          }
         }
       }
+      q.workspace_bytes += q.staging_bytes;
     }
-    p.workspace_bytes += p.staging_bytes;
-  }
-  // Peers' tiles and own tiles interleaved (reduce_order.h), lag two waves, when the outbox
-  // carries the traffic and the column tiles split evenly (the same count for every owner); on a
-  // grid coprime to the world size, so that every CTA sends its share (fewer staging slots).
-  p.lag = -1;
-  if (p.outbox_slots > 0 && fused::interleave_enabled() && tiles_n % world == 0 &&
-      tiles_m * (tiles_n / world) >= 2 * static_cast<int64_t>(p.ctas)) {
-    const std::size_t per_cta = p.staging_bytes / p.ctas;
-    p.workspace_bytes -= p.staging_bytes;
-    p.ctas = fused::ReduceOrder::interleave_grid(p.ctas, world);
-    p.staging_bytes = per_cta * p.ctas;
-    p.workspace_bytes += p.staging_bytes;
-    p.lag = 2 * (world - 1) * p.ctas;
+    // Peers' tiles and own tiles interleaved (reduce_order.h), lag two waves, when the outbox
+    // carries the traffic and the column tiles split evenly (the same count for every owner); on
+    // a grid coprime to the world size, so that every CTA sends its share (fewer staging slots).
+    q.lag = -1;
+    if (q.outbox_slots > 0 && fused::interleave_enabled() && tiles_n % world == 0 &&
+        tiles_m * (tiles_n / world) >= 2 * static_cast<int64_t>(q.ctas)) {
+      const std::size_t per_cta = q.staging_bytes / q.ctas;
+      q.workspace_bytes -= q.staging_bytes;
+      q.ctas = fused::ReduceOrder::interleave_grid(q.ctas, world);
+      q.staging_bytes = per_cta * q.ctas;
+      q.workspace_bytes += q.staging_bytes;
+      q.lag = 2 * (world - 1) * q.ctas;
+    }
+    return q;
+  };
+  p = with_width(p.block_n);
+  // Narrower tiles when only they let the outbox's staging fit (M around 1024: the slots are
+  // half as large at 128 wide; the epilogue's own sends cost far more than the narrower tile).
+  if (p.outbox_slots == 0 && world > 1 && fused::outbox_enabled() && config.block_n == 0 &&
+      std::getenv("MKERNEL_GEMM_BLOCK_N") == nullptr && p.block_n > 128 && signals_fit(128) &&
+      static_cast<int64_t>(max_owned(128)) * word_bytes <= 2 * n) {
+    const FusedGemmPlan narrow = with_width(128);
+    if (narrow.outbox_slots > 0) p = narrow;
   }
   return p;
 }

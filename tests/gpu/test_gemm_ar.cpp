@@ -148,6 +148,12 @@ TEST(SanitizeGemmAr, SmallWorld2) {
     EXPECT_EQ(plan.ctas, 3) << plan.describe();
     EXPECT_EQ(plan.lag, 6) << plan.describe();
     expect_gemm_ar(comm, {512, 1024, 64, BLayout::kNK, 128}, seed + 2, four_ctas);
+    // M = 1024 on a whole H200: staging fits only beside 128-wide tiles, so the plan takes them
+    if (comm.topology().sm_budget() >= 120) {
+      const FusedGemmPlan rows1024 = gemm_ar_plan(comm, 1024, 8192, 4096);
+      EXPECT_EQ(rows1024.block_n, 128) << rows1024.describe();
+      EXPECT_GT(rows1024.outbox_slots, 0) << rows1024.describe();
+    }
   });
 }
 
