@@ -34,7 +34,10 @@ AgGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
   p.shard_rows = m / world;
   const int64_t tiles_m = (p.shard_rows + 127) / 128;
   const int budget = fused::sm_budget(comm, config.sms, kOp);
-  p.block_n = gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);
+  p.pingpong = gemm_engine::pingpong_requested() && (config.block_n == 0 || config.block_n == 128);
+  p.block_n =
+      p.pingpong ? 128
+                 : gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);
   const int64_t tiles = world * tiles_m * ((n + p.block_n - 1) / p.block_n);
   p.ctas = static_cast<int>(std::min<int64_t>(tiles, budget));
   if (config.comm_ctas < 0) invalid("comm_ctas = " + std::to_string(config.comm_ctas));
@@ -90,6 +93,12 @@ void launch(const Communicator& comm, const AgGemmPlan& p, const void* a_shard, 
   f.pieces = p.pieces;
   f.comm_ctas = p.comm_ctas;
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
+  if constexpr (kBlockN == 128) {
+    if (p.pingpong) {
+      gemm_engine::launch<kBlockN, kTransB, Fusion, true>(f, map_b, k, p.ctas, stream, kOp);
+      return;
+    }
+  }
   gemm_engine::launch<kBlockN, kTransB>(f, map_b, k, p.ctas, stream, kOp);
 }
 
@@ -110,9 +119,9 @@ std::string FusedGemmPlan::describe() const {
   std::snprintf(line, sizeof(line),
                 "shards of %lld rows, tiles 128x%d, %d CTAs (%d moving data), pieces of %d rows "
                 "(%d per shard), workspace %zu bytes (staging %zu: %d outbox slots per consumer), "
-                "lag %d",
+                "lag %d%s",
                 static_cast<long long>(shard_rows), block_n, ctas, comm_ctas, piece_rows, pieces,
-                workspace_bytes, staging_bytes, outbox_slots, lag);
+                workspace_bytes, staging_bytes, outbox_slots, lag, pingpong ? ", ping-pong" : "");
   return line;
 }
 
@@ -168,7 +177,11 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
 }
 
 namespace detail {
-void preload_ag_gemm_kernels() { gemm_engine::preload_all<fused::AgGemmFusion>(); }
+void preload_ag_gemm_kernels() {
+  gemm_engine::preload_all<fused::AgGemmFusion>();
+  gemm_engine::prepared_kernel<128, false, fused::AgGemmFusion<128>, true>();  // ping-pong
+  gemm_engine::prepared_kernel<128, true, fused::AgGemmFusion<128>, true>();
+}
 }  // namespace detail
 
 }  // namespace mk

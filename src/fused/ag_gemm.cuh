@@ -115,7 +115,8 @@ struct AgGemmFusion {
   template <int kRegs>
   __device__ void store(const float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
                         uint8_t* scratch, ConsumerState&) const {
-    const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
+    const int row0 = tile.m * 128 + gemm_engine::slice_half(tile, consumer) * 64;
+    const int col0 = tile.n * kBlockN;
     gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
       dev::tma_store_3d(&c, buf, col0 + 64 * j, row0, tile.shard);
     });

@@ -127,6 +127,11 @@ void gemm_engine::require_multiple_of_8(int64_t value, const char* op, const cha
 // with its width but wide tiles use the tensor cores better (each wgmma re-reads the A slice from
 // shared memory whatever its width); the efficiencies are from the H200 sweep in
 // docs/PERFORMANCE.md.
+bool gemm_engine::pingpong_requested() {
+  const char* schedule = std::getenv("MKERNEL_GEMM_SCHEDULE");
+  return schedule != nullptr && std::string(schedule) == "pingpong";
+}
+
 int gemm_engine::pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op) {
   int block_n = requested;
   if (block_n == 0) {
@@ -185,9 +190,7 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   gemm_engine::require_device_pointer(c, kOp, "C", device);
   int sms = config.sms;
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const char* schedule = std::getenv("MKERNEL_GEMM_SCHEDULE");
-  const bool pingpong =
-      config.pingpong || (schedule != nullptr && std::string(schedule) == "pingpong");
+  const bool pingpong = config.pingpong || gemm_engine::pingpong_requested();
   if (pingpong && config.block_n != 0 && config.block_n != 128) {
     invalid("the ping-pong schedule computes 128 x 128 tiles; block_n = " +
             std::to_string(config.block_n) + " (expected 0 or 128)");
