@@ -114,6 +114,11 @@ def ag_gemm_case(comm, m, n, k, mode, iters, sweep=False):
                          ("16 pushers", {"comm_ctas": 16}), ("32 pushers", {"comm_ctas": 32}),
                          ("64 pushers", {"comm_ctas": 64}), ("all push", {"comm_ctas": 1000})):
             variants["sweep: " + name] = (lambda kw=kw: mkernel.ag_gemm(a_shard, b, comm, **kw))
+        # The engine's ping-pong schedule (experimental): the fused op and the GEMM alone.
+        variants["sweep: pingpong"] = with_switch(lambda: mkernel.ag_gemm(a_shard, b, comm),
+                                                  "MKERNEL_GEMM_SCHEDULE", "pingpong")
+        variants["sweep: engine pingpong"] = with_switch(lambda: mkernel.gemm(a_full, b),
+                                                         "MKERNEL_GEMM_SCHEDULE", "pingpong")
     return ok, diff, mag, variants
 
 
@@ -162,13 +167,13 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
 _ASYNC_TP_NOTE = None
 
 
-def with_switch(fn, variable):
-    """fn with the environment switch `variable` set to "0" during the call (the library reads
-    MKERNEL_OUTBOX / MKERNEL_INTERLEAVE at each call), so that --sweep times the fused op with a
-    mechanism off in the same run as with it on."""
+def with_switch(fn, variable, value="0"):
+    """fn with the environment variable `variable` set to `value` during the call (the library
+    reads MKERNEL_OUTBOX / MKERNEL_INTERLEAVE / MKERNEL_GEMM_SCHEDULE at each call), so that
+    --sweep times the op with a mechanism off (or another schedule) in the same run."""
     def call():
         saved = os.environ.get(variable)
-        os.environ[variable] = "0"
+        os.environ[variable] = value
         try:
             return fn()
         finally:

@@ -5,12 +5,13 @@
 # bench_fused.py --sweep times, next to the default (outbox, src/fused/partials.cuh, and the
 # interleaved order, src/fused/reduce_order.h): MKERNEL_INTERLEAVE=0 (all peers' tiles first),
 # MKERNEL_OUTBOX=0 (the epilogue sends the partials itself), and the other tile widths.
-# The default's results go to <out_dir>/<kernel>.json.
+# The default's results go to <out_dir>/<kernel>.json. COMPARE_KERNELS (default "gemm_rs gemm_ar")
+# may add ag_gemm, whose --sweep times the ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong).
 export NCCL_NVLS_ENABLE=0 NCCL_NVLS_DISABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 shapes="${1:-4096x4096x4096,8192x8192x8192,16384x8192x8192,8192x2048x8192}"
 out="${2:-/tmp}"
-for kernel in gemm_rs gemm_ar; do
+for kernel in ${COMPARE_KERNELS:-gemm_rs gemm_ar}; do
   echo "=== $kernel"
   timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
     bench/bench_fused.py --kernel "$kernel" --shapes "$shapes" --rounds 3 --sweep \

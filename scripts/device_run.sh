@@ -206,7 +206,9 @@ step_compare() {
   fi
   bash "$REPO/scripts/compare_outbox.sh" "${COMPARE_SHAPES:-}" "$dir" 2>&1 | tee "$dir/compare.log"
   # One JSON file per kernel when its run finished.
-  (($(find "$dir" -maxdepth 1 -name '*.json' | wc -l) == 2)) || rc=1
+  local kernels
+  read -r -a kernels <<<"${COMPARE_KERNELS:-gemm_rs gemm_ar}"
+  (($(find "$dir" -maxdepth 1 -name '*.json' | wc -l) == ${#kernels[@]})) || rc=1
   tar -czf "$OUT/compare.tar.gz" -C "$dir" .
   return "$rc"
 }
