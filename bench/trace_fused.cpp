@@ -1,9 +1,12 @@
-// Where a reducing fused GEMM's launch spends its time. Runs gemm_rs or gemm_ar on random data
+// Where a fused GEMM's launch spends its time. Runs ag_gemm, gemm_rs or gemm_ar on random data
 // with MKERNEL_TRACE set, then summarises the last launch's timeline (src/fused/trace_layout.h)
-// on every rank: consumers' mainloops, epilogues and waits for partials, the side threads' copies,
-// and how these shares change over the launch (ten time bins).
-//   mkrun -n 2 -- trace_fused [--kernel gemm_rs|gemm_ar] [--shape MxNxK] [--iters 5] [--csv FILE]
-// K is the whole K (each rank holds K / world of it), as in bench_fused.py. --csv writes every
+// on every rank: consumers' mainloops, epilogues and waits for partials, the side threads' copies
+// (or ag_gemm's pushes), the producer's waits for gathered rows (ag_gemm), and how these shares
+// change over the launch (ten time bins).
+//   mkrun -n 2 -- trace_fused [--kernel ag_gemm|gemm_rs|gemm_ar] [--shape MxNxK] [--iters 5]
+//                             [--csv FILE]
+// As in bench_fused.py: gemm_rs / gemm_ar split K over the ranks (each holds K / world of it),
+// ag_gemm splits M (each rank holds M / world rows of A). --csv writes every
 // record (rank, cta, lane, ns since the launch's first record, event, argument), rank by rank.
 #include <cuda_runtime_api.h>
 
@@ -51,8 +54,8 @@ Args parse(int argc, char** argv) {
       std::exit(2);
     }
   }
-  if (a.kernel != "gemm_rs" && a.kernel != "gemm_ar") {
-    std::fprintf(stderr, "--kernel gemm_rs or gemm_ar\n");
+  if (a.kernel != "ag_gemm" && a.kernel != "gemm_rs" && a.kernel != "gemm_ar") {
+    std::fprintf(stderr, "--kernel ag_gemm, gemm_rs or gemm_ar\n");
     std::exit(2);
   }
   return a;
@@ -68,7 +71,9 @@ using Lane = std::vector<Record>;
 
 struct Totals {  // microseconds summed over consumer lanes (or side lanes)
   double mainloop = 0, remote_epilogue = 0, own_wait = 0, own_epilogue = 0, after_done = 0;
-  double own_add = 0;  // part of own_epilogue: adding the partials
+  double own_add = 0;       // part of own_epilogue: adding the partials
+  double operand_wait = 0;  // producer (ag_gemm): waiting for a peer's rows
+  int operand_waits = 0;
   double side_busy = 0;
   int remote_tiles = 0, own_tiles = 0, items = 0;
 };
@@ -111,7 +116,7 @@ void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double even
   std::vector<double> done_at;
   for (int c = 0; c < ctas; ++c) {
     const double start = lanes[c][kTraceSide].empty() ? 0 : lanes[c][kTraceSide][0].us;
-    for (int l = kTraceConsumer0; l < kTraceLanes; ++l) {
+    for (int l = kTraceConsumer0; l < kTraceConsumer0 + 2; ++l) {
       double prev_end = start, begin = 0, waited = -1, added = -1;
       bool remote = false;
       for (const Record& r : lanes[c][l]) {
@@ -153,6 +158,15 @@ void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double even
         }
       }
     }
+    double wait_at = -1;
+    for (const Record& r : lanes[c][kTraceProducer]) {
+      if (r.event == kTraceOperandsWait) wait_at = r.us;
+      if (r.event == kTraceOperandsIn && wait_at >= 0) {
+        tot.operand_wait += r.us - wait_at;
+        ++tot.operand_waits;
+        wait_at = -1;
+      }
+    }
     double item_at = -1;
     for (const Record& r : lanes[c][kTraceSide]) {
       if (r.event == kTraceItem) item_at = r.us;
@@ -184,6 +198,13 @@ void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double even
       done_at.empty() ? 0 : done_at.front(), done_at.empty() ? 0 : done_at[done_at.size() / 2],
       done_at.empty() ? 0 : done_at.back(), tot.items, tot.side_busy / std::max(1, tot.items),
       100.0 * tot.side_busy / (ctas * span));
+  if (tot.operand_waits > 0) {
+    std::printf(
+        "  producer: waited for peers' rows %.2f us per peer tile (%d), %.1f%% of the "
+        "launch\n",
+        tot.operand_wait / tot.operand_waits, tot.operand_waits,
+        100.0 * tot.operand_wait / (ctas * span));
+  }
   std::printf("  bins of %.1f us  mainloop / epilogue / wait (%% of consumers), side busy (%%)\n",
               span / kBins);
   for (int i = 0; i < kBins; ++i) {
@@ -209,24 +230,29 @@ int main(int argc, char** argv) {
   CK(cudaSetDevice(boot->rank() % ndev));
   auto comm = Communicator::create(std::move(boot));
   const int rank = comm->rank(), world = comm->world_size();
-  const int64_t m = args.m, n = args.n, k_local = args.k / world;
-  const bool rs = args.kernel == "gemm_rs";
+  const int64_t m = args.m, n = args.n;
+  const bool rs = args.kernel == "gemm_rs", ag = args.kernel == "ag_gemm";
+  const int64_t k_local = ag ? args.k : args.k / world;
+  const int64_t a_rows = ag ? m / world : m;  // ag_gemm: this rank's shard of A
   cudaStream_t stream;
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   void *a, *b, *out_plain = nullptr;
-  CK(cudaMalloc(&a, m * k_local * 2));
+  CK(cudaMalloc(&a, a_rows * k_local * 2));
   CK(cudaMalloc(&b, n * k_local * 2));
-  bench::launch_fill(a, m * k_local, 1, rank, stream);
+  bench::launch_fill(a, a_rows * k_local, 1, rank, stream);
   bench::launch_fill(b, n * k_local, 2, rank, stream);
-  const std::size_t ws_bytes =
-      rs ? gemm_rs_workspace_bytes(m, n, world) : gemm_ar_workspace_bytes(*comm, m, n, k_local);
+  const std::size_t ws_bytes = ag   ? ag_gemm_workspace_bytes(m, k_local)
+                               : rs ? gemm_rs_workspace_bytes(m, n, world)
+                                    : gemm_ar_workspace_bytes(*comm, m, n, k_local);
   SymmetricBuffer ws = comm->alloc(std::max<std::size_t>(ws_bytes, 16));
   CK(cudaMemsetAsync(ws.data(), 0, ws.size(), stream));
-  SymmetricBuffer out_sym = comm->alloc(rs ? 16 : m * n * 2);
+  SymmetricBuffer out_sym = comm->alloc(rs || ag ? 16 : m * n * 2);
   if (rs) CK(cudaMalloc(&out_plain, m / world * n * 2));
-  void* out = rs ? out_plain : out_sym.data();
-  const FusedGemmPlan plan =
-      rs ? gemm_rs_plan(*comm, m, n, k_local) : gemm_ar_plan(*comm, m, n, k_local);
+  if (ag) CK(cudaMalloc(&out_plain, m * n * 2));
+  void* out = rs || ag ? out_plain : out_sym.data();
+  const FusedGemmPlan plan = ag   ? ag_gemm_plan(*comm, m, n, k_local)
+                             : rs ? gemm_rs_plan(*comm, m, n, k_local)
+                                  : gemm_ar_plan(*comm, m, n, k_local);
   if (rank == 0) {
     std::printf("%s %ldx%ldx%ld, world %d: %s\n", args.kernel.c_str(), m, n, args.k, world,
                 plan.describe().c_str());
@@ -239,7 +265,9 @@ int main(int argc, char** argv) {
     CK(cudaStreamSynchronize(stream));
     comm->bootstrap().barrier();
     CK(cudaEventRecord(e0, stream));
-    if (rs) {
+    if (ag) {
+      ag_gemm(*comm, a, b, out, m, n, k_local, BLayout::kNK, ws.data(), stream);
+    } else if (rs) {
       gemm_rs(*comm, a, b, out, m, n, k_local, BLayout::kNK, ws.data(), stream);
     } else {
       gemm_ar(*comm, a, b, out, m, n, k_local, BLayout::kNK, ws.data(), stream);

@@ -7,6 +7,7 @@
 
 #include "fused/ag_gemm.cuh"
 #include "fused/fused_common.h"
+#include "fused/trace_layout.h"
 #include "gemm/gemm_internal.h"
 #include "gemm/launch.cuh"
 #include "mkernel/error.h"
@@ -92,6 +93,7 @@ void launch(const Communicator& comm, const AgGemmPlan& p, const void* a_shard, 
   f.piece_rows = p.piece_rows;
   f.pieces = p.pieces;
   f.comm_ctas = p.comm_ctas;
+  f.trace = fused::trace_arm(p.ctas, stream);
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
   if constexpr (kBlockN == 128) {
     if (p.pingpong) {

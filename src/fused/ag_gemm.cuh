@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "fused/trace.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
 #include "mkernel/device_comm.h"
@@ -55,6 +56,8 @@ __device__ __forceinline__ void copy_bytes(const uint8_t* src, uint8_t* dst, uin
 
 template <int kBlockN>
 struct AgGemmFusion {
+  static constexpr int kProducerRegs = 48;   // the pushes and waits with their timeline marks
+  static constexpr int kConsumerRegs = 224;  // (40 spilled); 48 + 2 x 224 <= 3 x 168
   CUtensorMap a_local;     // this rank's shard [S, K] (caller's memory), boxes 128 x 64
   CUtensorMap a_gathered;  // workspace [world][S][K], boxes 128 x 64 x 1 (rows clip per shard)
   CUtensorMap c;           // C as [world][S][N], boxes 64 x 64 x 1
@@ -69,6 +72,7 @@ struct AgGemmFusion {
   int piece_rows;
   int pieces;  // per shard
   int comm_ctas;
+  uint64_t* trace;  // timeline records (fused/trace.cuh), or null
 
   __device__ int num_tiles() const { return comm.world_size * raster.num_tiles(); }
 
@@ -85,6 +89,7 @@ struct AgGemmFusion {
   // then one acquire fence for all of them and the proxy fence before the TMA reads.
   __device__ void wait_operands(const gemm_engine::Tile& tile) const {
     if (tile.shard == comm.rank) return;
+    trace_mark(trace, kTraceProducer, kTraceOperandsWait, tile.shard);
     const dev::Launch launch = dev::Launch::begin(comm);
     const uint64_t expected = dev::signal_value(launch.epoch, 1);
     const int first = tile.m * 128 / piece_rows;
@@ -100,6 +105,7 @@ struct AgGemmFusion {
     }
     dev::fence_acq_rel_sys();
     dev::fence_proxy_async_global();
+    trace_mark(trace, kTraceProducer, kTraceOperandsIn, tile.shard);
   }
 
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
@@ -112,14 +118,21 @@ struct AgGemmFusion {
 
   struct ConsumerState {};
 
+  __device__ void init_shared() const { trace_init(); }
+
   template <int kRegs>
   __device__ void store(const float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
                         uint8_t* scratch, ConsumerState&) const {
+    const bool leader = threadIdx.x % 128 == 0;
+    if (leader) {
+      trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreBegin, tile.shard != comm.rank);
+    }
     const int row0 = tile.m * 128 + gemm_engine::slice_half(tile, consumer) * 64;
     const int col0 = tile.n * kBlockN;
     gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
       dev::tma_store_3d(&c, buf, col0 + 64 * j, row0, tile.shard);
     });
+    if (leader) trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreEnd);
   }
 
   __device__ void consumer_done(ConsumerState&) const {}
@@ -128,6 +141,7 @@ struct AgGemmFusion {
   __device__ void side_task(int thread, int threads) const {
     const dev::Launch launch = dev::Launch::begin(comm);
     const int world = comm.world_size;
+    if (thread == 0) trace_mark(trace, kTraceSide, kTraceSideStart);
     if (blockIdx.x == 0) {
       for (int peer = thread; peer < comm.local_size; peer += threads) {
         if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
@@ -150,6 +164,7 @@ struct AgGemmFusion {
       const int row0 = p * piece_rows;
       const int rows = min(piece_rows, shard_rows - row0);
       const uint64_t src_offset = static_cast<uint64_t>(row0) * row_bytes;
+      if (thread == 0) trace_mark(trace, kTraceSide, kTraceItem, dest);
       uint8_t* dst = static_cast<uint8_t*>(ws_peers[dest]) + ws_offset +
                      (static_cast<uint64_t>(comm.rank) * shard_rows + row0) * row_bytes;
       copy_bytes(a_shard + src_offset, dst, rows * row_bytes, thread, threads);
@@ -157,6 +172,7 @@ struct AgGemmFusion {
       if (thread == 0) {
         dev::fence_acq_rel_sys();
         launch.signal(dest, dev::signal_index(SignalId::kOp, p), 1);
+        trace_mark(trace, kTraceSide, kTraceSent, dest);
       }
     }
   }

@@ -2,8 +2,9 @@
 // the performance work; off - one test of a kernel parameter per event - unless MKERNEL_TRACE is
 // set, see fused/trace_layout.h). Thread 0 of each lane of a CTA appends (globaltimer ns, event |
 // argument << 8) records to its own row of the buffer: lane 0 the producer's side threads, lanes
-// 1 and 2 the consumers. The record counts live in shared memory, so tracing costs the kernels no
-// registers. bench/trace_fused.cpp reads and summarises the records.
+// 1 and 2 the consumers, lane 3 the producer's TMA thread. The record counts live in shared memory,
+// so tracing costs the kernels no registers. bench/trace_fused.cpp reads and summarises the
+// records.
 #pragma once
 
 #include <cstdint>

@@ -14,7 +14,8 @@ namespace mk::fused {
 
 constexpr int kTraceSide = 0;       // the producer warpgroup's side threads (thread 32)
 constexpr int kTraceConsumer0 = 1;  // consumer c: lane 1 + c (its thread 0)
-constexpr int kTraceLanes = 3;
+constexpr int kTraceProducer = 3;   // the producer's TMA thread (ag_gemm: waits for operands)
+constexpr int kTraceLanes = 4;
 constexpr int kTraceWordsPerLane = 512;  // 256 records
 
 enum TraceEvent : uint32_t {
@@ -30,6 +31,9 @@ enum TraceEvent : uint32_t {
   kTraceItem = 11,       // an item arrived
   kTraceSent = 12,       // its copies are issued and signalled
   kTraceSideEnd = 13,
+  // producer (ag_gemm; argument: the tile's shard)
+  kTraceOperandsWait = 20,  // a peer's tile: waiting for its rows to arrive
+  kTraceOperandsIn = 21,    // they have: its loads start
 };
 
 // Host: the buffer for the next launch of a fused kernel on `stream` with `ctas` CTAs, zeroed on
