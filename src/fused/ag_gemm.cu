@@ -7,6 +7,7 @@
 
 #include "fused/ag_gemm.cuh"
 #include "fused/fused_common.h"
+#include "fused/plans.h"
 #include "fused/trace_layout.h"
 #include "gemm/gemm_internal.h"
 #include "gemm/launch.cuh"
@@ -27,11 +28,13 @@ constexpr const char* kOp = "ag_gemm";
 
 using AgGemmPlan = FusedGemmPlan;
 
-AgGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
-                const FusedGemmConfig& config) {
+}  // namespace
+
+FusedGemmPlan fused::plan_ag_gemm(const fused::PlanContext& comm, int64_t m, int64_t n, int64_t k,
+                                  const FusedGemmConfig& config) {
   const int world = comm.world_size();
   fused::check_shapes(comm, m, n, k, kOp, "K");
-  AgGemmPlan p{};
+  FusedGemmPlan p{};
   p.shard_rows = m / world;
   const int64_t tiles_m = (p.shard_rows + 127) / 128;
   const int budget = fused::sm_budget(comm, config.sms, kOp);
@@ -70,6 +73,8 @@ AgGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
   p.workspace_bytes = ag_gemm_workspace_bytes(m, k);
   return p;
 }
+
+namespace {
 
 template <int kBlockN, bool kTransB>
 void launch(const Communicator& comm, const AgGemmPlan& p, const void* a_shard, const void* b,
@@ -113,7 +118,7 @@ std::size_t ag_gemm_workspace_bytes(int64_t m, int64_t k) {
 
 FusedGemmPlan ag_gemm_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
                            const FusedGemmConfig& config) {
-  return plan(comm, m, n, k, config);
+  return fused::plan_ag_gemm(fused::plan_context(comm), m, n, k, config);
 }
 
 std::string FusedGemmPlan::describe() const {
@@ -132,7 +137,7 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
              const FusedGemmConfig& config, void* gathered_a) {
   detail::DeviceGuard guard(comm.device());
   fused::check_call(comm, stream, b_layout, kOp);
-  const AgGemmPlan p = plan(comm, m, n, k, config);
+  const AgGemmPlan p = fused::plan_ag_gemm(fused::plan_context(comm), m, n, k, config);
   const std::size_t shard_bytes = static_cast<std::size_t>(p.shard_rows) * k * 2;
   const std::size_t ws_bytes = ag_gemm_workspace_bytes(m, k);
   detail::require_device_pointer(comm, a_shard, 16, kOp, "a_shard");

@@ -16,14 +16,26 @@
 
 namespace mk::fused {
 
+// What a fused GEMM's plan needs to know of the communicator - so that the plans can be tested
+// on a machine without GPUs (tests/cpu/test_fused_plans.cpp, fused/plans.h).
+struct PlanContext {
+  int world = 1;
+  int local_size = 1;  // ranks on this node
+  int sms = 1;         // SMs per rank (the GPU's, divided among the ranks that share it)
+  int world_size() const { return world; }
+};
+inline PlanContext plan_context(const Communicator& comm) {
+  return {comm.world_size(), comm.topology().local_size, comm.topology().sm_budget()};
+}
+
 // Persistent CTAs per rank: `requested` (>0) or the communicator's SM budget (SMs / ranks sharing
 // a GPU, so that ranks sharing a GPU stay co-resident), capped by the budget.
-inline int sm_budget(const Communicator& comm, int requested, const char* op) {
+inline int sm_budget(const PlanContext& ctx, int requested, const char* op) {
   if (requested < 0) {
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(op) + ": sms = " + std::to_string(requested) + "; expected >= 0");
   }
-  const int budget = std::max(1, std::min(comm.topology().sm_budget(), kMaxChannels));
+  const int budget = std::max(1, std::min(ctx.sms, kMaxChannels));
   return requested > 0 ? std::min(requested, budget) : budget;
 }
 
@@ -51,9 +63,9 @@ inline void check_call(const Communicator& comm, cudaStream_t stream, BLayout b_
 
 // The shape rules every fused GEMM shares: M a positive multiple of the world size (shards of
 // M / world rows), N and K multiples of 8 (`k_name`: what this op calls K), all below 2^31.
-inline void check_shapes(const Communicator& comm, int64_t m, int64_t n, int64_t k, const char* op,
+inline void check_shapes(const PlanContext& ctx, int64_t m, int64_t n, int64_t k, const char* op,
                          const char* k_name) {
-  const int world = comm.world_size();
+  const int world = ctx.world;
   auto invalid = [&](const std::string& what) {
     throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": " + what);
   };

@@ -6,6 +6,7 @@
 
 #include "fused/fused_common.h"
 #include "fused/gemm_ar.cuh"
+#include "fused/plans.h"
 #include "fused/trace_layout.h"
 #include "gemm/gemm_internal.h"
 #include "gemm/launch.cuh"
@@ -29,8 +30,10 @@ int64_t owned_cols(int owner, int world, int64_t tiles_n, int block_n, int64_t n
   return std::min(last * block_n, n) - first * block_n;
 }
 
-FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
-                   const FusedGemmConfig& config) {
+}  // namespace
+
+FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int64_t n, int64_t k,
+                                  const FusedGemmConfig& config) {
   const int world = comm.world_size();
   if (m < 1) invalid("M = " + std::to_string(m) + "; expected M >= 1");
   gemm_engine::require_multiple_of_8(n, kOp, "N");
@@ -38,7 +41,7 @@ FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
   if (m >= (int64_t{1} << 31) || n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31)) {
     invalid("M, N and K_r must each be < 2^31");
   }
-  if (comm.topology().local_size > fused::kMaxLocalRanks) {
+  if (comm.local_size > fused::kMaxLocalRanks) {
     invalid("at most " + std::to_string(fused::kMaxLocalRanks) + " ranks per node are supported");
   }
   if (config.comm_ctas < 0 || config.piece_rows < 0) invalid("negative comm_ctas or piece_rows");
@@ -141,6 +144,8 @@ FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
   return p;
 }
 
+namespace {
+
 template <int kBlockN, bool kTransB>
 void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, const void* b,
             void* out, int64_t m, int64_t n, int64_t k, const SymmetricRange& out_range,
@@ -175,12 +180,12 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
 
 std::size_t gemm_ar_workspace_bytes(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
                                     const FusedGemmConfig& config) {
-  return plan(comm, m, n, k_local, config).workspace_bytes;
+  return fused::plan_gemm_ar(fused::plan_context(comm), m, n, k_local, config).workspace_bytes;
 }
 
 FusedGemmPlan gemm_ar_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
                            const FusedGemmConfig& config) {
-  return plan(comm, m, n, k_local, config);
+  return fused::plan_gemm_ar(fused::plan_context(comm), m, n, k_local, config);
 }
 
 void gemm_ar(Communicator& comm, const void* a, const void* b, void* out, int64_t m, int64_t n,
@@ -188,7 +193,7 @@ void gemm_ar(Communicator& comm, const void* a, const void* b, void* out, int64_
              const FusedGemmConfig& config) {
   detail::DeviceGuard guard(comm.device());
   fused::check_call(comm, stream, b_layout, kOp);
-  const FusedGemmPlan p = plan(comm, m, n, k, config);
+  const FusedGemmPlan p = fused::plan_gemm_ar(fused::plan_context(comm), m, n, k, config);
   detail::require_device_pointer(comm, a, 16, kOp, "A");
   detail::require_device_pointer(comm, b, 16, kOp, "B");
   detail::require_device_pointer(comm, out, 16, kOp, "out");

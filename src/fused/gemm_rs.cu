@@ -6,6 +6,7 @@
 
 #include "fused/fused_common.h"
 #include "fused/gemm_rs.cuh"
+#include "fused/plans.h"
 #include "fused/trace_layout.h"
 #include "gemm/gemm_internal.h"
 #include "gemm/launch.cuh"
@@ -24,11 +25,13 @@ constexpr const char* kOp = "gemm_rs";
   throw Error(ErrorCode::kInvalidArgument, std::string(kOp) + ": " + what);
 }
 
-FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
-                   const FusedGemmConfig& config) {
+}  // namespace
+
+FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int64_t n, int64_t k,
+                                  const FusedGemmConfig& config) {
   const int world = comm.world_size();
   fused::check_shapes(comm, m, n, k, kOp, "K_r");
-  if (comm.topology().local_size > fused::kMaxLocalRanks) {
+  if (comm.local_size > fused::kMaxLocalRanks) {
     invalid("at most " + std::to_string(fused::kMaxLocalRanks) + " ranks per node are supported");
   }
   if (config.comm_ctas < 0 || config.piece_rows < 0) invalid("negative comm_ctas or piece_rows");
@@ -61,6 +64,8 @@ FusedGemmPlan plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
   }
   return p;
 }
+
+namespace {
 
 template <int kBlockN, bool kTransB>
 void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, const void* b,
@@ -100,7 +105,7 @@ std::size_t gemm_rs_workspace_bytes(int64_t m, int64_t n, int world_size) {
 
 FusedGemmPlan gemm_rs_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
                            const FusedGemmConfig& config) {
-  return plan(comm, m, n, k_local, config);
+  return fused::plan_gemm_rs(fused::plan_context(comm), m, n, k_local, config);
 }
 
 void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_t m, int64_t n,
@@ -108,7 +113,7 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
              const FusedGemmConfig& config) {
   detail::DeviceGuard guard(comm.device());
   fused::check_call(comm, stream, b_layout, kOp);
-  const FusedGemmPlan p = plan(comm, m, n, k, config);
+  const FusedGemmPlan p = fused::plan_gemm_rs(fused::plan_context(comm), m, n, k, config);
   detail::require_device_pointer(comm, a, 16, kOp, "A");
   detail::require_device_pointer(comm, b, 16, kOp, "B");
   detail::require_device_pointer(comm, out, 16, kOp, "out");

@@ -1,0 +1,202 @@
+// The fused GEMMs' plans (src/fused/plans.h) without GPUs: the bounds every plan must keep at any
+// shape, world size and SM budget (workspace within the sequential intermediate, CTAs within the
+// budget, an interleaved order only on a grid coprime to the world size, staging within the
+// workspace), the H200 plans the journal's measurements were taken with, and the errors.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <string>
+
+#include "fused/plans.h"
+#include "mkernel/error.h"
+
+namespace mk::fused {
+namespace {
+
+// A whole H200 per rank (132 SMs; the plans cap CTAs at kMaxChannels).
+PlanContext h200(int world) { return {world, world, 132}; }
+
+struct Shape {
+  int64_t m, n, k;
+};
+
+std::string name(const Shape& s, const PlanContext& ctx) {
+  return std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k) + ", world " +
+         std::to_string(ctx.world) + ", " + std::to_string(ctx.sms) + " SMs";
+}
+
+// What holds for every plan of a reducing kernel.
+void expect_reducing_plan_bounds(const FusedGemmPlan& p, const PlanContext& ctx, int64_t m,
+                                 int64_t n) {
+  EXPECT_GE(p.ctas, 1) << p.describe();
+  EXPECT_LE(p.ctas, ctx.sms) << p.describe();
+  EXPECT_TRUE(p.block_n == 64 || p.block_n == 128 || p.block_n == 192 || p.block_n == 256)
+      << p.describe();
+  EXPECT_LE(p.staging_bytes, p.workspace_bytes) << p.describe();
+  EXPECT_TRUE(p.outbox_slots >= 0 && p.outbox_slots <= 2) << p.describe();  // kMaxOutboxSlots
+  if (p.lag >= 0) {  // interleaved: two waves of remote tiles, on a coprime grid
+    EXPECT_EQ(std::gcd(p.ctas, ctx.world), 1) << p.describe();
+    EXPECT_EQ(p.lag, 2 * (ctx.world - 1) * p.ctas) << p.describe();
+  }
+  if (ctx.world == 1) EXPECT_EQ(p.workspace_bytes, 0u) << p.describe();
+  (void)m;
+  (void)n;
+}
+
+TEST(FusedPlans, GemmArKeepsItsBoundsEverywhere) {
+  std::mt19937_64 gen(12345);
+  for (int world : {1, 2, 3, 4, 8}) {
+    for (int sms : {132, 66, 33, 4}) {
+      const PlanContext ctx{world, world, sms};
+      for (int i = 0; i < 60; ++i) {
+        const Shape s{static_cast<int64_t>(1 + gen() % 20000),
+                      static_cast<int64_t>(8 * (1 + gen() % 4096)),
+                      static_cast<int64_t>(8 * (1 + gen() % 2048))};
+        SCOPED_TRACE(name(s, ctx));
+        FusedGemmPlan p;
+        try {
+          p = plan_gemm_ar(ctx, s.m, s.n, s.k, {});
+        } catch (const Error& e) {  // only for too many tiles
+          EXPECT_NE(std::string(e.what()).find("are supported"), std::string::npos) << e.what();
+          continue;
+        }
+        expect_reducing_plan_bounds(p, ctx, s.m, s.n);
+        // Within the sequential [M, N] bf16 intermediate; the documented exception: three or
+        // more ranks and N < 128 (an fp32 accumulator of up to M x N).
+        const auto intermediate = static_cast<std::size_t>(s.m * s.n * 2);
+        if (world <= 2 || s.n >= 128) {
+          EXPECT_LE(p.workspace_bytes, intermediate) << p.describe();
+        } else {
+          EXPECT_LE(p.workspace_bytes, 2 * intermediate) << p.describe();
+        }
+        if (p.outbox_slots == 0) EXPECT_EQ(p.staging_bytes, 0u) << p.describe();
+      }
+    }
+  }
+}
+
+TEST(FusedPlans, GemmRsKeepsItsBoundsEverywhere) {
+  std::mt19937_64 gen(54321);
+  for (int world : {1, 2, 3, 4, 8}) {
+    for (int sms : {132, 66, 33, 4}) {
+      const PlanContext ctx{world, world, sms};
+      for (int i = 0; i < 60; ++i) {
+        const Shape s{static_cast<int64_t>(world * (1 + gen() % 5000)),
+                      static_cast<int64_t>(8 * (1 + gen() % 4096)),
+                      static_cast<int64_t>(8 * (1 + gen() % 2048))};
+        SCOPED_TRACE(name(s, ctx));
+        FusedGemmPlan p;
+        try {
+          p = plan_gemm_rs(ctx, s.m, s.n, s.k, {});
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("are supported"), std::string::npos) << e.what();
+          continue;
+        }
+        expect_reducing_plan_bounds(p, ctx, s.m, s.n);
+        EXPECT_EQ(p.shard_rows, s.m / world);
+        // The fp32 accumulator of this rank's rows: M / w x N x 4 <= M x N x 2 for w >= 2.
+        if (world > 1) {
+          EXPECT_EQ(p.workspace_bytes, static_cast<std::size_t>(s.m / world * s.n * 4));
+        }
+        // Interleaved only with two waves of tiles per shard (gemm_rs stages in them).
+        const int64_t tiles = (p.shard_rows + 127) / 128 * ((s.n + p.block_n - 1) / p.block_n);
+        if (p.lag >= 0) EXPECT_GE(tiles, 2 * p.ctas) << p.describe();
+      }
+    }
+  }
+}
+
+TEST(FusedPlans, AgGemmKeepsItsBoundsEverywhere) {
+  std::mt19937_64 gen(777);
+  for (int world : {1, 2, 4, 8}) {
+    for (int sms : {132, 33}) {
+      const PlanContext ctx{world, world, sms};
+      for (int i = 0; i < 40; ++i) {
+        const Shape s{static_cast<int64_t>(world * (1 + gen() % 5000)),
+                      static_cast<int64_t>(8 * (1 + gen() % 4096)),
+                      static_cast<int64_t>(8 * (1 + gen() % 2048))};
+        SCOPED_TRACE(name(s, ctx));
+        const FusedGemmPlan p = plan_ag_gemm(ctx, s.m, s.n, s.k, {});
+        EXPECT_LE(p.ctas, sms) << p.describe();
+        EXPECT_GE(p.comm_ctas, 1) << p.describe();
+        EXPECT_LE(p.comm_ctas, p.ctas) << p.describe();
+        EXPECT_GE(p.pieces, 1) << p.describe();
+        EXPECT_LE(p.pieces, kMaxOpSignals) << p.describe();
+        EXPECT_GE(static_cast<int64_t>(p.pieces) * p.piece_rows, p.shard_rows) << p.describe();
+        // The gathered A, exactly the sequential intermediate.
+        EXPECT_EQ(p.workspace_bytes, static_cast<std::size_t>(s.m * s.k * 2)) << p.describe();
+      }
+    }
+  }
+}
+
+// The plans behind the journal's two-rank H200 numbers (docs/PERFORMANCE.md, session 4).
+TEST(FusedPlans, TwoRankH200PlansOfTheJournal) {
+  const PlanContext ctx = h200(2);
+  const FusedGemmPlan rs = plan_gemm_rs(ctx, 8192, 8192, 4096, {});
+  EXPECT_EQ(rs.block_n, 256) << rs.describe();
+  EXPECT_EQ(rs.ctas, 131) << rs.describe();  // interleaved on a grid coprime to 2
+  EXPECT_EQ(rs.lag, 262) << rs.describe();
+  const FusedGemmPlan rs_small = plan_gemm_rs(ctx, 4096, 4096, 2048, {});
+  EXPECT_EQ(rs_small.lag, -1) << rs_small.describe();  // 256 tiles per shard: under two waves
+  const FusedGemmPlan ar = plan_gemm_ar(ctx, 8192, 8192, 4096, {});
+  EXPECT_EQ(ar.outbox_slots, 2) << ar.describe();
+  EXPECT_EQ(ar.lag, 2 * ar.ctas) << ar.describe();
+  const FusedGemmPlan decode = plan_gemm_ar(ctx, 128, 8192, 4096, {});
+  EXPECT_EQ(decode.outbox_slots, 0) << decode.describe();  // no room for staging
+  // M = 1024: staging fits only beside 128-wide tiles (one slot, 128 CTAs, interleaved on 127)
+  const FusedGemmPlan rows1024 = plan_gemm_ar(ctx, 1024, 8192, 4096, {});
+  EXPECT_EQ(rows1024.block_n, 128) << rows1024.describe();
+  EXPECT_EQ(rows1024.outbox_slots, 1) << rows1024.describe();
+  EXPECT_EQ(rows1024.ctas, 127) << rows1024.describe();
+}
+
+TEST(FusedPlans, SwitchesTurnMechanismsOff) {
+  const PlanContext ctx = h200(2);
+  setenv("MKERNEL_INTERLEAVE", "0", 1);
+  EXPECT_EQ(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).lag, -1);
+  EXPECT_EQ(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).ctas, 132);
+  unsetenv("MKERNEL_INTERLEAVE");
+  setenv("MKERNEL_OUTBOX", "0", 1);
+  const FusedGemmPlan ar = plan_gemm_ar(ctx, 8192, 8192, 4096, {});
+  EXPECT_EQ(ar.outbox_slots, 0) << ar.describe();
+  EXPECT_EQ(ar.staging_bytes, 0u) << ar.describe();
+  EXPECT_EQ(ar.lag, -1) << ar.describe();
+  unsetenv("MKERNEL_OUTBOX");
+  setenv("MKERNEL_GEMM_SCHEDULE", "pingpong", 1);
+  const FusedGemmPlan ag = plan_ag_gemm(ctx, 8192, 8192, 8192, {});
+  EXPECT_TRUE(ag.pingpong) << ag.describe();
+  EXPECT_EQ(ag.block_n, 128) << ag.describe();
+  unsetenv("MKERNEL_GEMM_SCHEDULE");
+}
+
+TEST(FusedPlans, RejectWhatTheyCannotDo) {
+  const PlanContext ctx = h200(2);
+  auto message = [](auto fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([&] { plan_gemm_rs(ctx, 8191, 8192, 4096, {}); }).find("multiple of the world"),
+            std::string::npos);
+  EXPECT_NE(message([&] { plan_gemm_ar(ctx, 1024, 12, 4096, {}); }).find("N = 12"),
+            std::string::npos);
+  FusedGemmConfig negative;
+  negative.sms = -1;
+  EXPECT_NE(message([&] { plan_ag_gemm(ctx, 1024, 1024, 1024, negative); }).find("sms = -1"),
+            std::string::npos);
+  const PlanContext nine{9, 9, 132};
+  EXPECT_NE(message([&] { plan_gemm_ar(nine, 9 * 128, 1024, 1024, {}); }).find("ranks per node"),
+            std::string::npos);
+  // More tiles per rank than op signals: a clear error, not a launch.
+  EXPECT_NE(message([&] { plan_gemm_rs(ctx, 2 * 1048576, 65536, 64, {}); }).find("are supported"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace mk::fused
