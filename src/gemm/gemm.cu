@@ -190,8 +190,11 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   gemm_engine::require_device_pointer(c, kOp, "C", device);
   int sms = config.sms;
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const bool pingpong = config.pingpong || gemm_engine::pingpong_requested();
-  if (pingpong && config.block_n != 0 && config.block_n != 128) {
+  // The switch in the environment takes the schedule wherever the width allows it (as ag_gemm
+  // does); asking for it in the config with another width is an error.
+  const bool width_fits = config.block_n == 0 || config.block_n == 128;
+  const bool pingpong = config.pingpong || (gemm_engine::pingpong_requested() && width_fits);
+  if (pingpong && !width_fits) {
     invalid("the ping-pong schedule computes 128 x 128 tiles; block_n = " +
             std::to_string(config.block_n) + " (expected 0 or 128)");
   }

@@ -21,7 +21,7 @@
 //   finish()                      every thread, last (fused: end of the launch's bookkeeping)
 //   init_shared()                 optional: thread 0, before the first __syncthreads (mbarriers)
 //
-//   smem:     [ stage 0 | ... | stage S-1 | epilogue buffers | full[S] | empty[S] ]
+//   smem:     [ stage 0 | ... | stage S-1 | epilogue buffers | full[S] | empty[S] | turn[2] ]
 //   stage s:  [ A tile (128 x 64) | B tile (kBlockN x 64) ]   both 128-byte swizzled
 //   producer: wait empty[s] -> arm full[s] with the stage's bytes -> TMA A, TMA B
 //   consumer: wait full[s] -> 4 x wgmma k16 -> commit; once the previous stage's group retired,
@@ -34,6 +34,9 @@
 // and computes all 128 rows (two m64 accumulators). The stage ring hands the tiles' k-blocks out in
 // order, so the two mainloops alternate, and one warpgroup's epilogue runs while the other's
 // wgmma keep the tensor cores busy (the cooperative schedule idles them for every epilogue).
+// A warpgroup starts waiting for its tile's k-blocks only once the other has taken all of the
+// tile before (mbarrier turn[c]): a wait more than one lap of the ring ahead would be answered by
+// an earlier phase of the same parity and read another tile's data.
 // store() is called once per 64-row half with tile.half = 0 / 1 and `consumer` = the warpgroup.
 #pragma once
 
@@ -66,7 +69,9 @@ struct TileConfig {
   static constexpr int kStages = (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes < 8
                                      ? (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes
                                      : 8;
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kEpilogueBytes + 2 * kStages * 8;
+  // Barriers: full[kStages], empty[kStages] and the ping-pong schedule's turn[2].
+  static constexpr int kSmemBytes =
+      1024 + kStages * kStageBytes + kEpilogueBytes + (2 * kStages + 2) * 8;
   static constexpr int kAccRegs = kBlockN / 2;  // fp32 accumulators per consumer thread
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
@@ -247,6 +252,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   uint8_t* epilogue_smem = smem + Cfg::kStages * Cfg::kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(epilogue_smem + Cfg::kEpilogueBytes);
   uint64_t* empty = full + Cfg::kStages;
+  uint64_t* turn = empty + Cfg::kStages;  // ping-pong: turn[c] = "warpgroup c may take k-blocks"
   auto stage_a = [&](int s) { return smem + s * Cfg::kStageBytes; };
   auto stage_b = [&](int s) { return smem + s * Cfg::kStageBytes + Cfg::kABytes; };
 
@@ -254,6 +260,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int s = 0; s < Cfg::kStages; ++s) {
       dev::mbarrier_init(&full[s], 1);
       dev::mbarrier_init(&empty[s], kPingPong ? 1 : Cfg::kConsumers);  // ping-pong: one owner
+    }
+    if constexpr (kPingPong) {
+      dev::mbarrier_init(&turn[0], 1);
+      dev::mbarrier_init(&turn[1], 1);
     }
     if constexpr (requires { fusion.init_shared(); }) fusion.init_shared();
     dev::mbarrier_init_fence();
@@ -312,10 +322,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float acc0[Cfg::kAccRegs], acc1[Cfg::kAccRegs];  // rows 0-63 and 64-127 of the tile
     typename Fusion::ConsumerState state{};
     uint8_t* scratch = epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers);
-    for (int i = consumer;; i += 2) {  // i: the tile's place among this CTA's tiles
+    // i: the tile's place among this CTA's tiles; j: among this warpgroup's.
+    for (int i = consumer, j = 0;; i += 2, ++j) {
       const int t = static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
       if (t >= fusion.num_tiles()) break;
       Tile tile = fusion.tile(t);
+      // Tile i - 1 (the other warpgroup's) has taken its k-blocks: the j-th arrival on turn[1]
+      // (warpgroup 0's tiles 0, 2, ...), the (j - 1)-th on turn[0].
+      if (i > 0) dev::mbarrier_wait(&turn[consumer], (consumer == 0 ? j - 1 : j) & 1);
       int it = i * k_iters;  // the tile's k-blocks sit at ring positions it, it + 1, ...
       for (int kb = 0; kb < k_iters; ++kb, ++it) {
         const int s = it % Cfg::kStages;
@@ -340,6 +354,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         dev::wgmma_wait<1>();  // the previous stage's group has retired
         if (kb > 0 && leader) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
       }
+      if (leader) dev::mbarrier_arrive(&turn[1 - consumer]);  // the next tile's k-blocks
       dev::wgmma_wait<0>();
       dev::wgmma_fence_operands(acc0);
       dev::wgmma_fence_operands(acc1);
