@@ -129,7 +129,6 @@ struct GemmArFusion {
     int owner = -1;  // a partial whose signal is still owed, or -1
     uint32_t signal = 0;
     uint32_t entered = 0;  // bit p: rank p is known to have entered this launch
-    int tiles = 0;         // tiles stored so far
     OutboxCursor outbox;
   };
 

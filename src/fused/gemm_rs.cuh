@@ -121,7 +121,6 @@ struct GemmRsFusion {
     uint32_t signal = 0;
     uint32_t entered = 0;  // bit o: owner o has been seen in this launch
     bool ready = false;    // outbox.slots set
-    int tiles = 0;         // tiles stored so far
     OutboxCursor outbox;
   };
 

@@ -166,7 +166,7 @@ __device__ __forceinline__ void prefetch_slice_l2(const PartialAt& at, int rows,
 // timeline, and - when the CTA's next tile is one of this rank's own - that tile's partial sums
 // started on their way into L2 first. The policy provides num_tiles(), tile(t), comm, trace,
 // own_slice(tile, consumer, rows, width) (where this rank's accumulator keeps the slice; rows 0:
-// below the matrix) and store_tile(); its ConsumerState counts the tiles stored (`tiles`).
+// below the matrix) and store_tile(); the engine says which tile comes next (tile.next).
 template <class Policy, int kRegs, class State>
 __device__ __forceinline__ void reducing_store(const Policy& policy, float (&acc)[kRegs],
                                                const gemm_engine::Tile& tile, int consumer,
@@ -176,9 +176,8 @@ __device__ __forceinline__ void reducing_store(const Policy& policy, float (&acc
     trace_mark(policy.trace, kTraceConsumer0 + consumer, kTraceStoreBegin,
                tile.shard != policy.comm.rank);
   }
-  const int next = static_cast<int>(blockIdx.x) + ++state.tiles * static_cast<int>(gridDim.x);
-  if (next < policy.num_tiles()) {
-    const gemm_engine::Tile own = policy.tile(next);
+  if (tile.next >= 0) {
+    const gemm_engine::Tile own = policy.tile(tile.next);
     int rows = 0, width = 0;
     if (own.shard == policy.comm.rank) {
       const PartialAt at = policy.own_slice(own, consumer, rows, width);

@@ -108,6 +108,7 @@ struct Tile {
   int row = 0;    // grouped GEMM: the tile's first row in A and C
   int rows = 0;   // grouped GEMM: rows of the tile inside its group (<= 128 means a partial tile)
   int half = -1;  // ping-pong epilogue: the 64-row half being stored (-1: the consumer's own)
+  int next = -1;  // epilogue: the position (work item t) of this consumer's next tile, or -1
 };
 
 // First row (within the tile) of the 64-row slice a store() call gets.
@@ -327,6 +328,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int t = static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
       if (t >= fusion.num_tiles()) break;
       Tile tile = fusion.tile(t);
+      const int next = t + 2 * static_cast<int>(gridDim.x);
+      tile.next = next < fusion.num_tiles() ? next : -1;
       // Tile i - 1 (the other warpgroup's) has taken its k-blocks: the j-th arrival on turn[1]
       // (warpgroup 0's tiles 0, 2, ...), the (j - 1)-th on turn[0].
       if (i > 0) dev::mbarrier_wait(&turn[consumer], (consumer == 0 ? j - 1 : j) & 1);
@@ -375,7 +378,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     typename Fusion::ConsumerState state{};
     int it = 0;
     for (int t = blockIdx.x; t < fusion.num_tiles(); t += gridDim.x) {
-      const Tile tile = fusion.tile(t);
+      Tile tile = fusion.tile(t);
+      const int next = t + static_cast<int>(gridDim.x);
+      tile.next = next < fusion.num_tiles() ? next : -1;
       for (int kb = 0; kb < k_iters; ++kb, ++it) {
         const int s = it % Cfg::kStages;
         const uint32_t phase = (it / Cfg::kStages) & 1;
