@@ -60,9 +60,14 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
       cols = std::max(cols, owned_cols(o, world, tiles_n, block_n, n));
     return cols;
   };
-  p.block_n = gemm_engine::pick_block_n(config.block_n, m, n, budget, kOp);
-  if (world > 2 && config.block_n == 0 && std::getenv("MKERNEL_GEMM_BLOCK_N") == nullptr &&
-      max_owned(p.block_n) * word_bytes > 2 * n) {
+  // The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong, experimental): 128-wide
+  // tiles, each consumer warpgroup whole tiles, one's epilogue under the other's mainloop.
+  p.pingpong = world > 1 && gemm_engine::pingpong_requested() &&
+               (config.block_n == 0 || config.block_n == 128) &&
+               max_owned(128) * word_bytes <= 2 * n;
+  p.block_n = p.pingpong ? 128 : gemm_engine::pick_block_n(config.block_n, m, n, budget, kOp);
+  if (!p.pingpong && world > 2 && config.block_n == 0 &&
+      std::getenv("MKERNEL_GEMM_BLOCK_N") == nullptr && max_owned(p.block_n) * word_bytes > 2 * n) {
     for (int w : {256, 192, 128, 64}) {
       if (max_owned(w) * word_bytes <= 2 * n) {
         p.block_n = w;
@@ -172,8 +177,15 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
                   ? nullptr
                   : reinterpret_cast<float*>(ws.host_peers[topo.local_rank] + ws.offset +
                                              (p.workspace_bytes - p.staging_bytes));
-  gemm_engine::launch<kBlockN, kTransB>(f, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k,
-                                        p.ctas, stream, kOp);
+  const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
+  if constexpr (kBlockN == 128) {
+    if (p.pingpong) {
+      gemm_engine::launch<kBlockN, kTransB, fused::GemmArFusion<kBlockN>, true>(f, map_b, k, p.ctas,
+                                                                                stream, kOp);
+      return;
+    }
+  }
+  gemm_engine::launch<kBlockN, kTransB>(f, map_b, k, p.ctas, stream, kOp);
 }
 
 }  // namespace
@@ -225,7 +237,11 @@ void gemm_ar(Communicator& comm, const void* a, const void* b, void* out, int64_
 }
 
 namespace detail {
-void preload_gemm_ar_kernels() { gemm_engine::preload_all<fused::GemmArFusion>(); }
+void preload_gemm_ar_kernels() {
+  gemm_engine::preload_all<fused::GemmArFusion>();
+  gemm_engine::prepared_kernel<128, false, fused::GemmArFusion<128>, true>();  // ping-pong
+  gemm_engine::prepared_kernel<128, true, fused::GemmArFusion<128>, true>();
+}
 }  // namespace detail
 
 }  // namespace mk

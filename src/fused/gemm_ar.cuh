@@ -101,9 +101,9 @@ struct GemmArFusion {
   // it with the result after reading it), the rest in the workspace, laid out as above with
   // half-width slices - so the workspace is M x (o's columns) bf16-sized, never more than the
   // sequential [M, N] bf16 intermediate.
-  __device__ PartialAt slice_at(const gemm_engine::Tile& tile, int consumer) const {
+  __device__ PartialAt slice_at(const gemm_engine::Tile& tile, int half) const {
     const int owner = tile.shard;  // one node: global rank = local rank
-    const int row0 = tile.m * 128 + consumer * 64;
+    const int row0 = tile.m * 128 + half * 64;
     const int h = min(64, m - row0), width = slice_width(tile);
     const int64_t offset = static_cast<int64_t>(row0) * owned_cols(owner) +
                            static_cast<int64_t>(h) * (tile.n - first_col_tile(owner)) * kBlockN;
@@ -119,10 +119,10 @@ struct GemmArFusion {
   __device__ int slice_width(const gemm_engine::Tile& tile) const {
     return min(kBlockN, n - tile.n * kBlockN);
   }
-  __device__ uint32_t slot(const gemm_engine::Tile& tile, int consumer) const {
+  __device__ uint32_t slot(const gemm_engine::Tile& tile, int half) const {
     const int cols = first_col_tile(tile.shard + 1) - first_col_tile(tile.shard);
     const int index = tile.m * cols + (tile.n - first_col_tile(tile.shard));
-    return dev::signal_index(SignalId::kOp, 2 * index + consumer);
+    return dev::signal_index(SignalId::kOp, 2 * index + half);
   }
 
   struct ConsumerState {
@@ -152,11 +152,11 @@ struct GemmArFusion {
   }
 
   // This rank's accumulator slice of an own tile (rows 0: below C).
-  __device__ PartialAt own_slice(const gemm_engine::Tile& tile, int consumer, int& rows,
+  __device__ PartialAt own_slice(const gemm_engine::Tile& tile, int half, int& rows,
                                  int& width) const {
-    rows = max(0, min(64, m - (tile.m * 128 + consumer * 64)));
+    rows = max(0, min(64, m - (tile.m * 128 + half * 64)));
     width = slice_width(tile);
-    return slice_at(tile, consumer);
+    return slice_at(tile, half);
   }
 
   template <int kRegs>
@@ -172,33 +172,36 @@ struct GemmArFusion {
     const int t = threadIdx.x % 128;
     if (t == 0) flush(state, launch);
     if (staging != nullptr) state.outbox.slots = outbox_slots;
-    const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
+    // The slice (rows of the tile) and the warpgroup (barriers, staging, scratch) are the same
+    // under the cooperative schedule and differ under ping-pong (gemm_kernel.cuh).
+    const int half = gemm_engine::slice_half(tile, consumer);
+    const int row0 = tile.m * 128 + half * 64, col0 = tile.n * kBlockN;
     const int rows = min(64, m - row0), width = slice_width(tile);
     const int owner = tile.shard;                    // one node: global rank = local rank
     if (owner != comm.rank && staging != nullptr) {  // one item per remote tile, even if empty
       OutboxItem item{};
       item.src = PartialAt::block(my_staging(consumer) + state.outbox.slot() * slot_floats, width);
-      item.at = slice_at(tile, consumer);
+      item.at = slice_at(tile, half);
       item.rows = max(rows, 0);
       item.width = width;
       item.owner = owner;
-      item.signal = slot(tile, consumer);
+      item.signal = slot(tile, half);
       outbox_post(acc, consumer, state.outbox, item);
       return;
     }
     if (row0 >= m) return;  // the slice lies below C (the last tile-row is partial)
     if (owner != comm.rank) {
       if (t == 0) ensure_entered(state, owner, launch);
-      send_slice(acc, consumer, scratch, slice_at(tile, consumer), rows, width, !single_peer);
+      send_slice(acc, consumer, scratch, slice_at(tile, half), rows, width, !single_peer);
       if (t == 0) {
         state.owner = owner;
-        state.signal = slot(tile, consumer);
+        state.signal = slot(tile, half);
       }
       return;
     }
     // Own slice: the peers' sums, one rounding, then C here and in every peer.
     if (t == 0) {
-      wait_for_partials(comm, launch, slot(tile, consumer));
+      wait_for_partials(comm, launch, slot(tile, half));
       trace_mark(trace, kTraceConsumer0 + consumer, kTraceWaited);
       for (int p = 0; p < comm.local_size && staging == nullptr; ++p) {  // (else: side threads)
         if (p != comm.local_rank) ensure_entered(state, p, launch);
@@ -207,7 +210,7 @@ struct GemmArFusion {
     dev::named_barrier_sync(1 + consumer, 128);
     // Every thread has read its words of the slice (in C too) before store_slice's first barrier;
     // the result overwrites them only after it.
-    const PartialAt sums = slice_at(tile, consumer);  // three or more ranks: one block, cleared
+    const PartialAt sums = slice_at(tile, half);  // three or more ranks: one block, cleared
     add_and_clear(acc, sums, rows, width, single_peer ? nullptr : sums.second, 1 + consumer);
     if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
     if (staging != nullptr) {  // C here by TMA; the side threads copy it to the peers' C
@@ -217,16 +220,16 @@ struct GemmArFusion {
       if (t == 0) {  // the issuing thread: the stores have landed, visible to generic loads
         dev::bulk_wait_group<0>();
         dev::fence_proxy_async_global();
+        float* here = reinterpret_cast<float*>(out_peers[comm.local_rank] +
+                                               static_cast<int64_t>(row0) * n + col0);
+        OutboxItem item{};
+        item.src = {here, n / 2, here, n / 2, 1 << 30};  // rows of C, two bf16 values a word
+        item.at = item.src;
+        item.rows = rows;
+        item.width = width / 2;
+        item.owner = -1;  // to every peer
+        outbox_post_ready(consumer, item);
       }
-      float* here = reinterpret_cast<float*>(out_peers[comm.local_rank] +
-                                             static_cast<int64_t>(row0) * n + col0);
-      OutboxItem item{};
-      item.src = {here, n / 2, here, n / 2, 1 << 30};  // rows of C, two bf16 values a word
-      item.at = item.src;
-      item.rows = rows;
-      item.width = width / 2;
-      item.owner = -1;  // to every peer
-      outbox_post_ready(consumer, state.outbox, item);
       return;
     }
     const int my_row = t / 2, my_half = t % 2;  // the half row this thread pushes to the peers
@@ -283,7 +286,7 @@ struct GemmArFusion {
     if (staging == nullptr) return;
     EnteredPeers entered;  // thread 0's
     outbox_serve(
-        comm, outbox_slots, !single_peer, [&](int peer) { return entered.ensure(launch, peer); },
+        comm, !single_peer, [&](int peer) { return entered.ensure(launch, peer); },
         [&](int peer) {  // in floats: peer's C minus this rank's (same offset, other mapping)
           return static_cast<int64_t>(reinterpret_cast<uintptr_t>(out_peers[peer]) -
                                       reinterpret_cast<uintptr_t>(out_peers[comm.local_rank])) /

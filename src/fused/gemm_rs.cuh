@@ -130,11 +130,11 @@ struct GemmRsFusion {
   }
 
   // This rank's accumulator slice of an own tile: one contiguous block (rows 0: below the shard).
-  __device__ PartialAt own_slice(const gemm_engine::Tile& tile, int consumer, int& rows,
+  __device__ PartialAt own_slice(const gemm_engine::Tile& tile, int half, int& rows,
                                  int& width) const {
-    rows = max(0, min(64, shard_rows - (tile.m * 128 + consumer * 64)));
+    rows = max(0, min(64, shard_rows - (tile.m * 128 + half * 64)));
     width = slice_width(tile.n);
-    return PartialAt::block(my_accum + slice_offset(tile.m, tile.n, consumer), width);
+    return PartialAt::block(my_accum + slice_offset(tile.m, tile.n, half), width);
   }
 
   template <int kRegs>
@@ -249,7 +249,7 @@ struct GemmRsFusion {
     if (slots == 0) return;
     EnteredPeers entered;  // thread 0's
     outbox_serve(
-        comm, slots, !single_peer, [&](int peer) { return entered.ensure(launch, peer); },
+        comm, !single_peer, [&](int peer) { return entered.ensure(launch, peer); },
         [](int) { return int64_t{0}; }, trace);  // no broadcast items here
     if (thread == 0) trace_mark(trace, kTraceSide, kTraceSideEnd);
   }

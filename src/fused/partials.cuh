@@ -180,7 +180,9 @@ __device__ __forceinline__ void reducing_store(const Policy& policy, float (&acc
     const gemm_engine::Tile own = policy.tile(tile.next);
     int rows = 0, width = 0;
     if (own.shard == policy.comm.rank) {
-      const PartialAt at = policy.own_slice(own, consumer, rows, width);
+      // the same half of the next tile (the slice; `consumer` is the warpgroup)
+      const PartialAt at =
+          policy.own_slice(own, gemm_engine::slice_half(tile, consumer), rows, width);
       if (rows > 0) prefetch_slice_l2(at, rows, width);
     }
   }
@@ -218,16 +220,20 @@ struct EnteredPeers {
 // ---- Outbox: partial slices leave through the producer warpgroup's spare warps -----------------
 // Sending a slice from the consumer's epilogue stalls its tensor cores for the whole NVLink
 // transfer (from an epilogue a CTA moves only ~1 GB/s over NVLink, journal 2026-11-30 session 3).
-// Instead a consumer writes its slice into a staging slot in local memory (fast), hands the slot
-// to the 96 side threads and goes on to its next tile; the side threads copy the slot into the
-// owner's accumulator (stores, or red.add with more than two ranks), release, raise the owner's
-// signal and free the slot. Each consumer has `slots` (1 or 2, the same for both consumers of a
-// CTA) used in turn; it posts exactly one item per remote tile (rows 0 when its half of the tile
-// lies below the matrix) and closes the outbox once it has no more remote tiles; the side threads
-// take the items in that order, consumer 0 then 1, so all 96 agree without talking, and arrive on
-// `drained` when both consumers closed and every copy has been signalled.
+// Instead a consumer writes its slice into a staging slot in local memory (fast), hands it to the
+// 96 side threads and goes on to its next tile; the side threads copy the slot into the owner's
+// accumulator (stores, or red.add with more than two ranks), release, raise the owner's signal and
+// free the slot. Each consumer has `slots` staging slots (1 or 2, the same for both consumers of a
+// CTA) used in turn. The items themselves travel through one ring of descriptors shared by both
+// consumers: a consumer's thread 0 takes the next ring position (a ticket) when its item is ready,
+// so the side threads serve the items in the order they were posted and never wait on a consumer
+// that has nothing to send while the other one has (the ping-pong schedule posts from the two at
+// different times and in different numbers). Each consumer closes its outbox once it has no more
+// remote tiles; the side threads arrive on `drained` when both closed and every copy has been
+// signalled.
 constexpr int kMaxOutboxSlots = 2;
-constexpr int kOutboxBarrier = 3;  // named barrier of the 96 side threads
+constexpr int kOutboxRing = 2 * kMaxOutboxSlots;  // descriptors in flight
+constexpr int kOutboxBarrier = 3;                 // named barrier of the 96 side threads
 
 // Two kinds of item. A partial (owner >= 0): rows x width fp32 from the staging slot `src` to
 // the owner's accumulator `at`, then the owner's `signal`. A broadcast (owner < 0): rows x width
@@ -237,17 +243,21 @@ constexpr int kOutboxBarrier = 3;  // named barrier of the 96 side threads
 struct OutboxItem {
   PartialAt src;
   PartialAt at;
-  int rows;  // -1: the consumer closed its outbox
+  int rows;  // -1: a consumer closed its outbox
   int width;
   int owner;  // local rank, or -1: broadcast
   uint32_t signal;
+  int consumer;  // who posted it (set by the post)
+  int staged;    // its staging slot, freed once sent; -1: none (set by the post)
 };
 
 struct OutboxShared {
-  uint64_t full[2][kMaxOutboxSlots];   // consumer -> side threads: an item (128 arrive)
-  uint64_t empty[2][kMaxOutboxSlots];  // side threads -> consumer: the slot is free (96 arrive)
-  uint64_t drained;                    // side threads -> consumers: all sent (1 arrive)
-  OutboxItem item[2][kMaxOutboxSlots];
+  uint64_t full[kOutboxRing];           // a consumer's thread 0 -> side threads: posted
+  uint64_t empty[kOutboxRing];          // side threads -> consumers: descriptor free (96)
+  uint64_t staged[2][kMaxOutboxSlots];  // side threads -> consumer: staging slot free (96)
+  uint64_t drained;                     // side threads -> consumers: all sent (1 arrive)
+  int tickets;                          // ring positions taken so far
+  OutboxItem item[kOutboxRing];
 };
 
 // The CTA's outbox bookkeeping (static shared memory: one per CTA).
@@ -259,16 +269,18 @@ __device__ __forceinline__ OutboxShared& outbox_shared() {
 // Thread 0, before the kernel's first __syncthreads.
 __device__ __forceinline__ void outbox_init() {
   OutboxShared& box = outbox_shared();
+  for (int p = 0; p < kOutboxRing; ++p) {
+    dev::mbarrier_init(&box.full[p], 1);
+    dev::mbarrier_init(&box.empty[p], 96);
+  }
   for (int c = 0; c < 2; ++c) {
-    for (int s = 0; s < kMaxOutboxSlots; ++s) {
-      dev::mbarrier_init(&box.full[c][s], 128);
-      dev::mbarrier_init(&box.empty[c][s], 96);
-    }
+    for (int s = 0; s < kMaxOutboxSlots; ++s) dev::mbarrier_init(&box.staged[c][s], 96);
   }
   dev::mbarrier_init(&box.drained, 1);
+  box.tickets = 0;
 }
 
-// A consumer's (or the side threads') position in a slot ring.
+// A consumer's position in its staging slots.
 struct OutboxCursor {
   int next = 0;
   int slots = 0;  // 0: no outbox (the epilogue sends)
@@ -277,15 +289,26 @@ struct OutboxCursor {
   __device__ uint32_t parity() const { return (next / slots) & 1; }
 };
 
-// All 128 threads of a consumer: waits for the slot cursor.slot() to be free, writes the slice
-// into item.src (rows < item.rows, columns < item.width) and posts the item; rows 0 posts an item
-// without data.
+// Thread 0 of a consumer: the next ring position, once its descriptor is free, gets `item`.
+// Releases what this thread wrote or saw before (the warpgroup's writes, after a barrier).
+__device__ __forceinline__ void outbox_enqueue(const OutboxItem& item) {
+  OutboxShared& box = outbox_shared();
+  const int ticket = atomicAdd(&box.tickets, 1);
+  const int p = ticket % kOutboxRing;
+  dev::mbarrier_wait(&box.empty[p], ((ticket / kOutboxRing) & 1) ^ 1);  // first lap at once
+  box.item[p] = item;
+  dev::mbarrier_arrive(&box.full[p]);
+}
+
+// All 128 threads of a consumer: waits for its staging slot cursor.slot() to be free, writes the
+// slice into item.src (rows < item.rows, columns < item.width) and posts the item; rows 0 posts
+// an item without data.
 template <int kRegs>
 __device__ __forceinline__ void outbox_post(const float (&acc)[kRegs], int consumer,
                                             OutboxCursor& cursor, const OutboxItem& item) {
   OutboxShared& box = outbox_shared();
   const int s = cursor.slot();
-  dev::mbarrier_wait(&box.empty[consumer][s], cursor.parity() ^ 1);  // first lap passes at once
+  dev::mbarrier_wait(&box.staged[consumer][s], cursor.parity() ^ 1);  // first lap at once
   const int t = threadIdx.x % 128;
   if (item.rows > 0) {
     const int r = (t / 32) * 16 + (t % 32) / 4, c = 2 * (t % 4);
@@ -303,33 +326,35 @@ __device__ __forceinline__ void outbox_post(const float (&acc)[kRegs], int consu
       }
     }
   }
-  if (t == 0) box.item[consumer][s] = item;
-  dev::mbarrier_arrive(&box.full[consumer][s]);  // release: this thread's writes
+  dev::named_barrier_sync(1 + consumer, 128);  // every thread's staging writes, before the post
+  if (t == 0) {
+    OutboxItem posted = item;
+    posted.consumer = consumer;
+    posted.staged = s;
+    outbox_enqueue(posted);
+  }
   ++cursor.next;
 }
 
-// All 128 threads of a consumer: posts an item whose data is already in place (item.src); every
-// thread's earlier writes to it are released with its arrival (a TMA store: the issuing thread
-// waits for it and fences the async proxy first).
-__device__ __forceinline__ void outbox_post_ready(int consumer, OutboxCursor& cursor,
-                                                  const OutboxItem& item) {
-  OutboxShared& box = outbox_shared();
-  const int s = cursor.slot();
-  dev::mbarrier_wait(&box.empty[consumer][s], cursor.parity() ^ 1);
-  if (threadIdx.x % 128 == 0) box.item[consumer][s] = item;
-  dev::mbarrier_arrive(&box.full[consumer][s]);
-  ++cursor.next;
+// Thread 0 of a consumer: posts an item whose data is already in place (item.src) and visible to
+// it (a TMA store: it waited for it and fenced the async proxy); no staging slot.
+__device__ __forceinline__ void outbox_post_ready(int consumer, const OutboxItem& item) {
+  OutboxItem posted = item;
+  posted.consumer = consumer;
+  posted.staged = -1;
+  outbox_enqueue(posted);
 }
 
 // All 128 threads of a consumer, once it has no more remote tiles (idempotent).
 __device__ __forceinline__ void outbox_close(OutboxCursor& cursor) {
   if (cursor.slots == 0 || cursor.closed) return;
-  OutboxShared& box = outbox_shared();
-  const int consumer = threadIdx.x / 128 - 1, s = cursor.slot();
-  dev::mbarrier_wait(&box.empty[consumer][s], cursor.parity() ^ 1);
-  if (threadIdx.x % 128 == 0) box.item[consumer][s].rows = -1;
-  dev::mbarrier_arrive(&box.full[consumer][s]);
-  ++cursor.next;
+  if (threadIdx.x % 128 == 0) {
+    OutboxItem close{};
+    close.rows = -1;
+    close.consumer = threadIdx.x / 128 - 1;
+    close.staged = -1;
+    outbox_enqueue(close);
+  }
   cursor.closed = true;
 }
 
@@ -339,13 +364,14 @@ __device__ __forceinline__ void outbox_wait_drained() {
   dev::mbarrier_wait(&outbox_shared().drained, 0);
 }
 
-// The 96 side threads: serve both consumers' items until both closed, then arrive on `drained`.
+// The 96 side threads: serve the items in posting order until both consumers closed, then arrive
+// on `drained`.
 // `ensure_entered(peer)` (thread 0 only) returns once the peer may be written to; a false return
 // (time-out, recorded) skips the copies to that peer, and the item still gets its slot back.
 // `peer_shift(p)`: how far local rank p's copy of this rank's output lies from this rank's (in
 // floats; broadcast items only). `trace`: the timeline buffer (fused/trace.cuh), or null.
 template <class EnsureEntered, class PeerShift>
-__device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, bool add,
+__device__ __forceinline__ void outbox_serve(const DeviceComm& comm, bool add,
                                              const EnsureEntered& ensure_entered,
                                              const PeerShift& peer_shift, uint64_t* trace) {
   OutboxShared& box = outbox_shared();
@@ -383,22 +409,15 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, 
       }
     }
   };
-  bool done[2] = {false, false};
-  OutboxCursor cursor[2];
-  cursor[0].slots = cursor[1].slots = slots;
-  while (!done[0] || !done[1]) {
-#pragma unroll  // constant indices keep done[] and cursor[] in registers
-    for (int consumer = 0; consumer < 2; ++consumer) {
-      if (done[consumer]) continue;
-      const int s = cursor[consumer].slot();
-      dev::mbarrier_wait(&box.full[consumer][s], cursor[consumer].parity());
-      const OutboxItem& item = box.item[consumer][s];
-      const int rows = item.rows;
-      if (t == 0 && rows >= 0) trace_mark(trace, kTraceSide, kTraceItem, consumer);
-      if (rows < 0) {
-        done[consumer] = true;
-        continue;
-      }
+  for (int ticket = 0, closes = 0; closes < 2; ++ticket) {  // the items in posting order
+    const int p = ticket % kOutboxRing;
+    dev::mbarrier_wait(&box.full[p], (ticket / kOutboxRing) & 1);
+    const OutboxItem& item = box.item[p];
+    const int rows = item.rows;
+    if (rows < 0) {
+      ++closes;
+    } else {
+      if (t == 0) trace_mark(trace, kTraceSide, kTraceItem, item.consumer);
       if (rows > 0 && item.owner >= 0) {  // a partial: to its owner, then the owner's signal
         if (t == 0) skip_word = ensure_entered(item.owner) ? 0 : 1;
         dev::named_barrier_sync(kOutboxBarrier, 96);
@@ -410,19 +429,19 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, int slots, 
           launch.signal(item.owner, item.signal, 1);
         }
       } else if (rows > 0) {  // a broadcast: to every peer, no signal
-        for (int p = 0; p < comm.local_size; ++p) {
-          if (p == comm.local_rank) continue;
-          if (t == 0) skip_word = ensure_entered(p) ? 0 : 1;
+        for (int peer = 0; peer < comm.local_size; ++peer) {
+          if (peer == comm.local_rank) continue;
+          if (t == 0) skip_word = ensure_entered(peer) ? 0 : 1;
           dev::named_barrier_sync(kOutboxBarrier, 96);
           const bool skip = skip_word != 0;
-          if (!skip) copy(item, peer_shift(p), false);
-          dev::named_barrier_sync(kOutboxBarrier, 96);  // skip_word read: the next p may set it
+          if (!skip) copy(item, peer_shift(peer), false);
+          dev::named_barrier_sync(kOutboxBarrier, 96);  // skip_word read: the next may set it
         }
       }
-      if (t == 0) trace_mark(trace, kTraceSide, kTraceSent, consumer);
-      dev::mbarrier_arrive(&box.empty[consumer][s]);
-      ++cursor[consumer].next;
+      if (t == 0) trace_mark(trace, kTraceSide, kTraceSent, item.consumer);
+      if (item.staged >= 0) dev::mbarrier_arrive(&box.staged[item.consumer][item.staged]);
     }
+    dev::mbarrier_arrive(&box.empty[p]);
   }
   dev::named_barrier_sync(kOutboxBarrier, 96);  // all 96 are done with the slots
   if (t == 0) dev::mbarrier_arrive(&box.drained);

@@ -128,6 +128,23 @@ TEST(InProcessGemmAr, LargeWorld2) {
   });
 }
 
+// The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong: 128-wide tiles, each consumer
+// warpgroup whole tiles, their items in one outbox ring): the cases, at two and four ranks.
+TEST(InProcessGemmAr, PingPong) {
+  MKT_REQUIRE_GPU();
+  setenv("MKERNEL_GEMM_SCHEDULE", "pingpong", 1);
+  for (int world : {2, 4}) {
+    run_in_process(world, [](Communicator& comm) {
+      const FusedGemmPlan plan = gemm_ar_plan(comm, 8192, 8192, 256);
+      EXPECT_TRUE(plan.pingpong) << plan.describe();
+      EXPECT_EQ(plan.block_n, 128) << plan.describe();
+      expect_gemm_ar_cases(comm);
+      expect_gemm_ar(comm, {8192, 8192, 256, BLayout::kKN, 0}, shared_seed(comm) + 9);
+    });
+  }
+  unsetenv("MKERNEL_GEMM_SCHEDULE");
+}
+
 TEST(LaunchedGemmAr, MatchesReference) {
   MKT_REQUIRE_MKRUN();
   auto comm = launched_comm();
