@@ -227,10 +227,11 @@ def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
                          ("n256", {"block_n": 256})):
             variants["sweep: " + name] = (lambda kw=kw: mkernel.gemm_ar(a, b, comm, out, **kw))
         variants.update(reduce_switch_variants(variants["mkernel"]))
-        # The engine's ping-pong schedule (experimental; two ranks here, where the accumulator
-        # needs no zeroing, so the schedules may share the workspace).
-        variants["sweep: pingpong"] = with_switch(variants["mkernel"], "MKERNEL_GEMM_SCHEDULE",
-                                                  "pingpong")
+        # The engine's ping-pong schedule (experimental). Two ranks only: there the accumulator
+        # needs no zeroing, so the two schedules' layouts may share one workspace.
+        if comm.world_size == 2:
+            variants["sweep: pingpong"] = with_switch(variants["mkernel"],
+                                                      "MKERNEL_GEMM_SCHEDULE", "pingpong")
     return ok, err, mag, variants
 
 
