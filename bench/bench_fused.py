@@ -229,7 +229,7 @@ def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
         variants.update(reduce_switch_variants(variants["mkernel"]))
         # The engine's ping-pong schedule (experimental). Two ranks only: there the accumulator
         # needs no zeroing, so the two schedules' layouts may share one workspace.
-        if comm.world_size == 2:
+        if world == 2:
             variants["sweep: pingpong"] = with_switch(variants["mkernel"],
                                                       "MKERNEL_GEMM_SCHEDULE", "pingpong")
     return ok, err, mag, variants
