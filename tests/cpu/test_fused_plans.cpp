@@ -169,6 +169,11 @@ TEST(FusedPlans, SwitchesTurnMechanismsOff) {
   const FusedGemmPlan ag = plan_ag_gemm(ctx, 8192, 8192, 8192, {});
   EXPECT_TRUE(ag.pingpong) << ag.describe();
   EXPECT_EQ(ag.block_n, 128) << ag.describe();
+  const FusedGemmPlan ar_pp = plan_gemm_ar(ctx, 8192, 8192, 4096, {});
+  EXPECT_TRUE(ar_pp.pingpong) << ar_pp.describe();
+  EXPECT_EQ(ar_pp.block_n, 128) << ar_pp.describe();
+  EXPECT_EQ(ar_pp.outbox_slots, 2) << ar_pp.describe();  // both halves of a tile in flight
+  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).pingpong);  // not ported yet
   unsetenv("MKERNEL_GEMM_SCHEDULE");
 }
 
