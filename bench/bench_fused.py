@@ -161,6 +161,11 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
                          ("n256", {"block_n": 256})):
             variants["sweep: " + name] = (lambda kw=kw: mkernel.gemm_rs(a, b, comm, **kw))
         variants.update(reduce_switch_variants(variants["mkernel"]))
+        # The engine's ping-pong schedule (experimental). Two ranks only: there the accumulator
+        # needs no zeroing, so the two schedules' layouts may share one workspace.
+        if world == 2:
+            variants["sweep: pingpong"] = with_switch(variants["mkernel"],
+                                                      "MKERNEL_GEMM_SCHEDULE", "pingpong")
     return ok, err, mag, variants
 
 

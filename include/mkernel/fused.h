@@ -44,7 +44,7 @@ struct FusedGemmPlan {
                          // stages in its output, per CTA, and reports 0 here)
   int lag = -1;  // gemm_rs / gemm_ar: peers' tiles before own tiles start to interleave with
                  // them (-1: all peers' tiles first; src/fused/reduce_order.h)
-  bool pingpong = false;         // ag_gemm: the engine's ping-pong schedule (experimental, 128-wide
+  bool pingpong = false;         // the engine's ping-pong schedule (experimental, 128-wide
                                  // tiles; MKERNEL_GEMM_SCHEDULE=pingpong)
   std::string describe() const;  // one line
 };

@@ -39,7 +39,13 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
   p.shard_rows = m / world;
   const int64_t tiles_m = (p.shard_rows + 127) / 128;
   const int budget = fused::sm_budget(comm, config.sms, kOp);
-  p.block_n = gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);
+  // The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong, experimental): 128-wide
+  // tiles, each consumer warpgroup whole tiles, one's epilogue under the other's mainloop.
+  p.pingpong = world > 1 && gemm_engine::pingpong_requested() &&
+               (config.block_n == 0 || config.block_n == 128);
+  p.block_n =
+      p.pingpong ? 128
+                 : gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);
   const int64_t tiles_n = (n + p.block_n - 1) / p.block_n;
   // One op signal per consumer slice of a tile (two per tile) of a shard.
   if (2 * tiles_m * tiles_n > kMaxOpSignals) {
@@ -54,13 +60,15 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
   p.pieces = static_cast<int>(tiles_m);
   p.workspace_bytes = gemm_rs_workspace_bytes(m, n, world);
   // Peers' tiles and own tiles interleaved (reduce_order.h) when every CTA still gets two own
-  // tiles after the last remote one for its outbox staging: lag = two waves of remote tiles, on
-  // a grid coprime to the world size (every CTA then sends its share).
+  // tiles after the last remote one for its outbox staging (four with ping-pong, where each
+  // warpgroup posts both halves of a tile and wants two slots): lag = two (four) waves of remote
+  // tiles, on a grid coprime to the world size (every CTA then sends its share).
   p.lag = -1;
+  const int waves = p.pingpong ? 4 : 2;
   if (world > 1 && fused::outbox_enabled() && fused::interleave_enabled() &&
-      tiles_m * tiles_n >= 2 * static_cast<int64_t>(p.ctas)) {
+      tiles_m * tiles_n >= waves * static_cast<int64_t>(p.ctas)) {
     p.ctas = fused::ReduceOrder::interleave_grid(p.ctas, world);
-    p.lag = 2 * (world - 1) * p.ctas;
+    p.lag = waves * (world - 1) * p.ctas;
   }
   return p;
 }
@@ -92,6 +100,13 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.order = {topo.world_size, f.raster.tiles_m * f.raster.tiles_n, p.lag};
   f.trace = fused::trace_arm(p.ctas, stream);
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
+  if constexpr (kBlockN == 128) {
+    if (p.pingpong) {
+      gemm_engine::launch<kBlockN, kTransB, fused::GemmRsFusion<kBlockN>, true>(f, map_b, k, p.ctas,
+                                                                                stream, kOp);
+      return;
+    }
+  }
   gemm_engine::launch<kBlockN, kTransB>(f, map_b, k, p.ctas, stream, kOp);
 }
 
@@ -146,7 +161,11 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
 }
 
 namespace detail {
-void preload_gemm_rs_kernels() { gemm_engine::preload_all<fused::GemmRsFusion>(); }
+void preload_gemm_rs_kernels() {
+  gemm_engine::preload_all<fused::GemmRsFusion>();
+  gemm_engine::prepared_kernel<128, false, fused::GemmRsFusion<128>, true>();  // ping-pong
+  gemm_engine::prepared_kernel<128, true, fused::GemmRsFusion<128>, true>();
+}
 }  // namespace detail
 
 }  // namespace mk

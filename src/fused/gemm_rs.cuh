@@ -67,9 +67,9 @@ struct GemmRsFusion {
     dev::tma_load_3d(dst, &a, bar, k0, tile.m * 128, tile.shard);
   }
 
-  // Signal slot of a consumer's slice of a tile, in the owner's numbering.
-  __device__ uint32_t slot(const gemm_engine::Tile& tile, int consumer) const {
-    return dev::signal_index(SignalId::kOp, 2 * (tile.m * raster.tiles_n + tile.n) + consumer);
+  // Signal slot of a 64-row half of a tile, in the owner's numbering.
+  __device__ uint32_t slot(const gemm_engine::Tile& tile, int half) const {
+    return dev::signal_index(SignalId::kOp, 2 * (tile.m * raster.tiles_n + tile.n) + half);
   }
 
   // The accumulator is laid out slice by slice (not row-major), so that the 64 x kBlockN slice a
@@ -77,8 +77,8 @@ struct GemmRsFusion {
   // bytes apart: band = 64 rows of a tile-row (the last band of the shard may be shorter), and
   // inside a band the tiles' slices follow each other, each [h][w] row-major with
   // h = rows of the band, w = columns of the tile. Total exactly S x N floats.
-  __device__ int64_t slice_offset(int m, int tile_n, int consumer) const {
-    const int row0 = m * 128 + consumer * 64;
+  __device__ int64_t slice_offset(int m, int tile_n, int half) const {
+    const int row0 = m * 128 + half * 64;
     const int h = min(64, shard_rows - row0);
     return static_cast<int64_t>(row0) * n + static_cast<int64_t>(h) * tile_n * kBlockN;
   }
@@ -154,7 +154,10 @@ struct GemmRsFusion {
       pending.outbox.slots = outbox_slots(footprints(0, unused));
       pending.ready = true;
     }
-    const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
+    // The slice (rows of the tile) and the warpgroup (barriers, staging, scratch) are the same
+    // under the cooperative schedule and differ under ping-pong (gemm_kernel.cuh).
+    const int half = gemm_engine::slice_half(tile, consumer);
+    const int row0 = tile.m * 128 + half * 64, col0 = tile.n * kBlockN;
     const int slots = pending.outbox.slots;
     if (tile.shard != comm.rank && slots > 0) {  // one item per remote tile, even if empty
       const int owner = tile.shard;              // one node: global rank = local rank
@@ -163,12 +166,11 @@ struct GemmRsFusion {
       gemm_engine::Tile staging_tile;
       footprints(consumer * slots + pending.outbox.slot(), staging_tile);
       item.src = footprint_at(staging_tile);
-      item.at =
-          PartialAt::block(accum_peers[owner] + slice_offset(tile.m, tile.n, consumer), width);
+      item.at = PartialAt::block(accum_peers[owner] + slice_offset(tile.m, tile.n, half), width);
       item.rows = max(0, min(64, shard_rows - row0));
       item.width = width;
       item.owner = owner;
-      item.signal = slot(tile, consumer);
+      item.signal = slot(tile, half);
       outbox_post(acc, consumer, pending.outbox, item);
       return;
     }
@@ -180,26 +182,29 @@ struct GemmRsFusion {
       }
       if (row0 < shard_rows) {
         const int width = slice_width(tile.n);
-        float* slice = accum_peers[owner] + slice_offset(tile.m, tile.n, consumer);
+        float* slice = accum_peers[owner] + slice_offset(tile.m, tile.n, half);
         send_slice(
             acc, consumer, scratch, [&](int r, int c) { return slice + r * width + c; },
             shard_rows - row0, width, !single_peer);
       }
       if (t == 0 && row0 < shard_rows) {  // an empty slice (below the shard) has no signal
         pending.owner = owner;
-        pending.signal = slot(tile, consumer);
+        pending.signal = slot(tile, half);
       }
       return;
     }
+    // Past the last remote position this warpgroup posts nothing more: close its outbox now, so
+    // that the other one's wait for the drain (before a staging footprint) does not hang on it.
+    if (tile.position > order.last_remote()) outbox_close(pending.outbox);
     // Own rows: the peers' partial sums of this slice, then one rounding to bf16.
     if (t == 0 && row0 < shard_rows) {
-      wait_for_partials(comm, launch, slot(tile, consumer));
+      wait_for_partials(comm, launch, slot(tile, half));
       trace_mark(trace, kTraceConsumer0 + consumer, kTraceWaited);
     }
     dev::named_barrier_sync(1 + consumer, 128);
     if (row0 < shard_rows) {
       int rows = 0, width = 0;
-      const PartialAt sums = own_slice(tile, consumer, rows, width);
+      const PartialAt sums = own_slice(tile, half, rows, width);
       add_and_clear(acc, sums, rows, width, single_peer ? nullptr : sums.second, 1 + consumer);
       if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
     }

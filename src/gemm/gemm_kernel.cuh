@@ -109,6 +109,7 @@ struct Tile {
   int rows = 0;   // grouped GEMM: rows of the tile inside its group (<= 128 means a partial tile)
   int half = -1;  // ping-pong epilogue: the 64-row half being stored (-1: the consumer's own)
   int next = -1;  // epilogue: the position (work item t) of this consumer's next tile, or -1
+  int position = -1;  // epilogue: this tile's position (work item t)
 };
 
 // First row (within the tile) of the 64-row slice a store() call gets.
@@ -328,6 +329,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int t = static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
       if (t >= fusion.num_tiles()) break;
       Tile tile = fusion.tile(t);
+      tile.position = t;
       const int next = t + 2 * static_cast<int>(gridDim.x);
       tile.next = next < fusion.num_tiles() ? next : -1;
       // Tile i - 1 (the other warpgroup's) has taken its k-blocks: the j-th arrival on turn[1]
@@ -379,6 +381,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     int it = 0;
     for (int t = blockIdx.x; t < fusion.num_tiles(); t += gridDim.x) {
       Tile tile = fusion.tile(t);
+      tile.position = t;
       const int next = t + static_cast<int>(gridDim.x);
       tile.next = next < fusion.num_tiles() ? next : -1;
       for (int kb = 0; kb < k_iters; ++kb, ++it) {

@@ -173,7 +173,10 @@ TEST(FusedPlans, SwitchesTurnMechanismsOff) {
   EXPECT_TRUE(ar_pp.pingpong) << ar_pp.describe();
   EXPECT_EQ(ar_pp.block_n, 128) << ar_pp.describe();
   EXPECT_EQ(ar_pp.outbox_slots, 2) << ar_pp.describe();  // both halves of a tile in flight
-  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).pingpong);  // not ported yet
+  const FusedGemmPlan rs_pp = plan_gemm_rs(ctx, 8192, 8192, 4096, {});
+  EXPECT_TRUE(rs_pp.pingpong) << rs_pp.describe();
+  EXPECT_EQ(rs_pp.block_n, 128) << rs_pp.describe();
+  EXPECT_EQ(rs_pp.lag, 4 * rs_pp.ctas) << rs_pp.describe();  // four own tiles per CTA at the end
   unsetenv("MKERNEL_GEMM_SCHEDULE");
 }
 

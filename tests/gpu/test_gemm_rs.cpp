@@ -128,6 +128,24 @@ TEST(SanitizeGemmRs, SmallWorld2) {
   });
 }
 
+// The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong: 128-wide tiles, each consumer
+// warpgroup whole tiles, four staging footprints per CTA): the cases, at two and four ranks.
+TEST(InProcessGemmRs, PingPong) {
+  MKT_REQUIRE_GPU();
+  setenv("MKERNEL_GEMM_SCHEDULE", "pingpong", 1);
+  for (int world : {2, 4}) {
+    run_in_process(world, [](Communicator& comm) {
+      const int world_size = comm.world_size();
+      const FusedGemmPlan plan = gemm_rs_plan(comm, world_size * 4096, 8192, 256);
+      EXPECT_TRUE(plan.pingpong) << plan.describe();
+      EXPECT_EQ(plan.block_n, 128) << plan.describe();
+      expect_gemm_rs_cases(comm);
+      expect_gemm_rs(comm, {4096, 8192, 256, BLayout::kNK, 0}, shared_seed(comm) + 9);
+    });
+  }
+  unsetenv("MKERNEL_GEMM_SCHEDULE");
+}
+
 TEST(InProcessGemmRs, InterleavedWorld4) {
   MKT_REQUIRE_GPU();
   run_in_process(4, [](Communicator& comm) {
