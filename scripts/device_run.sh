@@ -17,7 +17,9 @@
 #
 # Environment knobs: BACKEND (socket), BUILD_TYPE (Release), CMAKE_ARGS, CTEST_ARGS
 # (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), SITE (/tmp/site), BENCH_KERNELS ("all
-# transport": bench/run.sh kernels; all = collectives, gemm and the fused kernels).
+# transport": bench/run.sh kernels; all = collectives, gemm and the fused kernels),
+# PYTHON_TESTS=0 (python step installs only), COMPARE_KERNELS / COMPARE_SHAPES / COMPARE_P2P=0
+# (compare step: which kernels and shapes, without the bench_p2p table), TRACE_CASES.
 
 # NVLink multicast (NVLS) must stay off on the shared hosts: it can take their GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -197,7 +199,9 @@ step_python() {
 step_compare() {
   local dir=/tmp/mk-compare rc=0
   rm -rf "$dir" && mkdir -p "$dir"
-  if [[ -x "$BUILD/bench/bench_p2p" ]]; then
+  if [[ "${COMPARE_P2P:-1}" == 0 ]]; then
+    log "COMPARE_P2P=0: no bench_p2p table"
+  elif [[ -x "$BUILD/bench/bench_p2p" ]]; then
     "$BUILD/bench/bench_p2p" 2>&1 | tee "$dir/p2p.log"
     ((PIPESTATUS[0] == 0)) || rc=1
   else

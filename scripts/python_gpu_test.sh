@@ -7,7 +7,8 @@
 # Installs into $SITE (default /tmp/site) with `pip install --target --upgrade`, puts it first on
 # PYTHONPATH and runs `python3 -m pytest -q tests/python`. Logs: $OUT/pip.log and $OUT/pytest.log
 # when OUT is set, else under $SITE/../mkernel-logs. Exits non-zero when the build or a test fails.
-# Knobs: PYTHON (python3), SITE, CUDA_HOME (from nvcc on PATH, else /usr/local/cuda).
+# Knobs: PYTHON (python3), SITE, CUDA_HOME (from nvcc on PATH, else /usr/local/cuda),
+# PYTHON_TESTS=0 (install only: for a device call that benchmarks and tests elsewhere).
 
 # NVLink multicast (NVLS) must stay off on the shared hosts: it can take their GPUs out of service.
 export NCCL_NVLS_ENABLE=0 NCCL_NVLS_DISABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -58,6 +59,10 @@ fi
 log "installed in $((SECONDS - start)) s"
 
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+if [[ "${PYTHON_TESTS:-1}" == 0 ]]; then
+  log "PYTHON_TESTS=0: not running tests/python"
+  exit 0
+fi
 command -v nvidia-smi >/dev/null && nvidia-smi -L
 log "pytest tests/python $* (log: $LOGS/pytest.log)"
 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/python "$@" 2>&1 | tee "$LOGS/pytest.log"
