@@ -187,7 +187,16 @@ __device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0,
   for (int j = 0; j < kChunks; ++j) {
     if (col0 + 64 * j >= n) break;  // the same on every thread of the warpgroup
     uint8_t* buf = scratch + (j % 2) * kChunkBytes;
-    if (t == 0) dev::bulk_wait_group_read<1>();  // the store that last read `buf` is done
+    // The store that last read `buf` is done: chunk j - 2's, or for chunk 0 any of the previous
+    // call's (whose last chunk may have used either buffer: a tile at the N edge has one chunk,
+    // and the ping-pong schedule stores its two halves back to back).
+    if (t == 0) {
+      if (j == 0) {
+        dev::bulk_wait_group_read<0>();
+      } else {
+        dev::bulk_wait_group_read<1>();
+      }
+    }
     dev::named_barrier_sync(barrier, 128);
 #pragma unroll
     for (int b = 0; b < 8; ++b) {
