@@ -72,6 +72,11 @@ TEST(FusedPlans, GemmArKeepsItsBoundsEverywhere) {
           EXPECT_LE(p.workspace_bytes, 2 * intermediate) << p.describe();
         }
         if (p.outbox_slots == 0) EXPECT_EQ(p.staging_bytes, 0u) << p.describe();
+        // Interleaved only with four waves of own tiles per rank (measured: fewer run faster in
+        // the blocked order).
+        const int64_t tiles_n = (s.n + p.block_n - 1) / p.block_n;
+        if (p.lag >= 0)
+          EXPECT_GE((s.m + 127) / 128 * (tiles_n / world), 4 * p.ctas) << p.describe();
       }
     }
   }
@@ -132,7 +137,7 @@ TEST(FusedPlans, AgGemmKeepsItsBoundsEverywhere) {
   }
 }
 
-// The plans behind the journal's two-rank H200 numbers (docs/PERFORMANCE.md, session 4).
+// The plans behind the journal's two-rank H200 numbers (docs/PERFORMANCE.md, sessions 4-5).
 TEST(FusedPlans, TwoRankH200PlansOfTheJournal) {
   const PlanContext ctx = h200(2);
   const FusedGemmPlan rs = plan_gemm_rs(ctx, 8192, 8192, 4096, {});
@@ -146,11 +151,15 @@ TEST(FusedPlans, TwoRankH200PlansOfTheJournal) {
   EXPECT_EQ(ar.lag, 2 * ar.ctas) << ar.describe();
   const FusedGemmPlan decode = plan_gemm_ar(ctx, 128, 8192, 4096, {});
   EXPECT_EQ(decode.outbox_slots, 0) << decode.describe();  // no room for staging
-  // M = 1024: staging fits only beside 128-wide tiles (one slot, 128 CTAs, interleaved on 127)
+  // M = 1024: staging fits only beside 128-wide tiles (one slot, 128 CTAs); two waves of own
+  // tiles: blocked order, as at 4096^3 and 8192 x 2048 (session 5)
   const FusedGemmPlan rows1024 = plan_gemm_ar(ctx, 1024, 8192, 4096, {});
   EXPECT_EQ(rows1024.block_n, 128) << rows1024.describe();
   EXPECT_EQ(rows1024.outbox_slots, 1) << rows1024.describe();
-  EXPECT_EQ(rows1024.ctas, 127) << rows1024.describe();
+  EXPECT_EQ(rows1024.ctas, 128) << rows1024.describe();
+  EXPECT_EQ(rows1024.lag, -1) << rows1024.describe();
+  EXPECT_EQ(plan_gemm_ar(ctx, 4096, 4096, 2048, {}).lag, -1);
+  EXPECT_EQ(plan_gemm_ar(ctx, 8192, 2048, 4096, {}).lag, -1);
 }
 
 TEST(FusedPlans, SwitchesTurnMechanismsOff) {
