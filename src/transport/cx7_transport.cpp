@@ -65,8 +65,7 @@ Cx7Transport::Cx7Transport(Bootstrap& bootstrap, const TransportConfig& config)
   bootstrap_.allgather(mine.data(), all.data(), mine.size() * sizeof(RcEndpoint));
   try {
     for (int p = 0; p < world_size(); ++p) {
-      if (p != rank())
-        connect(p, mine[p], all[static_cast<std::size_t>(p) * world_size() + rank()]);
+      if (is_peer(p)) connect(p, mine[p], all[static_cast<std::size_t>(p) * world_size() + rank()]);
     }
   } catch (const Error& e) {
     status = "rank " + std::to_string(rank()) + ": " + message_of(e);
@@ -83,7 +82,7 @@ void Cx7Transport::create_qps(std::vector<RcEndpoint>& mine) {
   const VerbsApi* a = &api();
   std::mt19937 rng(std::random_device{}());
   for (int p = 0; p < world_size(); ++p) {
-    if (p == rank()) continue;
+    if (!is_peer(p)) continue;  // this rank, and ranks outside TransportConfig::peers
     ibv_qp_init_attr init{};
     init.send_cq = device_->send_cq.get();
     init.recv_cq = device_->recv_cq.get();

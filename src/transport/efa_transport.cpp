@@ -79,7 +79,7 @@ EfaTransport::EfaTransport(Bootstrap& bootstrap, const TransportConfig& config)
   agree_or_throw(bootstrap_, status, ErrorCode::kBootstrap, prefix() + "address handles");
 
   const uint32_t slots =
-      std::min<uint32_t>(kRecvDepth * static_cast<uint32_t>(std::max(1, world_size() - 1)),
+      std::min<uint32_t>(kRecvDepth * static_cast<uint32_t>(std::max(1, num_peers())),
                          static_cast<uint32_t>(device_->device_attr.max_qp_wr));
   start({qp_.get()}, slots);
   bootstrap_.barrier();  // every rank's receives are posted before anyone writes
@@ -111,7 +111,7 @@ void EfaTransport::create_qp() {
   init.recv_cq = device_->recv_cq.get();
   init.cap.max_send_wr = kSendDepth;
   init.cap.max_recv_wr =
-      std::min<uint32_t>(kRecvDepth * static_cast<uint32_t>(std::max(1, world_size() - 1)),
+      std::min<uint32_t>(kRecvDepth * static_cast<uint32_t>(std::max(1, num_peers())),
                          static_cast<uint32_t>(device_->device_attr.max_qp_wr));
   init.cap.max_send_sge = 1;
   init.cap.max_recv_sge = 1;
@@ -152,7 +152,7 @@ void EfaTransport::create_qp() {
 void EfaTransport::make_address_handles(const std::vector<EfaEndpoint>& all) {
   const VerbsApi* a = &api();
   for (int p = 0; p < world_size(); ++p) {
-    if (p == rank()) continue;
+    if (!is_peer(p)) continue;  // this rank, and ranks outside TransportConfig::peers
     ibv_ah_attr attr{};
     attr.port_num = device_->port;
     attr.is_global = 1;

@@ -181,7 +181,10 @@ void Proxy::run(int i) {
     delta.commands = n;
     for (uint32_t k = 0; k < n; ++k) {
       const Command& c = batch[k];
-      const std::string why = validate(c, limits);
+      std::string why = validate(c, limits);
+      if (why.empty() && !transport_.is_peer(static_cast<int>(c.dst_rank))) {
+        why = "rank " + std::to_string(c.dst_rank) + " is not a peer of the transport";
+      }
       if (!why.empty()) {
         reject(i, first + k, why);
         continue;

@@ -237,20 +237,20 @@ SocketTransport::SocketTransport(Bootstrap& bootstrap, const TransportConfig& co
   std::vector<SocketAddress> all(static_cast<std::size_t>(world_size()));
   bootstrap_.allgather(&published, all.data(), sizeof(SocketAddress));
   for (int r = 0; r < world_size() && status.empty(); ++r) {
-    if (r != rank() && all[r].host_id != me_.host_id && is_loopback(all[r])) {
+    if (is_peer(r) && all[r].host_id != me_.host_id && is_loopback(all[r])) {
       status = "rank " + std::to_string(r) + " is on another host but listens on loopback " +
                to_string(all[r]) + "; set MKERNEL_SOCKET_IFNAME to an interface both can reach";
     }
   }
   for (int r = 0; r < world_size(); ++r) {
-    if (r == rank()) continue;
+    if (!is_peer(r)) continue;  // this rank, and ranks outside TransportConfig::peers
     conns_[r] = std::make_unique<Connection>();
     conns_[r]->peer = r;
     conns_[r]->address = to_string(all[r]);
   }
   agree_or_throw(bootstrap_, status, ErrorCode::kBootstrap, prefix() + "address exchange failed");
 
-  // 3-4. Connect to every higher rank; agree.
+  // 3-4. Connect to every higher peer; agree.
   try {
     connect_peers(all);
   } catch (const Error& e) {
@@ -258,7 +258,7 @@ SocketTransport::SocketTransport(Bootstrap& bootstrap, const TransportConfig& co
   }
   agree_or_throw(bootstrap_, status, ErrorCode::kBootstrap, prefix() + "connecting failed");
 
-  // 5. Accept every lower rank; agree.
+  // 5. Accept every lower peer; agree.
   try {
     accept_peers(listener_.get());
   } catch (const Error& e) {
@@ -277,6 +277,7 @@ SocketTransport::SocketTransport(Bootstrap& bootstrap, const TransportConfig& co
 void SocketTransport::connect_peers(const std::vector<SocketAddress>& all) {
   const Deadline deadline = Deadline::after(timeout_seconds_);
   for (int r = rank() + 1; r < world_size(); ++r) {
+    if (!is_peer(r)) continue;
     Connection& c = *conns_[r];
     std::string why;
     c.fd = connect_to(all[r], deadline, &why);
@@ -302,7 +303,8 @@ void SocketTransport::connect_peers(const std::vector<SocketAddress>& all) {
 
 void SocketTransport::accept_peers(int listen_fd) {
   const Deadline deadline = Deadline::after(timeout_seconds_);
-  int missing = rank();
+  int missing = 0;
+  for (int r = 0; r < rank(); ++r) missing += is_peer(r) ? 1 : 0;
   while (missing > 0) {
     pollfd p{listen_fd, POLLIN, 0};
     const int n = poll(&p, 1, deadline.poll_timeout_ms());
@@ -312,7 +314,7 @@ void SocketTransport::accept_peers(int listen_fd) {
       if (!deadline.expired()) continue;
       std::vector<int> ranks;
       for (int r = 0; r < rank(); ++r) {
-        if (!conns_[r]->fd) ranks.push_back(r);
+        if (is_peer(r) && !conns_[r]->fd) ranks.push_back(r);
       }
       throw Error(ErrorCode::kBootstrap,
                   "rank " + std::to_string(rank()) + " (" + to_string(me_) + ") timed out after " +
@@ -330,7 +332,8 @@ void SocketTransport::accept_peers(int listen_fd) {
     const bool ours = hello.magic == kHelloMagic && hello.session == me_.session;
     if (!ours) continue;
     if (hello.version != kWireVersion || hello.world_size != static_cast<uint32_t>(world_size()) ||
-        hello.src_rank >= static_cast<uint32_t>(rank()) || conns_[hello.src_rank]->fd) {
+        hello.src_rank >= static_cast<uint32_t>(rank()) ||
+        !is_peer(static_cast<int>(hello.src_rank)) || conns_[hello.src_rank]->fd) {
       throw Error(ErrorCode::kBootstrap,
                   "rank " + std::to_string(rank()) + " got an unexpected hello: version " +
                       std::to_string(hello.version) + " (expected " + std::to_string(kWireVersion) +

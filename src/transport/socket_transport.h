@@ -80,7 +80,7 @@ class SocketTransport final : public TransportBase {
 
   SocketAddress me_;
   mk::detail::UniqueFd listener_;
-  std::vector<std::unique_ptr<Connection>> conns_;  // [world_size]; null for this rank
+  std::vector<std::unique_ptr<Connection>> conns_;  // [world_size]; null: this rank, non-peers
   std::atomic<bool> stopping_{false};
   std::atomic<bool> closed_{false};
 };

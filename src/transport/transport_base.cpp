@@ -90,7 +90,45 @@ TransportBase::TransportBase(Bootstrap& bootstrap, const TransportConfig& config
       world_size_(bootstrap.size()),
       tracker_(static_cast<uint32_t>(bootstrap.size()), config.num_signals,
                checked_sink(config, name)),
-      remote_(static_cast<std::size_t>(bootstrap.size()) * kMaxBuffers) {}
+      remote_(static_cast<std::size_t>(bootstrap.size()) * kMaxBuffers) {
+  // The peer set: checked here, then agreed (symmetric) through one allgather of every rank's row.
+  std::string status;
+  peer_.assign(static_cast<std::size_t>(world_size_), config.peers.empty() ? 1 : 0);
+  if (config.peers.empty()) {
+    peer_[static_cast<std::size_t>(rank_)] = 0;
+  } else {
+    for (const int r : config.peers) {
+      if (r < 0 || r >= world_size_ || r == rank_ || peer_[static_cast<std::size_t>(r)] != 0) {
+        status = "rank " + std::to_string(rank_) + ": peers lists rank " + std::to_string(r) +
+                 (r == rank_                  ? " (itself)"
+                  : r < 0 || r >= world_size_ ? " (world size " + std::to_string(world_size_) + ")"
+                                              : " twice");
+        break;
+      }
+      peer_[static_cast<std::size_t>(r)] = 1;
+    }
+  }
+  std::vector<uint8_t> rows(static_cast<std::size_t>(world_size_) * world_size_);
+  bootstrap.allgather(peer_.data(), rows.data(), peer_.size());
+  // A bad entry is known to its rank only: agree on it. Every rank sees the same rows, so the
+  // symmetry verdict is the same everywhere without another exchange.
+  const std::string what = std::string("transport ") + name + ": bad peer set";
+  agree_or_throw(bootstrap, status, ErrorCode::kInvalidArgument, what);
+  const auto row = [&](int a, int b) {
+    return rows[static_cast<std::size_t>(a) * world_size_ + b] != 0;
+  };
+  for (int r = 0; r < world_size_; ++r) {
+    for (int s = 0; s < world_size_; ++s) {
+      if (row(r, s) && !row(s, r)) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    what + ": rank " + std::to_string(r) + " lists rank " + std::to_string(s) +
+                        " as a peer but rank " + std::to_string(s) + " does not list rank " +
+                        std::to_string(r) + " (TransportConfig::peers must be symmetric)");
+      }
+    }
+  }
+  for (const uint8_t p : peer_) num_peers_ += p;
+}
 
 TransportBase::~TransportBase() = default;
 
@@ -180,7 +218,12 @@ std::string TransportBase::check_op(const TransferOp& op) const {
                         ? make_put(op.dst_rank, op.tile_id, op.src_buffer, op.src_offset,
                                    op.dst_buffer, op.dst_offset, op.bytes, op.signal_id)
                         : make_signal(op.dst_rank, op.tile_id, op.signal_id, op.value);
-  return validate(c, limits());
+  std::string why = validate(c, limits());
+  if (why.empty() && !is_peer(static_cast<int>(op.dst_rank))) {
+    why = "rank " + std::to_string(op.dst_rank) +
+          " is not a peer of this transport (TransportConfig::peers; ranks of one node use NVLink)";
+  }
+  return why;
 }
 
 void TransportBase::check_ops(std::span<const TransferOp> ops) const {
@@ -200,6 +243,8 @@ std::string TransportBase::check_incoming_put(uint32_t src, uint8_t dst_buffer, 
   const std::string what = "put from rank " + std::to_string(src) + " into buffer " +
                            std::to_string(dst_buffer) + " @ " + std::to_string(dst_offset) + ", " +
                            std::to_string(bytes) + " bytes";
+  if (!is_peer(static_cast<int>(src)))
+    return what + ": rank " + std::to_string(src) + " is not a peer";
   if (b.bytes == 0) return what + ": no buffer is registered under that id here";
   if (bytes == 0) return what + ": empty put";
   if (dst_offset > b.bytes || bytes > b.bytes - dst_offset) {
@@ -213,6 +258,9 @@ std::string TransportBase::check_incoming_put(uint32_t src, uint8_t dst_buffer, 
 }
 
 std::string TransportBase::check_incoming_signal(uint32_t src, uint32_t signal) const {
+  if (!is_peer(static_cast<int>(src))) {
+    return "signal from rank " + std::to_string(src) + ": not a peer of this transport";
+  }
   if (signal >= config_.num_signals) {
     return "signal from rank " + std::to_string(src) + ": signal " + std::to_string(signal) +
            " out of range (" + std::to_string(config_.num_signals) + " signals)";

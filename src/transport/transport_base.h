@@ -32,6 +32,11 @@ class TransportBase : public Transport {
   bool failed() const override { return failed_.load(std::memory_order_acquire); }
 
   CompletionTracker& tracker() { return tracker_; }
+  // Whether this transport exchanges data with rank r (TransportConfig::peers), and how many.
+  bool is_peer(int r) const override {
+    return r >= 0 && r < world_size_ && peer_[static_cast<std::size_t>(r)] != 0;
+  }
+  int num_peers() const { return num_peers_; }
 
  protected:
   struct LocalBuffer {
@@ -76,6 +81,8 @@ class TransportBase : public Transport {
   const char* name_;
   int rank_;
   int world_size_;
+  std::vector<uint8_t> peer_;  // [world]: 1 = a peer
+  int num_peers_ = 0;
   CompletionTracker tracker_;
 
   mutable std::shared_mutex buffers_mutex_;

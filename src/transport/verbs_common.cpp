@@ -109,7 +109,7 @@ RdmaTransport::RdmaTransport(Bootstrap& bootstrap, const TransportConfig& config
   std::string status;
   try {
     const VerbsApi& api = load_verbs(name, config.verbs_library);
-    const int depth = static_cast<int>(kRecvDepth) * std::max(1, world_size() - 1);
+    const int depth = static_cast<int>(kRecvDepth) * std::max(1, num_peers());
     device_ = open_verbs_device(api, name, config.rdma_device, depth);
   } catch (const Error& e) {
     status = "rank " + std::to_string(rank()) + ": " + message_of(e);

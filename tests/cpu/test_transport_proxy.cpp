@@ -33,6 +33,7 @@ class FakeTransport final : public Transport {
   int rank() const override { return 0; }
   int world_size() const override { return 4; }
   void register_buffer(int, void*, uint64_t, MemoryKind) override {}
+  bool is_peer(int r) const override { return r > 0 && r < 4 && r != not_a_peer; }
   CommandLimits limits() const override {
     CommandLimits l;
     l.rank = 0;
@@ -70,6 +71,7 @@ class FakeTransport final : public Transport {
 
   std::atomic<bool> fail_posts{false};
   std::atomic<bool> block_posts{false};
+  int not_a_peer = -1;  // a rank the fake transport does not reach (e.g. one on this node)
   std::mutex mutex;
   std::vector<TransferOp> posted;
   std::vector<TransferOp> in_flight;
@@ -154,6 +156,32 @@ TEST(TransportProxy, MalformedCommandIsReportedAndNotExecuted) {
     EXPECT_TRUE(contains(e.what(), "destination rank 9 is out of range")) << e.what();
   }
   EXPECT_TRUE(contains(first_error, "ticket 0")) << first_error;
+}
+
+// A command for a rank the transport does not reach (TransportConfig::peers: e.g. a rank of this
+// node) is rejected on its own; the ring goes on.
+TEST(TransportProxy, CommandForANonPeerIsRejected) {
+  FakeTransport t;
+  t.not_a_peer = 2;
+  ProxyOptions options;
+  options.on_error = [](const Error&) {};
+  Proxy proxy(t, options);
+  proxy.push(0, make_put(2, 5, 0, 0, 1, 0, 8));     // rank 2: not a peer
+  proxy.push(0, make_put(3, 6, 0, 0, 1, 0, 8, 1));  // fine
+  EXPECT_THROW(proxy.drain(10), Error);
+  EXPECT_EQ(proxy.stats().rejected, 1u);
+  {
+    std::lock_guard<std::mutex> lock(t.mutex);
+    ASSERT_EQ(t.posted.size(), 1u);
+    EXPECT_EQ(t.posted[0].dst_rank, 3u);
+  }
+  try {
+    proxy.check();
+    FAIL() << "check() did not throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_TRUE(contains(e.what(), "rank 2 is not a peer of the transport")) << e.what();
+  }
 }
 
 TEST(TransportProxy, TransportFailureStopsProducersQuickly) {

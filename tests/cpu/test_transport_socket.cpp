@@ -90,6 +90,90 @@ TEST(TransportSocket, TwoRanksMoveBytes) { exchange(2, 9 * kMiB + 123); }  // 3 
 TEST(TransportSocket, ThreeRanksMoveBytes) { exchange(3, 3 * kMiB + 7); }
 TEST(TransportSocket, FourRanksMoveBytes) { exchange(4, 2 * kMiB + 5); }
 
+// TransportConfig::peers: four ranks as two nodes of two ({0, 1}, {2, 3}); each connects only
+// to the other node's ranks (as the multi-node kernels' transport does), moves bytes to them,
+// and an op for a rank of its own node is refused before anything is sent.
+TEST(TransportSocket, PeersOnOtherNodesOnly) {
+  constexpr int kWorld = 4;
+  constexpr uint64_t kBytes = kMiB + 24;
+  const auto outcomes = mk::test::run_group(kWorld, [&](Bootstrap& b) {
+    const int me = b.rank(), node = me / 2;
+    HostSignalPad pad(kWorld, 8);
+    TransportConfig config = config_for(pad);
+    for (int r = 0; r < kWorld; ++r) {
+      if (r / 2 != node) config.peers.push_back(r);
+    }
+    auto t = make_transport(b, config, "socket");
+    for (int r = 0; r < kWorld; ++r) EXPECT_EQ(t->is_peer(r), r / 2 != node) << "rank " << r;
+    std::vector<char> src(kBytes * kWorld), dst(kBytes * kWorld, 0);
+    for (int p = 0; p < kWorld; ++p)
+      mk::test::fill_pattern(&src[kBytes * p], kBytes, seed_of(me, p));
+    t->register_buffer(0, src.data(), src.size());
+    t->register_buffer(1, dst.data(), dst.size());
+    const int neighbour = node * 2 + (1 - me % 2);  // this node's other rank
+    TransferOp local;
+    local.kind = TransferOp::Kind::kPut;
+    local.dst_rank = static_cast<uint32_t>(neighbour);
+    local.src_buffer = 0;
+    local.dst_buffer = 1;
+    local.bytes = 8;
+    local.signal_id = kNoSignal;
+    try {
+      t->post(std::span<const TransferOp>(&local, 1));
+      ADD_FAILURE() << "a put to rank " << neighbour << " (same node) was not refused";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_TRUE(contains(e.what(), "rank " + std::to_string(neighbour) + " is not a peer"))
+          << e.what();
+    }
+    ProxyOptions options;
+    Proxy proxy(*t, options);
+    for (const int p : config.peers) {
+      proxy.push(0, make_put_signal(p, 1, 0, kBytes * p, 1, kBytes * me, kBytes, 1, 100 + p));
+    }
+    auto healthy = [&] {
+      t->check();
+      proxy.check();
+    };
+    for (const int p : config.peers) {
+      ASSERT_TRUE(pad.wait(p, 1, 100 + me, 20, healthy)) << "no signal from rank " << p;
+      EXPECT_EQ(mk::test::first_mismatch(&dst[kBytes * p], kBytes, seed_of(p, me)), -1)
+          << "rank " << me << " from rank " << p;
+    }
+    proxy.drain(20);
+    b.barrier();
+  });
+  expect_all_ok(outcomes);
+}
+
+// A peer set that is not symmetric, or names the rank itself: an error on every rank, at setup.
+TEST(TransportSocket, BadPeerSetsAreRefusedOnEveryRank) {
+  const auto asymmetric = mk::test::run_group(3, [&](Bootstrap& b) {
+    HostSignalPad pad(3, 8);
+    TransportConfig config = config_for(pad);
+    config.peers = b.rank() == 0 ? std::vector<int>{1} : std::vector<int>{0};  // 2 lists 0 alone
+    auto t = make_transport(b, config, "socket");
+  });
+  for (const Outcome& o : asymmetric) {
+    EXPECT_TRUE(o.threw);
+    EXPECT_EQ(o.code, ErrorCode::kInvalidArgument);
+    EXPECT_TRUE(
+        contains(o.message, "rank 2 lists rank 0 as a peer but rank 0 does not list rank 2"))
+        << o.message;
+  }
+  const auto itself = mk::test::run_group(2, [&](Bootstrap& b) {
+    HostSignalPad pad(2, 8);
+    TransportConfig config = config_for(pad);
+    config.peers = {1};  // right for rank 0; rank 1 names itself
+    auto t = make_transport(b, config, "socket");
+  });
+  for (const Outcome& o : itself) {
+    EXPECT_TRUE(o.threw);
+    EXPECT_EQ(o.code, ErrorCode::kInvalidArgument);
+    EXPECT_TRUE(contains(o.message, "rank 1: peers lists rank 1 (itself)")) << o.message;
+  }
+}
+
 TEST(TransportSocket, ManySmallPutsAcrossRings) {
   constexpr int kWorld = 3, kPuts = 2000;
   constexpr uint64_t kSize = 256;

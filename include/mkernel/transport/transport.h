@@ -101,6 +101,12 @@ struct TransportConfig {
   // Called once, from a transport thread, with the first asynchronous error (peer lost,
   // malformed message); check() throws the same error afterwards.
   std::function<void(const Error&)> on_error;
+  // The ranks this one exchanges data with (empty: every other rank) - for the multi-node
+  // kernels, the ranks on other nodes (ranks of one node use NVLink). Must be symmetric: r lists
+  // s exactly when s lists r. Connections, queue pairs and receive buffers exist only for these;
+  // an op for another rank is refused before anything of its batch is sent, and a message from
+  // one is treated as malformed.
+  std::vector<int> peers;
 
   // socket: interface whose address to listen on (empty: MKERNEL_SOCKET_IFNAME, else 127.0.0.1),
   // and an address to publish instead of the bound one ("host:port"; NAT, fault tests).
@@ -127,6 +133,8 @@ class Transport {
                                MemoryKind kind = MemoryKind::kHost) = 0;
   // What commands are validated against (this rank, world, signals, registered buffer sizes).
   virtual CommandLimits limits() const = 0;
+  // Whether this transport carries data to and from `rank` (TransportConfig::peers).
+  virtual bool is_peer(int rank) const = 0;
 
   // Thread-safe. Sends the ops (in order per destination rank); returns once their source bytes
   // may be reused. Throws mk::Error(kInvalidArgument) for an op outside the limits (nothing of
