@@ -12,6 +12,7 @@
 
 #include "runtime/cuda_driver.h"
 #include "runtime/text_util.h"
+#include "transport/nic_affinity.h"
 
 namespace mk::transport::detail {
 namespace {
@@ -29,7 +30,8 @@ std::string env_or(const char* name, const std::string& fallback) {
 // ---- device -----------------------------------------------------------------------------------
 
 std::unique_ptr<VerbsDevice> open_verbs_device(const VerbsApi& api, const std::string& backend,
-                                               const std::string& wanted_in, int recv_cq_depth) {
+                                               const std::string& wanted_in, int recv_cq_depth,
+                                               const std::string& gpu_bus_id, int spread) {
   const std::string wanted = wanted_in.empty() ? env_or("MKERNEL_IB_HCA", "") : wanted_in;
   long long gid_index = 0;
   const std::string gid_text = env_or("MKERNEL_IB_GID_INDEX", "0");
@@ -45,10 +47,21 @@ std::unique_ptr<VerbsDevice> open_verbs_device(const VerbsApi& api, const std::s
                 "the " + backend + " backend found no RDMA device (ibv_get_device_list returned " +
                     "none; is the NIC driver loaded and /dev/infiniband visible?)");
   }
+  // The order to try them in: closest to the GPU first when its bus id is known.
+  std::vector<int> order;
+  if (wanted.empty() && !gpu_bus_id.empty()) {
+    std::vector<std::optional<PciPlace>> places;
+    for (int i = 0; i < count; ++i)
+      places.push_back(pci_place_of_rdma_device(api.get_device_name(list[i])));
+    order = nic_order(pci_place_of_bus_id(gpu_bus_id), places, spread);
+  } else {
+    for (int i = 0; i < count; ++i) order.push_back(i);
+  }
   std::string seen;
   auto dev = std::make_unique<VerbsDevice>();
   dev->api = &api;
-  for (int i = 0; i < count && !dev->context; ++i) {
+  for (int k = 0; k < count && !dev->context; ++k) {
+    const int i = order[static_cast<std::size_t>(k)];
     const std::string name = api.get_device_name(list[i]);
     if (!wanted.empty() && name != wanted) {
       seen += (seen.empty() ? "" : ", ") + name + " (not " + wanted + ")";
@@ -110,7 +123,8 @@ RdmaTransport::RdmaTransport(Bootstrap& bootstrap, const TransportConfig& config
   try {
     const VerbsApi& api = load_verbs(name, config.verbs_library);
     const int depth = static_cast<int>(kRecvDepth) * std::max(1, num_peers());
-    device_ = open_verbs_device(api, name, config.rdma_device, depth);
+    device_ =
+        open_verbs_device(api, name, config.rdma_device, depth, config.gpu_pci_bus_id, rank());
   } catch (const Error& e) {
     status = "rank " + std::to_string(rank()) + ": " + message_of(e);
   }

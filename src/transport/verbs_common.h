@@ -44,10 +44,13 @@ struct VerbsDevice {
   VerbsPtr<ibv_cq> recv_cq;
 };
 
-// Opens `wanted` (else MKERNEL_IB_HCA, else the first device with an active port); GID index from
-// MKERNEL_IB_GID_INDEX (default 0). Throws mk::Error(kUnsupported) naming what it found.
+// Opens `wanted` (else MKERNEL_IB_HCA, else the device with an active port closest to the GPU
+// `gpu_bus_id` on the PCIe tree - nic_affinity.h, equally close ones taken in turn by `spread` -
+// else the first with an active port); GID index from MKERNEL_IB_GID_INDEX (default 0). Throws
+// mk::Error(kUnsupported) naming what it found.
 std::unique_ptr<VerbsDevice> open_verbs_device(const VerbsApi& api, const std::string& backend,
-                                               const std::string& wanted, int recv_cq_depth);
+                                               const std::string& wanted, int recv_cq_depth,
+                                               const std::string& gpu_bus_id = "", int spread = 0);
 
 class RdmaTransport : public TransportBase {
  public:

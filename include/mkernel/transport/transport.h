@@ -113,10 +113,12 @@ struct TransportConfig {
   std::string socket_ifname;
   std::string socket_advertise;
   // cx7 / efa: library paths (empty: libibverbs.so.1 / libefa.so.1) and the device to use
-  // (empty: MKERNEL_IB_HCA, else the first device with an active port).
+  // (empty: MKERNEL_IB_HCA, else the active device closest on the PCIe tree to the GPU
+  // `gpu_pci_bus_id` names - as cudaDeviceGetPCIBusId writes it - else the first active one).
   std::string verbs_library;
   std::string efa_library;
   std::string rdma_device;
+  std::string gpu_pci_bus_id;
 };
 
 class Transport {
