@@ -1,0 +1,161 @@
+// The rail-aligned routes of the hierarchical kernels (src/fused/rail_routes.h) at every layout
+// from 1 x 1 to 4 x 8, plus a topology whose ranks are not numbered node by node: every shard
+// reaches every rank once, crosses the network at most once and only along a rail, each link
+// carries what docs/MULTINODE_MODEL.md counts, and the compute orders are permutations in the
+// order the kernels need.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <set>
+#include <string>
+
+#include "fused/rail_routes.h"
+#include "mkernel/error.h"
+
+namespace mk::fused {
+namespace {
+
+RailRoutes contiguous(int nodes, int per_node) {
+  std::vector<int> node_of, local_of;
+  for (int r = 0; r < nodes * per_node; ++r) {
+    node_of.push_back(r / per_node);
+    local_of.push_back(r % per_node);
+  }
+  return RailRoutes(node_of, local_of);
+}
+
+// What every layout must satisfy.
+void expect_routes_hold(const RailRoutes& routes) {
+  const int world = routes.world(), g = routes.per_node(), nodes = routes.nodes();
+  SCOPED_TRACE(std::to_string(nodes) + " nodes x " + std::to_string(g));
+  std::set<std::pair<int, int>> nic_transfers;  // (shard's rank, receiving rank): once each
+  std::vector<int> nvlink_out(world, 0);
+  for (int q = 0; q < world; ++q) {
+    for (int r = 0; r < world; ++r) {
+      const auto path = routes.gather_path(q, r);
+      if (q == r) {
+        EXPECT_TRUE(path.empty());
+        continue;
+      }
+      ASSERT_FALSE(path.empty());
+      EXPECT_EQ(path.front().from, q);
+      EXPECT_EQ(path.back().to, r);
+      int nic_hops = 0;
+      for (std::size_t i = 0; i < path.size(); ++i) {
+        const auto& h = path[i];
+        if (i > 0) EXPECT_EQ(h.from, path[i - 1].to);
+        if (h.nic) {
+          ++nic_hops;
+          EXPECT_EQ(routes.local_of(h.from), routes.local_of(h.to)) << "NIC hop off the rail";
+          EXPECT_NE(routes.node_of(h.from), routes.node_of(h.to));
+        } else {
+          EXPECT_EQ(routes.node_of(h.from), routes.node_of(h.to)) << "NVLink hop across nodes";
+        }
+      }
+      EXPECT_EQ(nic_hops, routes.node_of(q) == routes.node_of(r) ? 0 : 1);
+      // Links: the shard crosses to a node once, to its relay there, which forwards it.
+      if (path.front().nic) nic_transfers.insert({q, path.front().to});
+      for (const auto& h : path) {
+        if (!h.nic) ++nvlink_out[h.from];
+      }
+    }
+  }
+  // Per rank, as the model counts: its own shard out over its NIC once per other node, as many
+  // in; over NVLink its own shard to g - 1 peers plus each NIC arrival to g - 1 peers.
+  std::vector<int> nic_out(world, 0), nic_in(world, 0);
+  for (const auto& [from, to] : nic_transfers) {
+    ++nic_out[from];
+    ++nic_in[to];
+  }
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(nic_out[r], nodes - 1) << "rank " << r;
+    EXPECT_EQ(nic_in[r], nodes - 1) << "rank " << r;
+    EXPECT_EQ(nvlink_out[r], (g - 1) + (nodes - 1) * (g - 1)) << "rank " << r;
+  }
+
+  // ReduceScatter: one path per (rank, owner), mirror of the gather's, ending at the owner.
+  std::map<std::pair<int, int>, int> relay_inputs;  // (relay, owner) -> local partials it gets
+  for (int r = 0; r < world; ++r) {
+    for (int o = 0; o < world; ++o) {
+      const auto path = routes.reduce_path(r, o);
+      if (r == o) {
+        EXPECT_TRUE(path.empty());
+        continue;
+      }
+      ASSERT_FALSE(path.empty());
+      EXPECT_EQ(path.front().from, r);
+      EXPECT_EQ(path.back().to, o);
+      EXPECT_EQ(std::count_if(path.begin(), path.end(), [](const auto& h) { return h.nic; }),
+                routes.node_of(r) == routes.node_of(o) ? 0 : 1);
+      for (const auto& h : path) {
+        if (h.nic) EXPECT_EQ(routes.local_of(h.from), routes.local_of(h.to));
+      }
+      if (path.size() == 2) ++relay_inputs[{path[0].to, o}];
+    }
+  }
+  for (const auto& [key, inputs] : relay_inputs) {
+    EXPECT_EQ(inputs, g - 1) << "relay " << key.first << " of owner " << key.second;
+  }
+
+  for (int r = 0; r < world; ++r) {
+    std::vector<int> order = routes.gather_order(r);
+    ASSERT_EQ(static_cast<int>(order.size()), world);
+    EXPECT_EQ(order.front(), r);
+    // The node's shards first (NVLink, one hop), then node by node with the rail peer's first.
+    for (int i = 0; i < g; ++i) EXPECT_EQ(routes.node_of(order[i]), routes.node_of(r));
+    for (int k = 1; k < nodes; ++k) {
+      EXPECT_EQ(routes.local_of(order[k * g]), routes.local_of(r)) << "rank " << r;
+      EXPECT_EQ(routes.gather_path(order[k * g], r).size(), 1u);
+    }
+    std::vector<int> sorted = order;
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<int> all(world);
+    std::iota(all.begin(), all.end(), 0);
+    EXPECT_EQ(sorted, all);
+
+    order = routes.reduce_order(r);
+    ASSERT_EQ(static_cast<int>(order.size()), world);
+    EXPECT_EQ(order.back(), r);
+    sorted = order;
+    std::sort(sorted.begin(), sorted.end());
+    EXPECT_EQ(sorted, all);
+    // Other nodes' rows first; in each node's group the rows r relays itself come last.
+    for (int k = 0; k + 1 < nodes; ++k) {
+      for (int i = 0; i < g; ++i) EXPECT_NE(routes.node_of(order[k * g + i]), routes.node_of(r));
+      EXPECT_EQ(routes.local_of(order[k * g + g - 1]), routes.local_of(r));
+    }
+  }
+}
+
+TEST(RailRoutes, HoldAtEveryLayout) {
+  for (int nodes : {1, 2, 3, 4}) {
+    for (int per_node : {1, 2, 4, 8}) expect_routes_hold(contiguous(nodes, per_node));
+  }
+}
+
+// Ranks need not be numbered node by node (hosts may interleave them).
+TEST(RailRoutes, InterleavedRankNumbering) {
+  const std::vector<int> node_of = {0, 1, 0, 1, 0, 1};
+  const std::vector<int> local_of = {0, 0, 1, 1, 2, 2};
+  const RailRoutes routes(node_of, local_of);
+  expect_routes_hold(routes);
+  EXPECT_EQ(routes.rank_at(1, 2), 5);
+  // Shard of rank 0 (node 0, local 0) to rank 3 (node 1, local 1): NIC to rank 1 (node 1,
+  // local 0), then NVLink to 3.
+  const std::vector<RailRoutes::Hop> expected = {{0, 1, true}, {1, 3, false}};
+  EXPECT_EQ(routes.gather_path(0, 3), expected);
+  // Rank 3's partial of rank 0's rows: NVLink to rank 1 (rank 0's rail on node 1), NIC to 0.
+  const std::vector<RailRoutes::Hop> reduced = {{3, 1, false}, {1, 0, true}};
+  EXPECT_EQ(routes.reduce_path(3, 0), reduced);
+}
+
+TEST(RailRoutes, RejectsUnequalNodes) {
+  EXPECT_THROW(RailRoutes({0, 0, 1}, {0, 1, 0}), Error);        // 3 ranks on 2 nodes
+  EXPECT_THROW(RailRoutes({0, 0, 1, 1}, {0, 0, 0, 1}), Error);  // local 0 twice on node 0
+  EXPECT_THROW(RailRoutes({}, {}), Error);
+}
+
+}  // namespace
+}  // namespace mk::fused
