@@ -40,6 +40,14 @@ RailRoutes::RailRoutes(const std::vector<int>& node_of, const std::vector<int>& 
   }
 }
 
+std::vector<int> RailRoutes::rail_peers(int r) const {
+  std::vector<int> peers;
+  for (int node = 0; node < nodes_; ++node) {
+    if (node != node_of(r)) peers.push_back(rank_at(node, local_of(r)));
+  }
+  return peers;
+}
+
 std::vector<RailRoutes::Hop> RailRoutes::gather_path(int q, int r) const {
   if (q == r) return {};
   if (node_of(q) == node_of(r)) return {{q, r, false}};

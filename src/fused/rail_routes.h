@@ -40,6 +40,10 @@ class RailRoutes {
     bool nic;
     bool operator==(const Hop&) const = default;
   };
+  // The ranks r exchanges with over the network: its rail peers (same local index on the other
+  // nodes) - what the communicator's transport takes as TransportConfig::peers.
+  std::vector<int> rail_peers(int r) const;
+
   // AllGather: the hops that bring shard `q` to rank `r` (empty when q == r).
   std::vector<Hop> gather_path(int q, int r) const;
   // ReduceScatter: the hops that take rank `r`'s partial of rank `o`'s rows to o (empty when

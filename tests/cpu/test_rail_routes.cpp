@@ -70,6 +70,18 @@ void expect_routes_hold(const RailRoutes& routes) {
     ++nic_in[to];
   }
   for (int r = 0; r < world; ++r) {
+    // Every NIC hop is between rail peers, and the rail peer sets are symmetric (a transport's
+    // peer set must be).
+    const std::vector<int> peers = routes.rail_peers(r);
+    EXPECT_EQ(static_cast<int>(peers.size()), nodes - 1);
+    for (const int p : peers) {
+      const std::vector<int> back = routes.rail_peers(p);
+      EXPECT_NE(std::find(back.begin(), back.end(), r), back.end()) << r << " <-> " << p;
+    }
+    for (const auto& [from, to] : nic_transfers) {
+      if (from != r) continue;
+      EXPECT_NE(std::find(peers.begin(), peers.end(), to), peers.end()) << r << " -> " << to;
+    }
     EXPECT_EQ(nic_out[r], nodes - 1) << "rank " << r;
     EXPECT_EQ(nic_in[r], nodes - 1) << "rank " << r;
     EXPECT_EQ(nvlink_out[r], (g - 1) + (nodes - 1) * (g - 1)) << "rank " << r;
