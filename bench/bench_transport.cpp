@@ -8,7 +8,11 @@
 //            median of --iters round trips
 // bandwidth: rank 0 streams --total-mib MiB to rank 1 in puts of each chunk size, the last one
 //            signalled; time from the first push until rank 1 sees the signal
+// idle:      the CPU the progress threads (proxy consumers, transport receivers) of both ranks
+//            use in one second with nothing to do
 // Prints one line per measurement (the journal, docs/PERFORMANCE.md, records them).
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -28,6 +32,14 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// CPU seconds this process has used (user + system, all threads).
+double process_cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
 struct Args {
@@ -115,6 +127,22 @@ void run_rank(mk::Bootstrap& boot, const Args& args, std::vector<std::string>& l
     }
   }
   proxy.drain(60);
+  boot.barrier();
+
+  // ---- idle: both rank threads sleep; only the progress threads run ----
+  const double cpu0 = process_cpu_seconds();
+  const auto idle_start = Clock::now();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  boot.barrier();
+  if (me == 0) {
+    const double share = (process_cpu_seconds() - cpu0) / seconds_since(idle_start);
+    char line[200];
+    std::snprintf(line, sizeof(line),
+                  "%s idle: progress threads of both ranks (one proxy ring each) use %.0f%% of a "
+                  "core",
+                  t->name(), 100 * share);
+    lines.push_back(line);
+  }
   boot.barrier();
 }
 
