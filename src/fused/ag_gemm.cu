@@ -38,7 +38,7 @@ FusedGemmPlan fused::plan_ag_gemm(const fused::PlanContext& comm, int64_t m, int
   p.shard_rows = m / world;
   const int64_t tiles_m = (p.shard_rows + 127) / 128;
   const int budget = fused::sm_budget(comm, config.sms, kOp);
-  p.pingpong = gemm_engine::pingpong_requested() && (config.block_n == 0 || config.block_n == 128);
+  p.pingpong = gemm_engine::pingpong_requested(config.block_n);
   p.block_n =
       p.pingpong ? 128
                  : gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);

@@ -41,8 +41,7 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
   const int budget = fused::sm_budget(comm, config.sms, kOp);
   // The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong, experimental): 128-wide
   // tiles, each consumer warpgroup whole tiles, one's epilogue under the other's mainloop.
-  p.pingpong = world > 1 && gemm_engine::pingpong_requested() &&
-               (config.block_n == 0 || config.block_n == 128);
+  p.pingpong = world > 1 && gemm_engine::pingpong_requested(config.block_n);
   p.block_n =
       p.pingpong ? 128
                  : gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);

@@ -123,15 +123,16 @@ void gemm_engine::require_multiple_of_8(int64_t value, const char* op, const cha
   }
 }
 
+bool gemm_engine::pingpong_requested(int block_n) {
+  const char* schedule = std::getenv("MKERNEL_GEMM_SCHEDULE");
+  return schedule != nullptr && std::string(schedule) == "pingpong" &&
+         (block_n == 0 || block_n == 128);
+}
+
 // Tile width: the one with the least estimated time, waves x per-tile cost. A tile's cost grows
 // with its width but wide tiles use the tensor cores better (each wgmma re-reads the A slice from
 // shared memory whatever its width); the efficiencies are from the H200 sweep in
 // docs/PERFORMANCE.md.
-bool gemm_engine::pingpong_requested() {
-  const char* schedule = std::getenv("MKERNEL_GEMM_SCHEDULE");
-  return schedule != nullptr && std::string(schedule) == "pingpong";
-}
-
 int gemm_engine::pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op) {
   int block_n = requested;
   if (block_n == 0) {
@@ -190,10 +191,10 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   gemm_engine::require_device_pointer(c, kOp, "C", device);
   int sms = config.sms;
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // The switch in the environment takes the schedule wherever the width allows it (as ag_gemm
-  // does); asking for it in the config with another width is an error.
+  // The switch in the environment takes the schedule wherever the width allows it (as the fused
+  // GEMMs do); asking for it in the config with another width is an error.
   const bool width_fits = config.block_n == 0 || config.block_n == 128;
-  const bool pingpong = config.pingpong || (gemm_engine::pingpong_requested() && width_fits);
+  const bool pingpong = config.pingpong || gemm_engine::pingpong_requested(config.block_n);
   if (pingpong && !width_fits) {
     invalid("the ping-pong schedule computes 128 x 128 tiles; block_n = " +
             std::to_string(config.block_n) + " (expected 0 or 128)");
