@@ -166,6 +166,10 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
         if world == 2:
             variants["sweep: pingpong"] = with_switch(variants["mkernel"],
                                                       "MKERNEL_GEMM_SCHEDULE", "pingpong")
+            # fp32 partials instead of the two-rank default bf16 (one workspace for both: one
+            # partial per slice, nothing to zero between them)
+            variants["sweep: fp32 partials"] = with_switch(variants["mkernel"],
+                                                           "MKERNEL_BF16_PARTIALS", "0")
     return ok, err, mag, variants
 
 

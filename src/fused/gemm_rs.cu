@@ -62,6 +62,7 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
   // tiles after the last remote one for its outbox staging (four with ping-pong, where each
   // warpgroup posts both halves of a tile and wants two slots): lag = two (four) waves of remote
   // tiles, on a grid coprime to the world size (every CTA then sends its share).
+  p.bf16_partials = world == 2 && fused::bf16_partials_enabled();
   p.lag = -1;
   const int waves = p.pingpong ? 4 : 2;
   if (world > 1 && fused::outbox_enabled() && fused::interleave_enabled() &&
@@ -90,6 +91,7 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.comm = comm.device_comm();
   f.my_accum = static_cast<float*>(workspace);
   f.single_peer = topo.world_size == 2;
+  f.bf16_partials = p.bf16_partials && f.single_peer;
   f.out_local = static_cast<__nv_bfloat16*>(out);
   f.outbox = fused::outbox_enabled();
   f.shard_rows = static_cast<int>(p.shard_rows);

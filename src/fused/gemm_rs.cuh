@@ -12,6 +12,10 @@
 //     consumer waits for the peers' signals of its slice (already there in the steady state), adds
 //     the accumulated fp32 partials to its registers, zeroes them for the next launch, and stores
 //     bf16 to the output. Reductions stay fp32 until that one rounding.
+// With two ranks (bf16_partials, the plan's default there) the one peer partial travels as bf16
+// instead - rounded once, as the sequential baseline's NCCL reduce-scatter rounds it - which
+// halves the staging writes, the NVLink bytes and the owner's reads; the owner adds it to its own
+// fp32 partial. The accumulator then holds bf16 in the same slice layout (half of its bytes).
 // Reuse: a peer adds into o's accumulator only after o entered the launch (o's previous launch,
 // which read and zeroed it, is over). The workspace must be zero before the first launch.
 #pragma once
@@ -42,9 +46,10 @@ struct GemmRsFusion {
   float* my_accum;           // this rank's accumulator (local address)
   __nv_bfloat16* out_local;  // the output [S][N] (this rank's address): outbox staging, see below
   bool outbox;               // partials may leave through the outbox (MKERNEL_OUTBOX != 0)
-  bool single_peer;  // two ranks: the one peer stores its partial (a sum onto zero) instead of
-                     // adding it - plain NVLink writes, no remote read-modify-write
-  int shard_rows;    // S
+  bool single_peer;    // two ranks: the one peer stores its partial (a sum onto zero) instead of
+                       // adding it - plain NVLink writes, no remote read-modify-write
+  bool bf16_partials;  // (single_peer only) partials travel and wait as bf16
+  int shard_rows;      // S
   int n;
   gemm_engine::GroupedRaster raster;  // tiles of one shard
   ReduceOrder order;                  // peers' tiles and own tiles in time (reduce_order.h)
@@ -83,6 +88,15 @@ struct GemmRsFusion {
     return static_cast<int64_t>(row0) * n + static_cast<int64_t>(h) * tile_n * kBlockN;
   }
   __device__ int slice_width(int tile_n) const { return min(kBlockN, n - tile_n * kBlockN); }
+  // A slice in an accumulator (`accum`: a rank's workspace) as 32-bit words - fp32 values, or with
+  // bf16 partials pairs of bf16 (the same layout in elements, half the bytes): its first word and
+  // the words per row (slice_offset and widths are multiples of 8 elements: 16-byte aligned rows).
+  __device__ float* slice_words(float* accum, int m, int tile_n, int half) const {
+    const int64_t e = slice_offset(m, tile_n, half);
+    return bf16_partials ? reinterpret_cast<float*>(reinterpret_cast<__nv_bfloat16*>(accum) + e)
+                         : accum + e;
+  }
+  __device__ int words(int width) const { return bf16_partials ? width / 2 : width; }
 
   // ---- Outbox staging in the output ----
   // A CTA stages its outgoing slices (partials.cuh) in the output footprints of its own last
@@ -90,7 +104,8 @@ struct GemmRsFusion {
   // CTA's own final stores of those tiles, and before them the CTA closes its outbox and waits
   // for it to drain.
   // So the outbox costs no memory beyond the accumulator. A footprint (128 x kBlockN bf16) holds
-  // one slot (64 x kBlockN fp32: slot row r = output rows 2r and 2r + 1).
+  // one fp32 slot (64 x kBlockN fp32: slot row r = output rows 2r and 2r + 1), or two bf16 slots
+  // (output rows 0-63 and 64-127).
   // footprints(): the whole (not clipped) own tiles of this CTA, last first - how many there
   // are (up to 2 x kMaxOutboxSlots), and the k-th of them in `found`.
   __device__ int footprints(int k, gemm_engine::Tile& found) const {
@@ -108,7 +123,19 @@ struct GemmRsFusion {
   }
   // Outbox slots per consumer of this CTA: 0 (the epilogue sends), 1 or 2.
   __device__ int outbox_slots(int footprint_count) const {
-    return outbox ? footprint_count / 2 : 0;
+    if (!outbox) return 0;
+    return bf16_partials ? min(kMaxOutboxSlots, footprint_count) : footprint_count / 2;
+  }
+  // Footprints the CTA's 2 x slots staging slots take.
+  __device__ int staging_footprints(int slots) const { return bf16_partials ? slots : 2 * slots; }
+  // Staging slot k of the CTA (k = consumer * slots + slot), as 32-bit words (words() wide).
+  __device__ PartialAt staging_at(int k) const {
+    gemm_engine::Tile own;
+    footprints(bf16_partials ? k / 2 : k, own);
+    if (!bf16_partials) return footprint_at(own);
+    __nv_bfloat16* base =
+        out_local + (static_cast<int64_t>(own.m) * 128 + (k % 2) * 64) * n + own.n * kBlockN;
+    return PartialAt::block(reinterpret_cast<float*>(base), n / 2);  // rows n bf16 apart
   }
   __device__ PartialAt footprint_at(const gemm_engine::Tile& own) const {
     __nv_bfloat16* base = out_local + static_cast<int64_t>(own.m) * 128 * n + own.n * kBlockN;
@@ -133,8 +160,8 @@ struct GemmRsFusion {
   __device__ PartialAt own_slice(const gemm_engine::Tile& tile, int half, int& rows,
                                  int& width) const {
     rows = max(0, min(64, shard_rows - (tile.m * 128 + half * 64)));
-    width = slice_width(tile.n);
-    return PartialAt::block(my_accum + slice_offset(tile.m, tile.n, half), width);
+    width = words(slice_width(tile.n));  // words: bf16 pairs with bf16_partials
+    return PartialAt::block(slice_words(my_accum, tile.m, tile.n, half), width);
   }
 
   template <int kRegs>
@@ -161,17 +188,15 @@ struct GemmRsFusion {
     const int slots = pending.outbox.slots;
     if (tile.shard != comm.rank && slots > 0) {  // one item per remote tile, even if empty
       const int owner = tile.shard;              // one node: global rank = local rank
-      const int width = slice_width(tile.n);
+      const int width = words(slice_width(tile.n));
       OutboxItem item{};
-      gemm_engine::Tile staging_tile;
-      footprints(consumer * slots + pending.outbox.slot(), staging_tile);
-      item.src = footprint_at(staging_tile);
-      item.at = PartialAt::block(accum_peers[owner] + slice_offset(tile.m, tile.n, half), width);
+      item.src = staging_at(consumer * slots + pending.outbox.slot());
+      item.at = PartialAt::block(slice_words(accum_peers[owner], tile.m, tile.n, half), width);
       item.rows = max(0, min(64, shard_rows - row0));
       item.width = width;
       item.owner = owner;
       item.signal = slot(tile, half);
-      outbox_post(acc, consumer, pending.outbox, item);
+      outbox_post(acc, consumer, pending.outbox, item, bf16_partials);
       return;
     }
     if (tile.shard != comm.rank) {
@@ -180,7 +205,12 @@ struct GemmRsFusion {
         launch.wait(owner, dev::signal_index(SignalId::kEntry, 0), 1);  // it may be reused
         pending.entered |= 1u << owner;
       }
-      if (row0 < shard_rows) {
+      if (row0 < shard_rows && bf16_partials) {
+        send_slice_bf16(acc, consumer, scratch,
+                        reinterpret_cast<__nv_bfloat16*>(accum_peers[owner]) +
+                            slice_offset(tile.m, tile.n, half),
+                        min(64, shard_rows - row0), slice_width(tile.n));
+      } else if (row0 < shard_rows) {
         const int width = slice_width(tile.n);
         float* slice = accum_peers[owner] + slice_offset(tile.m, tile.n, half);
         send_slice(
@@ -205,10 +235,12 @@ struct GemmRsFusion {
     if (row0 < shard_rows) {
       int rows = 0, width = 0;
       const PartialAt sums = own_slice(tile, half, rows, width);
-      add_and_clear(acc, sums, rows, width, single_peer ? nullptr : sums.second, 1 + consumer);
+      // (width counts words: with bf16 partials two columns each)
+      add_and_clear(acc, sums, rows, bf16_partials ? 2 * width : width,
+                    single_peer ? nullptr : sums.second, 1 + consumer, bf16_partials);
       if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
     }
-    for (int k = 0; k < 2 * slots; ++k) {  // a staging footprint: wait until it is free
+    for (int k = 0; k < staging_footprints(slots); ++k) {  // a staging footprint: wait till free
       gemm_engine::Tile staging_tile;
       footprints(k, staging_tile);
       if (staging_tile.m == tile.m && staging_tile.n == tile.n) {

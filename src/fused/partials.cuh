@@ -3,6 +3,8 @@
 // accumulator at addresses the policy gives (see the policies' slice_offset and accum_at).
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "fused/trace.cuh"
@@ -36,32 +38,43 @@ __device__ __forceinline__ void st_shared_f32x2(void* p, float x, float y) {
 // together (a plain load-add-store loop waits for each load in turn: the compiler cannot prove
 // rows r and r + 8 apart from the words it stores). The slice is read while the GEMM loads L2
 // heavily: with two blocks in flight the own tiles' epilogues took ~16 us at 128 x 256 (trace).
+// `bf16`: the slice holds bf16 partials packed two to a 32-bit word - `at(row, word)` addresses
+// the word of columns 2 word and 2 word + 1 - at half the bytes (the two-rank gemm_rs, whose one
+// peer partial is rounded to bf16 once, as the sequential baseline's NCCL rounds it); no clear.
+// (One loop for both formats: two unrolled adds in the epilogue spilled at 128 x 256.)
 template <int kRegs, typename At>
 __device__ __forceinline__ void add_and_clear(float (&acc)[kRegs], const At& at, int rows,
-                                              int width, float* clear_block, int barrier) {
+                                              int width, float* clear_block, int barrier,
+                                              bool bf16 = false) {
   const int t = threadIdx.x % 128;
   const int r = (t / 32) * 16 + (t % 32) / 4;  // row in the slice; and r + 8
   const int c = 2 * (t % 4);                   // column of block 0
   constexpr int kBatch = kRegs == 96 ? 2 : 4;
 #pragma unroll
   for (int b0 = 0; b0 < kRegs / 4; b0 += kBatch) {
-    float2 v[2 * kBatch];
+    uint2 v[2 * kBatch];  // raw bits: two fp32, or in .x two bf16
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int col = c + 8 * (b0 + i), row = r + 8 * h;
-        v[2 * i + h] = row < rows && col < width
-                           ? __ldcg(reinterpret_cast<const float2*>(at(row, col)))
-                           : make_float2(0.f, 0.f);
+        if (row >= rows || col >= width) {
+          v[2 * i + h] = make_uint2(0u, 0u);
+        } else if (bf16) {
+          v[2 * i + h] =
+              make_uint2(__ldcg(reinterpret_cast<const unsigned*>(at(row, col / 2))), 0u);
+        } else {
+          v[2 * i + h] = __ldcg(reinterpret_cast<const uint2*>(at(row, col)));
+        }
       }
     }
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        acc[4 * (b0 + i) + 2 * h] += v[2 * i + h].x;
-        acc[4 * (b0 + i) + 2 * h + 1] += v[2 * i + h].y;
+        const uint2 w = v[2 * i + h];  // bf16 -> fp32 is a shift; the low half is the first column
+        acc[4 * (b0 + i) + 2 * h] += __uint_as_float(bf16 ? w.x << 16 : w.x);
+        acc[4 * (b0 + i) + 2 * h + 1] += __uint_as_float(bf16 ? w.x & 0xffff0000u : w.y);
       }
     }
   }
@@ -121,6 +134,32 @@ __device__ __forceinline__ void send_slice(const float (&acc)[kRegs], int consum
     }
   }
   dev::named_barrier_sync(barrier, 128);
+}
+
+// send_slice for bf16 partials: the slice rounded to bf16 and stored (not added) at
+// dst[r * width + c] - an owner's accumulator that receives one partial. The engine's epilogue
+// path packs it in 64-column chunks (gemm_engine::store_slice); each chunk's 64 rows x 128 bytes
+// then leave as 16-byte stores, two threads a row. Ends with a barrier of the warpgroup (as
+// send_slice), so that thread 0's release afterwards covers every thread's writes.
+template <int kRegs>
+__device__ __forceinline__ void send_slice_bf16(const float (&acc)[kRegs], int consumer,
+                                                uint8_t* scratch, __nv_bfloat16* dst, int rows,
+                                                int width) {
+  const int t = threadIdx.x % 128;
+  const int my_row = t / 2, my_units = 4 * (t % 2);  // four 16-byte units (8 columns each)
+  gemm_engine::store_slice(
+      acc, 0, width, consumer, scratch, [](const uint8_t*, int) {},
+      [&](const uint8_t* buf, int j) {
+        if (my_row >= rows) return;
+#pragma unroll
+        for (int u = my_units; u < my_units + 4; ++u) {
+          const int col = 64 * j + 8 * u;
+          if (col >= width) break;
+          *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(my_row) * width + col) =
+              *reinterpret_cast<const uint4*>(buf + my_row * 128 + ((u ^ (my_row % 8)) * 16));
+        }
+      });
+  dev::named_barrier_sync(1 + consumer, 128);
 }
 
 // Where a slice's fp32 words live: columns [0, split) of row r at first + r * first_stride,
@@ -302,15 +341,33 @@ __device__ __forceinline__ void outbox_enqueue(const OutboxItem& item) {
 
 // All 128 threads of a consumer: waits for its staging slot cursor.slot() to be free, writes the
 // slice into item.src (rows < item.rows, columns < item.width) and posts the item; rows 0 posts
-// an item without data.
+// an item without data. `bf16`: the slice is staged as bf16 pairs, one 32-bit word per two
+// columns, and item.width counts those words (the side threads copy words either way).
 template <int kRegs>
 __device__ __forceinline__ void outbox_post(const float (&acc)[kRegs], int consumer,
-                                            OutboxCursor& cursor, const OutboxItem& item) {
+                                            OutboxCursor& cursor, const OutboxItem& item,
+                                            bool bf16 = false) {
   OutboxShared& box = outbox_shared();
   const int s = cursor.slot();
   dev::mbarrier_wait(&box.staged[consumer][s], cursor.parity() ^ 1);  // first lap at once
   const int t = threadIdx.x % 128;
-  if (item.rows > 0) {
+  if (item.rows > 0 && bf16) {
+    const int r = (t / 32) * 16 + (t % 32) / 4, w = t % 4;
+#pragma unroll
+    for (int b = 0; b < kRegs / 4; ++b) {
+      const int word = w + 4 * b;
+      if (word < item.width) {
+        if (r < item.rows) {
+          *reinterpret_cast<uint32_t*>(item.src(r, word)) =
+              gemm_engine::pack_bf16(acc[4 * b], acc[4 * b + 1]);
+        }
+        if (r + 8 < item.rows) {
+          *reinterpret_cast<uint32_t*>(item.src(r + 8, word)) =
+              gemm_engine::pack_bf16(acc[4 * b + 2], acc[4 * b + 3]);
+        }
+      }
+    }
+  } else if (item.rows > 0) {
     const int r = (t / 32) * 16 + (t % 32) / 4, c = 2 * (t % 4);
 #pragma unroll
     for (int b = 0; b < kRegs / 4; ++b) {

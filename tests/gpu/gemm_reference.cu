@@ -48,6 +48,13 @@ __global__ void fill_kernel(__nv_bfloat16* p, int64_t count, uint64_t seed) {
   }
 }
 
+__global__ void add_kernel(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t count) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = __float2bfloat16_rn(__bfloat162float(dst[i]) + __bfloat162float(src[i]));
+  }
+}
+
 __global__ void diff_kernel(const uint4* x, const uint4* y, int64_t count,
                             unsigned long long* diffs) {
   unsigned long long local = 0;
@@ -154,6 +161,11 @@ uint64_t count_nans_bf16(const void* p, int64_t count, cudaStream_t s) {
 
 void fill_random_bf16(void* p, int64_t count, uint64_t seed, cudaStream_t s) {
   fill_kernel<<<528, 256, 0, s>>>(static_cast<__nv_bfloat16*>(p), count, seed);
+}
+
+void add_bf16(void* dst, const void* src, int64_t count, cudaStream_t s) {
+  add_kernel<<<528, 256, 0, s>>>(static_cast<__nv_bfloat16*>(dst),
+                                 static_cast<const __nv_bfloat16*>(src), count);
 }
 
 }  // namespace mk::test

@@ -31,5 +31,8 @@ uint64_t count_different_bytes16(const void* x, const void* y, int64_t bytes, cu
 uint64_t count_nans_bf16(const void* p, int64_t count, cudaStream_t s);
 // Fills `count` bf16 values with uniform [-1, 1) from `seed`.
 void fill_random_bf16(void* p, int64_t count, uint64_t seed, cudaStream_t s);
+// dst[i] = bf16(float(dst[i]) + float(src[i])) for `count` bf16 values: one step of a reduction
+// of bf16 data (as NCCL's ring adds a received chunk to its own).
+void add_bf16(void* dst, const void* src, int64_t count, cudaStream_t s);
 
 }  // namespace mk::test

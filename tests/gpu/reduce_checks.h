@@ -25,6 +25,7 @@ struct RsProblem {  // (named for reduce-scatter; gemm_ar uses it too)
   void* a_cat = nullptr;   // [M, K]
   void* b_cat = nullptr;   // [N, K] or [K, N]
   void* scratch = nullptr;
+  uint64_t a_seed = 0, b_seed = 0;  // of the last fill
 
   // m_: all rows (the sum's); k_local_: each rank's slice of K.
   RsProblem(int world_, int64_t m_, int64_t n_, int64_t k_local_, bool kn_)
@@ -42,13 +43,15 @@ struct RsProblem {  // (named for reduce-scatter; gemm_ar uses it too)
   // Fills every rank's A from `seed` and B from `b_seed`, keeps this rank's, and builds the
   // concatenations.
   void fill(uint64_t seed, int rank, cudaStream_t s) { fill(seed, seed, rank, s); }
-  void fill(uint64_t seed, uint64_t b_seed, int rank, cudaStream_t s) {
+  void fill(uint64_t seed, uint64_t b_seed_, int rank, cudaStream_t s) {
+    a_seed = seed;
+    b_seed = b_seed_;
     for (int src = 0; src < world; ++src) {
       fill_random_bf16(scratch, m * k_local, rank_seed(seed, src, 0), s);
       if (src == rank) cudaMemcpyAsync(a_mine, scratch, m * k_local * 2, cudaMemcpyDefault, s);
       cudaMemcpy2DAsync(static_cast<char*>(a_cat) + src * k_local * 2, k * 2, scratch, k_local * 2,
                         k_local * 2, m, cudaMemcpyDefault, s);
-      fill_random_bf16(scratch, n * k_local, rank_seed(b_seed, src, 1), s);
+      fill_random_bf16(scratch, n * k_local, rank_seed(b_seed_, src, 1), s);
       if (src == rank) cudaMemcpyAsync(b_mine, scratch, n * k_local * 2, cudaMemcpyDefault, s);
       if (kn) {  // [K_r, N] blocks stacked along K
         cudaMemcpyAsync(static_cast<char*>(b_cat) + src * k_local * n * 2, scratch, k_local * n * 2,
@@ -61,17 +64,49 @@ struct RsProblem {  // (named for reduce-scatter; gemm_ar uses it too)
   }
 };
 
+// The sequential baseline's sum (cuBLAS, then NCCL) into c_seq [M, N] bf16: each rank's partial
+// A_s op(B_s) through cuBLAS in bf16, added up in rank order with a bf16 rounding after each add,
+// as a ring reduction of the bf16 partials does.
+inline void sequential_sum(const RsProblem& p, cublasHandle_t blas, void* c_seq,
+                           cudaStream_t stream) {
+  void *a, *b, *part;
+  MKT_CUDA(cudaMalloc(&a, p.m * p.k_local * 2));
+  MKT_CUDA(cudaMalloc(&b, p.n * p.k_local * 2));
+  MKT_CUDA(cudaMalloc(&part, p.m * p.n * 2));
+  for (int src = 0; src < p.world; ++src) {
+    fill_random_bf16(a, p.m * p.k_local, rank_seed(p.a_seed, src, 0), stream);
+    fill_random_bf16(b, p.n * p.k_local, rank_seed(p.b_seed, src, 1), stream);
+    cublas_gemm(blas, a, b, src == 0 ? c_seq : part, p.m, p.n, p.k_local, p.kn);
+    if (src > 0) add_bf16(c_seq, part, p.m * p.n, stream);
+  }
+  MKT_CUDA(cudaStreamSynchronize(stream));
+  for (void* q : {a, b, part}) cudaFree(q);
+}
+
+// What the tolerance rule compares with: cuBLAS on the concatenated operands (one fp32 sum, one
+// rounding: the stricter reference, for kernels that reduce in fp32), or the sequential baseline
+// (cuBLAS then NCCL: bf16 partials, for kernels that round their partials to bf16 as it does).
+enum class Baseline { kCublasConcatenated, kSequential };
+
 // Rows [first, first + rows) of A_cat @ op(B_cat) (the sum over ranks): `out` (those rows)
-// against the fp64 product, within twice cuBLAS's error on the same operands.
+// against the fp64 product, within twice the baseline's error on the same operands.
 inline void expect_rows_close(const RsProblem& p, int64_t first, int64_t rows, const void* out,
                               cublasHandle_t blas, void* c_blas, uint64_t seed, cudaStream_t stream,
-                              const std::string& what) {
-  cublas_gemm(blas, p.a_cat, p.b_cat, c_blas, p.m, p.n, p.k, p.kn);
+                              const std::string& what,
+                              Baseline baseline = Baseline::kCublasConcatenated) {
+  if (baseline == Baseline::kSequential) {
+    sequential_sum(p, blas, c_blas, stream);
+  } else {
+    cublas_gemm(blas, p.a_cat, p.b_cat, c_blas, p.m, p.n, p.k, p.kn);
+  }
   const SampledErrors err = sampled_errors(out, static_cast<char*>(c_blas) + first * p.n * 2,
                                            static_cast<char*>(p.a_cat) + first * p.k * 2, p.b_cat,
                                            rows, p.n, p.k, p.kn, seed, stream);
   EXPECT_LE(err.ours, 2 * err.cublas + 1e-6)
-      << what << ": error " << err.ours << ", cuBLAS error " << err.cublas;
+      << what << ": error " << err.ours
+      << (baseline == Baseline::kSequential ? ", sequential (cuBLAS + NCCL) error "
+                                            : ", cuBLAS error ")
+      << err.cublas;
 }
 
 }  // namespace mk::test

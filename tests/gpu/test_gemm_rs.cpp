@@ -57,8 +57,11 @@ void expect_gemm_rs(Communicator& comm, const RsCase& c, uint64_t seed,
     const std::string call_what = what + ", call " + std::to_string(call);
     EXPECT_EQ(count_nans_bf16(out, c.shard_rows * c.n, stream), 0u)
         << call_what << ": output elements unwritten (or NaN)";
+    // bf16 partials (two ranks) round as the sequential baseline does: its error is the bar.
+    const bool bf16 = gemm_rs_plan(comm, p.m, p.n, p.k_local, config).bf16_partials;
     expect_rows_close(p, rank * c.shard_rows, c.shard_rows, out, blas, c_blas, seed + call, stream,
-                      call_what);
+                      call_what + (bf16 ? ", bf16 partials" : ""),
+                      bf16 ? Baseline::kSequential : Baseline::kCublasConcatenated);
     if (ws_bytes > 0 && world > 2) {  // peers add into it: it must be zero for the next call
       EXPECT_EQ(count_different_bytes16(ws.data(), zeros, ws_bytes, stream), 0u)
           << call_what << ": the workspace was not left zero";
@@ -126,6 +129,22 @@ TEST(SanitizeGemmRs, SmallWorld2) {
     EXPECT_EQ(gemm_rs_plan(comm, 2 * 512, 512, 64, four_ctas).lag, 6);
     expect_gemm_rs(comm, {512, 512, 64, BLayout::kNK, 128}, seed + 3, four_ctas);
   });
+}
+
+// Two ranks send their partial sums as bf16 by default (plan.bf16_partials); the fp32 path
+// (MKERNEL_BF16_PARTIALS=0, and every world size above two) at two ranks too.
+TEST(InProcessGemmRs, PartialsBf16AndFp32World2) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) {
+    EXPECT_TRUE(gemm_rs_plan(comm, 4096, 4096, 1024).bf16_partials);
+  });
+  setenv("MKERNEL_BF16_PARTIALS", "0", 1);
+  run_in_process(2, [](Communicator& comm) {
+    const FusedGemmPlan plan = gemm_rs_plan(comm, 4096, 4096, 1024);
+    EXPECT_FALSE(plan.bf16_partials) << plan.describe();
+    expect_gemm_rs_cases(comm);
+  });
+  unsetenv("MKERNEL_BF16_PARTIALS");
 }
 
 // The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong: 128-wide tiles, each consumer
