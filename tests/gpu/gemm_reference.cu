@@ -66,15 +66,20 @@ __global__ void diff_kernel(const uint4* x, const uint4* y, int64_t count,
   if (local) atomicAdd(diffs, local);
 }
 
-// Max |c[rows[r], j] - ref[r, j]| over the sampled rows (bf16 c, fp64 ref), NaN counted as huge.
+// Max |c[rows[r], j] - ref[r, j]| over the sampled rows (bf16 c, fp64 ref), NaN counted as huge;
+// and, if `largest` is given, max |ref|.
 __global__ void error_kernel(const __nv_bfloat16* c, int64_t n, const int64_t* rows, int nrows,
-                             const double* ref, unsigned long long* worst) {
+                             const double* ref, unsigned long long* worst,
+                             unsigned long long* largest) {
   const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (idx >= nrows * n) return;
   const double x = __bfloat162float(c[rows[idx / n] * n + idx % n]);
   double e = fabs(x - ref[idx]);
   if (!(e == e)) e = 1e300;
   atomicMax(worst, static_cast<unsigned long long>(__double_as_longlong(e)));  // e >= 0: ordered
+  if (largest != nullptr) {
+    atomicMax(largest, static_cast<unsigned long long>(__double_as_longlong(fabs(ref[idx]))));
+  }
 }
 
 }  // namespace
@@ -105,16 +110,16 @@ SampledErrors sampled_errors(const void* c, const void* c_blas, const void* a, c
   unsigned long long* d_worst = nullptr;
   cudaMallocAsync(reinterpret_cast<void**>(&d_rows), rows.size() * sizeof(int64_t), s);
   cudaMallocAsync(reinterpret_cast<void**>(&d_ref), rows.size() * n * sizeof(double), s);
-  cudaMallocAsync(reinterpret_cast<void**>(&d_worst), 2 * sizeof(unsigned long long), s);
+  cudaMallocAsync(reinterpret_cast<void**>(&d_worst), 3 * sizeof(unsigned long long), s);
   cudaMemcpyAsync(d_rows, rows.data(), rows.size() * sizeof(int64_t), cudaMemcpyHostToDevice, s);
-  cudaMemsetAsync(d_worst, 0, 2 * sizeof(unsigned long long), s);
+  cudaMemsetAsync(d_worst, 0, 3 * sizeof(unsigned long long), s);
   gemm_reference_rows(a, b, n, k, b_kn, d_rows, nrows, d_ref, s);
   const unsigned blocks = static_cast<unsigned>((nrows * n + 255) / 256);
   error_kernel<<<blocks, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(c), n, d_rows, nrows, d_ref,
-                                      d_worst);
+                                      d_worst, d_worst + 2);
   error_kernel<<<blocks, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(c_blas), n, d_rows, nrows,
-                                      d_ref, d_worst + 1);
-  unsigned long long h[2] = {0, 0};
+                                      d_ref, d_worst + 1, nullptr);
+  unsigned long long h[3] = {0, 0, 0};
   cudaMemcpyAsync(h, d_worst, sizeof(h), cudaMemcpyDeviceToHost, s);
   cudaFreeAsync(d_rows, s);
   cudaFreeAsync(d_ref, s);
@@ -123,6 +128,7 @@ SampledErrors sampled_errors(const void* c, const void* c_blas, const void* a, c
   SampledErrors e;
   std::memcpy(&e.ours, &h[0], 8);
   std::memcpy(&e.cublas, &h[1], 8);
+  std::memcpy(&e.largest, &h[2], 8);
   return e;
 }
 

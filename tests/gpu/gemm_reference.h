@@ -21,6 +21,7 @@ void cublas_gemm(cublasHandle_t h, const void* a, const void* b, void* c, int64_
 struct SampledErrors {
   double ours;
   double cublas;
+  double largest = 0;  // max |exact| over the sampled elements
 };
 SampledErrors sampled_errors(const void* c, const void* c_blas, const void* a, const void* b,
                              int64_t m, int64_t n, int64_t k, bool b_kn, uint64_t seed,
