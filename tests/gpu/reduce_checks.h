@@ -92,8 +92,8 @@ enum class Baseline { kCublasConcatenated, kSequential };
 // against the fp64 product, within twice the baseline's error on the same operands. Against the
 // sequential baseline, plus one bf16 rounding of the largest sampled value (2^-8 of it) as the
 // rule's small atol: its error is a max over three roundings per element and at tiny shapes
-// (16 sampled elements) it can come out lucky - 0.0051 at 1 x 8 x 16 on the H200, where ours,
-// two roundings, was 0.0106.
+// (16 sampled elements) it can come out lucky - 0.0051 at one row, N 8, K 16 on the H200, where
+// ours, two roundings, was 0.0106.
 inline void expect_rows_close(const RsProblem& p, int64_t first, int64_t rows, const void* out,
                               cublasHandle_t blas, void* c_blas, uint64_t seed, cudaStream_t stream,
                               const std::string& what,
