@@ -241,6 +241,8 @@ def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
         if world == 2:
             variants["sweep: pingpong"] = with_switch(variants["mkernel"],
                                                       "MKERNEL_GEMM_SCHEDULE", "pingpong")
+            variants["sweep: fp32 partials"] = with_switch(variants["mkernel"],
+                                                           "MKERNEL_BF16_PARTIALS", "0")
     return ok, err, mag, variants
 
 

@@ -44,11 +44,11 @@ struct FusedGemmPlan {
                          // stages in its output, per CTA, and reports 0 here)
   int lag = -1;  // gemm_rs / gemm_ar: peers' tiles before own tiles start to interleave with
                  // them (-1: all peers' tiles first; src/fused/reduce_order.h)
-  bool pingpong = false;         // the engine's ping-pong schedule (experimental, 128-wide
-                                 // tiles; MKERNEL_GEMM_SCHEDULE=pingpong)
-  bool bf16_partials = false;    // gemm_rs with two ranks: the peer's partial sums travel as bf16
-                                 // (rounded once, as NCCL's reduce-scatter of bf16 partials;
-                                 // MKERNEL_BF16_PARTIALS=0: fp32)
+  bool pingpong = false;       // the engine's ping-pong schedule (experimental, 128-wide
+                               // tiles; MKERNEL_GEMM_SCHEDULE=pingpong)
+  bool bf16_partials = false;  // gemm_rs / gemm_ar with two ranks: the peer's partial sums travel
+                               // as bf16 (rounded once, as NCCL's reduce-scatter of bf16 partials;
+                               // MKERNEL_BF16_PARTIALS=0: fp32)
   std::string describe() const;  // one line
 };
 

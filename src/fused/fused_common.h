@@ -42,7 +42,7 @@ inline int sm_budget(const PlanContext& ctx, int requested, const char* op) {
 // Switches for measuring what a mechanism buys: on unless the variable is "0".
 //   MKERNEL_OUTBOX      partials leave through the producer's side threads (partials.cuh)
 //   MKERNEL_INTERLEAVE  reducing kernels interleave peers' and own tiles (reduce_order.h)
-//   MKERNEL_BF16_PARTIALS  two-rank gemm_rs sends its partial sums as bf16 (gemm_rs.cuh)
+//   MKERNEL_BF16_PARTIALS  two-rank gemm_rs / gemm_ar send their partial sums as bf16
 inline bool switch_on(const char* variable) {
   const char* v = std::getenv(variable);
   return v == nullptr || std::string(v) != "0";

@@ -150,6 +150,9 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
     const FusedGemmPlan narrow = with_width(128);
     if (narrow.outbox_slots > 0) p = narrow;
   }
+  // Two ranks: the one peer partial of a slice travels as bf16, into its footprint in the
+  // owner's C (gemm_ar.cuh); the workspace's accumulator part then goes unused.
+  p.bf16_partials = world == 2 && fused::bf16_partials_enabled();
   return p;
 }
 
@@ -173,6 +176,7 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.tiles_m = static_cast<int>((m + 127) / 128);
   f.tiles_n = static_cast<int>((n + kBlockN - 1) / kBlockN);
   f.single_peer = topo.world_size == 2;
+  f.bf16_partials = p.bf16_partials && f.single_peer;
   f.slot_floats = std::min<int64_t>(64, m) * kBlockN;
   f.outbox_slots = p.outbox_slots;
   f.trace = fused::trace_arm(p.ctas, stream);

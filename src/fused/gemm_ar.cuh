@@ -7,6 +7,8 @@
 // first, in the order r + 1, r + 2, ..., and its own last:
 //   - a tile owned by o != r: its fp32 slice goes to o's accumulator (plain stores with two
 //     ranks, red.add otherwise; partials.cuh), then o's op signal (deferred to the next epilogue);
+//     with two ranks and bf16_partials (the plan's default there) the slice goes as bf16 - as the
+//     sequential baseline's NCCL sums bf16 partials - straight into its own footprint in o's C;
 //   - a tile r owns: wait for the peers' signals of the slice, add the accumulated sums, zero
 //     them, round to bf16 once, store into C here (TMA) and into every peer's C (coalesced
 //     16-byte stores over NVLink): one owner rounds each element, so all ranks get the same bits.
@@ -49,8 +51,9 @@ struct GemmArFusion {
   int n;
   int tiles_m;
   int tiles_n;
-  bool single_peer;  // two ranks: partials are stored (one per slice), not added
-  float* staging;    // this rank's outbox slots, [CTA][consumer][slot][slot_floats]; or null
+  bool single_peer;    // two ranks: partials are stored (one per slice), not added
+  bool bf16_partials;  // (single_peer only) partials travel as bf16, into the owner's C
+  float* staging;      // this rank's outbox slots, [CTA][consumer][slot][slot_floats]; or null
   int64_t slot_floats;
   int outbox_slots;   // per consumer, when staging is set
   ReduceOrder order;  // lag >= 0: interleaved (reduce_order.h); else owners r + 1, ..., r
@@ -101,9 +104,15 @@ struct GemmArFusion {
   // it with the result after reading it), the rest in the workspace, laid out as above with
   // half-width slices - so the workspace is M x (o's columns) bf16-sized, never more than the
   // sequential [M, N] bf16 intermediate.
+  // With bf16 partials: the whole slice in its own footprint in o's C, as words (bf16 pairs).
   __device__ PartialAt slice_at(const gemm_engine::Tile& tile, int half) const {
     const int owner = tile.shard;  // one node: global rank = local rank
     const int row0 = tile.m * 128 + half * 64;
+    if (bf16_partials) {
+      float* c = reinterpret_cast<float*>(out_peers[owner] + static_cast<int64_t>(row0) * n +
+                                          tile.n * kBlockN);
+      return PartialAt::block(c, n / 2);  // rows n bf16 apart
+    }
     const int h = min(64, m - row0), width = slice_width(tile);
     const int64_t offset = static_cast<int64_t>(row0) * owned_cols(owner) +
                            static_cast<int64_t>(h) * (tile.n - first_col_tile(owner)) * kBlockN;
@@ -119,6 +128,8 @@ struct GemmArFusion {
   __device__ int slice_width(const gemm_engine::Tile& tile) const {
     return min(kBlockN, n - tile.n * kBlockN);
   }
+  // A slice's width in the 32-bit words it travels in (bf16 partials: two columns a word).
+  __device__ int words(int width) const { return bf16_partials ? width / 2 : width; }
   __device__ uint32_t slot(const gemm_engine::Tile& tile, int half) const {
     const int cols = first_col_tile(tile.shard + 1) - first_col_tile(tile.shard);
     const int index = tile.m * cols + (tile.n - first_col_tile(tile.shard));
@@ -155,7 +166,7 @@ struct GemmArFusion {
   __device__ PartialAt own_slice(const gemm_engine::Tile& tile, int half, int& rows,
                                  int& width) const {
     rows = max(0, min(64, m - (tile.m * 128 + half * 64)));
-    width = slice_width(tile);
+    width = words(slice_width(tile));
     return slice_at(tile, half);
   }
 
@@ -180,19 +191,25 @@ struct GemmArFusion {
     const int owner = tile.shard;                    // one node: global rank = local rank
     if (owner != comm.rank && staging != nullptr) {  // one item per remote tile, even if empty
       OutboxItem item{};
-      item.src = PartialAt::block(my_staging(consumer) + state.outbox.slot() * slot_floats, width);
+      item.src =
+          PartialAt::block(my_staging(consumer) + state.outbox.slot() * slot_floats, words(width));
       item.at = slice_at(tile, half);
       item.rows = max(rows, 0);
-      item.width = width;
+      item.width = words(width);
       item.owner = owner;
       item.signal = slot(tile, half);
-      outbox_post(acc, consumer, state.outbox, item);
+      outbox_post(acc, consumer, state.outbox, item, bf16_partials);
       return;
     }
     if (row0 >= m) return;  // the slice lies below C (the last tile-row is partial)
     if (owner != comm.rank) {
       if (t == 0) ensure_entered(state, owner, launch);
-      send_slice(acc, consumer, scratch, slice_at(tile, half), rows, width, !single_peer);
+      if (bf16_partials) {
+        send_slice_bf16(acc, consumer, scratch,
+                        out_peers[owner] + static_cast<int64_t>(row0) * n + col0, n, rows, width);
+      } else {
+        send_slice(acc, consumer, scratch, slice_at(tile, half), rows, width, !single_peer);
+      }
       if (t == 0) {
         state.owner = owner;
         state.signal = slot(tile, half);
@@ -211,7 +228,8 @@ struct GemmArFusion {
     // Every thread has read its words of the slice (in C too) before store_slice's first barrier;
     // the result overwrites them only after it.
     const PartialAt sums = slice_at(tile, half);  // three or more ranks: one block, cleared
-    add_and_clear(acc, sums, rows, width, single_peer ? nullptr : sums.second, 1 + consumer);
+    add_and_clear(acc, sums, rows, width, single_peer ? nullptr : sums.second, 1 + consumer,
+                  bf16_partials);
     if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
     if (staging != nullptr) {  // C here by TMA; the side threads copy it to the peers' C
       gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {

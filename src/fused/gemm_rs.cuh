@@ -209,7 +209,7 @@ struct GemmRsFusion {
         send_slice_bf16(acc, consumer, scratch,
                         reinterpret_cast<__nv_bfloat16*>(accum_peers[owner]) +
                             slice_offset(tile.m, tile.n, half),
-                        min(64, shard_rows - row0), slice_width(tile.n));
+                        slice_width(tile.n), min(64, shard_rows - row0), slice_width(tile.n));
       } else if (row0 < shard_rows) {
         const int width = slice_width(tile.n);
         float* slice = accum_peers[owner] + slice_offset(tile.m, tile.n, half);

@@ -137,14 +137,14 @@ __device__ __forceinline__ void send_slice(const float (&acc)[kRegs], int consum
 }
 
 // send_slice for bf16 partials: the slice rounded to bf16 and stored (not added) at
-// dst[r * width + c] - an owner's accumulator that receives one partial. The engine's epilogue
+// dst[r * stride + c] - an owner's accumulator that receives one partial. The engine's epilogue
 // path packs it in 64-column chunks (gemm_engine::store_slice); each chunk's 64 rows x 128 bytes
 // then leave as 16-byte stores, two threads a row. Ends with a barrier of the warpgroup (as
 // send_slice), so that thread 0's release afterwards covers every thread's writes.
 template <int kRegs>
 __device__ __forceinline__ void send_slice_bf16(const float (&acc)[kRegs], int consumer,
-                                                uint8_t* scratch, __nv_bfloat16* dst, int rows,
-                                                int width) {
+                                                uint8_t* scratch, __nv_bfloat16* dst,
+                                                int64_t stride, int rows, int width) {
   const int t = threadIdx.x % 128;
   const int my_row = t / 2, my_units = 4 * (t % 2);  // four 16-byte units (8 columns each)
   gemm_engine::store_slice(
@@ -155,7 +155,7 @@ __device__ __forceinline__ void send_slice_bf16(const float (&acc)[kRegs], int c
         for (int u = my_units; u < my_units + 4; ++u) {
           const int col = 64 * j + 8 * u;
           if (col >= width) break;
-          *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(my_row) * width + col) =
+          *reinterpret_cast<uint4*>(dst + my_row * stride + col) =
               *reinterpret_cast<const uint4*>(buf + my_row * 128 + ((u ^ (my_row % 8)) * 16));
         }
       });

@@ -167,9 +167,11 @@ TEST(FusedPlans, SwitchesTurnMechanismsOff) {
   // bf16 partials: gemm_rs with two ranks (one partial per slice), unless switched off
   EXPECT_TRUE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).bf16_partials);
   EXPECT_FALSE(plan_gemm_rs(h200(4), 8192, 8192, 4096, {}).bf16_partials);
-  EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).bf16_partials);
+  EXPECT_TRUE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).bf16_partials);
+  EXPECT_FALSE(plan_gemm_ar(h200(4), 8192, 8192, 4096, {}).bf16_partials);
   setenv("MKERNEL_BF16_PARTIALS", "0", 1);
   EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).bf16_partials);
+  EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).bf16_partials);
   unsetenv("MKERNEL_BF16_PARTIALS");
   setenv("MKERNEL_INTERLEAVE", "0", 1);
   EXPECT_EQ(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).lag, -1);

@@ -8,6 +8,7 @@
 
 #include "gemm_reference.h"
 #include "gpu_test_util.h"
+#include "mkernel/fused.h"
 
 namespace mk::test {
 
@@ -87,6 +88,9 @@ inline void sequential_sum(const RsProblem& p, cublasHandle_t blas, void* c_seq,
 // rounding: the stricter reference, for kernels that reduce in fp32), or the sequential baseline
 // (cuBLAS then NCCL: bf16 partials, for kernels that round their partials to bf16 as it does).
 enum class Baseline { kCublasConcatenated, kSequential };
+inline Baseline baseline_for(const FusedGemmPlan& plan) {
+  return plan.bf16_partials ? Baseline::kSequential : Baseline::kCublasConcatenated;
+}
 
 // Rows [first, first + rows) of A_cat @ op(B_cat) (the sum over ranks): `out` (those rows)
 // against the fp64 product, within twice the baseline's error on the same operands. Against the

@@ -58,10 +58,10 @@ void expect_gemm_rs(Communicator& comm, const RsCase& c, uint64_t seed,
     EXPECT_EQ(count_nans_bf16(out, c.shard_rows * c.n, stream), 0u)
         << call_what << ": output elements unwritten (or NaN)";
     // bf16 partials (two ranks) round as the sequential baseline does: its error is the bar.
-    const bool bf16 = gemm_rs_plan(comm, p.m, p.n, p.k_local, config).bf16_partials;
+    const FusedGemmPlan plan = gemm_rs_plan(comm, p.m, p.n, p.k_local, config);
     expect_rows_close(p, rank * c.shard_rows, c.shard_rows, out, blas, c_blas, seed + call, stream,
-                      call_what + (bf16 ? ", bf16 partials" : ""),
-                      bf16 ? Baseline::kSequential : Baseline::kCublasConcatenated);
+                      call_what + (plan.bf16_partials ? ", bf16 partials" : ""),
+                      baseline_for(plan));
     if (ws_bytes > 0 && world > 2) {  // peers add into it: it must be zero for the next call
       EXPECT_EQ(count_different_bytes16(ws.data(), zeros, ws_bytes, stream), 0u)
           << call_what << ": the workspace was not left zero";
@@ -217,7 +217,8 @@ void expect_gemm_rs_graph(Communicator& comm, int replays) {
   for (int i = 0; i < replays; ++i) {
     p.fill(a_seeds[i], seed, rank, stream);  // replay i's A, the B the graph used
     expect_rows_close(p, rank * shard, shard, static_cast<char*>(history) + i * shard * n * 2, blas,
-                      c_blas, seed + i, stream, "replay " + std::to_string(i));
+                      c_blas, seed + i, stream, "replay " + std::to_string(i),
+                      baseline_for(gemm_rs_plan(comm, p.m, n, k_local)));
   }
   comm.bootstrap().barrier();
   cublasDestroy(blas);
