@@ -121,9 +121,11 @@ struct GemmRsFusion {
     }
     return count;
   }
-  // Outbox slots per consumer of this CTA: 0 (the epilogue sends), 1 or 2.
+  // Outbox slots per consumer of this CTA: 0 (the epilogue sends), 1 or 2. None for a CTA of one
+  // tile: it has nothing to send ahead of, and under ping-pong its second warpgroup gets no tile,
+  // so would never close an outbox (the other one waits for the drain before its footprint).
   __device__ int outbox_slots(int footprint_count) const {
-    if (!outbox) return 0;
+    if (!outbox || blockIdx.x + gridDim.x >= num_tiles()) return 0;
     return bf16_partials ? min(kMaxOutboxSlots, footprint_count) : footprint_count / 2;
   }
   // Footprints the CTA's 2 x slots staging slots take.
