@@ -166,10 +166,10 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
         if world == 2:
             variants["sweep: pingpong"] = with_switch(variants["mkernel"],
                                                       "MKERNEL_GEMM_SCHEDULE", "pingpong")
-            # fp32 partials instead of the two-rank default bf16 (one workspace for both: one
-            # partial per slice, nothing to zero between them)
-            variants["sweep: fp32 partials"] = with_switch(variants["mkernel"],
-                                                           "MKERNEL_BF16_PARTIALS", "0")
+            # The opt-in bf16 partials (one workspace for both formats: one partial per slice,
+            # nothing to zero between them)
+            variants["sweep: bf16 partials"] = (
+                lambda: mkernel.gemm_rs(a, b, comm, bf16_partials=True))
     return ok, err, mag, variants
 
 
@@ -241,8 +241,8 @@ def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
         if world == 2:
             variants["sweep: pingpong"] = with_switch(variants["mkernel"],
                                                       "MKERNEL_GEMM_SCHEDULE", "pingpong")
-            variants["sweep: fp32 partials"] = with_switch(variants["mkernel"],
-                                                           "MKERNEL_BF16_PARTIALS", "0")
+            variants["sweep: bf16 partials"] = (
+                lambda: mkernel.gemm_ar(a, b, comm, out, bf16_partials=True))
     return ok, err, mag, variants
 
 

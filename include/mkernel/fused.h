@@ -28,6 +28,11 @@ struct FusedGemmConfig {
   int comm_ctas = 0;   // CTAs whose spare warps move data; 0 = as many as keep up with the GEMM
   int piece_rows = 0;  // rows moved per signal (the unit the GEMM waits for); 0 = ~512 KiB pieces
   int sms = 0;         // persistent CTAs; 0 = the communicator's SM budget
+  // gemm_rs / gemm_ar with two ranks: the peer's partial sums travel as bf16 - rounded once before
+  // the fp32 add, as NCCL's reduce-scatter of bf16 partials rounds them - for half the staging,
+  // NVLink and accumulator bytes. Off by default: the sums stay fp32 until the final rounding.
+  // MKERNEL_BF16_PARTIALS=1 / =0 overrides it either way (benchmarks).
+  bool bf16_partials = false;
 };
 
 // What a fused GEMM call will do (the same on every rank), for printing and for tests.
@@ -44,11 +49,10 @@ struct FusedGemmPlan {
                          // stages in its output, per CTA, and reports 0 here)
   int lag = -1;  // gemm_rs / gemm_ar: peers' tiles before own tiles start to interleave with
                  // them (-1: all peers' tiles first; src/fused/reduce_order.h)
-  bool pingpong = false;       // the engine's ping-pong schedule (experimental, 128-wide
-                               // tiles; MKERNEL_GEMM_SCHEDULE=pingpong)
-  bool bf16_partials = false;  // gemm_rs / gemm_ar with two ranks: the peer's partial sums travel
-                               // as bf16 (rounded once, as NCCL's reduce-scatter of bf16 partials;
-                               // MKERNEL_BF16_PARTIALS=0: fp32)
+  bool pingpong = false;         // the engine's ping-pong schedule (experimental, 128-wide
+                                 // tiles; MKERNEL_GEMM_SCHEDULE=pingpong)
+  bool bf16_partials = false;    // the peer's partial sums travel as bf16 (requested in the config,
+                                 // two ranks only)
   std::string describe() const;  // one line
 };
 

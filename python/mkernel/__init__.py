@@ -579,9 +579,9 @@ if torch is not None:
         return m, n, k
 
     @torch.library.custom_op("mkernel::gemm_rs", mutates_args=(),
-                             schema="(Tensor a, Tensor b, str b_layout, int comm, int block_n) "
-                                    "-> Tensor")
-    def _gemm_rs_op(a, b, b_layout, comm, block_n):
+                             schema="(Tensor a, Tensor b, str b_layout, int comm, int block_n, "
+                                    "bool bf16_partials) -> Tensor")
+    def _gemm_rs_op(a, b, b_layout, comm, block_n, bf16_partials):
         c = _communicator(comm, "gemm_rs")
         m, n, k = _gemm_rs_shapes(c, a, b, b_layout)
         for name, x in (("a", a), ("b", b)):
@@ -593,17 +593,18 @@ if torch is not None:
         ws = c._workspace(_C.gemm_rs_workspace_bytes(m, n, c.world_size), "gemm_rs", "accumulate")
         with torch.cuda.device(c.device):
             _C.gemm_rs(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
-                       ws.data_ptr(), c._stream(), block_n)
+                       ws.data_ptr(), c._stream(), block_n, bf16_partials)
         return out
 
     @_gemm_rs_op.register_fake
-    def _gemm_rs_fake(a, b, b_layout, comm, block_n):
+    def _gemm_rs_fake(a, b, b_layout, comm, block_n, bf16_partials):
         c = _communicator(comm, "gemm_rs")
         m, n, _ = _gemm_rs_shapes(c, a, b, b_layout)
         return a.new_empty((m // c.world_size, n))
 
     def gemm_rs(a: "torch.Tensor", b: "torch.Tensor", comm: "Communicator", *,
-                b_layout: str = "nk", block_n: int = 0) -> "torch.Tensor":
+                b_layout: str = "nk", block_n: int = 0,
+                bf16_partials: bool = False) -> "torch.Tensor":
         """GEMM + ReduceScatter in one launch: this rank's rows of sum over ranks of a @ op(b).
 
         a: this rank's A_r, [M, K / world] bf16 (the row-parallel layer's input slice).
@@ -613,12 +614,14 @@ if torch is not None:
         multiples of 8. Current CUDA stream, no host synchronisation; every rank calls it in the
         same order. torch.ops.mkernel.gemm_rs works under torch.compile and in CUDA graphs (call
         it once per new largest shape before capturing: that allocates its workspace).
+        bf16_partials=True (two ranks): the peer's partial sums travel as bf16 - rounded once
+        before the fp32 add, as a bf16 NCCL reduce-scatter rounds them - for half the bytes.
         """
-        return _gemm_rs_op(a, b, b_layout, comm._id, block_n)
+        return _gemm_rs_op(a, b, b_layout, comm._id, block_n, bf16_partials)
     @torch.library.custom_op("mkernel::gemm_ar", mutates_args=("out",),
                              schema="(Tensor a, Tensor b, Tensor(a!) out, str b_layout, int comm, "
-                                    "int block_n) -> ()")
-    def _gemm_ar_op(a, b, out, b_layout, comm, block_n):
+                                    "int block_n, bool bf16_partials) -> ()")
+    def _gemm_ar_op(a, b, out, b_layout, comm, block_n, bf16_partials):
         c = _communicator(comm, "gemm_ar")
         if a.dim() != 2:
             raise ValueError(f"mkernel.gemm_ar: a must be 2-D [M, K / world]; got {tuple(a.shape)}")
@@ -635,14 +638,15 @@ if torch is not None:
                           "accumulate")
         with torch.cuda.device(c.device):
             _C.gemm_ar(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
-                       ws.data_ptr(), c._stream(), block_n)
+                       ws.data_ptr(), c._stream(), block_n, bf16_partials)
 
     @_gemm_ar_op.register_fake
-    def _gemm_ar_fake(a, b, out, b_layout, comm, block_n):
+    def _gemm_ar_fake(a, b, out, b_layout, comm, block_n, bf16_partials):
         return None
 
     def gemm_ar(a: "torch.Tensor", b: "torch.Tensor", comm: "Communicator",
-                out: "torch.Tensor", *, b_layout: str = "nk", block_n: int = 0) -> "torch.Tensor":
+                out: "torch.Tensor", *, b_layout: str = "nk", block_n: int = 0,
+                bf16_partials: bool = False) -> "torch.Tensor":
         """GEMM + AllReduce in one launch: out = sum over ranks of a @ op(b), on every rank.
 
         a: this rank's A_r, [M, K / world] bf16 (any M >= 1; the row-parallel layer's input).
@@ -653,8 +657,10 @@ if torch is not None:
         stream, no host synchronisation, the same order on every rank; torch.ops.mkernel.gemm_ar
         (mutates out) works under torch.compile and in CUDA graphs (call once per new largest
         shape before capturing: that allocates its workspace).
+        bf16_partials=True (two ranks): the peer's partial sums travel as bf16 - rounded once
+        before the fp32 add, as a bf16 NCCL all-reduce rounds them - for half the bytes.
         """
-        _gemm_ar_op(a, b, out, b_layout, comm._id, block_n)
+        _gemm_ar_op(a, b, out, b_layout, comm._id, block_n, bf16_partials)
         return out
 else:  # pragma: no cover - without torch there is no tensor to multiply
     def gemm_ar(a, b, comm, out, **kwargs):

@@ -102,8 +102,10 @@ mk::BLayout parse_layout(std::string_view name, const char* op) {
       (std::string(op) + ": b_layout must be 'nk' (B is [N, K]) or 'kn' (B is [K, N])").c_str());
 }
 
-mk::FusedGemmConfig fused_config(int block_n, int comm_ctas, int piece_rows) {
+mk::FusedGemmConfig fused_config(int block_n, int comm_ctas, int piece_rows,
+                                 bool bf16_partials = false) {
   mk::FusedGemmConfig config;
+  config.bf16_partials = bf16_partials;
   config.block_n = block_n;
   config.comm_ctas = comm_ctas;
   config.piece_rows = piece_rows;
@@ -390,15 +392,15 @@ NB_MODULE(_C, m) {
       "gemm_rs",
       [](mk::Communicator& comm, std::uintptr_t a, std::uintptr_t b, std::uintptr_t out,
          int64_t m_rows, int64_t n, int64_t k_local, std::string_view b_layout,
-         std::uintptr_t workspace, std::uintptr_t stream, int block_n) {
+         std::uintptr_t workspace, std::uintptr_t stream, int block_n, bool bf16_partials) {
         const mk::BLayout layout = parse_layout(b_layout, "gemm_rs");
-        const mk::FusedGemmConfig config = fused_config(block_n, 0, 0);
+        const mk::FusedGemmConfig config = fused_config(block_n, 0, 0, bf16_partials);
         nb::gil_scoped_release nogil;
         mk::gemm_rs(comm, as_pointer<const void>(a), as_pointer<const void>(b), as_pointer(out),
                     m_rows, n, k_local, layout, as_pointer(workspace), as_stream(stream), config);
       },
       "comm"_a, "a"_a, "b"_a, "out"_a, "m"_a, "n"_a, "k_local"_a, "b_layout"_a, "workspace"_a,
-      "stream"_a, "block_n"_a = 0,
+      "stream"_a, "block_n"_a = 0, "bf16_partials"_a = false,
       "out[M / world, N] = this rank's rows of sum over ranks of A_r @ op(B_r); workspace: "
       "gemm_rs_workspace_bytes(M, N, world) zeroed bytes in a symmetric buffer (left zero). "
       "Stream-ordered; no host synchronisation.");
@@ -407,15 +409,15 @@ NB_MODULE(_C, m) {
       "gemm_ar",
       [](mk::Communicator& comm, std::uintptr_t a, std::uintptr_t b, std::uintptr_t out,
          int64_t m_rows, int64_t n, int64_t k_local, std::string_view b_layout,
-         std::uintptr_t workspace, std::uintptr_t stream, int block_n) {
+         std::uintptr_t workspace, std::uintptr_t stream, int block_n, bool bf16_partials) {
         const mk::BLayout layout = parse_layout(b_layout, "gemm_ar");
-        const mk::FusedGemmConfig config = fused_config(block_n, 0, 0);
+        const mk::FusedGemmConfig config = fused_config(block_n, 0, 0, bf16_partials);
         nb::gil_scoped_release nogil;
         mk::gemm_ar(comm, as_pointer<const void>(a), as_pointer<const void>(b), as_pointer(out),
                     m_rows, n, k_local, layout, as_pointer(workspace), as_stream(stream), config);
       },
       "comm"_a, "a"_a, "b"_a, "out"_a, "m"_a, "n"_a, "k_local"_a, "b_layout"_a, "workspace"_a,
-      "stream"_a, "block_n"_a = 0,
+      "stream"_a, "block_n"_a = 0, "bf16_partials"_a = false,
       "out[M, N] (symmetric) = sum over ranks of A_r @ op(B_r), the same bits on every rank; "
       "workspace: gemm_ar_workspace_bytes zeroed bytes in a symmetric buffer (left zero). "
       "Stream-ordered; no host synchronisation.");
@@ -428,17 +430,21 @@ NB_MODULE(_C, m) {
       "comm"_a, "m"_a, "n"_a, "k_local"_a, "block_n"_a = 0);
   m.def(
       "gemm_ar_plan",
-      [](const mk::Communicator& comm, int64_t m_rows, int64_t n, int64_t k_local, int block_n) {
-        return mk::gemm_ar_plan(comm, m_rows, n, k_local, fused_config(block_n, 0, 0)).describe();
+      [](const mk::Communicator& comm, int64_t m_rows, int64_t n, int64_t k_local, int block_n,
+         bool bf16_partials) {
+        return mk::gemm_ar_plan(comm, m_rows, n, k_local, fused_config(block_n, 0, 0, bf16_partials))
+            .describe();
       },
-      "comm"_a, "m"_a, "n"_a, "k_local"_a, "block_n"_a = 0,
+      "comm"_a, "m"_a, "n"_a, "k_local"_a, "block_n"_a = 0, "bf16_partials"_a = false,
       "The configuration gemm_ar picks for these arguments, as one line.");
   m.def(
       "gemm_rs_plan",
-      [](const mk::Communicator& comm, int64_t m_rows, int64_t n, int64_t k_local, int block_n) {
-        return mk::gemm_rs_plan(comm, m_rows, n, k_local, fused_config(block_n, 0, 0)).describe();
+      [](const mk::Communicator& comm, int64_t m_rows, int64_t n, int64_t k_local, int block_n,
+         bool bf16_partials) {
+        return mk::gemm_rs_plan(comm, m_rows, n, k_local, fused_config(block_n, 0, 0, bf16_partials))
+            .describe();
       },
-      "comm"_a, "m"_a, "n"_a, "k_local"_a, "block_n"_a = 0,
+      "comm"_a, "m"_a, "n"_a, "k_local"_a, "block_n"_a = 0, "bf16_partials"_a = false,
       "The configuration gemm_rs picks for these arguments, as one line.");
   m.def(
       "ag_gemm_plan",

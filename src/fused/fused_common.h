@@ -11,6 +11,7 @@
 #include "mkernel/communicator.h"
 #include "mkernel/device_comm.h"
 #include "mkernel/error.h"
+#include "mkernel/fused.h"
 #include "mkernel/gemm.h"
 #include "runtime/validate.h"
 
@@ -42,14 +43,17 @@ inline int sm_budget(const PlanContext& ctx, int requested, const char* op) {
 // Switches for measuring what a mechanism buys: on unless the variable is "0".
 //   MKERNEL_OUTBOX      partials leave through the producer's side threads (partials.cuh)
 //   MKERNEL_INTERLEAVE  reducing kernels interleave peers' and own tiles (reduce_order.h)
-//   MKERNEL_BF16_PARTIALS  two-rank gemm_rs / gemm_ar send their partial sums as bf16
 inline bool switch_on(const char* variable) {
   const char* v = std::getenv(variable);
   return v == nullptr || std::string(v) != "0";
 }
 inline bool outbox_enabled() { return switch_on("MKERNEL_OUTBOX"); }
 inline bool interleave_enabled() { return switch_on("MKERNEL_INTERLEAVE"); }
-inline bool bf16_partials_enabled() { return switch_on("MKERNEL_BF16_PARTIALS"); }
+// FusedGemmConfig::bf16_partials, unless MKERNEL_BF16_PARTIALS says "1" (on) or "0" (off).
+inline bool bf16_partials_requested(const FusedGemmConfig& config) {
+  const char* v = std::getenv("MKERNEL_BF16_PARTIALS");
+  return v == nullptr ? config.bf16_partials : std::string(v) == "1";
+}
 
 // The first checks of every fused GEMM call: the communicator usable, one node, the stream on the
 // communicator's device, a known B layout.

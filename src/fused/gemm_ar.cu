@@ -150,9 +150,9 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
     const FusedGemmPlan narrow = with_width(128);
     if (narrow.outbox_slots > 0) p = narrow;
   }
-  // Two ranks: the one peer partial of a slice travels as bf16, into its footprint in the
-  // owner's C (gemm_ar.cuh); the workspace's accumulator part then goes unused.
-  p.bf16_partials = world == 2 && fused::bf16_partials_enabled();
+  // Two ranks, when asked: the one peer partial of a slice travels as bf16, into its footprint in
+  // the owner's C (gemm_ar.cuh); the workspace's accumulator part then goes unused.
+  p.bf16_partials = world == 2 && fused::bf16_partials_requested(config);
   return p;
 }
 

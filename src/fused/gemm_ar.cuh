@@ -7,7 +7,7 @@
 // first, in the order r + 1, r + 2, ..., and its own last:
 //   - a tile owned by o != r: its fp32 slice goes to o's accumulator (plain stores with two
 //     ranks, red.add otherwise; partials.cuh), then o's op signal (deferred to the next epilogue);
-//     with two ranks and bf16_partials (the plan's default there) the slice goes as bf16 - as the
+//     with two ranks and bf16_partials (FusedGemmConfig, opt-in) the slice goes as bf16 - as the
 //     sequential baseline's NCCL sums bf16 partials - straight into its own footprint in o's C;
 //   - a tile r owns: wait for the peers' signals of the slice, add the accumulated sums, zero
 //     them, round to bf16 once, store into C here (TMA) and into every peer's C (coalesced

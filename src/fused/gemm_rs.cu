@@ -62,7 +62,7 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
   // tiles after the last remote one for its outbox staging (four with ping-pong, where each
   // warpgroup posts both halves of a tile and wants two slots): lag = two (four) waves of remote
   // tiles, on a grid coprime to the world size (every CTA then sends its share).
-  p.bf16_partials = world == 2 && fused::bf16_partials_enabled();
+  p.bf16_partials = world == 2 && fused::bf16_partials_requested(config);
   p.lag = -1;
   const int waves = p.pingpong ? 4 : 2;
   if (world > 1 && fused::outbox_enabled() && fused::interleave_enabled() &&

@@ -12,7 +12,7 @@
 //     consumer waits for the peers' signals of its slice (already there in the steady state), adds
 //     the accumulated fp32 partials to its registers, zeroes them for the next launch, and stores
 //     bf16 to the output. Reductions stay fp32 until that one rounding.
-// With two ranks (bf16_partials, the plan's default there) the one peer partial travels as bf16
+// With two ranks and bf16_partials (FusedGemmConfig, opt-in) the one peer partial travels as bf16
 // instead - rounded once, as the sequential baseline's NCCL reduce-scatter rounds it - which
 // halves the staging writes, the NVLink bytes and the owner's reads; the owner adds it to its own
 // fp32 partial. The accumulator then holds bf16 in the same slice layout (half of its bytes).

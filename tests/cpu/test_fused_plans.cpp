@@ -164,14 +164,24 @@ TEST(FusedPlans, TwoRankH200PlansOfTheJournal) {
 
 TEST(FusedPlans, SwitchesTurnMechanismsOff) {
   const PlanContext ctx = h200(2);
-  // bf16 partials: gemm_rs with two ranks (one partial per slice), unless switched off
-  EXPECT_TRUE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).bf16_partials);
-  EXPECT_FALSE(plan_gemm_rs(h200(4), 8192, 8192, 4096, {}).bf16_partials);
-  EXPECT_TRUE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).bf16_partials);
-  EXPECT_FALSE(plan_gemm_ar(h200(4), 8192, 8192, 4096, {}).bf16_partials);
-  setenv("MKERNEL_BF16_PARTIALS", "0", 1);
+  // bf16 partials: only when asked, and only with two ranks (one partial per slice); the
+  // variable overrides the config either way
+  FusedGemmConfig bf16;
+  bf16.bf16_partials = true;
   EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).bf16_partials);
   EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).bf16_partials);
+  EXPECT_TRUE(plan_gemm_rs(ctx, 8192, 8192, 4096, bf16).bf16_partials);
+  EXPECT_FALSE(plan_gemm_rs(h200(4), 8192, 8192, 4096, bf16).bf16_partials);
+  EXPECT_TRUE(plan_gemm_ar(ctx, 8192, 8192, 4096, bf16).bf16_partials);
+  EXPECT_FALSE(plan_gemm_ar(h200(4), 8192, 8192, 4096, bf16).bf16_partials);
+  EXPECT_NE(plan_gemm_rs(ctx, 8192, 8192, 4096, bf16).describe().find("bf16 partials"),
+            std::string::npos);
+  setenv("MKERNEL_BF16_PARTIALS", "0", 1);
+  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, bf16).bf16_partials);
+  EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, bf16).bf16_partials);
+  setenv("MKERNEL_BF16_PARTIALS", "1", 1);
+  EXPECT_TRUE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).bf16_partials);
+  EXPECT_TRUE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).bf16_partials);
   unsetenv("MKERNEL_BF16_PARTIALS");
   setenv("MKERNEL_INTERLEAVE", "0", 1);
   EXPECT_EQ(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).lag, -1);

@@ -99,7 +99,8 @@ void expect_gemm_ar(Communicator& comm, const ArCase& c, uint64_t seed,
   cudaStreamDestroy(stream);
 }
 
-void expect_gemm_ar_cases(Communicator& comm) {
+// `base`: the config of every case (each case sets its block_n).
+void expect_gemm_ar_cases(Communicator& comm, const FusedGemmConfig& base = {}) {
   const uint64_t seed = shared_seed(comm);
   const std::vector<ArCase> cases = {
       {1, 8, 8, BLayout::kNK, 0},           {7, 264, 136, BLayout::kNK, 0},
@@ -107,14 +108,16 @@ void expect_gemm_ar_cases(Communicator& comm) {
       {1000, 1024, 256, BLayout::kNK, 192}, {333, 2056, 256, BLayout::kKN, 128},
       {4096, 4096, 64, BLayout::kNK, 0},  // staging fits: through the outbox (red.add at w > 2)
   };
-  for (std::size_t i = 0; i < cases.size(); ++i) expect_gemm_ar(comm, cases[i], seed + 100 * i);
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    expect_gemm_ar(comm, cases[i], seed + 100 * i, base);
+  }
 }
 
 class InProcessGemmAr : public ::testing::TestWithParam<int> {};
 
 TEST_P(InProcessGemmAr, MatchesReference) {
   MKT_REQUIRE_GPU();
-  run_in_process(GetParam(), expect_gemm_ar_cases);
+  run_in_process(GetParam(), [](Communicator& comm) { expect_gemm_ar_cases(comm); });
 }
 
 INSTANTIATE_TEST_SUITE_P(World, InProcessGemmAr, ::testing::Values(1, 2, 4, 8),
@@ -131,6 +134,21 @@ TEST(InProcessGemmAr, LargeWorld2) {
   });
 }
 
+// FusedGemmConfig::bf16_partials (opt-in; two ranks): the peer's partial slice travels as bf16
+// into its footprint in the owner's C; the bar is the sequential baseline's error.
+TEST(InProcessGemmAr, PartialsBf16World2) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) {
+    FusedGemmConfig bf16;
+    bf16.bf16_partials = true;
+    EXPECT_FALSE(gemm_ar_plan(comm, 4096, 4096, 1024).bf16_partials);
+    const FusedGemmPlan plan = gemm_ar_plan(comm, 4096, 4096, 1024, bf16);
+    EXPECT_TRUE(plan.bf16_partials) << plan.describe();
+    expect_gemm_ar_cases(comm, bf16);
+    expect_gemm_ar(comm, {8192, 8192, 256, BLayout::kKN, 0}, shared_seed(comm) + 9, bf16);
+  });
+}
+
 // The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong: 128-wide tiles, each consumer
 // warpgroup whole tiles, their items in one outbox ring): the cases, at two and four ranks.
 TEST(InProcessGemmAr, PingPong) {
@@ -143,6 +161,11 @@ TEST(InProcessGemmAr, PingPong) {
       EXPECT_EQ(plan.block_n, 128) << plan.describe();
       expect_gemm_ar_cases(comm);
       expect_gemm_ar(comm, {8192, 8192, 256, BLayout::kKN, 0}, shared_seed(comm) + 9);
+      if (comm.world_size() == 2) {
+        FusedGemmConfig bf16;
+        bf16.bf16_partials = true;
+        expect_gemm_ar_cases(comm, bf16);
+      }
     });
   }
   unsetenv("MKERNEL_GEMM_SCHEDULE");
@@ -168,6 +191,9 @@ TEST(SanitizeGemmAr, SmallWorld2) {
     EXPECT_EQ(plan.ctas, 3) << plan.describe();
     EXPECT_EQ(plan.lag, 6) << plan.describe();
     expect_gemm_ar(comm, {512, 1024, 64, BLayout::kNK, 128}, seed + 2, four_ctas);
+    four_ctas.bf16_partials = true;  // the peer's slice as bf16, into its footprint in C
+    expect_gemm_ar(comm, {512, 1024, 64, BLayout::kNK, 128}, seed + 3, four_ctas);
+    expect_gemm_ar(comm, {7, 200, 64, BLayout::kKN, 64}, seed + 4, {.bf16_partials = true});
     // M = 1024 on a whole H200: staging fits only beside 128-wide tiles, so the plan takes them
     if (comm.topology().sm_budget() >= 120) {
       const FusedGemmPlan rows1024 = gemm_ar_plan(comm, 1024, 8192, 4096);

@@ -73,7 +73,8 @@ void expect_gemm_rs(Communicator& comm, const RsCase& c, uint64_t seed,
   cudaStreamDestroy(stream);
 }
 
-void expect_gemm_rs_cases(Communicator& comm) {
+// `base`: the config of every case (each case sets its block_n).
+void expect_gemm_rs_cases(Communicator& comm, const FusedGemmConfig& base = {}) {
   const uint64_t seed = shared_seed(comm);
   const std::vector<RsCase> cases = {
       {1, 8, 8, BLayout::kNK, 0},
@@ -85,14 +86,16 @@ void expect_gemm_rs_cases(Communicator& comm) {
       {517, 2056, 256, BLayout::kNK, 128},
       {2048, 2048, 64, BLayout::kNK, 0},  // CTAs with two whole own tiles: through the outbox
   };
-  for (std::size_t i = 0; i < cases.size(); ++i) expect_gemm_rs(comm, cases[i], seed + 100 * i);
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    expect_gemm_rs(comm, cases[i], seed + 100 * i, base);
+  }
 }
 
 class InProcessGemmRs : public ::testing::TestWithParam<int> {};
 
 TEST_P(InProcessGemmRs, MatchesReference) {
   MKT_REQUIRE_GPU();
-  run_in_process(GetParam(), expect_gemm_rs_cases);
+  run_in_process(GetParam(), [](Communicator& comm) { expect_gemm_rs_cases(comm); });
 }
 
 INSTANTIATE_TEST_SUITE_P(World, InProcessGemmRs, ::testing::Values(1, 2, 4, 8),
@@ -128,23 +131,26 @@ TEST(SanitizeGemmRs, SmallWorld2) {
     EXPECT_EQ(gemm_rs_plan(comm, 2 * 512, 512, 64, four_ctas).ctas, 3);
     EXPECT_EQ(gemm_rs_plan(comm, 2 * 512, 512, 64, four_ctas).lag, 6);
     expect_gemm_rs(comm, {512, 512, 64, BLayout::kNK, 128}, seed + 3, four_ctas);
+    four_ctas.bf16_partials = true;  // bf16 staging: two slots per footprint
+    expect_gemm_rs(comm, {512, 512, 64, BLayout::kNK, 128}, seed + 4, four_ctas);
+    expect_gemm_rs(comm, {130, 136, 72, BLayout::kNK, 0}, seed + 5, {.bf16_partials = true});
   });
 }
 
-// Two ranks send their partial sums as bf16 by default (plan.bf16_partials); the fp32 path
-// (MKERNEL_BF16_PARTIALS=0, and every world size above two) at two ranks too.
-TEST(InProcessGemmRs, PartialsBf16AndFp32World2) {
+// FusedGemmConfig::bf16_partials (opt-in; two ranks): the peer's partial sums travel as bf16 and
+// the bar is the sequential baseline's error (reduce_checks.h) - the cases, and a large shape
+// through the outbox (two bf16 staging slots per footprint).
+TEST(InProcessGemmRs, PartialsBf16World2) {
   MKT_REQUIRE_GPU();
   run_in_process(2, [](Communicator& comm) {
-    EXPECT_TRUE(gemm_rs_plan(comm, 4096, 4096, 1024).bf16_partials);
+    FusedGemmConfig bf16;
+    bf16.bf16_partials = true;
+    EXPECT_FALSE(gemm_rs_plan(comm, 4096, 4096, 1024).bf16_partials);
+    const FusedGemmPlan plan = gemm_rs_plan(comm, 4096, 4096, 1024, bf16);
+    EXPECT_TRUE(plan.bf16_partials) << plan.describe();
+    expect_gemm_rs_cases(comm, bf16);
+    expect_gemm_rs(comm, {4096, 8192, 256, BLayout::kNK, 0}, shared_seed(comm) + 9, bf16);
   });
-  setenv("MKERNEL_BF16_PARTIALS", "0", 1);
-  run_in_process(2, [](Communicator& comm) {
-    const FusedGemmPlan plan = gemm_rs_plan(comm, 4096, 4096, 1024);
-    EXPECT_FALSE(plan.bf16_partials) << plan.describe();
-    expect_gemm_rs_cases(comm);
-  });
-  unsetenv("MKERNEL_BF16_PARTIALS");
 }
 
 // The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong: 128-wide tiles, each consumer
@@ -160,6 +166,11 @@ TEST(InProcessGemmRs, PingPong) {
       EXPECT_EQ(plan.block_n, 128) << plan.describe();
       expect_gemm_rs_cases(comm);
       expect_gemm_rs(comm, {4096, 8192, 256, BLayout::kNK, 0}, shared_seed(comm) + 9);
+      if (world_size == 2) {  // bf16 partials: a CTA of one tile has no outbox (it once hung)
+        FusedGemmConfig bf16;
+        bf16.bf16_partials = true;
+        expect_gemm_rs_cases(comm, bf16);
+      }
     });
   }
   unsetenv("MKERNEL_GEMM_SCHEDULE");

@@ -354,14 +354,17 @@ def _gemm_rs(rank, world, seed, use_nccl):
     twice the error of cuBLAS on the K-concatenated operands; then a CUDA graph with new inputs."""
     comm = mkernel.init()
     dev = torch.device("cuda", comm.device)
-    cases = [(200, 264, 136, "nk"), (1000, 1024, 512, "kn"), (1, 8, 8, "nk")]
-    for case, (shard, n, kl, layout) in enumerate(cases):
-        what = f"gemm_rs case {case} (shard {shard}, N {n}, K_r {kl}, {layout}), rank {rank}"
+    cases = [(200, 264, 136, "nk", False), (1000, 1024, 512, "kn", False), (1, 8, 8, "nk", False),
+             (1000, 1024, 512, "kn", True), (1, 8, 8, "nk", True)]  # True: bf16 partials
+    for case, (shard, n, kl, layout, bf16) in enumerate(cases):
+        what = (f"gemm_rs case {case} (shard {shard}, N {n}, K_r {kl}, {layout}, bf16 partials "
+                f"{bf16}), rank {rank}")
         m = shard * world
         a_all = [_inputs(seed, 100 + case, r, (m, kl), torch.bfloat16) for r in range(world)]
         b_shape = (n, kl) if layout == "nk" else (kl, n)
         b_all = [_inputs(seed, 200 + case, r, b_shape, torch.bfloat16) for r in range(world)]
-        out = mkernel.gemm_rs(a_all[rank].to(dev), b_all[rank].to(dev), comm, b_layout=layout)
+        out = mkernel.gemm_rs(a_all[rank].to(dev), b_all[rank].to(dev), comm, b_layout=layout,
+                              bf16_partials=bf16)
         assert out.shape == (shard, n)
         a_cat = torch.cat(a_all, dim=1).to(dev)
         b_cat = torch.cat(b_all, dim=1 if layout == "nk" else 0).to(dev)
@@ -369,7 +372,7 @@ def _gemm_rs(rank, world, seed, use_nccl):
         rows = slice(rank * shard, (rank + 1) * shard)
         exact = a_cat[rows].double() @ bt.double()
         err = (out.double() - exact).abs().max().item()
-        plan = mkernel._C.gemm_rs_plan(comm._impl, m, n, kl)
+        plan = mkernel._C.gemm_rs_plan(comm._impl, m, n, kl, bf16_partials=bf16)
         bar, baseline = _reduce_bar(plan, a_all, b_all, rows, exact, layout == "kn")
         assert err <= bar, f"{what}: error {err}, bar {bar} from {baseline} ({plan})"
 
@@ -404,21 +407,24 @@ def _gemm_ar(rank, world, seed, use_nccl):
     product of the K-concatenated operands, bitwise equal on all ranks; then a CUDA graph."""
     comm = mkernel.init()
     dev = torch.device("cuda", comm.device)
-    cases = [(1, 8, 8, "nk"), (7, 264, 136, "nk"), (128, 1024, 512, "kn"), (1000, 520, 256, "nk")]
-    for case, (m, n, kl, layout) in enumerate(cases):
-        what = f"gemm_ar case {case} (M {m}, N {n}, K_r {kl}, {layout}), rank {rank}"
+    cases = [(1, 8, 8, "nk", False), (7, 264, 136, "nk", False), (128, 1024, 512, "kn", False),
+             (1000, 520, 256, "nk", False), (7, 264, 136, "nk", True), (1000, 520, 256, "nk", True)]
+    for case, (m, n, kl, layout, bf16) in enumerate(cases):  # bf16: bf16 partials
+        what = (f"gemm_ar case {case} (M {m}, N {n}, K_r {kl}, {layout}, bf16 partials {bf16}), "
+                f"rank {rank}")
         a_all = [_inputs(seed, 500 + case, r, (m, kl), torch.bfloat16) for r in range(world)]
         b_shape = (n, kl) if layout == "nk" else (kl, n)
         b_all = [_inputs(seed, 600 + case, r, b_shape, torch.bfloat16) for r in range(world)]
         out = comm.alloc_tensor((m, n), torch.bfloat16)
         out.fill_(float("nan"))
-        mkernel.gemm_ar(a_all[rank].to(dev), b_all[rank].to(dev), comm, out, b_layout=layout)
+        mkernel.gemm_ar(a_all[rank].to(dev), b_all[rank].to(dev), comm, out, b_layout=layout,
+                        bf16_partials=bf16)
         a_cat = torch.cat(a_all, dim=1).to(dev)
         b_cat = torch.cat(b_all, dim=1 if layout == "nk" else 0).to(dev)
         bt = b_cat.T if layout == "nk" else b_cat
         exact = a_cat.double() @ bt.double()
         err = (out.double() - exact).abs().max().item()
-        plan = mkernel._C.gemm_ar_plan(comm._impl, m, n, kl)
+        plan = mkernel._C.gemm_ar_plan(comm._impl, m, n, kl, bf16_partials=bf16)
         bar, baseline = _reduce_bar(plan, a_all, b_all, slice(0, m), exact, layout == "kn")
         assert err <= bar, f"{what}: error {err}, bar {bar} from {baseline} ({plan})"
         _assert_same_on_all_ranks(out, what)
