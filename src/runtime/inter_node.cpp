@@ -1,0 +1,122 @@
+#include "runtime/inter_node.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "fused/rail_routes.h"
+
+namespace mk::detail {
+namespace {
+
+std::string list(const std::vector<int>& ranks) {
+  std::string s;
+  for (int r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  return "{" + s + "}";
+}
+
+}  // namespace
+
+InterNode::InterNode(Bootstrap& bootstrap, const Topology& topo, InterNodeConfig config)
+    : config_(std::move(config)), rank_(topo.rank) {
+  const std::string who = "inter-node path of rank " + std::to_string(topo.rank) + ": ";
+  if (topo.num_nodes < 2) {
+    throw Error(ErrorCode::kInvalidArgument, who + "the communicator has one node (" +
+                                                 std::to_string(topo.world_size) +
+                                                 " ranks); nothing lies between nodes");
+  }
+  if (config_.channels < 1 || config_.channels > 64) {
+    throw Error(ErrorCode::kInvalidArgument,
+                who + "channels = " + std::to_string(config_.channels) + "; expected 1 to 64");
+  }
+  if (config_.num_signals < 1) {
+    throw Error(ErrorCode::kInvalidArgument, who + "num_signals must be at least 1");
+  }
+  peers_ = fused::RailRoutes(topo.node_of, topo.local_rank_of).rail_peers(topo.rank);
+  std::sort(peers_.begin(), peers_.end());
+
+  pad_ = std::make_unique<transport::HostSignalPad>(topo.world_size, config_.num_signals,
+                                                    config_.host_memory);
+  transport::TransportConfig tc;
+  tc.signals = pad_.get();
+  tc.num_signals = config_.num_signals;
+  tc.timeout_seconds = config_.timeout_seconds;
+  tc.copy_to_device = config_.copy_to_device;
+  tc.copy_from_device = config_.copy_from_device;
+  tc.on_error = [this](const Error& e) { record(e); };
+  tc.peers = peers_;
+  tc.socket_ifname = config_.socket_ifname;
+  tc.gpu_pci_bus_id = config_.gpu_pci_bus_id;
+  transport_ = transport::make_transport(bootstrap, tc, config_.backend);
+
+  transport::ProxyOptions po;
+  po.num_rings = config_.channels;
+  po.ring_capacity = config_.ring_capacity;
+  po.allocator = config_.host_memory;
+  po.on_error = [this](const Error& e) { record(e); };
+  proxy_ = std::make_unique<transport::Proxy>(*transport_, std::move(po));
+}
+
+InterNode::~InterNode() {
+  // What was pushed still goes out (a peer may be waiting for it); a failed path or a full
+  // time-out ends the wait - destructors report nothing.
+  if (proxy_) {
+    try {
+      if (!failed()) proxy_->drain(config_.timeout_seconds);
+    } catch (const Error&) {
+    }
+    proxy_->stop();
+  }
+  proxy_.reset();
+  transport_.reset();  // goodbyes to the peers
+  pad_.reset();
+}
+
+void InterNode::record(const Error& error) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (error_) return;
+    error_ = error;
+  }
+  if (config_.on_error) config_.on_error(error);
+}
+
+void InterNode::register_buffer(int id, void* base, uint64_t bytes, transport::MemoryKind kind) {
+  transport_->register_buffer(id, base, bytes, kind);
+}
+
+void InterNode::check() const {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (error_) throw *error_;
+  }
+  transport_->check();
+  proxy_->check();
+}
+
+bool InterNode::failed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return error_.has_value() || transport_->failed();
+}
+
+void InterNode::wait(int src_rank, uint32_t signal, uint64_t value) const {
+  const bool arrived = pad_->wait(static_cast<uint32_t>(src_rank), signal, value,
+                                  config_.timeout_seconds, [this] { check(); });
+  if (!arrived) {
+    check();
+    throw Error(ErrorCode::kTimeout,
+                "rank " + std::to_string(rank_) + " waited " +
+                    std::to_string(config_.timeout_seconds) + " s for signal " +
+                    std::to_string(signal) + " from rank " + std::to_string(src_rank) +
+                    " to reach " + std::to_string(value) + " (it is at " +
+                    std::to_string(pad_->load(static_cast<uint32_t>(src_rank), signal)) + ")");
+  }
+}
+
+std::string InterNode::describe() const {
+  return std::string("inter-node: ") + transport_->name() + ", rail peers " + list(peers_) + ", " +
+         std::to_string(config_.channels) + " channel(s) of " +
+         std::to_string(config_.ring_capacity) + " commands, " +
+         std::to_string(config_.num_signals) + " signals per peer";
+}
+
+}  // namespace mk::detail

@@ -1,0 +1,95 @@
+// Internal: a communicator's path between nodes (issue 8, docs/design/multinode.md section 1).
+//
+// One transport whose peers are this rank's rail peers (the same local index on every other node:
+// the hierarchical kernels send nothing else over the network, fused/rail_routes.h), one proxy
+// with a command ring per channel, and the host signal pad the arrivals raise. Kernels push
+// commands into the rings and poll the pad; both live in the memory `host_memory` gives (the
+// communicator passes pinned, device-mapped memory; CPU tests the heap).
+//
+// Errors: the first asynchronous error of the transport or the proxy (a lost peer, a malformed
+// command) is kept, passed to config.on_error once (the communicator raises its abort flag there,
+// so polling kernels stop), and thrown by check(). Teardown drains what was pushed (bounded by
+// the time limit), stops the proxy and closes the transport with a goodbye to every peer.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mkernel/bootstrap.h"
+#include "mkernel/error.h"
+#include "mkernel/topology.h"
+#include "mkernel/transport/proxy.h"
+#include "mkernel/transport/transport.h"
+
+namespace mk::detail {
+
+struct InterNodeConfig {
+  std::string backend;            // "socket", "cx7", "efa"; empty: MKERNEL_TRANSPORT, else the
+                                  // build's default (transport::default_backend())
+  int channels = 1;               // command rings, one proxy thread each
+  uint64_t ring_capacity = 1024;  // commands per ring (a power of two)
+  uint32_t num_signals = 64;      // signal ids 0 .. num_signals - 1 per source rank
+  double timeout_seconds = 60;    // setup, waits, stalled transfers, teardown's drain
+  transport::RingAllocator host_memory;  // rings and the signal pad (default: the heap)
+  transport::CopyFn copy_to_device;      // socket backend, kDevice buffers (TransportConfig)
+  transport::CopyFn copy_from_device;
+  std::string gpu_pci_bus_id;  // picks the NIC (cx7 / efa)
+  std::string socket_ifname;   // socket: the interface to listen on (empty: the environment's)
+  std::function<void(const Error&)> on_error;  // once, from a transport or proxy thread
+};
+
+class InterNode {
+ public:
+  // Collective over every rank of `bootstrap`. Throws mk::Error(kInvalidArgument) when the
+  // topology has one node (nothing lies between nodes) or the channels / signals are out of
+  // range, and what transport::make_transport throws (unknown or unsupported backend, an
+  // unreachable peer - on every rank).
+  InterNode(Bootstrap& bootstrap, const Topology& topo, InterNodeConfig config);
+  ~InterNode();
+  InterNode(const InterNode&) = delete;
+  InterNode& operator=(const InterNode&) = delete;
+
+  const std::vector<int>& peers() const { return peers_; }  // rail peers, ascending
+  bool is_peer(int rank) const { return transport_->is_peer(rank); }
+  transport::Transport& transport() { return *transport_; }
+  transport::Proxy& proxy() { return *proxy_; }
+  transport::HostSignalPad& signals() { return *pad_; }
+  const transport::HostSignalPad& signals() const { return *pad_; }
+  const InterNodeConfig& config() const { return config_; }
+
+  // Collective: registers every rank's copy of one symmetric buffer under `id` (same id, same
+  // size on every rank); commands name it.
+  void register_buffer(int id, void* base, uint64_t bytes, transport::MemoryKind kind);
+
+  // Throws the first error of the transport or the proxy, if any.
+  void check() const;
+  bool failed() const;
+
+  // Host wait until word (signal, src_rank) of the pad reaches `value` (wrap-safe), checking the
+  // path's health meanwhile. Throws that error, or mk::Error(kTimeout) naming the peer, the
+  // signal and the value after the time limit.
+  void wait(int src_rank, uint32_t signal, uint64_t value) const;
+
+  // One line: backend, peers, channels, signals.
+  std::string describe() const;
+
+ private:
+  void record(const Error& error);
+
+  InterNodeConfig config_;
+  int rank_;
+  std::vector<int> peers_;
+  std::unique_ptr<transport::HostSignalPad> pad_;
+  std::unique_ptr<transport::Transport> transport_;
+  std::unique_ptr<transport::Proxy> proxy_;
+
+  mutable std::mutex mutex_;  // guards error_
+  std::optional<Error> error_;
+};
+
+}  // namespace mk::detail

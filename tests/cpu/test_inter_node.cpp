@@ -1,0 +1,207 @@
+// The communicator's inter-node path (runtime/inter_node.h) over the socket backend, between
+// threads of one process split into virtual nodes: rail peers only, bytes and signals through the
+// proxy's rings at 2 x 2, 3 x 2 and 2 x 4 ranks, and the failures - a command for a rank of the
+// same node or another rail, a one-node topology, a wait that times out, a lost peer.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cpu_test_util.h"
+#include "mkernel/topology.h"
+#include "runtime/inter_node.h"
+#include "test_transport_util.h"
+#include "transport/socket_transport.h"
+
+namespace mk::detail {
+namespace {
+
+using mk::test::contains;
+using mk::test::Outcome;
+using transport::make_put_signal;
+
+// `nodes` x `per_node` ranks of one process, virtual nodes of `per_node` consecutive ranks.
+Topology virtual_topology(int rank, int nodes, int per_node) {
+  std::vector<RankInfo> infos(nodes * per_node);
+  for (int r = 0; r < nodes * per_node; ++r) {
+    infos[r].host_id = 7;
+    infos[r].pid = 1;
+    infos[r].device = r % 2;
+    infos[r].device_uuid[0] = static_cast<uint8_t>(r % 2);
+    infos[r].sm_count = 132;
+    infos[r].ranks_per_node = per_node;
+  }
+  return compute_topology(rank, infos);
+}
+
+InterNodeConfig test_config(double timeout = 10) {
+  InterNodeConfig c;
+  c.backend = "socket";
+  c.channels = 2;
+  c.ring_capacity = 64;
+  c.num_signals = 8;
+  c.timeout_seconds = timeout;
+  return c;
+}
+
+uint64_t seed_of(int src, int dst) { return static_cast<uint64_t>(src) * 1000 + dst + 1; }
+
+// Runs fn, then meets the other ranks at a barrier whether fn threw or not (a rank that leaves
+// early would hold the others at theirs), then rethrows.
+void then_barrier(Bootstrap& b, const std::function<void()>& fn) {
+  std::exception_ptr error;
+  try {
+    fn();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  b.barrier();
+  if (error) std::rethrow_exception(error);
+}
+
+void expect_all_ok(const std::vector<Outcome>& outcomes) {
+  for (std::size_t r = 0; r < outcomes.size(); ++r) {
+    EXPECT_FALSE(outcomes[r].threw) << "rank " << r << ": " << outcomes[r].message;
+  }
+}
+
+// Every rank puts `bytes` (with a signal) to each rail peer through the proxy, channel by peer,
+// and checks what each rail peer put into its buffer; the peer set is the rail.
+void exchange_on_rails(int nodes, int per_node, uint64_t bytes) {
+  const int world = nodes * per_node;
+  expect_all_ok(mk::test::run_group(world, [&](Bootstrap& b) {
+    const int me = b.rank();
+    const Topology topo = virtual_topology(me, nodes, per_node);
+    InterNode path(b, topo, test_config());
+    std::vector<int> want;
+    for (int n = 0; n < nodes; ++n) {
+      if (n != topo.node) want.push_back(n * per_node + topo.local_rank);
+    }
+    EXPECT_EQ(path.peers(), want) << path.describe();
+    EXPECT_TRUE(contains(path.describe(), "socket")) << path.describe();
+    for (int r = 0; r < world; ++r)
+      EXPECT_EQ(path.is_peer(r), r != me && r % per_node == me % per_node);
+
+    std::vector<char> src(bytes * world), dst(bytes * world, 0);
+    for (int p : path.peers()) mk::test::fill_pattern(&src[bytes * p], bytes, seed_of(me, p));
+    path.register_buffer(0, src.data(), src.size(), transport::MemoryKind::kHost);
+    path.register_buffer(1, dst.data(), dst.size(), transport::MemoryKind::kHost);
+    for (std::size_t i = 0; i < path.peers().size(); ++i) {
+      const int p = path.peers()[i];
+      path.proxy().push(static_cast<int>(i % 2),
+                        make_put_signal(p, 1, 0, bytes * p, 1, bytes * me, bytes, 3, 40 + me));
+    }
+    for (int p : path.peers()) {
+      path.wait(p, 3, 40 + p);
+      EXPECT_EQ(mk::test::first_mismatch(&dst[bytes * p], bytes, seed_of(p, me)), -1)
+          << "bytes from rank " << p;
+    }
+    path.check();
+    b.barrier();  // nobody leaves while a peer still waits
+  }));
+}
+
+TEST(InterNode, RailPeersCarryBytesAndSignals2x2) { exchange_on_rails(2, 2, 1 << 20); }
+TEST(InterNode, RailPeersCarryBytesAndSignals3x2) { exchange_on_rails(3, 2, 300000); }
+TEST(InterNode, RailPeersCarryBytesAndSignals2x4) { exchange_on_rails(2, 4, 65536); }
+TEST(InterNode, OneRankPerNode) { exchange_on_rails(3, 1, 4096); }
+
+// A command for a rank that is not a rail peer (same node, or another node's other rail) is
+// rejected by the proxy, never sent; check() then names it on that rank.
+TEST(InterNode, CommandOffTheRailIsRejected) {
+  const auto outcomes = mk::test::run_group(4, [&](Bootstrap& b) {
+    const int me = b.rank();
+    InterNode path(b, virtual_topology(me, 2, 2), test_config());
+    std::vector<char> buf(4096);
+    path.register_buffer(0, buf.data(), buf.size(), transport::MemoryKind::kHost);
+    then_barrier(b, [&] {
+      if (me != 0) return;
+      path.proxy().push(0, make_put_signal(1, 9, 0, 0, 0, 0, 64, 2, 1));  // same node
+      path.proxy().push(1, make_put_signal(3, 9, 0, 0, 0, 0, 64, 2, 1));  // other rail
+      path.proxy().drain(10);
+      EXPECT_EQ(path.proxy().stats().rejected, 2u);
+      path.check();  // throws the first rejection
+    });
+  });
+  ASSERT_TRUE(outcomes[0].threw);
+  EXPECT_EQ(outcomes[0].code, ErrorCode::kInvalidArgument) << outcomes[0].message;
+  EXPECT_TRUE(contains(outcomes[0].message, "rank 1")) << outcomes[0].message;
+  for (int r = 1; r < 4; ++r) EXPECT_FALSE(outcomes[r].threw) << outcomes[r].message;
+}
+
+TEST(InterNode, OneNodeIsRefused) {
+  const auto outcomes = mk::test::run_group(
+      2, [&](Bootstrap& b) { InterNode path(b, virtual_topology(b.rank(), 1, 2), test_config()); });
+  for (const Outcome& o : outcomes) {
+    ASSERT_TRUE(o.threw);
+    EXPECT_EQ(o.code, ErrorCode::kInvalidArgument);
+    EXPECT_TRUE(contains(o.message, "one node")) << o.message;
+  }
+}
+
+TEST(InterNode, UnknownBackendIsRefusedOnEveryRank) {
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    InterNodeConfig c = test_config();
+    c.backend = "carrier-pigeon";
+    InterNode path(b, virtual_topology(b.rank(), 2, 1), c);
+  });
+  for (const Outcome& o : outcomes) {
+    ASSERT_TRUE(o.threw);
+    EXPECT_EQ(o.code, ErrorCode::kInvalidArgument) << o.message;
+    EXPECT_TRUE(contains(o.message, "carrier-pigeon")) << o.message;
+  }
+}
+
+// A signal that never comes: the wait ends after the time limit with an error naming the peer,
+// the signal and the value.
+TEST(InterNode, WaitTimesOutNamingPeerAndSignal) {
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    InterNode path(b, virtual_topology(b.rank(), 2, 1), test_config(0.3));
+    then_barrier(b, [&] {
+      if (b.rank() == 0) path.wait(1, 5, 7);
+    });
+  });
+  ASSERT_TRUE(outcomes[0].threw);
+  EXPECT_EQ(outcomes[0].code, ErrorCode::kTimeout) << outcomes[0].message;
+  for (const char* part : {"signal 5", "from rank 1", "reach 7"}) {
+    EXPECT_TRUE(contains(outcomes[0].message, part)) << outcomes[0].message;
+  }
+  EXPECT_FALSE(outcomes[1].threw) << outcomes[1].message;
+}
+
+// A rail peer whose process dies (its transport closed abruptly, no goodbye) while the other
+// waits for its signal: the wait fails with the transport's error naming the lost peer, well
+// inside the time limit; on_error saw it first.
+TEST(InterNode, LostPeerFailsTheWait) {
+  std::vector<std::string> seen(2);
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    const int me = b.rank();
+    InterNodeConfig c = test_config(20);
+    c.on_error = [&seen, me](const Error& e) { seen[me] = e.what(); };
+    InterNode path(b, virtual_topology(me, 2, 1), c);
+    b.barrier();
+    if (me == 1) {
+      dynamic_cast<transport::detail::SocketTransport&>(path.transport()).close_abruptly();
+      return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      path.wait(1, 0, 1);
+    } catch (const Error&) {
+      EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                10);
+      throw;
+    }
+  });
+  ASSERT_TRUE(outcomes[0].threw);
+  EXPECT_TRUE(contains(outcomes[0].message, "rank 1")) << outcomes[0].message;
+  EXPECT_FALSE(contains(outcomes[0].message, "waited")) << outcomes[0].message;
+  EXPECT_TRUE(contains(seen[0], "rank 1")) << seen[0];
+  EXPECT_FALSE(outcomes[1].threw) << outcomes[1].message;
+}
+
+}  // namespace
+}  // namespace mk::detail
