@@ -32,6 +32,7 @@ namespace mk {
 namespace detail {
 struct CommState;
 struct SymAllocation;
+class InterNode;
 }  // namespace detail
 
 struct CommOptions {
@@ -103,6 +104,13 @@ class Communicator {
   void synchronize(cudaStream_t stream);
   // Throws mk::Error(kNotInitialized) if an earlier error broke the communicator.
   void ensure_usable(const char* op) const;
+
+  // Collective on its first call, multi-node communicators only: the path between nodes - a
+  // transport to this rank's rail peers, a proxy whose command rings kernels push into, and the
+  // host-mapped signal pad arrivals raise (DeviceComm::host_signals from then on). The multi-node
+  // ops create it. Throws mk::Error(kInvalidArgument) on one node, and the transport's errors
+  // (unknown or unavailable backend: MKERNEL_TRANSPORT; an unreachable peer) on every rank.
+  detail::InterNode& inter_node();
 
  private:
   Communicator();

@@ -19,6 +19,14 @@ enum class SignalId : uint32_t {
 };
 constexpr int kNumSignals = static_cast<int>(SignalId::kCount);
 
+// Arrivals from other nodes land in a second pad, in host-mapped memory (the communicator's
+// inter-node path, runtime/inter_node.h): [kHostPadSignals][world_size], word (s, src) raised by
+// the proxy when src's puts counted on s have landed; same values (signal_value) as the device pad.
+constexpr int kHostPadSignals = 4096;
+// A DeviceErrorRecord's signal with this bit set names a host-pad signal (the wait was for an
+// arrival from another node).
+constexpr uint32_t kHostPadSignalBit = 1u << 31;
+
 enum class DeviceErrorCode : int32_t { kNone = 0, kTimeout = 1 };
 
 // Written by the first wait that times out (host-mapped memory, read by Communicator::check()).
@@ -51,6 +59,9 @@ struct DeviceComm {
   DeviceLaunchState* state;       // device
   DeviceErrorRecord* error;       // host-mapped
   uint64_t timeout_ns;            // 0 = wait forever
+  // The inter-node path (multi-node communicators, once created; null otherwise):
+  const uint64_t* host_signals;  // host-mapped pad [kHostPadSignals][world_size]
+  const int32_t* host_abort;     // host-mapped: non-zero once the path failed (lost peer, ...)
 };
 
 }  // namespace mk

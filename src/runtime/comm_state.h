@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cuda.h>
+#include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <memory>
@@ -13,6 +14,7 @@
 #include "mkernel/device_comm.h"
 #include "mkernel/topology.h"
 #include "runtime/fd_exchange.h"
+#include "runtime/inter_node.h"
 
 namespace mk::detail {
 
@@ -49,6 +51,12 @@ struct CommState {
 
   mutable std::mutex registry_mutex;
   std::vector<std::weak_ptr<SymAllocation>> registry;
+
+  // The path between nodes (multi-node communicators; Communicator::inter_node() creates it).
+  std::mutex inter_node_mutex;
+  std::unique_ptr<InterNode> inter_node;
+  int32_t* host_abort = nullptr;      // pinned, mapped: raised by the path's first error
+  cudaStream_t copy_streams[2] = {};  // socket staging: to the device, from the device
 
   std::string broken;  // non-empty once an error broke the communicator
 };

@@ -33,8 +33,12 @@ std::string describe_value(uint64_t v) {
   return "launch " + std::to_string(v >> 32) + " step " + std::to_string(v & 0xffffffffu);
 }
 
-// The current value of this rank's signal word (signal, src), read from the host for diagnostics.
+// The current value of this rank's signal word (signal, src), read from the host for diagnostics
+// (a host-pad signal from the inter-node path's pad).
 uint64_t read_signal(const detail::CommState& s, uint32_t signal, int src) {
+  if (signal & kHostPadSignalBit) {
+    return s.inter_node ? s.inter_node->signals().load(src, signal & ~kHostPadSignalBit) : 0;
+  }
   uint64_t value = 0;
   const auto* word = reinterpret_cast<const uint64_t*>(s.signal_pad->bases[s.topo.local_rank]) +
                      static_cast<uint64_t>(signal) * s.topo.world_size + src;
@@ -48,6 +52,9 @@ uint64_t read_signal(const detail::CommState& s, uint32_t signal, int src) {
 }  // namespace
 
 std::string describe_signal(uint32_t signal) {
+  if (signal & kHostPadSignalBit) {
+    return "inter-node signal " + std::to_string(signal & ~kHostPadSignalBit) + " (host pad)";
+  }
   if (signal >= static_cast<uint32_t>(SignalId::kOp)) {
     return "op signal " + std::to_string(signal - static_cast<uint32_t>(SignalId::kOp));
   }
@@ -82,7 +89,12 @@ Communicator::~Communicator() {
   int previous = 0;
   cudaGetDevice(&previous);
   cudaSetDevice(state_->device);
-  cudaDeviceSynchronize();  // kernels may still use the pad; they end within the time limit
+  cudaDeviceSynchronize();     // kernels may still use the pad; they end within the time limit
+  state_->inter_node.reset();  // drains what kernels pushed, says goodbye to the rail peers
+  for (cudaStream_t& stream : state_->copy_streams) {
+    if (stream) cudaStreamDestroy(stream);
+  }
+  if (state_->host_abort) cudaFreeHost(state_->host_abort);
   state_->signal_pad.reset();
   cudaFree(state_->launch_state);
   cudaFree(state_->d_node_ranks);
@@ -208,7 +220,69 @@ DeviceComm Communicator::device_comm() const {
   d.state = s.launch_state;
   d.error = s.error_device;
   d.timeout_ns = static_cast<uint64_t>(s.timeout_seconds * 1e9);
+  if (s.inter_node) {
+    d.host_signals = s.inter_node->signals().words();  // mapped pinned: the same address on the GPU
+    d.host_abort = s.host_abort;
+  }
   return d;
+}
+
+detail::InterNode& Communicator::inter_node() {
+  detail::CommState& s = *state_;
+  std::lock_guard<std::mutex> lock(s.inter_node_mutex);
+  if (s.inter_node) return *s.inter_node;
+  ensure_usable("inter_node");
+  detail::DeviceGuard guard(s.device);
+  if (s.host_abort == nullptr) {
+    MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.host_abort), sizeof(int32_t),
+                                cudaHostAllocMapped | cudaHostAllocPortable));
+    *s.host_abort = 0;
+  }
+  for (cudaStream_t& stream : s.copy_streams) {
+    if (!stream) MK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  }
+  detail::InterNodeConfig c;
+  c.channels = static_cast<int>(env_double("MKERNEL_INTER_NODE_CHANNELS", 4));
+  c.ring_capacity = 4096;
+  c.num_signals = kHostPadSignals;
+  c.timeout_seconds = s.timeout_seconds > 0 ? s.timeout_seconds : 300.0;
+  c.host_memory.alloc = [](std::size_t bytes) -> void* {
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return p;
+  };
+  c.host_memory.free = [](void* p) { cudaFreeHost(p); };
+  // The socket backend stages device buffers through host memory from its own threads: copies on
+  // non-blocking streams of the communicator, never the legacy default stream, which would wait
+  // for the very kernel that waits for the data.
+  const int device = s.device;
+  auto copier = [device](cudaStream_t stream) {
+    return [device, stream](void* dst, const void* src, std::size_t bytes) {
+      cudaSetDevice(device);
+      cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
+      if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+      if (err != cudaSuccess) {
+        throw Error(ErrorCode::kCuda, std::string("inter-node staging copy of ") +
+                                          std::to_string(bytes) +
+                                          " bytes failed: " + cudaGetErrorString(err));
+      }
+    };
+  };
+  c.copy_to_device = copier(s.copy_streams[0]);
+  c.copy_from_device = copier(s.copy_streams[1]);
+  char bus_id[32] = {};
+  if (cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device) == cudaSuccess) {
+    c.gpu_pci_bus_id = bus_id;
+  }
+  // A failed path (lost peer, malformed command) stops the kernels waiting for arrivals.
+  c.on_error = [abort = s.host_abort](const Error&) {
+    __atomic_store_n(abort, 1, __ATOMIC_RELEASE);
+  };
+  s.inter_node = std::make_unique<detail::InterNode>(*s.bootstrap, s.topo, std::move(c));
+  return *s.inter_node;
 }
 
 void Communicator::check() {
@@ -224,6 +298,14 @@ void Communicator::check() {
         << s.timeout_seconds << " s (MKERNEL_TIMEOUT_S). Is rank " << rec->peer
         << " alive and issuing the same operations in the same order?";
     s.broken = msg.str();
+  }
+  if (s.broken.empty() && s.inter_node && s.inter_node->failed()) {
+    try {
+      s.inter_node->check();
+    } catch (const Error& e) {
+      s.broken = std::string("the inter-node path failed: ") + e.what();
+      throw Error(e.code(), s.broken);
+    }
   }
   if (!s.broken.empty()) throw Error(ErrorCode::kTimeout, s.broken);
 }

@@ -72,6 +72,31 @@ struct Launch {
     }
   }
 
+  // Wait until rank `src` on another node raised host-pad signal `signal` to at least (epoch,
+  // step) - its puts counted on that signal have landed here (DeviceComm::host_signals). False on
+  // time-out, abort, or a failed inter-node path (it will never arrive; Communicator::check()
+  // then names the path's error).
+  __device__ bool wait_remote(int src, uint32_t signal, uint32_t step) const {
+    const uint64_t* word =
+        comm.host_signals + static_cast<uint64_t>(signal) * comm.world_size + src;
+    const uint64_t expected = signal_value(epoch, step);
+    uint64_t seen = ld_acquire_sys(word);
+    if (reached(seen, expected)) return true;
+    const uint64_t start = global_timer_ns();
+    for (uint32_t spins = 0;; ++spins) {
+      seen = ld_acquire_sys(word);
+      if (reached(seen, expected)) return true;
+      if ((spins & 63) == 0) {
+        if (aborted() || ld_relaxed_sys(comm.host_abort) != 0) return false;
+        const uint64_t waited = global_timer_ns() - start;
+        if (comm.timeout_ns != 0 && waited > comm.timeout_ns) {
+          record_timeout(src, signal | kHostPadSignalBit, expected, seen, waited);
+          return false;
+        }
+      }
+    }
+  }
+
   // All local ranks' channel `channel` meet: every thread of the CTA calls it. Thread t <
   // local_size signals local rank t and waits for it. Orders all prior writes of the CTA (to any
   // GPU) before the peers' subsequent reads. Returns false (on every thread) if any wait failed.

@@ -26,6 +26,12 @@ __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
   return v;
 }
 
+__device__ __forceinline__ int32_t ld_relaxed_sys(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ uint64_t ld_relaxed_gpu(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
