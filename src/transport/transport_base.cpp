@@ -17,6 +17,8 @@ struct PublishedBuffer {
   uint64_t bytes;
   uint32_t rkey;
   uint32_t kind;
+  int32_t id;  // the id this rank registers it under (all must agree)
+  uint32_t unused;
   char status[kStatusBytes];  // empty = registered
 };
 
@@ -160,7 +162,7 @@ void TransportBase::register_buffer(int id, void* base, uint64_t bytes, MemoryKi
     }
   }
   PublishedBuffer mine{
-      reinterpret_cast<uint64_t>(base), bytes, rkey, static_cast<uint32_t>(kind), {}};
+      reinterpret_cast<uint64_t>(base), bytes, rkey, static_cast<uint32_t>(kind), id, 0, {}};
   copy_status(mine.status, status);
   std::vector<PublishedBuffer> all(static_cast<std::size_t>(world_size_));
   bootstrap_.allgather(&mine, all.data(), sizeof(PublishedBuffer));
@@ -170,7 +172,11 @@ void TransportBase::register_buffer(int id, void* base, uint64_t bytes, MemoryKi
     if (p.status[0] != '\0') message += (message.empty() ? "" : "; ") + std::string(p.status);
   }
   for (int r = 1; r < world_size_ && message.empty(); ++r) {
-    if (all[r].bytes != all[0].bytes) {
+    if (all[r].id != all[0].id) {
+      message = "rank 0 registers this buffer as id " + std::to_string(all[0].id) + " but rank " +
+                std::to_string(r) + " as id " + std::to_string(all[r].id) +
+                "; every rank must register its copy of a buffer under the same id";
+    } else if (all[r].bytes != all[0].bytes) {
       message = "buffer " + std::to_string(id) + " has " + std::to_string(all[0].bytes) +
                 " bytes on rank 0 but " + std::to_string(all[r].bytes) + " on rank " +
                 std::to_string(r) + "; a symmetric buffer has the same size on every rank";

@@ -552,6 +552,18 @@ TEST(TransportSocket, RegistrationChecksAgreeAcrossRanks) {
   for (const Outcome& o : bad_id) {
     EXPECT_TRUE(contains(o.message, "rank 1: buffer id 16 is out of range")) << o.message;
   }
+  // Valid ids that differ between ranks: puts would land in the wrong buffer - refused everywhere.
+  const auto other_id = mk::test::run_group(2, [&](Bootstrap& b) {
+    HostSignalPad pad(2, 8);
+    auto t = make_transport(b, config_for(pad), "socket");
+    std::vector<char> buffer(64);
+    t->register_buffer(b.rank() == 1 ? 3 : 2, buffer.data(), buffer.size());
+  });
+  for (const Outcome& o : other_id) {
+    EXPECT_EQ(o.code, ErrorCode::kInvalidArgument) << o.message;
+    EXPECT_TRUE(contains(o.message, "rank 0 registers this buffer as id 2 but rank 1 as id 3"))
+        << o.message;
+  }
 }
 
 TEST(TransportSocket, PostRefusesOpsOutsideTheLimits) {
