@@ -119,8 +119,9 @@ TEST(InterNode, CommandOffTheRailIsRejected) {
     path.register_buffer(0, buf.data(), buf.size(), transport::MemoryKind::kHost);
     then_barrier(b, [&] {
       if (me != 0) return;
+      // One ring: its thread meets them in this order, so the first error names rank 1.
       path.proxy().push(0, make_put_signal(1, 9, 0, 0, 0, 0, 64, 2, 1));  // same node
-      path.proxy().push(1, make_put_signal(3, 9, 0, 0, 0, 0, 64, 2, 1));  // other rail
+      path.proxy().push(0, make_put_signal(3, 9, 0, 0, 0, 0, 64, 2, 1));  // other rail
       path.proxy().drain(10);
       EXPECT_EQ(path.proxy().stats().rejected, 2u);
       path.check();  // throws the first rejection
