@@ -174,6 +174,7 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
 
 
 _ASYNC_TP_NOTE = None
+_NUM_NODES = 1  # the communicator's (virtual) nodes, set in main()
 
 
 def with_switch(fn, variable, value="0"):
@@ -250,6 +251,9 @@ def torch_async_tp(make_call):
     """PyTorch's symmetric-memory fused op as a callable (make_call(group_name) -> call), run
     once to check it works here; None (with the reason noted in the results) when it does not."""
     global _ASYNC_TP_NOTE
+    if _NUM_NODES > 1:  # symmetric memory spans one node; across nodes there is no such op
+        _ASYNC_TP_NOTE = f"torch async-TP: intra-node only (this run spans {_NUM_NODES} nodes)"
+        return None
     try:
         from torch.distributed import _symmetric_memory  # noqa: F401 - registers the ops
         run = make_call(dist.group.WORLD.group_name)
@@ -305,10 +309,13 @@ def main():
     dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local_rank))
     comm = mkernel.init()
     world = dist.get_world_size()
+    global _NUM_NODES
+    _NUM_NODES = comm.num_nodes
     shapes = parse_shapes(args.shapes) if args.shapes else SHAPES[args.kernel]
     if args.mode == "check":
         shapes = [(max(world, m // 8 // world * world), n // 4, k // 4) for m, n, k in shapes]
-    log(f"{args.kernel} {args.mode}: world {world}, {torch.cuda.get_device_name()}, "
+    log(f"{args.kernel} {args.mode}: world {world} ({comm.num_nodes} node(s)), "
+        f"{torch.cuda.get_device_name()}, "
         f"mkernel {mkernel.__version__}, torch {torch.__version__}")
     rows, all_ok = [], True
     header = (f"{'shape (MxNxK)':<20} {'mkernel':>8} {'gemm':>8} {'comm':>8} {'seq':>8} "
@@ -363,8 +370,9 @@ def main():
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "device": torch.cuda.get_device_name(),
             "world_size": world,
-            "num_nodes": 1,
-            "transport": "nvlink",
+            "num_nodes": comm.num_nodes,
+            "transport": ("nvlink" if comm.num_nodes == 1 else
+                          "nvlink+" + os.environ.get("MKERNEL_TRANSPORT", "default backend")),
             "notes": _ASYNC_TP_NOTE,
             "rows": rows,
         }

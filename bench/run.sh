@@ -14,10 +14,18 @@
 # The fused kernels run through PyTorch (torchrun + the mkernel package: `pip install .` first).
 # One rank per GPU of this machine (MKERNEL_RANKS overrides; ranks may share GPUs).
 # Environment: BUILD_DIR (build), MKERNEL_NCCL_LIB (NCCL to compare with; default: PyTorch's).
+# num_nodes > 1 (the fused kernels; results ...-w<world>-n<nodes>.json), as in the original: this
+# machine is node 0 and starts torchrun on node i >= 1 over ssh. NODE0_IP (the address the others
+# reach this machine at), NODE1_IP, ... (one per node), NODE<i>_SSH (ssh target of node i;
+# default NODE<i>_IP), MKERNEL_REMOTE_DIR (this checkout's path there; default the same path),
+# GPUS_PER_NODE (default: this machine's), MASTER_PORT (29500). MKERNEL_* and NCCL_* variables
+# go along. MKERNEL_VIRTUAL_NODES=1: every node on this machine instead (MKERNEL_GPUS_PER_NODE =
+# ranks / num_nodes, inter-node traffic through the socket transport over loopback).
+# MKERNEL_DRY_RUN=1 prints the commands instead of running them.
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 NCCL_NVLS_DISABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-usage() { sed -n '2,15s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+usage() { sed -n '2,23s/^# \{0,1\}//p' "$0" >&2; exit 2; }
 [[ $# -ge 3 ]] || usage
 kernel="$1" mode="$2" nodes="$3" sizes="${4:-}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -37,13 +45,98 @@ case "$kernel" in
   *) echo "bench/run.sh: unknown kernel '$kernel'" >&2; usage ;;
 esac
 [[ "$mode" == check || "$mode" == bench ]] || usage
-if [[ "$nodes" != 1 ]]; then
-  echo "bench/run.sh: $nodes nodes asked; multi-node runs need the inter-node transport, which is" \
-       "not built yet (only 1 node is supported today)" >&2
-  exit 2
-fi
+[[ "$nodes" =~ ^[1-9][0-9]*$ ]] || { echo "bench/run.sh: num_nodes '$nodes' is not a positive number" >&2; exit 2; }
+dry_run="${MKERNEL_DRY_RUN:-0}"
+# Runs "$@", or prints it (MKERNEL_DRY_RUN=1).
+run() {
+  if [[ "$dry_run" == 1 ]]; then printf '%q ' "$@"; echo; else "$@"; fi
+}
 
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [[ "$gpus" -eq 0 && "$dry_run" == 1 && "$nodes" -gt 1 ]]; then
+  gpus="${GPUS_PER_NODE:-2}"  # what a dry run pretends this machine has
+fi
+
+if [[ "$nodes" -gt 1 ]]; then
+  case "$kernel" in
+    ag_gemm | gemm_rs | gemm_ar) ;;
+    all)
+      status=0
+      for k in ag_gemm gemm_rs gemm_ar; do
+        bash "$PWD/bench/run.sh" "$k" "$mode" "$nodes" "$sizes" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
+      done
+      exit "$status" ;;
+    *) echo "bench/run.sh: $kernel runs on one node only; across nodes: ag_gemm, gemm_rs, gemm_ar, all" >&2
+       exit 2 ;;
+  esac
+  if [[ "$gpus" -eq 0 ]]; then
+    echo "bench/run.sh: no NVIDIA GPU found on this machine; nothing was checked." >&2
+    exit 3
+  fi
+  python3 -c 'import mkernel' 2>/dev/null || [[ "$dry_run" == 1 ]] || {
+    echo "bench/run.sh: the mkernel Python package is not importable: run 'pip install .' first" >&2
+    exit 2
+  }
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 |
+        awk '{print tolower($NF)}' || true)
+  gpu="${gpu:-h200}"
+  export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+  if [[ "${MKERNEL_VIRTUAL_NODES:-0}" == 1 ]]; then
+    ranks="${MKERNEL_RANKS:-$gpus}"
+    if ((ranks % nodes != 0)); then
+      echo "bench/run.sh: $ranks ranks do not split into $nodes virtual nodes (MKERNEL_RANKS)" >&2
+      exit 2
+    fi
+    per_node=$((ranks / nodes))
+  else
+    per_node="${GPUS_PER_NODE:-$gpus}"
+    ranks=$((per_node * nodes))
+  fi
+  fused_args=(--kernel "$kernel" --mode "$mode")
+  [[ -z "$sizes" ]] || fused_args+=(--shapes "$sizes")
+  if [[ "$mode" == bench ]]; then
+    mkdir -p bench/results
+    fused_args+=(--json "bench/results/${kernel}-${gpu}-w${ranks}-n${nodes}.json")
+  fi
+  if [[ "${MKERNEL_VIRTUAL_NODES:-0}" == 1 ]]; then
+    echo "bench/run.sh: $kernel $mode on $nodes virtual nodes of $per_node rank(s), this machine"
+    run env MKERNEL_GPUS_PER_NODE="$per_node" python3 -m torch.distributed.run --standalone --nproc-per-node "$ranks" \
+      bench/bench_fused.py "${fused_args[@]}"
+    exit $?
+  fi
+  for ((i = 0; i < nodes; i++)); do
+    var="NODE${i}_IP"
+    [[ -n "${!var:-}" ]] || { echo "bench/run.sh: $nodes nodes asked but $var is not set (see the usage)" >&2; exit 2; }
+  done
+  port="${MASTER_PORT:-29500}"
+  remote_dir="${MKERNEL_REMOTE_DIR:-$PWD}"
+  # What each node's torchrun gets: rendezvous on node 0, this node's rank, the variables.
+  torchrun_on() {
+    printf 'python3 -m torch.distributed.run --nnodes %q --node-rank %q --nproc-per-node %q ' \
+      "$nodes" "$1" "$per_node"
+    printf -- '--master-addr %q --master-port %q bench/bench_fused.py' "$NODE0_IP" "$port"
+    printf ' %q' "${fused_args[@]}"
+  }
+  forwarded=$(env | grep -E '^(MKERNEL|NCCL)_[A-Z0-9_]*=' | grep -v '^MKERNEL_DRY_RUN=' |
+              while IFS= read -r kv; do printf '%q ' "$kv"; done)
+  echo "bench/run.sh: $kernel $mode on $nodes nodes x $per_node rank(s) (node 0: this machine)"
+  pids=()
+  for ((i = 1; i < nodes; i++)); do
+    ip_var="NODE${i}_IP" ssh_var="NODE${i}_SSH"
+    target="${!ssh_var:-${!ip_var}}"
+    remote="cd $(printf %q "$remote_dir") && env $forwarded$(torchrun_on "$i")"
+    if [[ "$dry_run" == 1 ]]; then
+      run ssh -o BatchMode=yes "$target" "$remote"
+    else
+      ssh -o BatchMode=yes "$target" "$remote" &
+      pids+=($!)
+    fi
+  done
+  status=0
+  run bash -c "$(torchrun_on 0)" || status=$?
+  for pid in "${pids[@]}"; do wait "$pid" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }; done
+  exit "$status"
+fi
 if [[ "$gpus" -eq 0 ]]; then
   echo "bench/run.sh: no NVIDIA GPU found on this machine. mkernel's kernels need Hopper GPUs" \
        "(H100/H200); nothing was checked." >&2
