@@ -53,23 +53,8 @@ struct Launch {
 
   // Wait until rank `src` raised `signal` to at least (epoch, step). False on time-out / abort.
   __device__ bool wait(int src, uint32_t signal, uint32_t step) const {
-    const uint64_t* word = comm.signals + static_cast<uint64_t>(signal) * comm.world_size + src;
-    const uint64_t expected = signal_value(epoch, step);
-    uint64_t seen = ld_acquire_sys(word);
-    if (reached(seen, expected)) return true;
-    const uint64_t start = global_timer_ns();
-    for (uint32_t spins = 0;; ++spins) {
-      seen = ld_acquire_sys(word);
-      if (reached(seen, expected)) return true;
-      if ((spins & 63) == 0) {
-        if (aborted()) return false;
-        const uint64_t waited = global_timer_ns() - start;
-        if (comm.timeout_ns != 0 && waited > comm.timeout_ns) {
-          record_timeout(src, signal, expected, seen, waited);
-          return false;
-        }
-      }
-    }
+    return wait_for(comm.signals + static_cast<uint64_t>(signal) * comm.world_size + src, src,
+                    signal, step, nullptr);
   }
 
   // Wait until rank `src` on another node raised host-pad signal `signal` to at least (epoch,
@@ -77,24 +62,8 @@ struct Launch {
   // time-out, abort, or a failed inter-node path (it will never arrive; Communicator::check()
   // then names the path's error).
   __device__ bool wait_remote(int src, uint32_t signal, uint32_t step) const {
-    const uint64_t* word =
-        comm.host_signals + static_cast<uint64_t>(signal) * comm.world_size + src;
-    const uint64_t expected = signal_value(epoch, step);
-    uint64_t seen = ld_acquire_sys(word);
-    if (reached(seen, expected)) return true;
-    const uint64_t start = global_timer_ns();
-    for (uint32_t spins = 0;; ++spins) {
-      seen = ld_acquire_sys(word);
-      if (reached(seen, expected)) return true;
-      if ((spins & 63) == 0) {
-        if (aborted() || ld_relaxed_sys(comm.host_abort) != 0) return false;
-        const uint64_t waited = global_timer_ns() - start;
-        if (comm.timeout_ns != 0 && waited > comm.timeout_ns) {
-          record_timeout(src, signal | kHostPadSignalBit, expected, seen, waited);
-          return false;
-        }
-      }
-    }
+    return wait_for(comm.host_signals + static_cast<uint64_t>(signal) * comm.world_size + src,
+                    src, signal | kHostPadSignalBit, step, comm.host_abort);
   }
 
   // All local ranks' channel `channel` meet: every thread of the CTA calls it. Thread t <
@@ -131,6 +100,28 @@ struct Launch {
   }
 
  private:
+  // Polls `word` (rank src's, recorded as signal `tag` on a time-out) until it reaches (epoch,
+  // step). False on time-out, on this rank's abort, or once `*path_abort` (when given) is set.
+  __device__ bool wait_for(const uint64_t* word, int src, uint32_t tag, uint32_t step,
+                           const int32_t* path_abort) const {
+    const uint64_t expected = signal_value(epoch, step);
+    uint64_t seen = ld_acquire_sys(word);
+    if (reached(seen, expected)) return true;
+    const uint64_t start = global_timer_ns();
+    for (uint32_t spins = 0;; ++spins) {
+      seen = ld_acquire_sys(word);
+      if (reached(seen, expected)) return true;
+      if ((spins & 63) == 0) {
+        if (aborted() || (path_abort != nullptr && ld_relaxed_sys(path_abort) != 0)) return false;
+        const uint64_t waited = global_timer_ns() - start;
+        if (comm.timeout_ns != 0 && waited > comm.timeout_ns) {
+          record_timeout(src, tag, expected, seen, waited);
+          return false;
+        }
+      }
+    }
+  }
+
   __device__ void record_timeout(int src, uint32_t signal, uint64_t expected, uint64_t seen,
                                  uint64_t waited) const {
     if (atomicCAS(&comm.state->abort, 0, 1) != 0) return;  // someone else reports
