@@ -82,6 +82,51 @@ void InterNode::record(const Error& error) {
 
 void InterNode::register_buffer(int id, void* base, uint64_t bytes, transport::MemoryKind kind) {
   transport_->register_buffer(id, base, bytes, kind);
+  used_.resize(transport::kMaxBuffers);
+  used_[id] = true;
+}
+
+int InterNode::buffer_id(void* base, uint64_t bytes, transport::MemoryKind kind,
+                         std::weak_ptr<const void> owner) {
+  used_.resize(transport::kMaxBuffers);
+  // Registrations whose owner is gone: nothing may be in flight for them any more.
+  bool drained = false;
+  for (auto it = registered_.begin(); it != registered_.end();) {
+    if (!it->owned || !it->owner.expired()) {
+      ++it;
+      continue;
+    }
+    if (!drained) {
+      proxy_->drain(config_.timeout_seconds);
+      drained = true;
+    }
+    transport_->release_buffer(it->id);
+    used_[it->id] = false;
+    it = registered_.erase(it);
+  }
+  for (const Registered& r : registered_) {
+    if (r.base != base) continue;
+    if (r.bytes != bytes) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "inter-node path of rank " + std::to_string(rank_) + ": the buffer at " +
+                      std::to_string(reinterpret_cast<uintptr_t>(base)) + " was registered with " +
+                      std::to_string(r.bytes) + " bytes, now asked for with " +
+                      std::to_string(bytes));
+    }
+    return r.id;
+  }
+  int id = 0;
+  while (id < transport::kMaxBuffers && used_[id]) ++id;
+  if (id == transport::kMaxBuffers) {
+    throw Error(ErrorCode::kOutOfMemory,
+                "inter-node path of rank " + std::to_string(rank_) + ": all " +
+                    std::to_string(transport::kMaxBuffers) +
+                    " buffer ids are registered; free workspaces that are no longer used");
+  }
+  register_buffer(id, base, bytes, kind);
+  const bool owned = owner.lock() != nullptr;
+  registered_.push_back({base, bytes, id, std::move(owner), owned});
+  return id;
 }
 
 void InterNode::check() const {

@@ -65,6 +65,14 @@ class InterNode {
   // Collective: registers every rank's copy of one symmetric buffer under `id` (same id, same
   // size on every rank); commands name it.
   void register_buffer(int id, void* base, uint64_t bytes, transport::MemoryKind kind);
+  // The id of the buffer at `base` (this rank's copy of a symmetric allocation), registering it
+  // under the lowest free id on first use - collective then, so every rank must ask for its copy
+  // of the same allocations in the same order (ops do: they are collective; the transport refuses
+  // ids that differ between ranks). `owner` (e.g. the allocation) ends the registration: once it
+  // has expired, the next buffer_id call releases the id (after draining the proxy), so a freed
+  // workspace's id serves the next one. A live base asked for with another size is an error.
+  int buffer_id(void* base, uint64_t bytes, transport::MemoryKind kind,
+                std::weak_ptr<const void> owner = {});
 
   // Throws the first error of the transport or the proxy, if any.
   void check() const;
@@ -90,6 +98,15 @@ class InterNode {
 
   mutable std::mutex mutex_;  // guards error_
   std::optional<Error> error_;
+  struct Registered {
+    void* base;
+    uint64_t bytes;
+    int id;
+    std::weak_ptr<const void> owner;
+    bool owned;  // owner was given: the registration ends with it
+  };
+  std::vector<Registered> registered_;  // buffer_id's
+  std::vector<bool> used_;              // [transport::kMaxBuffers] ids taken
 };
 
 }  // namespace mk::detail

@@ -139,6 +139,20 @@ std::string TransportBase::prefix() const {
 }
 
 uint32_t TransportBase::register_memory(int, void*, uint64_t, MemoryKind) { return 0; }
+void TransportBase::unregister_memory(int) {}
+
+void TransportBase::release_buffer(int id) {
+  if (id < 0 || id >= kMaxBuffers) return;
+  {
+    std::unique_lock<std::shared_mutex> lock(buffers_mutex_);
+    if (local_[id].bytes == 0) return;
+    local_[id] = LocalBuffer{};
+    for (int r = 0; r < world_size_; ++r) {
+      remote_[static_cast<std::size_t>(r) * kMaxBuffers + id] = RemoteBuffer{};
+    }
+  }
+  unregister_memory(id);
+}
 
 void TransportBase::register_buffer(int id, void* base, uint64_t bytes, MemoryKind kind) {
   const std::string where = "rank " + std::to_string(rank_) + ": ";

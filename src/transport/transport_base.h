@@ -27,6 +27,7 @@ class TransportBase : public Transport {
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
   void register_buffer(int id, void* base, uint64_t bytes, MemoryKind kind) override;
+  void release_buffer(int id) override;
   CommandLimits limits() const override;
   void check() const override;
   bool failed() const override { return failed_.load(std::memory_order_acquire); }
@@ -55,6 +56,8 @@ class TransportBase : public Transport {
   // Backend hook, called by register_buffer before the exchange: make the memory reachable by
   // the network (RDMA: register a memory region). Returns the key peers use.
   virtual uint32_t register_memory(int id, void* base, uint64_t bytes, MemoryKind kind);
+  // Backend hook, called by release_buffer after the tables forgot `id` (RDMA: deregister).
+  virtual void unregister_memory(int id);
 
   LocalBuffer local_buffer(int id) const;
   RemoteBuffer remote_buffer(int rank, int id) const;

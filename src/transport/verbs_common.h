@@ -78,6 +78,7 @@ class RdmaTransport : public TransportBase {
   virtual uint64_t max_message_bytes() const = 0;
 
   uint32_t register_memory(int id, void* base, uint64_t bytes, MemoryKind kind) override;
+  void unregister_memory(int id) override { mrs_[id].reset(); }
   ibv_mr* register_dmabuf(void* base, uint64_t bytes, std::string* why) const;
   [[noreturn]] void throw_errno(const std::string& what, int err) const;
 

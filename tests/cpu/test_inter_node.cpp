@@ -7,6 +7,7 @@
 #include <chrono>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -131,6 +132,64 @@ TEST(InterNode, CommandOffTheRailIsRejected) {
   EXPECT_EQ(outcomes[0].code, ErrorCode::kInvalidArgument) << outcomes[0].message;
   EXPECT_TRUE(contains(outcomes[0].message, "rank 1")) << outcomes[0].message;
   for (int r = 1; r < 4; ++r) EXPECT_FALSE(outcomes[r].threw) << outcomes[r].message;
+}
+
+// buffer_id: the same ids on every rank for the same allocations in the same order, the same id
+// again for a base seen before, an error for a known base with another size; puts name the ids.
+TEST(InterNode, BufferIdsRegisterOnFirstUse) {
+  expect_all_ok(mk::test::run_group(2, [&](Bootstrap& b) {
+    const int me = b.rank(), peer = 1 - me;
+    InterNode path(b, virtual_topology(me, 2, 1), test_config());
+    std::vector<char> scratch(64), src(8192), dst(8192, 0);
+    path.register_buffer(2, scratch.data(), scratch.size(), transport::MemoryKind::kHost);
+    const int s = path.buffer_id(src.data(), src.size(), transport::MemoryKind::kHost);
+    const int d = path.buffer_id(dst.data(), dst.size(), transport::MemoryKind::kHost);
+    EXPECT_EQ(s, 0);  // the lowest ids register_buffer left free
+    EXPECT_EQ(d, 1);
+    EXPECT_EQ(path.buffer_id(src.data(), src.size(), transport::MemoryKind::kHost), s);
+    try {
+      path.buffer_id(src.data(), 4096, transport::MemoryKind::kHost);
+      ADD_FAILURE() << "no error for a known base with another size";
+    } catch (const Error& e) {
+      EXPECT_TRUE(contains(e.what(), "8192")) << e.what();
+    }
+    mk::test::fill_pattern(src.data(), src.size(), seed_of(me, peer));
+    path.proxy().push(0, make_put_signal(peer, 0, s, 0, d, 0, src.size(), 1, 9));
+    path.wait(peer, 1, 9);
+    EXPECT_EQ(mk::test::first_mismatch(dst.data(), dst.size(), seed_of(peer, me)), -1);
+    b.barrier();
+  }));
+}
+
+// An owner that expires frees its id at the next buffer_id call: a command naming the freed id is
+// rejected, and the id serves the next buffer (another size, same or other address).
+TEST(InterNode, ExpiredOwnersFreeTheirIds) {
+  expect_all_ok(mk::test::run_group(2, [&](Bootstrap& b) {
+    const int me = b.rank(), peer = 1 - me;
+    InterNode path(b, virtual_topology(me, 2, 1), test_config());
+    std::vector<char> x(8192), y(4096), z(2048, 0);
+    auto x_owner = std::make_shared<int>(0);
+    auto y_owner = std::make_shared<int>(1);
+    const auto host = transport::MemoryKind::kHost;
+    EXPECT_EQ(path.buffer_id(x.data(), x.size(), host, x_owner), 0);
+    EXPECT_EQ(path.buffer_id(y.data(), y.size(), host, y_owner), 1);
+    x_owner.reset();
+    EXPECT_EQ(path.buffer_id(y.data(), y.size(), host, y_owner), 1);  // releases id 0
+    if (me == 0) {
+      path.proxy().push(0, make_put_signal(peer, 0, 0, 0, 1, 0, 64, 1, 1));
+      try {
+        path.proxy().drain(10);  // throws the rejection
+        ADD_FAILURE() << "a put naming a released buffer was executed";
+      } catch (const Error& e) {
+        EXPECT_TRUE(contains(e.what(), "no buffer is registered under id 0")) << e.what();
+      }
+      EXPECT_EQ(path.proxy().stats().rejected, 1u);
+    }
+    b.barrier();
+    auto z_owner = std::make_shared<int>(2);
+    EXPECT_EQ(path.buffer_id(z.data(), z.size(), host, z_owner), 0);  // the freed id again
+    b.barrier();
+  }));
 }
 
 TEST(InterNode, OneNodeIsRefused) {

@@ -33,6 +33,7 @@ class FakeTransport final : public Transport {
   int rank() const override { return 0; }
   int world_size() const override { return 4; }
   void register_buffer(int, void*, uint64_t, MemoryKind) override {}
+  void release_buffer(int) override {}
   bool is_peer(int r) const override { return r > 0 && r < 4 && r != not_a_peer; }
   CommandLimits limits() const override {
     CommandLimits l;

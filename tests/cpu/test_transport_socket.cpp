@@ -531,6 +531,33 @@ TEST(TransportSocket, MalformedIncomingMessageIsReported) {
   expect_all_ok(outcomes);
 }
 
+// release_buffer: ops naming the id are refused, and the id can be registered again (another size).
+TEST(TransportSocket, ReleasedBufferIsRefusedThenReusable) {
+  expect_all_ok(mk::test::run_group(2, [&](Bootstrap& b) {
+    const int peer = 1 - b.rank();
+    HostSignalPad pad(2, 8);
+    auto t = make_transport(b, config_for(pad), "socket");
+    std::vector<char> first(4096), second(8192, 0);
+    t->register_buffer(3, first.data(), first.size());
+    t->release_buffer(3);
+    t->release_buffer(3);  // an unregistered id: ignored
+    EXPECT_EQ(t->limits().buffer_bytes[3], 0u);
+    TransferOp put;
+    put.dst_rank = static_cast<uint32_t>(peer);
+    put.src_buffer = put.dst_buffer = 3;
+    put.bytes = 64;
+    try {
+      t->post(std::span<const TransferOp>(&put, 1));
+      ADD_FAILURE() << "a put naming a released buffer was sent";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    }
+    t->register_buffer(3, second.data(), second.size());
+    EXPECT_EQ(t->limits().buffer_bytes[3], second.size());
+    b.barrier();
+  }));
+}
+
 TEST(TransportSocket, RegistrationChecksAgreeAcrossRanks) {
   const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
     HostSignalPad pad(2, 8);

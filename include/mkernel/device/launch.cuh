@@ -62,8 +62,8 @@ struct Launch {
   // time-out, abort, or a failed inter-node path (it will never arrive; Communicator::check()
   // then names the path's error).
   __device__ bool wait_remote(int src, uint32_t signal, uint32_t step) const {
-    return wait_for(comm.host_signals + static_cast<uint64_t>(signal) * comm.world_size + src,
-                    src, signal | kHostPadSignalBit, step, comm.host_abort);
+    return wait_for(comm.host_signals + static_cast<uint64_t>(signal) * comm.world_size + src, src,
+                    signal | kHostPadSignalBit, step, comm.host_abort);
   }
 
   // All local ranks' channel `channel` meet: every thread of the CTA calls it. Thread t <

@@ -133,6 +133,11 @@ class Transport {
   // between ranks (naming them), kBootstrap when the exchange fails.
   virtual void register_buffer(int id, void* base, uint64_t bytes,
                                MemoryKind kind = MemoryKind::kHost) = 0;
+  // Forgets buffer `id` on this rank (each rank releases its own copy): ops naming it are refused
+  // from then on, a put arriving for it is malformed, and the id may be registered again
+  // (collectively). RDMA backends deregister its memory. Only once nothing is in flight for it
+  // (Proxy::drain) and no rank will use it again. An unregistered id is ignored.
+  virtual void release_buffer(int id) = 0;
   // What commands are validated against (this rank, world, signals, registered buffer sizes).
   virtual CommandLimits limits() const = 0;
   // Whether this transport carries data to and from `rank` (TransportConfig::peers).
