@@ -17,7 +17,7 @@ std::string list(const std::vector<int>& ranks) {
 }  // namespace
 
 InterNode::InterNode(Bootstrap& bootstrap, const Topology& topo, InterNodeConfig config)
-    : config_(std::move(config)), rank_(topo.rank) {
+    : config_(std::move(config)), rank_(topo.rank), used_(transport::kMaxBuffers) {
   const std::string who = "inter-node path of rank " + std::to_string(topo.rank) + ": ";
   if (topo.num_nodes < 2) {
     throw Error(ErrorCode::kInvalidArgument, who + "the communicator has one node (" +
@@ -82,13 +82,11 @@ void InterNode::record(const Error& error) {
 
 void InterNode::register_buffer(int id, void* base, uint64_t bytes, transport::MemoryKind kind) {
   transport_->register_buffer(id, base, bytes, kind);
-  used_.resize(transport::kMaxBuffers);
   used_[id] = true;
 }
 
 int InterNode::buffer_id(void* base, uint64_t bytes, transport::MemoryKind kind,
                          std::weak_ptr<const void> owner) {
-  used_.resize(transport::kMaxBuffers);
   // Registrations whose owner is gone: nothing may be in flight for them any more.
   bool drained = false;
   for (auto it = registered_.begin(); it != registered_.end();) {
