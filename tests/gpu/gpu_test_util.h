@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -72,6 +73,9 @@ inline void run_in_process(int world, const std::function<void(Communicator&)>& 
         auto comm = Communicator::create(group.bootstrap(r), options);
         fn(*comm);
       } catch (const std::exception& e) {
+        // Printed at once as well: the other ranks may now wait for this one in a collective
+        // until their bootstrap time limit, and the failure report comes only after the join.
+        std::fprintf(stderr, "[run_in_process] rank %d threw: %s\n", r, e.what());
         ADD_FAILURE() << "rank " << r << " threw: " << e.what();
       }
     });
