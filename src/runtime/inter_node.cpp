@@ -4,17 +4,9 @@
 #include <utility>
 
 #include "fused/rail_routes.h"
+#include "runtime/text_util.h"
 
 namespace mk::detail {
-namespace {
-
-std::string list(const std::vector<int>& ranks) {
-  std::string s;
-  for (int r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
-  return "{" + s + "}";
-}
-
-}  // namespace
 
 InterNode::InterNode(Bootstrap& bootstrap, const Topology& topo, InterNodeConfig config)
     : config_(std::move(config)), rank_(topo.rank), used_(transport::kMaxBuffers) {
@@ -148,7 +140,7 @@ void InterNode::wait(int src_rank, uint32_t signal, uint64_t value) const {
     check();
     throw Error(ErrorCode::kTimeout,
                 "rank " + std::to_string(rank_) + " waited " +
-                    std::to_string(config_.timeout_seconds) + " s for signal " +
+                    format_seconds(config_.timeout_seconds) + " s for signal " +
                     std::to_string(signal) + " from rank " + std::to_string(src_rank) +
                     " to reach " + std::to_string(value) + " (it is at " +
                     std::to_string(pad_->load(static_cast<uint32_t>(src_rank), signal)) + ")");
@@ -156,8 +148,8 @@ void InterNode::wait(int src_rank, uint32_t signal, uint64_t value) const {
 }
 
 std::string InterNode::describe() const {
-  return std::string("inter-node: ") + transport_->name() + ", rail peers " + list(peers_) + ", " +
-         std::to_string(config_.channels) + " channel(s) of " +
+  return std::string("inter-node: ") + transport_->name() + ", rail peers " + format_ranks(peers_) +
+         ", " + std::to_string(config_.channels) + " channel(s) of " +
          std::to_string(config_.ring_capacity) + " commands, " +
          std::to_string(config_.num_signals) + " signals per peer";
 }
