@@ -47,8 +47,9 @@ struct FusedGemmPlan {
   std::size_t staging_bytes = 0;  // of which: partials' staging slots (0: sent by the epilogue)
   int outbox_slots = 0;  // gemm_ar's staging slots per consumer warpgroup (0: no outbox; gemm_rs
                          // stages in its output, per CTA, and reports 0 here)
-  int lag = -1;  // gemm_rs / gemm_ar: peers' tiles before own tiles start to interleave with
-                 // them (-1: all peers' tiles first; src/fused/reduce_order.h)
+  int lag = -1;   // gemm_rs / gemm_ar: peers' tiles before own tiles start to interleave with
+                  // them (-1: all peers' tiles first; src/fused/reduce_order.h)
+  int nodes = 1;  // ag_gemm across nodes: shards also arrive over the rail
   bool pingpong = false;         // the engine's ping-pong schedule (experimental, 128-wide
                                  // tiles; MKERNEL_GEMM_SCHEDULE=pingpong)
   bool bf16_partials = false;    // the peer's partial sums travel as bf16 (requested in the config,

@@ -8,6 +8,7 @@
 #include "fused/ag_gemm.cuh"
 #include "fused/fused_common.h"
 #include "fused/plans.h"
+#include "fused/rail_routes.h"
 #include "fused/trace_layout.h"
 #include "gemm/gemm_internal.h"
 #include "gemm/launch.cuh"
@@ -15,6 +16,7 @@
 #include "mkernel/fused.h"
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
+#include "runtime/inter_node_rings.h"
 #include "runtime/validate.h"
 
 namespace mk {
@@ -66,8 +68,16 @@ FusedGemmPlan fused::plan_ag_gemm(const fused::PlanContext& comm, int64_t m, int
   if (piece_rows < 0) invalid("piece_rows = " + std::to_string(piece_rows));
   if (piece_rows == 0) piece_rows = std::max<int64_t>(1, (int64_t{512} << 10) / row_bytes);
   piece_rows = std::min(piece_rows, p.shard_rows);
-  // One op signal per piece: at most kMaxOpSignals pieces per shard.
-  piece_rows = std::max(piece_rows, (p.shard_rows + kMaxOpSignals - 1) / kMaxOpSignals);
+  // One op signal per piece and node (a shard's signals sit at node_of(shard) x pieces): at most
+  // kMaxOpSignals / nodes pieces per shard; across nodes also one host-pad signal per piece and
+  // node after the entry signal (kHostPadSignals).
+  p.nodes = comm.nodes;
+  if (p.nodes > 1 && world > fused::kMaxGatherRanks) {
+    invalid("across nodes at most " + std::to_string(fused::kMaxGatherRanks) + " ranks; got " +
+            std::to_string(world));
+  }
+  const int64_t max_pieces = p.nodes > 1 ? (kHostPadSignals - 1) / p.nodes : int64_t{kMaxOpSignals};
+  piece_rows = std::max(piece_rows, (p.shard_rows + max_pieces - 1) / max_pieces);
   p.piece_rows = static_cast<int>(piece_rows);
   p.pieces = static_cast<int>((p.shard_rows + piece_rows - 1) / piece_rows);
   p.workspace_bytes = ag_gemm_workspace_bytes(m, k);
@@ -76,10 +86,49 @@ FusedGemmPlan fused::plan_ag_gemm(const fused::PlanContext& comm, int64_t m, int
 
 namespace {
 
+// Where each shard comes from (ag_gemm.cuh, GatherRoutes). One node: from its owner over NVLink,
+// in the order r, r + 1, .... Across nodes: the rail routes (fused/rail_routes.h), the inter-node
+// rings, and the symmetric allocation holding the workspace registered with the inter-node path.
+fused::GatherRoutes gather_routes(Communicator& comm, const AgGemmPlan& p,
+                                  const SymmetricRange& ws) {
+  const Topology& t = comm.topology();
+  const int world = t.world_size, r = t.rank;
+  fused::GatherRoutes g{};
+  if (t.num_nodes == 1) {
+    for (int i = 0; i < world; ++i) {
+      g.order[i] = static_cast<int16_t>((r + i) % world);
+      g.source[i] = static_cast<int16_t>(i);
+    }
+    return g;
+  }
+  const fused::RailRoutes routes(t.node_of, t.local_rank_of);
+  const std::vector<int> order = routes.gather_order(r);
+  for (int i = 0; i < world; ++i) g.order[i] = static_cast<int16_t>(order[i]);
+  for (int q = 0; q < world; ++q) {
+    const std::vector<fused::RailRoutes::Hop> path = routes.gather_path(q, r);
+    // The last hop's sender raises the signal here; over the NIC it lands in the host pad.
+    g.source[q] = static_cast<int16_t>(path.empty() ? q : path.back().from);
+    g.signal_base[q] = static_cast<int16_t>(routes.node_of(q) * p.pieces);
+    if (!path.empty() && path.back().nic) g.remote_mask |= uint64_t{1} << q;
+  }
+  const std::vector<int> rails = routes.rail_peers(r);
+  g.rails = static_cast<int>(rails.size());
+  for (int i = 0; i < g.rails; ++i) {
+    g.rail[i] = static_cast<int16_t>(rails[i]);
+    g.rail_node[i] = static_cast<int16_t>(routes.node_of(rails[i]));
+  }
+  g.node = t.node;
+  const detail::InterNodeRings path =
+      detail::inter_node_rings(comm, reinterpret_cast<void*>(ws.host_peers[t.local_rank]), ws.size);
+  g.num_rings = std::min(path.count, fused::kMaxGatherRings);
+  for (int i = 0; i < g.num_rings; ++i) g.rings[i] = path.ring[i];
+  g.ws_buffer = path.buffer;
+  return g;
+}
+
 template <int kBlockN, bool kTransB>
-void launch(const Communicator& comm, const AgGemmPlan& p, const void* a_shard, const void* b,
-            void* c, int64_t n, int64_t k, const SymmetricRange& ws, void* workspace,
-            cudaStream_t stream) {
+void launch(Communicator& comm, const AgGemmPlan& p, const void* a_shard, const void* b, void* c,
+            int64_t n, int64_t k, const SymmetricRange& ws, void* workspace, cudaStream_t stream) {
   using Fusion = fused::AgGemmFusion<kBlockN>;
   const int world = comm.world_size();
   Fusion f{};
@@ -98,6 +147,8 @@ void launch(const Communicator& comm, const AgGemmPlan& p, const void* a_shard, 
   f.piece_rows = p.piece_rows;
   f.pieces = p.pieces;
   f.comm_ctas = p.comm_ctas;
+  f.routes = gather_routes(comm, p, ws);
+  f.comm = comm.device_comm();  // (again: the inter-node path may have just been created)
   f.trace = fused::trace_arm(p.ctas, stream);
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
   if constexpr (kBlockN == 128) {
@@ -126,10 +177,11 @@ std::string FusedGemmPlan::describe() const {
   std::snprintf(line, sizeof(line),
                 "shards of %lld rows, tiles 128x%d, %d CTAs (%d moving data), pieces of %d rows "
                 "(%d per shard), workspace %zu bytes (staging %zu: %d outbox slots per consumer), "
-                "lag %d%s%s",
+                "lag %d%s%s%s",
                 static_cast<long long>(shard_rows), block_n, ctas, comm_ctas, piece_rows, pieces,
                 workspace_bytes, staging_bytes, outbox_slots, lag, pingpong ? ", ping-pong" : "",
-                bf16_partials ? ", bf16 partials" : "");
+                bf16_partials ? ", bf16 partials" : "",
+                nodes > 1 ? (", across " + std::to_string(nodes) + " nodes").c_str() : "");
   return line;
 }
 
@@ -137,7 +189,7 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
              int64_t k, BLayout b_layout, void* workspace, cudaStream_t stream,
              const FusedGemmConfig& config, void* gathered_a) {
   detail::DeviceGuard guard(comm.device());
-  fused::check_call(comm, stream, b_layout, kOp);
+  fused::check_call(comm, stream, b_layout, kOp, /*across_nodes=*/true);
   const AgGemmPlan p = fused::plan_ag_gemm(fused::plan_context(comm), m, n, k, config);
   const std::size_t shard_bytes = static_cast<std::size_t>(p.shard_rows) * k * 2;
   const std::size_t ws_bytes = ag_gemm_workspace_bytes(m, k);

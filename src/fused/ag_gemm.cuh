@@ -15,6 +15,20 @@
 // previous launch, which read the workspace, is over): CTA 0 raises "entered" to every peer at
 // the start, and the pushers wait for it from their destination before the first piece.
 // Signals carry the launch epoch, so no flag is ever reset.
+//
+// Across nodes (issue 8, docs/design/multinode.md section 2) shards follow the rail routes of
+// fused/rail_routes.h: rank r = (node n, local l) sends its shard over its NIC to its rail peers
+// (n', l) only - piece by piece, one put+signal command each into the communicator's inter-node
+// rings, from a copy of A_r in its own workspace slot (commands name registered buffers) - and
+// pushes it over NVLink to the node's other ranks as on one node. It relays what its rail peers
+// send it: once a piece's host-pad signal arrives, the side threads copy it on to the node's other
+// ranks over NVLink. The producer waits for a shard's pieces where they are announced:
+// GatherRoutes::source[q] raises them - q itself (same node: device pad; a rail peer: the host
+// pad, DeviceComm::host_signals) or the local relay (device pad). A shard's piece signals sit at
+// node_of(q) x pieces + p, so a relay's own pieces and those it relays never share a word.
+// Reuse across nodes: a rail peer announces "entered" with a signal command (host-pad signal 0)
+// and this rank waits for it before it overwrites its own slot (the source of the last launch's
+// puts) or sends anything.
 #pragma once
 
 #include <cstdint>
@@ -23,8 +37,32 @@
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
 #include "mkernel/device_comm.h"
+#include "mkernel/transport/command.h"
+#include "mkernel/transport/ring.h"
 
 namespace mk::fused {
+
+constexpr int kMaxGatherRanks = 64;  // world across nodes (one node: up to kMaxGatherRanks too)
+constexpr int kMaxGatherRings = 4;
+constexpr int kMaxRailPeers = kMaxGatherRanks / 2;
+constexpr uint32_t kHostEntrySignal = 0;   // host pad: "my rail peer entered this launch"
+constexpr uint32_t kHostPieceSignal0 = 1;  // host pad: piece signals from here on
+
+// Where each shard comes from and in which order the tiles take them (host: ag_gemm.cu, from
+// fused/rail_routes.h; one node: shard q from q over NVLink, order r, r + 1, ...).
+struct GatherRoutes {
+  int16_t order[kMaxGatherRanks];        // the shards in compute order (own first)
+  int16_t source[kMaxGatherRanks];       // the rank that raises shard q's piece signals
+  int16_t signal_base[kMaxGatherRanks];  // node_of(q) x pieces
+  uint64_t remote_mask;                  // bit q: q's pieces arrive over this rank's NIC
+  int16_t rail[kMaxRailPeers];           // this rank's rail peers (0 of them on one node)
+  int16_t rail_node[kMaxRailPeers];
+  int rails;
+  int node;
+  transport::CommandRing rings[kMaxGatherRings];  // the communicator's inter-node rings
+  int num_rings;
+  int ws_buffer;  // the workspace's registered buffer id (commands' source and destination)
+};
 
 // 16 bytes read once: no L1 allocation (L1 shares its storage with the GEMM's shared memory).
 __device__ __forceinline__ uint4 load_streaming(const uint8_t* p) {
@@ -56,8 +94,8 @@ __device__ __forceinline__ void copy_bytes(const uint8_t* src, uint8_t* dst, uin
 
 template <int kBlockN>
 struct AgGemmFusion {
-  static constexpr int kProducerRegs = 48;   // the pushes and waits with their timeline marks
-  static constexpr int kConsumerRegs = 224;  // (40 spilled); 48 + 2 x 224 <= 3 x 168
+  static constexpr int kProducerRegs = 56;   // the pushes (NVLink and rail), waits, trace marks
+  static constexpr int kConsumerRegs = 224;  // (fewer spilled); 56 + 2 x 224 <= 504
   CUtensorMap a_local;     // this rank's shard [S, K] (caller's memory), boxes 128 x 64
   CUtensorMap a_gathered;  // workspace [world][S][K], boxes 128 x 64 x 1 (rows clip per shard)
   CUtensorMap c;           // C as [world][S][N], boxes 64 x 64 x 1
@@ -73,13 +111,14 @@ struct AgGemmFusion {
   int pieces;  // per shard
   int comm_ctas;
   uint64_t* trace;  // timeline records (fused/trace.cuh), or null
+  GatherRoutes routes;
 
   __device__ int num_tiles() const { return comm.world_size * raster.num_tiles(); }
 
   __device__ gemm_engine::Tile tile(int t) const {
     const int per_shard = raster.num_tiles();
     gemm_engine::Tile tile;
-    tile.shard = (comm.rank + t / per_shard) % comm.world_size;
+    tile.shard = routes.order[t / per_shard];
     raster.tile(t % per_shard, tile.m, tile.n);
     return tile;
   }
@@ -94,14 +133,22 @@ struct AgGemmFusion {
     const uint64_t expected = dev::signal_value(launch.epoch, 1);
     const int first = tile.m * 128 / piece_rows;
     const int last = (min(tile.m * 128 + 128, shard_rows) - 1) / piece_rows;
-    const uint64_t* words = comm.signals + tile.shard;
-    const uint64_t stride = comm.world_size;
-    for (int p = first; p <= last; ++p) {
-      const uint32_t signal = dev::signal_index(SignalId::kOp, p);
-      if (dev::reached(dev::ld_relaxed_sys(words + signal * stride), expected)) continue;
-      // On a time-out the error is recorded and every later wait returns at once; the tile is
-      // computed from whatever is there and the host reports the error.
-      if (!launch.wait(tile.shard, signal, 1)) break;
+    const int src = routes.source[tile.shard];
+    const int base = routes.signal_base[tile.shard];
+    if ((routes.remote_mask >> tile.shard) & 1) {  // over this rank's NIC: the host pad
+      for (int p = first; p <= last; ++p) {
+        if (!launch.wait_remote(src, kHostPieceSignal0 + base + p, 1)) break;
+      }
+    } else {
+      const uint64_t* words = comm.signals + src;
+      const uint64_t stride = comm.world_size;
+      for (int p = first; p <= last; ++p) {
+        const uint32_t signal = dev::signal_index(SignalId::kOp, base + p);
+        if (dev::reached(dev::ld_relaxed_sys(words + signal * stride), expected)) continue;
+        // On a time-out the error is recorded and every later wait returns at once; the tile is
+        // computed from whatever is there and the host reports the error.
+        if (!launch.wait(src, signal, 1)) break;
+      }
     }
     dev::fence_acq_rel_sys();
     dev::fence_proxy_async_global();
@@ -139,6 +186,10 @@ struct AgGemmFusion {
 
   // Producer warps 1..3: announce this launch to the peers (CTA 0), then push pieces of A_r.
   __device__ void side_task(int thread, int threads) const {
+    if (routes.rails > 0) {
+      side_task_across_nodes(thread, threads);
+      return;
+    }
     const dev::Launch launch = dev::Launch::begin(comm);
     const int world = comm.world_size;
     if (thread == 0) trace_mark(trace, kTraceSide, kTraceSideStart);
@@ -173,6 +224,134 @@ struct AgGemmFusion {
         dev::fence_acq_rel_sys();
         launch.signal(dest, dev::signal_index(SignalId::kOp, p), 1);
         trace_mark(trace, kTraceSide, kTraceSent, dest);
+      }
+    }
+  }
+
+  // ---- across nodes ----
+  static constexpr int kSideBarrier = 3;  // named barrier of the 96 side threads
+
+  // Copies piece p of shard q from `src` (a buffer laid out as the workspace, or A_r itself when
+  // q is this rank) into local rank `dest`'s workspace and raises its signal there, once `dest`
+  // has entered this launch (thread 0 waits; `entered`: bit per local rank). False: a wait failed
+  // (the same on every thread).
+  __device__ bool push_local(const dev::Launch& launch, int dest, int q, int p, const uint8_t* src,
+                             uint32_t& entered, int thread, int threads) const {
+    bool failed = false;
+    if (thread == 0 && !((entered >> dest) & 1)) {
+      failed = !launch.wait(comm.node_ranks[dest], dev::signal_index(SignalId::kEntry, 0), 1);
+      entered |= 1u << dest;
+    }
+    if (dev::named_barrier_or(kSideBarrier, threads, failed)) return false;
+    const int row0 = p * piece_rows;
+    const int rows = min(piece_rows, shard_rows - row0);
+    uint8_t* dst = static_cast<uint8_t*>(ws_peers[dest]) + ws_offset +
+                   (static_cast<uint64_t>(q) * shard_rows + row0) * row_bytes;
+    copy_bytes(src, dst, rows * row_bytes, thread, threads);
+    dev::named_barrier_sync(kSideBarrier, threads);
+    if (thread == 0) {
+      dev::fence_acq_rel_sys();
+      launch.signal(dest, dev::signal_index(SignalId::kOp, routes.signal_base[q] + p), 1);
+      trace_mark(trace, kTraceSide, kTraceSent, comm.node_ranks[dest]);
+    }
+    return true;
+  }
+
+  // Work units, spread over the pushing CTAs in this order: (1) pieces of A_r to the rail peers
+  // (copied into this rank's own workspace slot, then one put+signal command per rail peer - the
+  // longest way first), (2) pieces of A_r to the node's other ranks over NVLink, (3) the rail
+  // peers' pieces, once arrived, on to the node's other ranks.
+  // (Not inlined: inlined, it spilled in the kernel - 12 bytes at 56 producer registers - where
+  // the one-node kernels must stay spill-free; called, it spills inside itself only.)
+  __device__ __noinline__ void side_task_across_nodes(int thread, int threads) const {
+    const dev::Launch launch = dev::Launch::begin(comm);
+    const int g = comm.local_size;
+    const uint64_t entry_value = dev::signal_value(launch.epoch, 1);
+    auto push = [&](int ring, const transport::Command& c) {
+      const uint64_t start = dev::global_timer_ns();
+      const uint64_t limit = comm.timeout_ns;
+      return routes.rings[ring % routes.num_rings]
+                 .push(
+                     c,
+                     [&](uint64_t) { return limit == 0 || dev::global_timer_ns() - start < limit; })
+                 .status == transport::PushStatus::kOk;
+    };
+    if (thread == 0) trace_mark(trace, kTraceSide, kTraceSideStart);
+    if (blockIdx.x == 0) {
+      for (int peer = thread; peer < g; peer += threads) {
+        if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
+      }
+      for (int i = thread; i < routes.rails; i += threads) {  // "entered", over the rail
+        push(i, transport::make_signal(routes.rail[i], 0, kHostEntrySignal, entry_value));
+      }
+    }
+    if (static_cast<int>(blockIdx.x) >= comm_ctas) return;
+    const int sends = pieces, pushes = (g - 1) * pieces, relays = routes.rails * pieces;
+    uint8_t* my_ws = static_cast<uint8_t*>(ws_peers[comm.local_rank]) + ws_offset;
+    uint32_t entered_local = 0;  // thread 0's
+    bool rails_entered = false;  // thread 0's
+    for (int u = blockIdx.x; u < sends + pushes + relays; u += comm_ctas) {
+      if (u < sends) {
+        // (1) Every rail peer has entered (its last launch, which read what this rank sent from
+        // its own slot, is over): refill the slot, then one command per rail peer.
+        const int p = u;
+        bool failed = false;
+        if (thread == 0 && !rails_entered) {
+          for (int i = 0; i < routes.rails && !failed; ++i) {
+            failed = !launch.wait_remote(routes.rail[i], kHostEntrySignal, 1);
+          }
+          rails_entered = true;
+        }
+        if (dev::named_barrier_or(kSideBarrier, threads, failed)) return;
+        const int row0 = p * piece_rows;
+        const int rows = min(piece_rows, shard_rows - row0);
+        const uint64_t in_ws = (static_cast<uint64_t>(comm.rank) * shard_rows + row0) * row_bytes;
+        const uint64_t offset = ws_offset + in_ws;  // in the registered buffer, on every rank
+        copy_bytes(a_shard + static_cast<uint64_t>(row0) * row_bytes, my_ws + in_ws,
+                   rows * row_bytes, thread, threads);
+        dev::named_barrier_sync(kSideBarrier, threads);
+        if (thread == 0) {
+          dev::fence_acq_rel_sys();  // the copy, before the proxy reads it
+          const uint32_t signal = kHostPieceSignal0 + routes.signal_base[comm.rank] + p;
+          for (int i = 0; i < routes.rails && !failed; ++i) {
+            failed = !push(p + i,
+                           transport::make_put_signal(routes.rail[i], p, routes.ws_buffer, offset,
+                                                      routes.ws_buffer, offset, rows * row_bytes,
+                                                      signal, dev::signal_value(launch.epoch, 1)));
+          }
+          trace_mark(trace, kTraceSide, kTraceSent, routes.rail[0]);
+        }
+        if (dev::named_barrier_or(kSideBarrier, threads, failed)) return;
+      } else if (u < sends + pushes) {
+        // (2) A_r to the node's other ranks, the one that reads it soonest first.
+        const int v = u - sends;
+        const int dest = (comm.local_rank - (v / pieces + 1) + g) % g;
+        const int p = v % pieces;
+        if (!push_local(launch, dest, comm.rank, p,
+                        a_shard + static_cast<uint64_t>(p) * piece_rows * row_bytes, entered_local,
+                        thread, threads)) {
+          return;
+        }
+      } else {
+        // (3) A rail peer's piece has arrived here: on to every other rank of the node.
+        const int v = u - sends - pushes;
+        const int i = v / pieces, p = v % pieces;
+        const int q = routes.rail[i];
+        bool failed = false;
+        if (thread == 0) {
+          failed = !launch.wait_remote(q, kHostPieceSignal0 + routes.signal_base[q] + p, 1);
+          dev::fence_acq_rel_sys();
+        }
+        if (dev::named_barrier_or(kSideBarrier, threads, failed)) return;
+        const uint8_t* src = my_ws + (static_cast<uint64_t>(q) * shard_rows +
+                                      static_cast<uint64_t>(p) * piece_rows) *
+                                         row_bytes;
+        for (int d = 1; d < g; ++d) {
+          if (!push_local(launch, (comm.local_rank + d) % g, q, p, src, entered_local, thread,
+                          threads)) {
+            return;
+          }
+        }
       }
     }
   }

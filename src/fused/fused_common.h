@@ -23,10 +23,12 @@ struct PlanContext {
   int world = 1;
   int local_size = 1;  // ranks on this node
   int sms = 1;         // SMs per rank (the GPU's, divided among the ranks that share it)
+  int nodes = 1;       // (virtual) nodes: world / local_size
   int world_size() const { return world; }
 };
 inline PlanContext plan_context(const Communicator& comm) {
-  return {comm.world_size(), comm.topology().local_size, comm.topology().sm_budget()};
+  return {comm.world_size(), comm.topology().local_size, comm.topology().sm_budget(),
+          comm.topology().num_nodes};
 }
 
 // Persistent CTAs per rank: `requested` (>0) or the communicator's SM budget (SMs / ranks sharing
@@ -55,12 +57,12 @@ inline bool bf16_partials_requested(const FusedGemmConfig& config) {
   return v == nullptr ? config.bf16_partials : std::string(v) == "1";
 }
 
-// The first checks of every fused GEMM call: the communicator usable, one node, the stream on the
-// communicator's device, a known B layout.
+// The first checks of every fused GEMM call: the communicator usable, one node (unless the op
+// runs across nodes), the stream on the communicator's device, a known B layout.
 inline void check_call(const Communicator& comm, cudaStream_t stream, BLayout b_layout,
-                       const char* op) {
+                       const char* op, bool across_nodes = false) {
   detail::require_usable(comm, op);
-  detail::require_single_node(comm, op);
+  if (!across_nodes) detail::require_single_node(comm, op);
   detail::require_stream(comm, stream, op);
   if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) {
     throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": unknown B layout");

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -13,6 +14,7 @@
 #include "runtime/comm_state.h"
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
+#include "runtime/inter_node_rings.h"
 
 namespace mk {
 namespace {
@@ -334,5 +336,18 @@ void Communicator::ensure_usable(const char* op) const {
                     "details and create a new communicator");
   }
 }
+
+namespace detail {
+
+InterNodeRings inter_node_rings(Communicator& comm, void* base, uint64_t bytes) {
+  InterNode& path = comm.inter_node();
+  InterNodeRings r;
+  r.count = std::min(path.proxy().num_rings(), kMaxKernelRings);
+  for (int i = 0; i < r.count; ++i) r.ring[i] = path.proxy().ring(i);
+  r.buffer = path.buffer_id(base, bytes, transport::MemoryKind::kDevice);
+  return r;
+}
+
+}  // namespace detail
 
 }  // namespace mk

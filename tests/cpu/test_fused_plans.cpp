@@ -162,6 +162,28 @@ TEST(FusedPlans, TwoRankH200PlansOfTheJournal) {
   EXPECT_EQ(plan_gemm_ar(ctx, 8192, 2048, 4096, {}).lag, -1);
 }
 
+// ag_gemm across nodes: each piece has a host-pad signal per node (after the entry signal), so
+// the pieces per shard shrink to fit kHostPadSignals; at most kMaxGatherRanks ranks.
+TEST(FusedPlans, AgGemmAcrossNodesFitsTheHostPad) {
+  const PlanContext two_nodes{4, 2, 132, 2};
+  FusedGemmConfig tiny_pieces;
+  tiny_pieces.piece_rows = 1;
+  const FusedGemmPlan p = plan_ag_gemm(two_nodes, 4 * 100000, 256, 64, tiny_pieces);
+  EXPECT_EQ(p.nodes, 2);
+  EXPECT_LE(1 + 2 * p.pieces, kHostPadSignals) << p.describe();
+  EXPECT_GE(static_cast<int64_t>(p.pieces) * p.piece_rows, p.shard_rows) << p.describe();
+  EXPECT_NE(p.describe().find("across 2 nodes"), std::string::npos) << p.describe();
+  const FusedGemmPlan one_node = plan_ag_gemm(h200(4), 4 * 100000, 256, 64, tiny_pieces);
+  EXPECT_LE(one_node.pieces, kMaxOpSignals) << one_node.describe();  // only the device pad
+  EXPECT_GT(one_node.pieces, p.pieces) << one_node.describe();
+  try {
+    plan_ag_gemm({128, 8, 132, 16}, 128 * 8, 256, 64, {});
+    ADD_FAILURE() << "no error for 128 ranks across nodes";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("at most 64 ranks"), std::string::npos) << e.what();
+  }
+}
+
 TEST(FusedPlans, SwitchesTurnMechanismsOff) {
   const PlanContext ctx = h200(2);
   // bf16 partials: only when asked, and only with two ranks (one partial per slice); the
