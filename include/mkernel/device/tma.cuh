@@ -101,13 +101,18 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 }
 
 // Barrier among `threads` threads (a multiple of 32) on hardware barrier `id` (1..15; 0 is
-// __syncthreads).
+// __syncthreads). bar.sync is warp-aligned: the warp reconverges first (after a branch only lane
+// 0 took, or loops of different trip counts, the compiler need not have; compute-sanitizer's
+// synccheck reported "divergent threads" in ag_gemm's side task at 64fff8d, and its across-node
+// test hung there).
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  __syncwarp();
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // The same, and true on every participant if `pred` was true on any.
 __device__ __forceinline__ bool named_barrier_or(int id, int threads, bool pred) {
+  __syncwarp();
   uint32_t result;
   asm volatile(
       "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbarrier.red.or.pred q, %2, %3, p;\n"
