@@ -40,7 +40,7 @@ FusedGemmPlan fused::plan_ag_gemm(const fused::PlanContext& comm, int64_t m, int
   p.shard_rows = m / world;
   const int64_t tiles_m = (p.shard_rows + 127) / 128;
   const int budget = fused::sm_budget(comm, config.sms, kOp);
-  p.pingpong = gemm_engine::pingpong_requested(config.block_n);
+  p.pingpong = comm.nodes == 1 && gemm_engine::pingpong_requested(config.block_n);
   p.block_n =
       p.pingpong ? 128
                  : gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);
@@ -126,10 +126,10 @@ fused::GatherRoutes gather_routes(Communicator& comm, const AgGemmPlan& p,
   return g;
 }
 
-template <int kBlockN, bool kTransB>
+template <int kBlockN, bool kTransB, bool kAcrossNodes>
 void launch(Communicator& comm, const AgGemmPlan& p, const void* a_shard, const void* b, void* c,
             int64_t n, int64_t k, const SymmetricRange& ws, void* workspace, cudaStream_t stream) {
-  using Fusion = fused::AgGemmFusion<kBlockN>;
+  using Fusion = fused::AgGemmFusion<kBlockN, kAcrossNodes>;
   const int world = comm.world_size();
   Fusion f{};
   f.a_local = gemm_engine::make_map(a_shard, p.shard_rows, k, 128);
@@ -151,13 +151,13 @@ void launch(Communicator& comm, const AgGemmPlan& p, const void* a_shard, const 
   f.comm = comm.device_comm();  // (again: the inter-node path may have just been created)
   f.trace = fused::trace_arm(p.ctas, stream);
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
-  if constexpr (kBlockN == 128) {
+  if constexpr (kBlockN == 128 && !kAcrossNodes) {
     if (p.pingpong) {
       gemm_engine::launch<kBlockN, kTransB, Fusion, true>(f, map_b, k, p.ctas, stream, kOp);
       return;
     }
   }
-  gemm_engine::launch<kBlockN, kTransB>(f, map_b, k, p.ctas, stream, kOp);
+  gemm_engine::launch<kBlockN, kTransB, Fusion>(f, map_b, k, p.ctas, stream, kOp);
 }
 
 }  // namespace
@@ -217,7 +217,11 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
                  static_cast<long long>(n), static_cast<long long>(k), p.describe().c_str());
   }
   gemm_engine::dispatch(p.block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
-    launch<kBlockN, kTransB>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
+    if (p.nodes > 1) {
+      launch<kBlockN, kTransB, true>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
+    } else {
+      launch<kBlockN, kTransB, false>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
+    }
   });
   if (gathered_a != nullptr) {
     // The peers' shards from the workspace, this rank's from a_shard (not in the workspace).
@@ -237,8 +241,9 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
 }
 
 namespace detail {
-void preload_ag_gemm_kernels() {
+void preload_ag_gemm_kernels(bool across_nodes) {
   gemm_engine::preload_all<fused::AgGemmFusion>();
+  if (across_nodes) gemm_engine::preload_all<fused::AgGemmAcrossNodes>();
   gemm_engine::prepared_kernel<128, false, fused::AgGemmFusion<128>, true>();  // ping-pong
   gemm_engine::prepared_kernel<128, true, fused::AgGemmFusion<128>, true>();
 }

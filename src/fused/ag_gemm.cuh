@@ -92,10 +92,14 @@ __device__ __forceinline__ void copy_bytes(const uint8_t* src, uint8_t* dst, uin
   }
 }
 
-template <int kBlockN>
+// kAcrossNodes: the multi-node kernel (GatherRoutes, the rail); its own instantiations, so that
+// the one-node kernels carry none of its code (and keep their register split and spill report).
+template <int kBlockN, bool kAcrossNodes = false>
 struct AgGemmFusion {
-  static constexpr int kProducerRegs = 56;   // the pushes (NVLink and rail), waits, trace marks
-  static constexpr int kConsumerRegs = 224;  // (fewer spilled); 56 + 2 x 224 <= 504
+  // Producer warpgroup: the pushes and waits with their timeline marks (across nodes also the
+  // rail's commands and relays); 56 + 2 x 224 <= 504. Consumers: fewer spilled 40 bytes.
+  static constexpr int kProducerRegs = kAcrossNodes ? 56 : 48;
+  static constexpr int kConsumerRegs = 224;
   CUtensorMap a_local;     // this rank's shard [S, K] (caller's memory), boxes 128 x 64
   CUtensorMap a_gathered;  // workspace [world][S][K], boxes 128 x 64 x 1 (rows clip per shard)
   CUtensorMap c;           // C as [world][S][N], boxes 64 x 64 x 1
@@ -118,7 +122,11 @@ struct AgGemmFusion {
   __device__ gemm_engine::Tile tile(int t) const {
     const int per_shard = raster.num_tiles();
     gemm_engine::Tile tile;
-    tile.shard = routes.order[t / per_shard];
+    if constexpr (kAcrossNodes) {
+      tile.shard = routes.order[t / per_shard];
+    } else {
+      tile.shard = (comm.rank + t / per_shard) % comm.world_size;
+    }
     raster.tile(t % per_shard, tile.m, tile.n);
     return tile;
   }
@@ -133,9 +141,10 @@ struct AgGemmFusion {
     const uint64_t expected = dev::signal_value(launch.epoch, 1);
     const int first = tile.m * 128 / piece_rows;
     const int last = (min(tile.m * 128 + 128, shard_rows) - 1) / piece_rows;
-    const int src = routes.source[tile.shard];
-    const int base = routes.signal_base[tile.shard];
-    if ((routes.remote_mask >> tile.shard) & 1) {  // over this rank's NIC: the host pad
+    // One node: from the shard's owner, signals kOp + p. Across nodes: GatherRoutes.
+    const int src = kAcrossNodes ? routes.source[tile.shard] : tile.shard;
+    const int base = kAcrossNodes ? routes.signal_base[tile.shard] : 0;
+    if (kAcrossNodes && ((routes.remote_mask >> tile.shard) & 1)) {  // over the NIC: host pad
       for (int p = first; p <= last; ++p) {
         if (!launch.wait_remote(src, kHostPieceSignal0 + base + p, 1)) break;
       }
@@ -186,7 +195,7 @@ struct AgGemmFusion {
 
   // Producer warps 1..3: announce this launch to the peers (CTA 0), then push pieces of A_r.
   __device__ void side_task(int thread, int threads) const {
-    if (routes.rails > 0) {
+    if constexpr (kAcrossNodes) {
       side_task_across_nodes(thread, threads);
       return;
     }
@@ -261,9 +270,10 @@ struct AgGemmFusion {
   // (copied into this rank's own workspace slot, then one put+signal command per rail peer - the
   // longest way first), (2) pieces of A_r to the node's other ranks over NVLink, (3) the rail
   // peers' pieces, once arrived, on to the node's other ranks.
-  // (Not inlined: inlined, it spilled in the kernel - 12 bytes at 56 producer registers - where
-  // the one-node kernels must stay spill-free; called, it spills inside itself only.)
-  __device__ __noinline__ void side_task_across_nodes(int thread, int threads) const {
+  // (Inlined on purpose: a call out of a warpgroup whose registers setmaxnreg lowered is not
+  // known to stay within them. The first version called it - to keep the one-node kernels
+  // spill-free, before they got their own instantiations - and hung; the cause is not known.)
+  __device__ void side_task_across_nodes(int thread, int threads) const {
     const dev::Launch launch = dev::Launch::begin(comm);
     const int g = comm.local_size;
     const uint64_t entry_value = dev::signal_value(launch.epoch, 1);
@@ -358,5 +368,8 @@ struct AgGemmFusion {
 
   __device__ void finish() const { dev::Launch::begin(comm).end(); }
 };
+
+template <int kBlockN>
+using AgGemmAcrossNodes = AgGemmFusion<kBlockN, true>;
 
 }  // namespace mk::fused
