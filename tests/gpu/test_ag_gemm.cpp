@@ -142,15 +142,29 @@ void expect_ag_gemm_across_nodes(Communicator& comm) {
   expect_ag_gemm(comm, {517, 384, 256, BLayout::kNK, 0}, seed + 100, few, &ws);
 }
 
-TEST(InProcessAgGemm, AcrossVirtualNodes) {
+void run_across_nodes(int nodes, int per_node) {
+  CommOptions options;
+  options.ranks_per_node = per_node;
+  options.timeout_seconds = 20;
+  run_in_process(nodes * per_node, expect_ag_gemm_across_nodes, options);
+}
+
+// (ctest runs these as gpu_ag_gemm_nodes, with a time limit of their own.)
+TEST(AgGemmAcrossNodes, TwoByOne) {
   MKT_REQUIRE_GPU();
-  for (auto [nodes, per_node] : {std::pair{2, 1}, {2, 2}, {3, 2}, {2, 4}}) {
-    SCOPED_TRACE(std::to_string(nodes) + " nodes x " + std::to_string(per_node) + " ranks");
-    CommOptions options;
-    options.ranks_per_node = per_node;
-    options.timeout_seconds = 60;
-    run_in_process(nodes * per_node, expect_ag_gemm_across_nodes, options);
-  }
+  run_across_nodes(2, 1);
+}
+TEST(AgGemmAcrossNodes, TwoByTwo) {
+  MKT_REQUIRE_GPU();
+  run_across_nodes(2, 2);
+}
+TEST(AgGemmAcrossNodes, ThreeByTwo) {
+  MKT_REQUIRE_GPU();
+  run_across_nodes(3, 2);
+}
+TEST(AgGemmAcrossNodes, TwoByFour) {
+  MKT_REQUIRE_GPU();
+  run_across_nodes(2, 4);
 }
 
 TEST(InProcessAgGemm, LargeWorld2) {
