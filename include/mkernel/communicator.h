@@ -111,6 +111,9 @@ class Communicator {
   // ops create it. Throws mk::Error(kInvalidArgument) on one node, and the transport's errors
   // (unknown or unavailable backend: MKERNEL_TRANSPORT; an unreachable peer) on every rank.
   detail::InterNode& inter_node();
+  // A token that expires when the symmetric buffer holding `ptr` is freed (empty when `ptr` is in
+  // none): what keys the inter-node path's buffer registrations to the buffer's life.
+  std::weak_ptr<const void> symmetric_owner(const void* ptr) const;
 
  private:
   Communicator();

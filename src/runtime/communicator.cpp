@@ -208,6 +208,18 @@ SymmetricRange Communicator::find_symmetric(const void* ptr, std::size_t bytes) 
   return {};
 }
 
+std::weak_ptr<const void> Communicator::symmetric_owner(const void* ptr) const {
+  const auto p = reinterpret_cast<uintptr_t>(ptr);
+  std::lock_guard<std::mutex> lock(state_->registry_mutex);
+  for (const auto& weak : state_->registry) {
+    auto alloc = weak.lock();
+    if (!alloc) continue;
+    const uintptr_t base = alloc->bases[state_->topo.local_rank];
+    if (p >= base && p < base + alloc->size) return std::shared_ptr<const void>(alloc);
+  }
+  return {};
+}
+
 DeviceComm Communicator::device_comm() const {
   const detail::CommState& s = *state_;
   DeviceComm d{};
@@ -344,7 +356,8 @@ InterNodeRings inter_node_rings(Communicator& comm, void* base, uint64_t bytes) 
   InterNodeRings r;
   r.count = std::min(path.proxy().num_rings(), kMaxKernelRings);
   for (int i = 0; i < r.count; ++i) r.ring[i] = path.proxy().ring(i);
-  r.buffer = path.buffer_id(base, bytes, transport::MemoryKind::kDevice);
+  r.buffer =
+      path.buffer_id(base, bytes, transport::MemoryKind::kDevice, comm.symmetric_owner(base));
   return r;
 }
 
