@@ -104,12 +104,11 @@ fused::GatherRoutes gather_routes(Communicator& comm, const AgGemmPlan& p,
   const fused::RailRoutes routes(t.node_of, t.local_rank_of);
   const std::vector<int> order = routes.gather_order(r);
   for (int i = 0; i < world; ++i) g.order[i] = static_cast<int16_t>(order[i]);
+  const std::vector<fused::RailRoutes::ShardSource> sources = routes.gather_sources(r, p.pieces);
   for (int q = 0; q < world; ++q) {
-    const std::vector<fused::RailRoutes::Hop> path = routes.gather_path(q, r);
-    // The last hop's sender raises the signal here; over the NIC it lands in the host pad.
-    g.source[q] = static_cast<int16_t>(path.empty() ? q : path.back().from);
-    g.signal_base[q] = static_cast<int16_t>(routes.node_of(q) * p.pieces);
-    if (!path.empty() && path.back().nic) g.remote_mask |= uint64_t{1} << q;
+    g.source[q] = static_cast<int16_t>(sources[q].rank);
+    g.signal_base[q] = static_cast<int16_t>(sources[q].signal_base);
+    if (sources[q].over_nic) g.remote_mask |= uint64_t{1} << q;
   }
   const std::vector<int> rails = routes.rail_peers(r);
   g.rails = static_cast<int>(rails.size());

@@ -48,6 +48,16 @@ std::vector<int> RailRoutes::rail_peers(int r) const {
   return peers;
 }
 
+std::vector<RailRoutes::ShardSource> RailRoutes::gather_sources(int r, int pieces) const {
+  std::vector<ShardSource> sources;
+  for (int q = 0; q < world(); ++q) {
+    const std::vector<Hop> path = gather_path(q, r);
+    sources.push_back({path.empty() ? q : path.back().from, !path.empty() && path.back().nic,
+                       node_of(q) * pieces});
+  }
+  return sources;
+}
+
 std::vector<RailRoutes::Hop> RailRoutes::gather_path(int q, int r) const {
   if (q == r) return {};
   if (node_of(q) == node_of(r)) return {{q, r, false}};

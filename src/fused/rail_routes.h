@@ -61,6 +61,19 @@ class RailRoutes {
   // for everything).
   std::vector<int> reduce_order(int r) const;
 
+  // Where rank r learns that the pieces of shard q have arrived (the multi-node AllGather+GEMM,
+  // ag_gemm.cuh's GatherRoutes): the rank that raises their signals - the last hop's sender of
+  // gather_path(q, r) - whether over the network (the host pad) or NVLink (the device pad), and
+  // where their signals start: node_of(q) x pieces (a relay's own shard and the shards it relays
+  // come from different nodes, so never share a signal). Indexed by q; q == r: itself, unused.
+  struct ShardSource {
+    int rank;
+    bool over_nic;
+    int signal_base;
+    bool operator==(const ShardSource&) const = default;
+  };
+  std::vector<ShardSource> gather_sources(int r, int pieces) const;
+
  private:
   std::vector<int> node_of_;
   std::vector<int> local_of_;

@@ -10,6 +10,7 @@
 #include <numeric>
 #include <set>
 #include <string>
+#include <tuple>
 
 #include "fused/rail_routes.h"
 #include "mkernel/error.h"
@@ -161,6 +162,58 @@ TEST(RailRoutes, InterleavedRankNumbering) {
   // Rank 3's partial of rank 0's rows: NVLink to rank 1 (rank 0's rail on node 1), NIC to 0.
   const std::vector<RailRoutes::Hop> reduced = {{3, 1, false}, {1, 0, true}};
   EXPECT_EQ(routes.reduce_path(3, 0), reduced);
+}
+
+// The multi-node AllGather+GEMM's signals, simulated: what every rank's side threads raise
+// (ag_gemm.cuh: (1) its shard to each rail peer over the NIC, (2) to the node's other ranks over
+// NVLink, (3) each rail peer's shard on to the node once it arrived) must be exactly what every
+// rank waits for by gather_sources - each (pad, receiver, source, signal) word raised once, each
+// wait met, and each relay's own wait met by an arrival over the NIC.
+void expect_gather_signals_match(const RailRoutes& routes, int pieces) {
+  using Word = std::tuple<bool, int, int, int>;  // host pad?, receiver, source, signal
+  std::map<Word, int> raised;
+  std::vector<Word> relay_waits;
+  for (int s = 0; s < routes.world(); ++s) {
+    const int base_s = routes.node_of(s) * pieces;
+    for (int piece = 0; piece < pieces; ++piece) {
+      for (int p : routes.rail_peers(s)) ++raised[{true, p, s, base_s + piece}];  // (1)
+      for (int l = 0; l < routes.per_node(); ++l) {                               // (2)
+        const int d = routes.rank_at(routes.node_of(s), l);
+        if (d != s) ++raised[{false, d, s, base_s + piece}];
+      }
+      for (int q : routes.rail_peers(s)) {  // (3)
+        const int base_q = routes.node_of(q) * pieces;
+        relay_waits.push_back({true, s, q, base_q + piece});
+        for (int l = 0; l < routes.per_node(); ++l) {
+          const int d = routes.rank_at(routes.node_of(s), l);
+          if (d != s) ++raised[{false, d, s, base_q + piece}];
+        }
+      }
+    }
+  }
+  std::map<Word, int> awaited;
+  for (int r = 0; r < routes.world(); ++r) {
+    const std::vector<RailRoutes::ShardSource> sources = routes.gather_sources(r, pieces);
+    ASSERT_EQ(static_cast<int>(sources.size()), routes.world());
+    for (int q = 0; q < routes.world(); ++q) {
+      if (q == r) continue;
+      EXPECT_EQ(sources[q].signal_base, routes.node_of(q) * pieces);
+      for (int piece = 0; piece < pieces; ++piece) {
+        ++awaited[{sources[q].over_nic, r, sources[q].rank, sources[q].signal_base + piece}];
+      }
+    }
+  }
+  EXPECT_EQ(raised, awaited) << routes.nodes() << " x " << routes.per_node();
+  for (const auto& [word, count] : raised) EXPECT_EQ(count, 1);
+  for (const Word& w : relay_waits) EXPECT_EQ(raised.count(w), 1u);
+}
+
+TEST(RailRoutes, GatherSignalsMatchTheirWaits) {
+  for (auto [nodes, per_node] : {std::pair{2, 1}, {2, 2}, {3, 2}, {2, 4}, {4, 8}, {3, 3}}) {
+    expect_gather_signals_match(contiguous(nodes, per_node), 3);
+  }
+  // ranks not numbered node by node
+  expect_gather_signals_match(RailRoutes({1, 0, 1, 0, 2, 2}, {0, 1, 1, 0, 1, 0}), 2);
 }
 
 TEST(RailRoutes, RejectsUnequalNodes) {
