@@ -247,6 +247,7 @@ detail::InterNode& Communicator::inter_node() {
   if (s.inter_node) return *s.inter_node;
   ensure_usable("inter_node");
   detail::DeviceGuard guard(s.device);
+  detail::RelaxedCapture relaxed;  // first use may come inside the caller's graph capture
   if (s.host_abort == nullptr) {
     MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.host_abort), sizeof(int32_t),
                                 cudaHostAllocMapped | cudaHostAllocPortable));
@@ -276,6 +277,7 @@ detail::InterNode& Communicator::inter_node() {
   auto copier = [device](cudaStream_t stream) {
     return [device, stream](void* dst, const void* src, std::size_t bytes) {
       cudaSetDevice(device);
+      detail::RelaxedCapture relaxed;  // (a transport thread's copy, outside any capture)
       cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
       if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
       if (err != cudaSuccess) {
@@ -352,6 +354,7 @@ void Communicator::ensure_usable(const char* op) const {
 namespace detail {
 
 InterNodeRings inter_node_rings(Communicator& comm, void* base, uint64_t bytes) {
+  RelaxedCapture relaxed;  // registering (and releasing expired) buffers, possibly under capture
   InterNode& path = comm.inter_node();
   InterNodeRings r;
   r.count = std::min(path.proxy().num_rings(), kMaxKernelRings);

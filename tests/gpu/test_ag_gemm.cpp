@@ -6,9 +6,17 @@
 //     within the tolerance rule of the fp64 product (twice cuBLAS's error).
 // Fresh random data each run, outputs poisoned before each call, shards of rows that are not a
 // multiple of the 128-row tile. Also: CUDA-graph replay with new inputs, the time limit when a
-// rank never joins, and argument errors.
-#include <chrono>
+// rank never joins, and argument errors. Across virtual nodes (issue 8): 2x1, 2x2, 3x2 and 2x4
+// ranks, a graph captured across nodes, and a rank killed mid-kernel (through mkrun).
+#include <signal.h>
+#include <unistd.h>
 
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include "../cpu/cpu_test_util.h"
 #include "collective_checks.h"
 #include "gemm_reference.h"
 #include "mkernel/fused.h"
@@ -334,6 +342,93 @@ TEST(InProcessAgGemm, RejectsBadArgumentsBeforeLaunch) {
     comm.bootstrap().barrier();
     cudaFree(p);
   });
+}
+
+// ---- faults and graphs across nodes ----
+
+// A graph of one launch across 2 x 2 virtual nodes: the first ag_gemm call, which creates the
+// inter-node path and registers the workspace, happens inside the capture.
+TEST(AgGemmAcrossNodes, GraphReplays30Times) {
+  MKT_REQUIRE_GPU();
+  CommOptions options;
+  options.ranks_per_node = 2;
+  options.timeout_seconds = 20;
+  run_in_process(
+      4, [](Communicator& comm) { expect_ag_gemm_graph(comm, 30); }, options);
+}
+
+constexpr const char kKillEnv[] = "MKERNEL_TEST_KILL_RANK";
+
+// Started by AgGemmAcrossNodes.KilledRankIsNamed through mkrun (2 ranks, 2 virtual nodes), skipped
+// otherwise. After one good launch (the inter-node path and the workspace's registration exist),
+// rank 0 launches again at once; rank 1 launches 300 ms later and SIGKILLs itself as soon as its
+// launch returns, its kernel in flight. Rank 0's kernel is waiting for rank 1's pieces by then:
+// it must stop, and synchronize() must name rank 1, long before the 20-s time limit.
+TEST(AgGemmKilledRankHelper, Run) {
+  if (std::getenv(kKillEnv) == nullptr)
+    GTEST_SKIP() << "run by AgGemmAcrossNodes.KilledRankIsNamed";
+  MKT_REQUIRE_MKRUN();
+  CommOptions options;
+  options.timeout_seconds = 20;
+  auto comm = launched_comm(options);
+  ASSERT_EQ(comm->world_size(), 2);
+  ASSERT_EQ(comm->topology().num_nodes, 2);
+  const int rank = comm->rank();
+  const int64_t shard = 1024, m = 2 * shard, n = 256, k = 1024;
+  SymmetricBuffer ws = comm->alloc(ag_gemm_workspace_bytes(m, k));
+  cudaStream_t stream;
+  MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  void *a, *b, *c;
+  MKT_CUDA(cudaMalloc(&a, shard * k * 2));
+  MKT_CUDA(cudaMalloc(&b, n * k * 2));
+  MKT_CUDA(cudaMalloc(&c, m * n * 2));
+  fill_random_bf16(a, shard * k, 1 + rank, stream);
+  fill_random_bf16(b, n * k, 3, stream);
+  auto launch = [&] { ag_gemm(*comm, a, b, c, m, n, k, BLayout::kNK, ws.data(), stream); };
+  launch();
+  comm->synchronize(stream);
+  comm->bootstrap().barrier();
+  if (rank == 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    launch();
+    std::printf("rank 1: launched, now killing itself\n");
+    std::fflush(stdout);
+    kill(getpid(), SIGKILL);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  launch();
+  try {
+    comm->synchronize(stream);
+    ADD_FAILURE() << "rank 0: no error although rank 1 was killed";
+  } catch (const Error& e) {
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("rank 0: error after %.2f s: %s\n", seconds, e.what());
+    EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+    EXPECT_LT(seconds, 10.0) << "the lost peer was noticed late";
+  }
+  for (void* p : {a, b, c}) cudaFree(p);
+  cudaStreamDestroy(stream);
+}
+
+// A rank killed in the middle of a kernel (issue 8): the survivor reports the lost peer within
+// the limit and exits cleanly (code 0, well before mkrun's grace period ends); mkrun names only
+// the killed rank.
+TEST(AgGemmAcrossNodes, KilledRankIsNamed) {
+  MKT_REQUIRE_GPU();
+  char self[4096] = {};
+  ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
+  const ProcessResult r = run_process(
+      {MKRUN_PATH, "-n", "2", "--grace", "60", "--", self,
+       "--gtest_filter=AgGemmKilledRankHelper.Run"},
+      {{kKillEnv, "1"}, {"MKERNEL_GPUS_PER_NODE", "1"}, {"MKERNEL_BOOTSTRAP_TIMEOUT_S", "20"}}, 90);
+  SCOPED_TRACE(r.output);
+  EXPECT_FALSE(r.killed_by_test);
+  EXPECT_EQ(r.exit_code, 1);  // mkrun: a rank failed
+  EXPECT_NE(r.output.find("rank 1: launched, now killing itself"), std::string::npos);
+  EXPECT_NE(r.output.find("[rank 0] [       OK ] AgGemmKilledRankHelper.Run"), std::string::npos);
+  EXPECT_NE(r.output.find("1 of 2 ranks failed: rank 1 (killed by SIGKILL)"), std::string::npos);
+  EXPECT_LT(r.seconds, 45.0) << "rank 0 did not exit on its own";
 }
 
 }  // namespace
