@@ -301,19 +301,35 @@ detail::InterNode& Communicator::inter_node() {
   return *s.inter_node;
 }
 
+namespace {
+
+// The time-out a kernel recorded: who waited how long for whom on what.
+std::string recorded_timeout(const detail::CommState& s) {
+  const volatile DeviceErrorRecord* rec = s.error_host;
+  std::ostringstream msg;
+  msg << "rank " << rec->rank << " waited " << static_cast<double>(rec->waited_ns) * 1e-9
+      << " s for rank " << rec->peer << " on the " << describe_signal(rec->signal) << " (expected "
+      << describe_value(rec->expected) << ", last saw " << describe_value(rec->observed) << ", now "
+      << describe_value(read_signal(s, rec->signal, rec->peer)) << "); time limit "
+      << s.timeout_seconds << " s (MKERNEL_TIMEOUT_S). Is rank " << rec->peer
+      << " alive and issuing the same operations in the same order?";
+  return msg.str();
+}
+
+}  // namespace
+
 void Communicator::check() {
   detail::CommState& s = *state_;
   const volatile DeviceErrorRecord* rec = s.error_host;
   if (s.broken.empty() && rec->code != static_cast<int32_t>(DeviceErrorCode::kNone)) {
-    std::ostringstream msg;
-    msg << "rank " << rec->rank << " waited " << static_cast<double>(rec->waited_ns) * 1e-9
-        << " s for rank " << rec->peer << " on the " << describe_signal(rec->signal)
-        << " (expected " << describe_value(rec->expected) << ", last saw "
-        << describe_value(rec->observed) << ", now "
-        << describe_value(read_signal(s, rec->signal, rec->peer)) << "); time limit "
-        << s.timeout_seconds << " s (MKERNEL_TIMEOUT_S). Is rank " << rec->peer
-        << " alive and issuing the same operations in the same order?";
-    s.broken = msg.str();
+    s.broken = recorded_timeout(s);
+    if (s.inter_node && s.inter_node->failed()) {  // (a lost peer stops the waits at once)
+      try {
+        s.inter_node->check();
+      } catch (const Error& e) {
+        s.broken += std::string("; the inter-node path failed: ") + e.what();
+      }
+    }
   }
   if (s.broken.empty() && s.inter_node && s.inter_node->failed()) {
     try {
@@ -343,11 +359,10 @@ void Communicator::ensure_usable(const char* op) const {
                     state_->broken + "); create a new one");
   }
   const volatile DeviceErrorRecord* rec = state_->error_host;
-  if (rec->code != 0) {
+  if (rec->code != 0) {  // an earlier launch's failure, not yet seen by check()
     throw Error(ErrorCode::kNotInitialized,
-                std::string(op) +
-                    ": a kernel of this communicator timed out; call check() for "
-                    "details and create a new communicator");
+                std::string(op) + ": an earlier kernel of this communicator failed: " +
+                    recorded_timeout(*state_) + "; create a new communicator");
   }
 }
 

@@ -344,6 +344,69 @@ TEST(InProcessAgGemm, RejectsBadArgumentsBeforeLaunch) {
   });
 }
 
+// The shapes of `bench/run.sh ag_gemm check` (M / world x N x K), each with a new workspace while
+// the earlier ones stay alive, as the Python package grows its workspace: each is registered with
+// the inter-node path on first use.
+void expect_ag_gemm_growing_workspaces(Communicator& comm) {
+  const uint64_t seed = shared_seed(comm);
+  const int world = comm.world_size();
+  const int64_t shapes[][3] = {{512, 1024, 1024}, {1024, 2048, 2048}, {2048, 2048, 2048},
+                               {1024, 512, 2048}, {1024, 7168, 2048}, {256, 2048, 2048}};
+  std::vector<SymmetricBuffer> workspaces;
+  for (int i = 0; i < 6; ++i) {
+    const auto [m, n, k] = shapes[i];
+    workspaces.push_back(comm.alloc(ag_gemm_workspace_bytes(m / world * world, k)));
+    expect_ag_gemm(comm, {m / world, n, k, BLayout::kNK, 0}, seed + i, {}, &workspaces.back());
+  }
+}
+
+TEST(AgGemmAcrossNodes, GrowingWorkspaces) {
+  MKT_REQUIRE_GPU();
+  CommOptions options;
+  options.ranks_per_node = 1;
+  options.timeout_seconds = 20;
+  run_in_process(2, expect_ag_gemm_growing_workspaces, options);
+}
+
+constexpr const char kNodesHelperEnv[] = "MKERNEL_TEST_NODES_HELPER";
+
+// Started by AgGemmAcrossNodes.Processes* through mkrun (one process per rank, virtual nodes from
+// MKERNEL_GPUS_PER_NODE), skipped otherwise.
+TEST(AgGemmNodesHelper, GrowingWorkspaces) {
+  if (std::getenv(kNodesHelperEnv) == nullptr)
+    GTEST_SKIP() << "run by AgGemmAcrossNodes.Processes*";
+  MKT_REQUIRE_MKRUN();
+  CommOptions options;
+  options.timeout_seconds = 20;
+  auto comm = launched_comm(options);
+  ASSERT_GT(comm->topology().num_nodes, 1);
+  expect_ag_gemm_growing_workspaces(*comm);
+}
+
+// Runs AgGemmNodesHelper.GrowingWorkspaces as `ranks` processes on nodes of `per_node` ranks.
+void expect_processes_across_nodes(int ranks, int per_node) {
+  char self[4096] = {};
+  ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
+  const ProcessResult r =
+      run_process({MKRUN_PATH, "-n", std::to_string(ranks), "--grace", "10", "--", self,
+                   "--gtest_filter=AgGemmNodesHelper.GrowingWorkspaces"},
+                  {{kNodesHelperEnv, "1"},
+                   {"MKERNEL_GPUS_PER_NODE", std::to_string(per_node)},
+                   {"MKERNEL_BOOTSTRAP_TIMEOUT_S", "30"}},
+                  120);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("SKIPPED"), std::string::npos) << r.output;
+}
+
+TEST(AgGemmAcrossNodes, ProcessesTwoByOne) {
+  MKT_REQUIRE_GPU();
+  expect_processes_across_nodes(2, 1);
+}
+TEST(AgGemmAcrossNodes, ProcessesTwoByTwo) {
+  MKT_REQUIRE_GPU();
+  expect_processes_across_nodes(4, 2);
+}
+
 // ---- faults and graphs across nodes ----
 
 // A graph of one launch across 2 x 2 virtual nodes: the first ag_gemm call, which creates the
