@@ -290,14 +290,28 @@ def _timeout(rank, world, seed, use_nccl):
     dist.barrier()  # rank 1 stays until rank 0 has seen the time-out
 
 
-def _ag_gemm(rank, world, seed, use_nccl):
+# `bench/run.sh ag_gemm check`'s shapes (M, N, K): each a new largest, so each call grows the
+# package's workspace (a new symmetric buffer, registered with the inter-node path across nodes).
+BENCH_CHECK_SHAPES = [(512, 1024, 1024), (1024, 2048, 2048), (2048, 2048, 2048), (1024, 512, 2048),
+                      (1024, 7168, 2048), (256, 2048, 2048)]
+
+
+def _ag_gemm(rank, world, seed, use_nccl, gpus_per_node=0):
     """mkernel.ag_gemm: gathered A bitwise equal to the shards (and to NCCL's all_gather), C
     bitwise equal to the GEMM engine on the gathered A and within twice cuBLAS's error of the
-    fp64 product; then torch.compile and a CUDA graph replayed with new inputs."""
+    fp64 product; then torch.compile and a CUDA graph replayed with new inputs. gpus_per_node:
+    virtual nodes of that many ranks (MKERNEL_GPUS_PER_NODE; shards of other nodes travel over
+    the socket transport), with the benchmark's check shapes as well."""
+    if gpus_per_node:
+        os.environ["MKERNEL_GPUS_PER_NODE"] = str(gpus_per_node)
     comm = mkernel.init()
+    if gpus_per_node:
+        assert comm.num_nodes == world // gpus_per_node, comm
     dev = torch.device("cuda", comm.device)
     cases = [(200, 264, 136, "nk"), (1000, 1024, 512, "kn"), (1, 8, 8, "nk"),
              (517, 384, 4096, "nk")]
+    if gpus_per_node:
+        cases += [(m // world, n, k, "nk") for m, n, k in BENCH_CHECK_SHAPES]
     for case, (shard, n, k, layout) in enumerate(cases):
         what = f"ag_gemm case {case} (shard {shard}, N {n}, K {k}, {layout}), rank {rank}"
         shards = [_inputs(seed, case, r, (shard, k), torch.bfloat16) for r in range(world)]
@@ -467,6 +481,11 @@ def test_gemm_rs_matches_references():
 
 def test_ag_gemm_matches_references():
     _spawn(_ag_gemm)
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 1), (2, 2)])
+def test_ag_gemm_across_virtual_nodes(nodes, per_node):
+    _spawn(_ag_gemm, world=nodes * per_node, gpus_per_node=per_node)
 
 
 def test_collectives_match_references():
