@@ -88,9 +88,16 @@ TEST(LaunchedRuntime, SymmetricMemoryIsVisibleToPeers) {
 void create_use_destroy(int world) {
   run_in_process(world, [](Communicator& comm) {
     SymmetricBuffer a = comm.alloc(1 << 20), b = comm.alloc(5 << 20);
+    // A stream of this rank's own: ranks sharing a GPU in one process share its legacy default
+    // stream, which would run their kernels one after the other (the first waits for the second
+    // until the time limit - seen on a one-GPU host).
+    cudaStream_t stream;
+    MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     comm.bootstrap().barrier();
-    all_reduce(comm, a.data(), a.data(), 1024, DType::kF32, nullptr);
-    comm.synchronize(nullptr);
+    all_reduce(comm, a.data(), a.data(), 1024, DType::kF32, stream);
+    comm.synchronize(stream);
+    comm.bootstrap().barrier();
+    cudaStreamDestroy(stream);
   });
 }
 
