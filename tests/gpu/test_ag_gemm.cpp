@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <thread>
 
 #include "../cpu/cpu_test_util.h"
@@ -286,25 +287,46 @@ TEST(LaunchedAgGemm, GraphReplays100Times) {
   expect_ag_gemm_graph(*comm, comm->topology().max_ranks_per_device > 1 ? 30 : 100);
 }
 
+// One ag_gemm call's operands (random A_r and B, seeds `a_seed` and `b_seed`), its workspace
+// and stream; freed when it goes out of scope.
+struct AgCall {
+  AgCall(Communicator& comm, int64_t shard_rows, int64_t n, int64_t k, uint64_t a_seed,
+         uint64_t b_seed)
+      : comm(comm),
+        shard(shard_rows),
+        m(shard_rows * comm.world_size()),
+        n(n),
+        k(k),
+        ws(comm.alloc(ag_gemm_workspace_bytes(m, k))) {
+    auto check = [](cudaError_t e) {  // (a constructor cannot ASSERT: it throws instead)
+      if (e != cudaSuccess) throw std::runtime_error(cudaGetErrorString(e));
+    };
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    check(cudaMalloc(&a, shard * k * 2));
+    check(cudaMalloc(&b, n * k * 2));
+    check(cudaMalloc(&c, m * n * 2));
+    fill_random_bf16(a, shard * k, a_seed, stream);
+    fill_random_bf16(b, n * k, b_seed, stream);
+  }
+  ~AgCall() {
+    for (void* p : {a, b, c}) cudaFree(p);
+    cudaStreamDestroy(stream);
+  }
+  void launch() { ag_gemm(comm, a, b, c, m, n, k, BLayout::kNK, ws.data(), stream); }
+
+  Communicator& comm;
+  int64_t shard, m, n, k;
+  SymmetricBuffer ws;
+  cudaStream_t stream = nullptr;
+  void *a = nullptr, *b = nullptr, *c = nullptr;
+};
+
 // Every rank but the last calls ag_gemm; the last never does. The others must fail with a time-out
 // naming the missing rank, within the limit.
 void expect_ag_gemm_timeout(Communicator& comm) {
-  const int world = comm.world_size();
-  const int64_t shard = 256, m = shard * world, n = 256, k = 256;
-  SymmetricBuffer ws = comm.alloc(ag_gemm_workspace_bytes(m, k));
-  cudaStream_t stream;
-  MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  void *a, *b, *c;
-  MKT_CUDA(cudaMalloc(&a, shard * k * 2));
-  MKT_CUDA(cudaMalloc(&b, n * k * 2));
-  MKT_CUDA(cudaMalloc(&c, m * n * 2));
-  fill_random_bf16(a, shard * k, 1, stream);
-  fill_random_bf16(b, n * k, 2, stream);
-  ready(comm, stream);
-  expect_missing_rank_times_out(
-      comm, stream, [&] { ag_gemm(comm, a, b, c, m, n, k, BLayout::kNK, ws.data(), stream); });
-  for (void* p : {a, b, c}) cudaFree(p);
-  cudaStreamDestroy(stream);
+  AgCall call(comm, 256, 256, 256, 1, 2);
+  ready(comm, call.stream);
+  expect_missing_rank_times_out(comm, call.stream, [&] { call.launch(); });
 }
 
 TEST(InProcessAgGemm, MissingRankTimesOut) {
@@ -344,6 +366,32 @@ TEST(InProcessAgGemm, RejectsBadArgumentsBeforeLaunch) {
   });
 }
 
+// ---- helper processes: a test that starts this binary through mkrun on one helper test ----
+
+// The helper's communicator (20-s kernel limit) when another test started it through mkrun and
+// set `env`; else null (the helper then skips).
+std::shared_ptr<Communicator> helper_comm(const char* env) {
+  if (std::getenv(env) == nullptr || launcher_bootstrap() == nullptr) return nullptr;
+  CommOptions options;
+  options.timeout_seconds = 20;
+  return launched_comm(options);
+}
+
+// Runs test `helper` of this binary as `ranks` mkrun processes with `env` added ("1") and
+// `per_node` ranks per virtual node.
+ProcessResult run_helper(const char* helper, const char* env, int ranks, int per_node,
+                         double grace_s, double limit_s) {
+  char self[4096] = {};
+  if (readlink("/proc/self/exe", self, sizeof(self) - 1) <= 0) return {};
+  return run_process({MKRUN_PATH, "-n", std::to_string(ranks), "--grace",
+                      std::to_string(static_cast<int>(grace_s)), "--", self,
+                      std::string("--gtest_filter=") + helper},
+                     {{env, "1"},
+                      {"MKERNEL_GPUS_PER_NODE", std::to_string(per_node)},
+                      {"MKERNEL_BOOTSTRAP_TIMEOUT_S", "30"}},
+                     limit_s);
+}
+
 // The shapes of `bench/run.sh ag_gemm check` (M / world x N x K), each with a new workspace while
 // the earlier ones stay alive, as the Python package grows its workspace: each is registered with
 // the inter-node path on first use.
@@ -373,27 +421,17 @@ constexpr const char kNodesHelperEnv[] = "MKERNEL_TEST_NODES_HELPER";
 // Started by AgGemmAcrossNodes.Processes* through mkrun (one process per rank, virtual nodes from
 // MKERNEL_GPUS_PER_NODE), skipped otherwise.
 TEST(AgGemmNodesHelper, GrowingWorkspaces) {
-  if (std::getenv(kNodesHelperEnv) == nullptr)
-    GTEST_SKIP() << "run by AgGemmAcrossNodes.Processes*";
-  MKT_REQUIRE_MKRUN();
-  CommOptions options;
-  options.timeout_seconds = 20;
-  auto comm = launched_comm(options);
+  MKT_REQUIRE_GPU();
+  auto comm = helper_comm(kNodesHelperEnv);
+  if (!comm) GTEST_SKIP() << "run by AgGemmAcrossNodes.Processes*";
   ASSERT_GT(comm->topology().num_nodes, 1);
   expect_ag_gemm_growing_workspaces(*comm);
 }
 
 // Runs AgGemmNodesHelper.GrowingWorkspaces as `ranks` processes on nodes of `per_node` ranks.
 void expect_processes_across_nodes(int ranks, int per_node) {
-  char self[4096] = {};
-  ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
   const ProcessResult r =
-      run_process({MKRUN_PATH, "-n", std::to_string(ranks), "--grace", "10", "--", self,
-                   "--gtest_filter=AgGemmNodesHelper.GrowingWorkspaces"},
-                  {{kNodesHelperEnv, "1"},
-                   {"MKERNEL_GPUS_PER_NODE", std::to_string(per_node)},
-                   {"MKERNEL_BOOTSTRAP_TIMEOUT_S", "30"}},
-                  120);
+      run_helper("AgGemmNodesHelper.GrowingWorkspaces", kNodesHelperEnv, ranks, per_node, 10, 120);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   for (int rank = 0; rank < ranks; ++rank) {
     EXPECT_NE(r.output.find("[rank " + std::to_string(rank) +
@@ -433,40 +471,27 @@ constexpr const char kKillEnv[] = "MKERNEL_TEST_KILL_RANK";
 // launch returns, its kernel in flight. Rank 0's kernel is waiting for rank 1's pieces by then:
 // it must stop, and synchronize() must name rank 1, long before the 20-s time limit.
 TEST(AgGemmKilledRankHelper, Run) {
-  if (std::getenv(kKillEnv) == nullptr)
-    GTEST_SKIP() << "run by AgGemmAcrossNodes.KilledRankIsNamed";
-  MKT_REQUIRE_MKRUN();
-  CommOptions options;
-  options.timeout_seconds = 20;
-  auto comm = launched_comm(options);
+  MKT_REQUIRE_GPU();
+  auto comm = helper_comm(kKillEnv);
+  if (!comm) GTEST_SKIP() << "run by AgGemmAcrossNodes.KilledRankIsNamed";
   ASSERT_EQ(comm->world_size(), 2);
   ASSERT_EQ(comm->topology().num_nodes, 2);
   const int rank = comm->rank();
-  const int64_t shard = 1024, m = 2 * shard, n = 256, k = 1024;
-  SymmetricBuffer ws = comm->alloc(ag_gemm_workspace_bytes(m, k));
-  cudaStream_t stream;
-  MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  void *a, *b, *c;
-  MKT_CUDA(cudaMalloc(&a, shard * k * 2));
-  MKT_CUDA(cudaMalloc(&b, n * k * 2));
-  MKT_CUDA(cudaMalloc(&c, m * n * 2));
-  fill_random_bf16(a, shard * k, 1 + rank, stream);
-  fill_random_bf16(b, n * k, 3, stream);
-  auto launch = [&] { ag_gemm(*comm, a, b, c, m, n, k, BLayout::kNK, ws.data(), stream); };
-  launch();
-  comm->synchronize(stream);
+  AgCall call(*comm, 1024, 256, 1024, 1 + rank, 3);
+  call.launch();
+  comm->synchronize(call.stream);
   comm->bootstrap().barrier();
   if (rank == 1) {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    launch();
+    call.launch();
     std::printf("rank 1: launched, now killing itself\n");
     std::fflush(stdout);
     kill(getpid(), SIGKILL);
   }
   const auto start = std::chrono::steady_clock::now();
-  launch();
+  call.launch();
   try {
-    comm->synchronize(stream);
+    comm->synchronize(call.stream);
     ADD_FAILURE() << "rank 0: no error although rank 1 was killed";
   } catch (const Error& e) {
     const double seconds =
@@ -475,8 +500,6 @@ TEST(AgGemmKilledRankHelper, Run) {
     EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
     EXPECT_LT(seconds, 10.0) << "the lost peer was noticed late";
   }
-  for (void* p : {a, b, c}) cudaFree(p);
-  cudaStreamDestroy(stream);
 }
 
 // A rank killed in the middle of a kernel (issue 8): the survivor reports the lost peer within
@@ -484,12 +507,7 @@ TEST(AgGemmKilledRankHelper, Run) {
 // the killed rank.
 TEST(AgGemmAcrossNodes, KilledRankIsNamed) {
   MKT_REQUIRE_GPU();
-  char self[4096] = {};
-  ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
-  const ProcessResult r = run_process(
-      {MKRUN_PATH, "-n", "2", "--grace", "60", "--", self,
-       "--gtest_filter=AgGemmKilledRankHelper.Run"},
-      {{kKillEnv, "1"}, {"MKERNEL_GPUS_PER_NODE", "1"}, {"MKERNEL_BOOTSTRAP_TIMEOUT_S", "20"}}, 90);
+  const ProcessResult r = run_helper("AgGemmKilledRankHelper.Run", kKillEnv, 2, 1, 60, 90);
   SCOPED_TRACE(r.output);
   EXPECT_FALSE(r.killed_by_test);
   EXPECT_EQ(r.exit_code, 1);  // mkrun: a rank failed
