@@ -4,11 +4,15 @@
 // same node or another rail, a one-node topology, a wait that times out, a lost peer.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cpu_test_util.h"
@@ -103,6 +107,75 @@ void exchange_on_rails(int nodes, int per_node, uint64_t bytes) {
     path.check();
     b.barrier();  // nobody leaves while a peer still waits
   }));
+}
+
+// The ag_gemm rail protocol (ag_gemm.cuh, across nodes) without a GPU, many launches in a row:
+// each launch a rank announces "entered" (signal 0), then `pieces` producer threads - two per
+// ring - each wait for the peer's "entered", write a piece with this launch's pattern into the
+// rank's slot of a "device" buffer (staged through the copy hooks, as the socket backend stages
+// GPU memory) and push put+signal (1 + node x pieces + p); the rank then waits for every piece of
+// its peer and checks it. Every `grow` launches a new, larger buffer is registered while the old
+// ones stay (as the Python package grows its workspace) and the pieces per shard change - so
+// signal words are reused across buffers, piece counts and launches with epoch-stamped values.
+void stress_rail_pieces(int launches, int pieces0, int grow) {
+  constexpr int kNodes = 2;
+  expect_all_ok(mk::test::run_group(kNodes, [&](Bootstrap& b) {
+    const int me = b.rank(), peer = 1 - me;
+    const Topology topo = virtual_topology(me, kNodes, 1);
+    InterNodeConfig config = test_config(20);
+    config.channels = 4;
+    config.ring_capacity = 256;
+    config.num_signals = 4096;
+    config.copy_to_device = [](void* dst, const void* src, std::size_t n) {
+      std::memcpy(dst, src, n);
+    };
+    config.copy_from_device = config.copy_to_device;
+    InterNode path(b, topo, config);
+    std::vector<std::unique_ptr<std::vector<char>>> buffers;  // all kept, as Python keeps them
+    int id = -1, pieces = pieces0;
+    uint64_t piece_bytes = 0;
+    for (int launch = 1; launch <= launches; ++launch) {
+      if ((launch - 1) % grow == 0) {  // a new, larger workspace
+        pieces = pieces0 + (launch - 1) / grow;
+        piece_bytes = 4096 * (1 + (launch - 1) / grow);
+        buffers.push_back(std::make_unique<std::vector<char>>(kNodes * pieces * piece_bytes));
+        id = path.buffer_id(buffers.back()->data(), buffers.back()->size(),
+                            transport::MemoryKind::kDevice);
+      }
+      std::vector<char>& ws = *buffers.back();
+      const uint64_t value = (static_cast<uint64_t>(launch) << 32) | 1;
+      path.proxy().push(0, transport::make_signal(peer, 0, 0, value));  // entered
+      std::vector<std::thread> producers;
+      for (int p = 0; p < pieces; ++p) {
+        producers.emplace_back([&, p] {
+          path.wait(peer, 0, value);  // its last launch has read what we sent it
+          const uint64_t offset = (static_cast<uint64_t>(me) * pieces + p) * piece_bytes;
+          mk::test::fill_pattern(&ws[offset], piece_bytes, launch * 1000003u + me * 1009u + p);
+          path.proxy().push(p % config.channels,
+                            make_put_signal(peer, p, id, offset, id, offset, piece_bytes,
+                                            1 + me * pieces + p, value));
+        });
+      }
+      for (std::thread& t : producers) t.join();
+      for (int p = 0; p < pieces; ++p) {
+        path.wait(peer, 1 + peer * pieces + p, value);
+        const uint64_t offset = (static_cast<uint64_t>(peer) * pieces + p) * piece_bytes;
+        ASSERT_EQ(mk::test::first_mismatch(&ws[offset], piece_bytes,
+                                           launch * 1000003u + peer * 1009u + p),
+                  -1)
+            << "launch " << launch << ", piece " << p << " of rank " << peer;
+      }
+    }
+    path.check();
+    b.barrier();
+  }));
+}
+
+// MKERNEL_TEST_STRESS_LAUNCHES: more launches (a longer hunt for a lost piece).
+TEST(InterNode, RailPiecesManyLaunchesGrowingBuffers) {
+  const char* env = std::getenv("MKERNEL_TEST_STRESS_LAUNCHES");
+  const int launches = env != nullptr ? std::atoi(env) : 300;
+  stress_rail_pieces(launches, 8, std::max(40, launches / 10));  // at most 10 buffers of 16 ids
 }
 
 TEST(InterNode, RailPeersCarryBytesAndSignals2x2) { exchange_on_rails(2, 2, 1 << 20); }
