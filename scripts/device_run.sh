@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The one script sent to the GPU machine (see /work/.library/device/README.md).
 #
-#   bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|all]... (default: all)
+#   bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|nodes|all]...
+#   (default: all)
 #
 # Steps run in the order given; `all` = build test sanitize python bench. `python` builds the
 # package into $SITE (/tmp/site) and runs tests/python (scripts/python_gpu_test.sh); later steps
 # import it from there (the fused kernels' benchmarks need it). A failed step does not stop
 # the later ones; each ends with one line "== <step>: PASS|FAIL|SKIP (<s> s) ..." and the script
 # exits non-zero when any step failed. Logs go to $OUT (./out when $OUT is unset):
-#   build.log  test.log  topo.txt  sanitize.log  bench.log  and the benchmark JSON files
+#   build.log  test.log  topo.txt  sanitize.log  bench.log  nodes.log  and the benchmark JSON files
 # (at most 8 files come back from $OUT: JSON beyond that is packed into bench-json.tar.gz).
 #
 # That machine has nvcc, cmake, ninja and python3 with torch, and no internet. GoogleTest is taken
@@ -235,6 +236,22 @@ step_trace() {
   return "$rc"
 }
 
+# ---- nodes ----------------------------------------------------------------------------------
+# Issue 8 across virtual nodes on this host, through the users' front: every fused kernel's check
+# on NODES_COUNT (2) virtual nodes of the GPUs here (bench/run.sh with MKERNEL_VIRTUAL_NODES=1,
+# socket transport over loopback; needs the python step's package). A kernel that does not run
+# across nodes yet says so and counts as failed. NODES_KERNELS: which (ag_gemm gemm_rs gemm_ar).
+step_nodes() {
+  local rc=0 kernel
+  for kernel in ${NODES_KERNELS:-ag_gemm gemm_rs gemm_ar}; do
+    echo "=== $kernel check across ${NODES_COUNT:-2} virtual nodes"
+    MKERNEL_VIRTUAL_NODES=1 limited 300 bash "$REPO/bench/run.sh" "$kernel" check \
+      "${NODES_COUNT:-2}" 2>&1 | tee -a "$OUT/nodes.log"
+    ((PIPESTATUS[0] == 0)) || rc=1
+  done
+  return "$rc"
+}
+
 step_bench() {
   local marker rc=0 kernel
   [[ -x "$BUILD/bench/bench_collectives" ]] || { log "no benchmarks in $BUILD"; return "$SKIP"; }
@@ -270,8 +287,8 @@ plan=()
 for s in "${steps[@]}"; do
   case "$s" in
     all) plan+=(build test sanitize python bench) ;;
-    build | test | sanitize | python | bench | compare | trace) plan+=("$s") ;;
-    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|all]..." >&2; exit 2 ;;
+    build | test | sanitize | python | bench | compare | trace | nodes) plan+=("$s") ;;
+    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|nodes|all]..." >&2; exit 2 ;;
   esac
 done
 
@@ -291,6 +308,7 @@ for s in "${plan[@]}"; do
     bench) step_bench ;;
     compare) step_compare ;;
     trace) step_trace ;;
+    nodes) step_nodes ;;
   esac
   rc=$?
   case "$rc" in
