@@ -277,7 +277,13 @@ detail::InterNode& Communicator::inter_node() {
   auto copier = [device](cudaStream_t stream) {
     return [device, stream](void* dst, const void* src, std::size_t bytes) {
       cudaSetDevice(device);
-      detail::RelaxedCapture relaxed;  // (a transport thread's copy, outside any capture)
+      // A transport thread's copies are never part of a capture: its mode relaxed once, so that
+      // another thread's global-mode capture does not count them as unsafe calls.
+      thread_local const bool relaxed = [] {
+        cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+        return cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
+      }();
+      (void)relaxed;
       cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
       if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
       if (err != cudaSuccess) {
@@ -321,22 +327,23 @@ std::string recorded_timeout(const detail::CommState& s) {
 void Communicator::check() {
   detail::CommState& s = *state_;
   const volatile DeviceErrorRecord* rec = s.error_host;
-  if (s.broken.empty() && rec->code != static_cast<int32_t>(DeviceErrorCode::kNone)) {
-    s.broken = recorded_timeout(s);
-    if (s.inter_node && s.inter_node->failed()) {  // (a lost peer stops the waits at once)
+  if (s.broken.empty()) {
+    // The inter-node path's first error (a lost peer stops the waits at once), if any.
+    std::string path_error;
+    ErrorCode path_code = ErrorCode::kInternal;
+    if (s.inter_node && s.inter_node->failed()) {
       try {
         s.inter_node->check();
       } catch (const Error& e) {
-        s.broken += std::string("; the inter-node path failed: ") + e.what();
+        path_error = std::string("the inter-node path failed: ") + e.what();
+        path_code = e.code();
       }
     }
-  }
-  if (s.broken.empty() && s.inter_node && s.inter_node->failed()) {
-    try {
-      s.inter_node->check();
-    } catch (const Error& e) {
-      s.broken = std::string("the inter-node path failed: ") + e.what();
-      throw Error(e.code(), s.broken);
+    if (rec->code != static_cast<int32_t>(DeviceErrorCode::kNone)) {
+      s.broken = recorded_timeout(s) + (path_error.empty() ? "" : "; " + path_error);
+    } else if (!path_error.empty()) {
+      s.broken = path_error;
+      throw Error(path_code, s.broken);
     }
   }
   if (!s.broken.empty()) throw Error(ErrorCode::kTimeout, s.broken);

@@ -24,8 +24,8 @@ class DeviceGuard {
 // Puts this thread's stream-capture mode to relaxed for a scope, restoring it after. For the
 // library's one-time setup (host-pinned memory, streams, the inter-node path) when it runs on first
 // use, possibly while the caller captures a CUDA graph (the allocations are not part of the graph:
-// they happen once, now), and for the inter-node path's own threads, whose staging copies must not
-// count as unsafe calls during another thread's global-mode capture (torch.cuda.graph's default).
+// they happen once, now). (The inter-node path's own threads set relaxed once for good: their
+// staging copies must not count as unsafe calls during another thread's global-mode capture.)
 class RelaxedCapture {
  public:
   RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&previous_); }
