@@ -82,7 +82,7 @@ FusedGemmPlan ag_gemm_plan(const Communicator& comm, int64_t m, int64_t n, int64
 //   a:   this rank's A_r, [M, K_r] row-major bf16 (K_r = this rank's slice of K)
 //   b:   this rank's B_r, [N, K_r] (BLayout::kNK) or [K_r, N] (kKN) row-major bf16
 //   out: [M / world, N] row-major bf16 (any device memory)
-//   workspace: gemm_rs_workspace_bytes(m, n, world) bytes inside a symmetric buffer, all zero
+//   workspace: gemm_rs_workspace_bytes(comm, m, n) bytes inside a symmetric buffer, all zero
 //     before the first call (Communicator::alloc memory is not: clear it once); with three or
 //     more ranks every call leaves it zero again (with two, the one peer's partial is stored, not
 //     added: no zeroing needed). It holds this rank's fp32 accumulator [M / world, N].
@@ -92,6 +92,10 @@ FusedGemmPlan ag_gemm_plan(const Communicator& comm, int64_t m, int64_t n, int64
 // Each rank computes the peers' rows first, reducing each tile into its owner's accumulator as
 // it is produced, and its own rows last, adding the peers' sums in its epilogue.
 std::size_t gemm_rs_workspace_bytes(int64_t m, int64_t n, int world_size);
+// The same for this communicator: across nodes (issue 8) the workspace also holds, per other
+// node, a relay accumulator, the staging of the node sum sent there and the sum received from
+// there - 3 x nodes - 2 times the one-node size.
+std::size_t gemm_rs_workspace_bytes(const Communicator& comm, int64_t m, int64_t n);
 void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_t m, int64_t n,
              int64_t k_local, BLayout b_layout, void* workspace, cudaStream_t stream,
              const FusedGemmConfig& config = {});

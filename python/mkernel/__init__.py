@@ -590,7 +590,7 @@ if torch is not None:
             _check_device("gemm_rs", name, x, c.device)
         a2, b2 = a.contiguous(), b.contiguous()
         out = torch.empty((m // c.world_size, n), dtype=torch.bfloat16, device=a.device)
-        ws = c._workspace(_C.gemm_rs_workspace_bytes(m, n, c.world_size), "gemm_rs", "accumulate")
+        ws = c._workspace(_C.gemm_rs_workspace_bytes(c._impl, m, n), "gemm_rs", "accumulate")
         with torch.cuda.device(c.device):
             _C.gemm_rs(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
                        ws.data_ptr(), c._stream(), block_n, bf16_partials)

@@ -402,9 +402,14 @@ NB_MODULE(_C, m) {
       "comm"_a, "a"_a, "b"_a, "out"_a, "m"_a, "n"_a, "k_local"_a, "b_layout"_a, "workspace"_a,
       "stream"_a, "block_n"_a = 0, "bf16_partials"_a = false,
       "out[M / world, N] = this rank's rows of sum over ranks of A_r @ op(B_r); workspace: "
-      "gemm_rs_workspace_bytes(M, N, world) zeroed bytes in a symmetric buffer (left zero). "
+      "gemm_rs_workspace_bytes(comm, M, N) zeroed bytes in a symmetric buffer. "
       "Stream-ordered; no host synchronisation.");
-  m.def("gemm_rs_workspace_bytes", &mk::gemm_rs_workspace_bytes, "m"_a, "n"_a, "world_size"_a);
+  m.def("gemm_rs_workspace_bytes",
+        nb::overload_cast<int64_t, int64_t, int>(&mk::gemm_rs_workspace_bytes), "m"_a, "n"_a,
+        "world_size"_a);
+  m.def("gemm_rs_workspace_bytes",
+        nb::overload_cast<const mk::Communicator&, int64_t, int64_t>(&mk::gemm_rs_workspace_bytes),
+        "comm"_a, "m"_a, "n"_a, "bytes for this communicator (across nodes: 3 x nodes - 2 times more)");
   m.def(
       "gemm_ar",
       [](mk::Communicator& comm, std::uintptr_t a, std::uintptr_t b, std::uintptr_t out,

@@ -6,7 +6,9 @@
 
 #include "fused/fused_common.h"
 #include "fused/gemm_rs.cuh"
+#include "fused/gemm_rs_nodes.cuh"
 #include "fused/plans.h"
+#include "fused/rail_routes.h"
 #include "fused/trace_layout.h"
 #include "gemm/gemm_internal.h"
 #include "gemm/launch.cuh"
@@ -14,6 +16,7 @@
 #include "mkernel/fused.h"
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
+#include "runtime/inter_node_rings.h"
 #include "runtime/validate.h"
 
 namespace mk {
@@ -41,10 +44,20 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
   const int budget = fused::sm_budget(comm, config.sms, kOp);
   // The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong, experimental): 128-wide
   // tiles, each consumer warpgroup whole tiles, one's epilogue under the other's mainloop.
-  p.pingpong = world > 1 && gemm_engine::pingpong_requested(config.block_n);
+  p.nodes = comm.nodes;
+  p.pingpong = world > 1 && p.nodes == 1 && gemm_engine::pingpong_requested(config.block_n);
   p.block_n =
       p.pingpong ? 128
                  : gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);
+  if (p.nodes > 1) {
+    // Across nodes the relay's and the owner's epilogues (several partial sums, a command) do
+    // not fit next to a 128 x 192 or 128 x 256 accumulator (they spilled 64 and 580 bytes).
+    if (config.block_n > fused::kMaxReduceBlockN) {
+      invalid("block_n = " + std::to_string(config.block_n) + ": across nodes at most " +
+              std::to_string(fused::kMaxReduceBlockN));
+    }
+    p.block_n = std::min(p.block_n, fused::kMaxReduceBlockN);
+  }
   const int64_t tiles_n = (n + p.block_n - 1) / p.block_n;
   // One op signal per consumer slice of a tile (two per tile) of a shard.
   if (2 * tiles_m * tiles_n > kMaxOpSignals) {
@@ -58,6 +71,27 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
   p.piece_rows = 128;
   p.pieces = static_cast<int>(tiles_m);
   p.workspace_bytes = gemm_rs_workspace_bytes(m, n, world);
+  if (p.nodes > 1) {
+    // Across nodes (gemm_rs_nodes.cuh, reduce_routes.h): 3 x nodes - 2 regions of S x N fp32;
+    // op signals for the own rows and each relayed node, host-pad signals for one node's sums.
+    if (world > kMaxReduceRanks) {
+      invalid("across nodes at most " + std::to_string(kMaxReduceRanks) + " ranks; got " +
+              std::to_string(world));
+    }
+    const int64_t slices = 2 * tiles_m * tiles_n;
+    if (p.nodes * slices > kMaxOpSignals || slices + 1 > kHostPadSignals) {
+      invalid("across " + std::to_string(p.nodes) + " nodes a shard of " +
+              std::to_string(p.shard_rows) + " x " + std::to_string(n) + " has " +
+              std::to_string(slices / 2) + " tiles of 128 x " + std::to_string(p.block_n) +
+              "; at most " +
+              std::to_string(std::min<int64_t>(kMaxOpSignals / p.nodes, kHostPadSignals - 1) / 2) +
+              " are supported across nodes (use fewer rows or columns per call)");
+    }
+    p.workspace_bytes *= static_cast<std::size_t>(3 * p.nodes - 2);
+    p.bf16_partials = false;  // node sums and partials stay fp32 across nodes
+    p.lag = -1;               // blocked order along the rail routes, no outbox
+    return p;
+  }
   // Peers' tiles and own tiles interleaved (reduce_order.h) when every CTA still gets two own
   // tiles after the last remote one for its outbox staging (four with ping-pong, where each
   // warpgroup posts both halves of a tile and wants two slots): lag = two (four) waves of remote
@@ -111,7 +145,45 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   gemm_engine::launch<kBlockN, kTransB>(f, map_b, k, p.ctas, stream, kOp);
 }
 
+// Across nodes (gemm_rs_nodes.cuh): the rail routes as the kernel's ReduceRoutes, the
+// communicator's inter-node rings, and the workspace's allocation registered with its path.
+template <int kBlockN, bool kTransB>
+void launch_across_nodes(Communicator& comm, const FusedGemmPlan& p, const void* a, const void* b,
+                         void* out, int64_t n, int64_t k, const SymmetricRange& ws, void* workspace,
+                         cudaStream_t stream) {
+  using Fusion = fused::GemmRsAcrossNodes<kBlockN>;
+  const Topology& topo = comm.topology();
+  Fusion f{};
+  f.a = gemm_engine::make_map_3d(a, topo.world_size, p.shard_rows, k, 128);
+  f.out = gemm_engine::make_map(out, p.shard_rows, n, 64);
+  for (int i = 0; i < topo.local_size; ++i) {
+    f.ws_local[i] = reinterpret_cast<float*>(ws.host_peers[i] + ws.offset);
+  }
+  f.my_ws = static_cast<float*>(workspace);
+  f.routes = fused::RailRoutes(topo.node_of, topo.local_rank_of).reduce_routes(topo.rank);
+  const detail::InterNodeRings path = detail::inter_node_rings(
+      comm, reinterpret_cast<void*>(ws.host_peers[topo.local_rank]), ws.size);
+  f.num_rings = std::min(path.count, fused::kMaxReduceRings);
+  for (int i = 0; i < f.num_rings; ++i) f.rings[i] = path.ring[i];
+  f.ws_buffer = path.buffer;
+  f.ws_offset = ws.offset;
+  f.comm = comm.device_comm();  // (after the inter-node path exists: its host pad)
+  f.shard_rows = static_cast<int>(p.shard_rows);
+  f.n = static_cast<int>(n);
+  f.raster = {static_cast<int>((p.shard_rows + 127) / 128),
+              static_cast<int>((n + kBlockN - 1) / kBlockN)};
+  f.trace = fused::trace_arm(p.ctas, stream);
+  const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
+  gemm_engine::launch<kBlockN, kTransB, Fusion>(f, map_b, k, p.ctas, stream, kOp);
+}
+
 }  // namespace
+
+std::size_t gemm_rs_workspace_bytes(const Communicator& comm, int64_t m, int64_t n) {
+  const int nodes = comm.topology().num_nodes;
+  const std::size_t one_node = gemm_rs_workspace_bytes(m, n, comm.world_size());
+  return nodes > 1 ? one_node * static_cast<std::size_t>(3 * nodes - 2) : one_node;
+}
 
 std::size_t gemm_rs_workspace_bytes(int64_t m, int64_t n, int world_size) {
   if (m < 0 || n < 0 || world_size < 1) invalid("negative M or N, or world size < 1");
@@ -128,7 +200,7 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
              int64_t k, BLayout b_layout, void* workspace, cudaStream_t stream,
              const FusedGemmConfig& config) {
   detail::DeviceGuard guard(comm.device());
-  fused::check_call(comm, stream, b_layout, kOp);
+  fused::check_call(comm, stream, b_layout, kOp, /*across_nodes=*/true);
   const FusedGemmPlan p = fused::plan_gemm_rs(fused::plan_context(comm), m, n, k, config);
   detail::require_device_pointer(comm, a, 16, kOp, "A");
   detail::require_device_pointer(comm, b, 16, kOp, "B");
@@ -157,13 +229,28 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
     invalid("out overlaps the workspace");
   }
   gemm_engine::dispatch(p.block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
-    launch<kBlockN, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
+    if (p.nodes > 1) {
+      if constexpr (kBlockN <= fused::kMaxReduceBlockN) {
+        launch_across_nodes<kBlockN, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
+      } else {
+        throw Error(ErrorCode::kInternal, "gemm_rs: across nodes with block_n " +
+                                              std::to_string(kBlockN) + " (the plan caps it)");
+      }
+    } else {
+      launch<kBlockN, kTransB>(comm, p, a, b, out, n, k, ws, workspace, stream);
+    }
   });
 }
 
 namespace detail {
-void preload_gemm_rs_kernels() {
+void preload_gemm_rs_kernels(bool across_nodes) {
   gemm_engine::preload_all<fused::GemmRsFusion>();
+  if (across_nodes) {  // the widths the plan allows across nodes
+    gemm_engine::prepared_kernel<64, false, fused::GemmRsAcrossNodes<64>>();
+    gemm_engine::prepared_kernel<64, true, fused::GemmRsAcrossNodes<64>>();
+    gemm_engine::prepared_kernel<128, false, fused::GemmRsAcrossNodes<128>>();
+    gemm_engine::prepared_kernel<128, true, fused::GemmRsAcrossNodes<128>>();
+  }
   gemm_engine::prepared_kernel<128, false, fused::GemmRsFusion<128>, true>();  // ping-pong
   gemm_engine::prepared_kernel<128, true, fused::GemmRsFusion<128>, true>();
 }

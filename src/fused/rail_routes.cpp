@@ -98,4 +98,25 @@ std::vector<int> RailRoutes::reduce_order(int r) const {
   return order;
 }
 
+ReduceRoutes RailRoutes::reduce_routes(int r) const {
+  if (world() > kMaxReduceRanks) {
+    throw Error(ErrorCode::kInvalidArgument, "reduce routes: at most " +
+                                                 std::to_string(kMaxReduceRanks) + " ranks; got " +
+                                                 std::to_string(world()));
+  }
+  ReduceRoutes routes{};
+  routes.world = world();
+  routes.nodes = nodes_;
+  routes.per_node = per_node_;
+  routes.rank = r;
+  const std::vector<int> order = reduce_order(r);
+  for (int i = 0; i < world(); ++i) {
+    routes.order[i] = static_cast<int16_t>(order[i]);
+    routes.node_of[i] = static_cast<int8_t>(node_of_[i]);
+    routes.local_of[i] = static_cast<int8_t>(local_of_[i]);
+    routes.rank_at[i] = static_cast<int16_t>(rank_at_[i]);
+  }
+  return routes;
+}
+
 }  // namespace mk::fused

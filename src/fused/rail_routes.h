@@ -17,6 +17,8 @@
 
 #include <vector>
 
+#include "fused/reduce_routes.h"
+
 namespace mk::fused {
 
 class RailRoutes {
@@ -73,6 +75,11 @@ class RailRoutes {
     bool operator==(const ShardSource&) const = default;
   };
   std::vector<ShardSource> gather_sources(int r, int pieces) const;
+
+  // GEMM + ReduceScatter across nodes: rank r's kernel argument (reduce_routes.h) - the compute
+  // order (reduce_order) and the topology tables. Throws mk::Error(kInvalidArgument) beyond
+  // kMaxReduceRanks ranks.
+  ReduceRoutes reduce_routes(int r) const;
 
  private:
   std::vector<int> node_of_;

@@ -64,7 +64,7 @@ struct CommState {
 // Loads the collectives' kernels into the current context (collectives.cu).
 void preload_collective_kernels();
 void preload_ag_gemm_kernels(bool across_nodes);  // also the multi-node ones
-void preload_gemm_rs_kernels();
+void preload_gemm_rs_kernels(bool across_nodes);  // also the multi-node ones
 void preload_gemm_ar_kernels();
 
 // Collective: allocate and map a symmetric buffer (symmetric.cpp).

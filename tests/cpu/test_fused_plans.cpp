@@ -184,6 +184,34 @@ TEST(FusedPlans, AgGemmAcrossNodesFitsTheHostPad) {
   }
 }
 
+// gemm_rs across nodes: tiles at most 128 wide, blocked order, fp32 partials, 3 x nodes - 2
+// regions of workspace, signals within both pads.
+TEST(FusedPlans, GemmRsAcrossNodes) {
+  const PlanContext two_nodes{4, 2, 132, 2};
+  const FusedGemmPlan p = plan_gemm_rs(two_nodes, 8192, 8192, 2048, {});
+  EXPECT_EQ(p.nodes, 2);
+  EXPECT_LE(p.block_n, 128) << p.describe();
+  EXPECT_EQ(p.lag, -1);
+  EXPECT_FALSE(p.pingpong);
+  EXPECT_FALSE(p.bf16_partials);
+  EXPECT_EQ(p.workspace_bytes, std::size_t{4} * 2048 * 8192 * 4) << p.describe();
+  EXPECT_NE(p.describe().find("across 2 nodes"), std::string::npos) << p.describe();
+  const int64_t tiles = (p.shard_rows + 127) / 128 * ((8192 + p.block_n - 1) / p.block_n);
+  EXPECT_LE(2 * tiles + 1, kHostPadSignals);
+  EXPECT_LE(2 * 2 * tiles, kMaxOpSignals);
+  const PlanContext pair_of_nodes{2, 1, 132, 2};  // the two ranks are on different nodes
+  EXPECT_FALSE(plan_gemm_rs(pair_of_nodes, 4096, 4096, 2048, {}).bf16_partials);
+  FusedGemmConfig wide;
+  wide.block_n = 256;
+  EXPECT_THROW(plan_gemm_rs(two_nodes, 8192, 8192, 2048, wide), Error);
+  try {  // 2 x 4096 slices of one shard do not fit the host pad
+    plan_gemm_rs(two_nodes, 4 * 8192, 8192, 2048, {});
+    ADD_FAILURE() << "no error for a shard of 4096 tiles across nodes";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("across 2 nodes"), std::string::npos) << e.what();
+  }
+}
+
 TEST(FusedPlans, SwitchesTurnMechanismsOff) {
   const PlanContext ctx = h200(2);
   // bf16 partials: only when asked, and only with two ranks (one partial per slice); the

@@ -33,8 +33,14 @@ void expect_gemm_rs(Communicator& comm, const RsCase& c, uint64_t seed,
   config.block_n = c.block_n;
   const bool kn = c.layout == BLayout::kKN;
   RsProblem p(world, c.shard_rows * world, c.n, c.k_local, kn);
-  const std::size_t ws_bytes = gemm_rs_workspace_bytes(p.m, p.n, world);
+  const std::size_t ws_bytes = gemm_rs_workspace_bytes(comm, p.m, p.n);
   SymmetricBuffer ws = comm.alloc(std::max<std::size_t>(ws_bytes, 16));
+  // What the kernel leaves zero: the accumulators peers add into (more than two ranks per node) -
+  // one node's [S][N] fp32, or across nodes the own rows' and each relayed node's (the staging
+  // and inbound node sums after them are overwritten by every call).
+  const int nodes = comm.topology().num_nodes, per_node = comm.topology().local_size;
+  const std::size_t one_region = gemm_rs_workspace_bytes(p.m, p.n, world);
+  const std::size_t zeroed = per_node > 2 ? (nodes > 1 ? nodes * one_region : one_region) : 0;
   cudaStream_t stream;
   MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   void *out, *c_blas, *zeros;
@@ -62,8 +68,8 @@ void expect_gemm_rs(Communicator& comm, const RsCase& c, uint64_t seed,
     expect_rows_close(p, rank * c.shard_rows, c.shard_rows, out, blas, c_blas, seed + call, stream,
                       call_what + (plan.bf16_partials ? ", bf16 partials" : ""),
                       baseline_for(plan));
-    if (ws_bytes > 0 && world > 2) {  // peers add into it: it must be zero for the next call
-      EXPECT_EQ(count_different_bytes16(ws.data(), zeros, ws_bytes, stream), 0u)
+    if (zeroed > 0) {  // peers add into it: it must be zero for the next call
+      EXPECT_EQ(count_different_bytes16(ws.data(), zeros, zeroed, stream), 0u)
           << call_what << ": the workspace was not left zero";
     }
     comm.bootstrap().barrier();
@@ -89,6 +95,65 @@ void expect_gemm_rs_cases(Communicator& comm, const FusedGemmConfig& base = {}) 
   for (std::size_t i = 0; i < cases.size(); ++i) {
     expect_gemm_rs(comm, cases[i], seed + 100 * i, base);
   }
+}
+
+// Across (virtual) nodes (issue 8, gemm_rs_nodes.cuh): partials of other nodes' rows meet at
+// the relay of their rail and cross the socket transport once per node as fp32 sums. Tiles at
+// most 128 wide there.
+void expect_gemm_rs_across_nodes(Communicator& comm) {
+  const uint64_t seed = shared_seed(comm);
+  EXPECT_EQ(gemm_rs_plan(comm, comm.world_size() * 200, 264, 136).nodes, comm.topology().num_nodes);
+  const std::vector<RsCase> cases = {
+      {1, 8, 8, BLayout::kNK, 0},         {200, 264, 136, BLayout::kNK, 0},
+      {333, 520, 1000, BLayout::kKN, 64}, {1000, 1024, 512, BLayout::kNK, 128},
+      {517, 2056, 256, BLayout::kKN, 0},
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) expect_gemm_rs(comm, cases[i], seed + 100 * i);
+}
+
+void run_rs_across_nodes(int nodes, int per_node) {
+  CommOptions options;
+  options.ranks_per_node = per_node;
+  options.timeout_seconds = 20;
+  run_in_process(nodes * per_node, expect_gemm_rs_across_nodes, options);
+}
+
+// (ctest runs these as gpu_gemm_rs_nodes, with a time limit of their own.)
+TEST(GemmRsAcrossNodes, TwoByOne) {
+  MKT_REQUIRE_GPU();
+  run_rs_across_nodes(2, 1);
+}
+TEST(GemmRsAcrossNodes, TwoByTwo) {
+  MKT_REQUIRE_GPU();
+  run_rs_across_nodes(2, 2);
+}
+TEST(GemmRsAcrossNodes, ThreeByTwo) {
+  MKT_REQUIRE_GPU();
+  run_rs_across_nodes(3, 2);
+}
+TEST(GemmRsAcrossNodes, TwoByFour) {
+  MKT_REQUIRE_GPU();
+  run_rs_across_nodes(2, 4);
+}
+TEST(GemmRsAcrossNodes, ThreeByThree) {  // three ranks per node: relays and owners add
+  MKT_REQUIRE_GPU();
+  run_rs_across_nodes(3, 3);
+}
+
+TEST(GemmRsAcrossNodes, RejectsWideTiles) {
+  MKT_REQUIRE_GPU();
+  CommOptions options;
+  options.ranks_per_node = 1;
+  run_in_process(
+      2,
+      [](Communicator& comm) {
+        FusedGemmConfig wide;
+        wide.block_n = 256;
+        expect_error([&] { gemm_rs_plan(comm, 512, 512, 64, wide); }, ErrorCode::kInvalidArgument,
+                     "across nodes at most 128");
+        EXPECT_LE(gemm_rs_plan(comm, 8192, 8192, 4096).block_n, 128);
+      },
+      options);
 }
 
 class InProcessGemmRs : public ::testing::TestWithParam<int> {};
@@ -194,8 +259,7 @@ void expect_gemm_rs_graph(Communicator& comm, int replays) {
   const int64_t shard = 136, n = 256, k_local = 64;
   const uint64_t seed = shared_seed(comm);
   RsProblem p(world, shard * world, n, k_local, false);
-  SymmetricBuffer ws =
-      comm.alloc(std::max<std::size_t>(gemm_rs_workspace_bytes(p.m, n, world), 16));
+  SymmetricBuffer ws = comm.alloc(std::max<std::size_t>(gemm_rs_workspace_bytes(comm, p.m, n), 16));
   cudaStream_t stream;
   MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   void *a_in, *out, *history, *c_blas;
