@@ -65,6 +65,7 @@ struct GatherRoutes {
 };
 
 // 16 bytes read once: no L1 allocation (L1 shares its storage with the GEMM's shared memory).
+// Through the read-only (non-coherent) path: for memory nothing writes while the kernel runs.
 __device__ __forceinline__ uint4 load_streaming(const uint8_t* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -73,22 +74,37 @@ __device__ __forceinline__ uint4 load_streaming(const uint8_t* p) {
   return v;
 }
 
-// Copies `bytes` (a multiple of 16) from src to dst with `threads` threads, four 16-byte vectors
-// in flight per thread.
+// The same from L2 (ld.global.cg), coherent: for memory written during the kernel (a relayed
+// piece, which the proxy's copy wrote after the kernel started).
+__device__ __forceinline__ uint4 load_l2(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+// Copies `bytes` (a multiple of 16) from src to dst with `threads` threads, two 16-byte vectors
+// in flight per thread. kWrittenDuringKernel: src changed after the kernel started (load_l2).
+template <bool kWrittenDuringKernel = false>
 __device__ __forceinline__ void copy_bytes(const uint8_t* src, uint8_t* dst, uint64_t bytes,
                                            int thread, int threads) {
+  auto load = [](const uint8_t* p) {
+    return kWrittenDuringKernel ? load_l2(p) : load_streaming(p);
+  };
   constexpr int kUnroll = 2;
   const uint64_t step = static_cast<uint64_t>(threads) * 16;
   uint64_t i = static_cast<uint64_t>(thread) * 16;
   for (; i + (kUnroll - 1) * step < bytes; i += kUnroll * step) {
     uint4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = load_streaming(src + i + u * step);
+    for (int u = 0; u < kUnroll; ++u) v[u] = load(src + i + u * step);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) *reinterpret_cast<uint4*>(dst + i + u * step) = v[u];
   }
   for (; i < bytes; i += step) {
-    *reinterpret_cast<uint4*>(dst + i) = load_streaming(src + i);
+    *reinterpret_cast<uint4*>(dst + i) = load(src + i);
   }
 }
 
@@ -256,7 +272,8 @@ struct AgGemmFusion {
     const int rows = min(piece_rows, shard_rows - row0);
     uint8_t* dst = static_cast<uint8_t*>(ws_peers[dest]) + ws_offset +
                    (static_cast<uint64_t>(q) * shard_rows + row0) * row_bytes;
-    copy_bytes(src, dst, rows * row_bytes, thread, threads);
+    // Coherent loads: a relayed piece was written by the proxy's copy after the kernel started.
+    copy_bytes<true>(src, dst, rows * row_bytes, thread, threads);
     dev::named_barrier_sync(kSideBarrier, threads);
     if (thread == 0) {
       dev::fence_acq_rel_sys();
