@@ -308,6 +308,17 @@ TEST(InProcessGemmRs, GraphReplays100Times) {
   run_in_process(2, [](Communicator& comm) { expect_gemm_rs_graph(comm, 100); });
 }
 
+// A graph of one launch across 2 x 2 virtual nodes, its first call (the inter-node path, the
+// workspace's registration) inside the capture.
+TEST(GemmRsAcrossNodes, GraphReplays30Times) {
+  MKT_REQUIRE_GPU();
+  CommOptions options;
+  options.ranks_per_node = 2;
+  options.timeout_seconds = 20;
+  run_in_process(
+      4, [](Communicator& comm) { expect_gemm_rs_graph(comm, 30); }, options);
+}
+
 TEST(LaunchedGemmRs, GraphReplays100Times) {
   MKT_REQUIRE_MKRUN();
   auto comm = launched_comm();

@@ -363,10 +363,15 @@ def _ag_gemm(rank, world, seed, use_nccl, gpus_per_node=0):
     dist.barrier()
 
 
-def _gemm_rs(rank, world, seed, use_nccl):
+def _gemm_rs(rank, world, seed, use_nccl, gpus_per_node=0):
     """mkernel.gemm_rs against the fp64 sum of every rank's product (rows of this rank), within
-    twice the error of cuBLAS on the K-concatenated operands; then a CUDA graph with new inputs."""
+    twice the error of cuBLAS on the K-concatenated operands; then a CUDA graph with new inputs.
+    gpus_per_node: virtual nodes of that many ranks (node sums cross the socket transport)."""
+    if gpus_per_node:
+        os.environ["MKERNEL_GPUS_PER_NODE"] = str(gpus_per_node)
     comm = mkernel.init()
+    if gpus_per_node:
+        assert comm.num_nodes == world // gpus_per_node, comm
     dev = torch.device("cuda", comm.device)
     cases = [(200, 264, 136, "nk", False), (1000, 1024, 512, "kn", False), (1, 8, 8, "nk", False),
              (1000, 1024, 512, "kn", True), (1, 8, 8, "nk", True)]  # True: bf16 partials
@@ -477,6 +482,11 @@ def test_gemm_ar_matches_references():
 
 def test_gemm_rs_matches_references():
     _spawn(_gemm_rs)
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 1), (2, 2)])
+def test_gemm_rs_across_virtual_nodes(nodes, per_node):
+    _spawn(_gemm_rs, world=nodes * per_node, gpus_per_node=per_node)
 
 
 def test_ag_gemm_matches_references():
