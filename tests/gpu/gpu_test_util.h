@@ -97,6 +97,22 @@ inline Bootstrap* launcher_bootstrap() {
       GTEST_SKIP() << "not started by mkrun (ctest runs these as mkrun -n N)"; \
   } while (0)
 
+// Virtual nodes of `ranks_per_node` ranks (MKERNEL_GPUS_PER_NODE's option; issue 8's tests on
+// one host) and a kernel time limit.
+inline CommOptions virtual_nodes(int ranks_per_node, double timeout_seconds = 30) {
+  CommOptions options;
+  options.ranks_per_node = ranks_per_node;
+  options.timeout_seconds = timeout_seconds;
+  return options;
+}
+
+// Tests over (nodes, ranks per node) layouts, named "2x1", "3x2", ...
+using NodesLayout = std::pair<int, int>;
+class AcrossNodes : public ::testing::TestWithParam<NodesLayout> {};
+inline std::string layout_name(const ::testing::TestParamInfo<NodesLayout>& info) {
+  return std::to_string(info.param.first) + "x" + std::to_string(info.param.second);
+}
+
 inline std::shared_ptr<Communicator> launched_comm(CommOptions options = {}) {
   Bootstrap* boot = launcher_bootstrap();
   cudaSetDevice(boot->rank() % device_count());

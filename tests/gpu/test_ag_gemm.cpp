@@ -151,30 +151,17 @@ void expect_ag_gemm_across_nodes(Communicator& comm) {
   expect_ag_gemm(comm, {517, 384, 256, BLayout::kNK, 0}, seed + 100, few, &ws);
 }
 
-void run_across_nodes(int nodes, int per_node) {
-  CommOptions options;
-  options.ranks_per_node = per_node;
-  options.timeout_seconds = 20;
-  run_in_process(nodes * per_node, expect_ag_gemm_across_nodes, options);
-}
-
 // (ctest runs these as gpu_ag_gemm_nodes, with a time limit of their own.)
-TEST(AgGemmAcrossNodes, TwoByOne) {
+class AgGemmNodes : public AcrossNodes {};
+TEST_P(AgGemmNodes, MatchesReference) {
   MKT_REQUIRE_GPU();
-  run_across_nodes(2, 1);
+  const auto [nodes, per_node] = GetParam();
+  run_in_process(nodes * per_node, expect_ag_gemm_across_nodes, virtual_nodes(per_node, 20));
 }
-TEST(AgGemmAcrossNodes, TwoByTwo) {
-  MKT_REQUIRE_GPU();
-  run_across_nodes(2, 2);
-}
-TEST(AgGemmAcrossNodes, ThreeByTwo) {
-  MKT_REQUIRE_GPU();
-  run_across_nodes(3, 2);
-}
-TEST(AgGemmAcrossNodes, TwoByFour) {
-  MKT_REQUIRE_GPU();
-  run_across_nodes(2, 4);
-}
+INSTANTIATE_TEST_SUITE_P(AgGemmAcrossNodes, AgGemmNodes,
+                         ::testing::Values(NodesLayout{2, 1}, NodesLayout{2, 2}, NodesLayout{3, 2},
+                                           NodesLayout{2, 4}),
+                         layout_name);
 
 TEST(InProcessAgGemm, LargeWorld2) {
   MKT_REQUIRE_GPU();
@@ -410,10 +397,7 @@ void expect_ag_gemm_growing_workspaces(Communicator& comm) {
 
 TEST(AgGemmAcrossNodes, GrowingWorkspaces) {
   MKT_REQUIRE_GPU();
-  CommOptions options;
-  options.ranks_per_node = 1;
-  options.timeout_seconds = 20;
-  run_in_process(2, expect_ag_gemm_growing_workspaces, options);
+  run_in_process(2, expect_ag_gemm_growing_workspaces, virtual_nodes(1, 20));
 }
 
 constexpr const char kNodesHelperEnv[] = "MKERNEL_TEST_NODES_HELPER";
@@ -456,11 +440,8 @@ TEST(AgGemmAcrossNodes, ProcessesTwoByTwo) {
 // inter-node path and registers the workspace, happens inside the capture.
 TEST(AgGemmAcrossNodes, GraphReplays30Times) {
   MKT_REQUIRE_GPU();
-  CommOptions options;
-  options.ranks_per_node = 2;
-  options.timeout_seconds = 20;
   run_in_process(
-      4, [](Communicator& comm) { expect_ag_gemm_graph(comm, 30); }, options);
+      4, [](Communicator& comm) { expect_ag_gemm_graph(comm, 30); }, virtual_nodes(2, 20));
 }
 
 constexpr const char kKillEnv[] = "MKERNEL_TEST_KILL_RANK";

@@ -111,39 +111,21 @@ void expect_gemm_rs_across_nodes(Communicator& comm) {
   for (std::size_t i = 0; i < cases.size(); ++i) expect_gemm_rs(comm, cases[i], seed + 100 * i);
 }
 
-void run_rs_across_nodes(int nodes, int per_node) {
-  CommOptions options;
-  options.ranks_per_node = per_node;
-  options.timeout_seconds = 20;
-  run_in_process(nodes * per_node, expect_gemm_rs_across_nodes, options);
-}
-
-// (ctest runs these as gpu_gemm_rs_nodes, with a time limit of their own.)
-TEST(GemmRsAcrossNodes, TwoByOne) {
+// (ctest runs these as gpu_gemm_rs_nodes, with a time limit of their own.) 3x3: three ranks
+// per node, so relays and owners add (not store) the node's partials.
+class GemmRsNodes : public AcrossNodes {};
+TEST_P(GemmRsNodes, MatchesReference) {
   MKT_REQUIRE_GPU();
-  run_rs_across_nodes(2, 1);
+  const auto [nodes, per_node] = GetParam();
+  run_in_process(nodes * per_node, expect_gemm_rs_across_nodes, virtual_nodes(per_node, 20));
 }
-TEST(GemmRsAcrossNodes, TwoByTwo) {
-  MKT_REQUIRE_GPU();
-  run_rs_across_nodes(2, 2);
-}
-TEST(GemmRsAcrossNodes, ThreeByTwo) {
-  MKT_REQUIRE_GPU();
-  run_rs_across_nodes(3, 2);
-}
-TEST(GemmRsAcrossNodes, TwoByFour) {
-  MKT_REQUIRE_GPU();
-  run_rs_across_nodes(2, 4);
-}
-TEST(GemmRsAcrossNodes, ThreeByThree) {  // three ranks per node: relays and owners add
-  MKT_REQUIRE_GPU();
-  run_rs_across_nodes(3, 3);
-}
+INSTANTIATE_TEST_SUITE_P(GemmRsAcrossNodes, GemmRsNodes,
+                         ::testing::Values(NodesLayout{2, 1}, NodesLayout{2, 2}, NodesLayout{3, 2},
+                                           NodesLayout{2, 4}, NodesLayout{3, 3}),
+                         layout_name);
 
 TEST(GemmRsAcrossNodes, RejectsWideTiles) {
   MKT_REQUIRE_GPU();
-  CommOptions options;
-  options.ranks_per_node = 1;
   run_in_process(
       2,
       [](Communicator& comm) {
@@ -153,7 +135,7 @@ TEST(GemmRsAcrossNodes, RejectsWideTiles) {
                      "across nodes at most 128");
         EXPECT_LE(gemm_rs_plan(comm, 8192, 8192, 4096).block_n, 128);
       },
-      options);
+      virtual_nodes(1));
 }
 
 class InProcessGemmRs : public ::testing::TestWithParam<int> {};
@@ -312,11 +294,8 @@ TEST(InProcessGemmRs, GraphReplays100Times) {
 // workspace's registration) inside the capture.
 TEST(GemmRsAcrossNodes, GraphReplays30Times) {
   MKT_REQUIRE_GPU();
-  CommOptions options;
-  options.ranks_per_node = 2;
-  options.timeout_seconds = 20;
   run_in_process(
-      4, [](Communicator& comm) { expect_gemm_rs_graph(comm, 30); }, options);
+      4, [](Communicator& comm) { expect_gemm_rs_graph(comm, 30); }, virtual_nodes(2, 20));
 }
 
 TEST(LaunchedGemmRs, GraphReplays100Times) {

@@ -17,13 +17,6 @@ namespace {
 
 constexpr uint32_t kSignal = 5;
 
-CommOptions virtual_nodes(int ranks_per_node, double timeout_seconds = 30) {
-  CommOptions options;
-  options.ranks_per_node = ranks_per_node;
-  options.timeout_seconds = timeout_seconds;
-  return options;
-}
-
 // This rank's single rail peer (two nodes).
 int rail_peer(const Communicator& comm) {
   const Topology& t = comm.topology();
