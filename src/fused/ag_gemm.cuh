@@ -33,6 +33,7 @@
 
 #include <cstdint>
 
+#include "fused/across_nodes.cuh"  // load_l2
 #include "fused/trace.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
@@ -71,17 +72,6 @@ __device__ __forceinline__ uint4 load_streaming(const uint8_t* p) {
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
-  return v;
-}
-
-// The same from L2 (ld.global.cg), coherent: for memory written during the kernel (a relayed
-// piece, which the proxy's copy wrote after the kernel started).
-__device__ __forceinline__ uint4 load_l2(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
   return v;
 }
 

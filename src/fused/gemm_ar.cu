@@ -6,6 +6,8 @@
 
 #include "fused/fused_common.h"
 #include "fused/gemm_ar.cuh"
+#include "fused/gemm_ar_nodes.cuh"
+#include "fused/node_links_host.cuh"
 #include "fused/plans.h"
 #include "fused/trace_layout.h"
 #include "gemm/gemm_internal.h"
@@ -60,6 +62,40 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
       cols = std::max(cols, owned_cols(o, world, tiles_n, block_n, n));
     return cols;
   };
+  if (comm.nodes > 1) {
+    // Across nodes (gemm_ar_nodes.cuh): tiles at most 128 wide (as gemm_rs across nodes), the
+    // blocked order, fp32 partials and node sums, no outbox; 4 x nodes - 2 workspace regions of
+    // M x the widest owner's columns fp32; signals of a column block in both pads.
+    p.nodes = comm.nodes;
+    if (world > fused::kMaxReduceRanks) {
+      invalid("across nodes at most " + std::to_string(fused::kMaxReduceRanks) + " ranks; got " +
+              std::to_string(world));
+    }
+    if (config.block_n > fused::kMaxReduceBlockN) {
+      invalid("block_n = " + std::to_string(config.block_n) + ": across nodes at most " +
+              std::to_string(fused::kMaxReduceBlockN));
+    }
+    p.block_n = std::min(gemm_engine::pick_block_n(config.block_n, m, n, budget, kOp),
+                         fused::kMaxReduceBlockN);
+    const int64_t tiles_n = (n + p.block_n - 1) / p.block_n;
+    int64_t max_col_tiles = 0;
+    for (int o = 0; o < world; ++o) {
+      max_col_tiles = std::max(max_col_tiles, (o + 1) * tiles_n / world - o * tiles_n / world);
+    }
+    const int64_t slices = 2 * tiles_m * max_col_tiles;
+    if (p.nodes * slices > kMaxOpSignals || 1 + 2 * slices > kHostPadSignals) {
+      invalid("across " + std::to_string(p.nodes) + " nodes " + std::to_string(slices / 2) +
+              " tiles of 128 x " + std::to_string(p.block_n) + " per rank; at most " +
+              std::to_string(std::min<int64_t>(kMaxOpSignals / p.nodes, (kHostPadSignals - 1) / 2) /
+                             2) +
+              " are supported across nodes (use fewer rows or columns per call)");
+    }
+    p.ctas = static_cast<int>(std::min<int64_t>(tiles_m * tiles_n, budget));
+    p.workspace_bytes = static_cast<std::size_t>(4 * p.nodes - 2) *
+                        static_cast<std::size_t>(m * max_owned(p.block_n)) * 4;
+    p.lag = -1;
+    return p;
+  }
   // The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong, experimental): 128-wide
   // tiles, each consumer warpgroup whole tiles, one's epilogue under the other's mainloop.
   p.pingpong = world > 1 && gemm_engine::pingpong_requested(config.block_n) &&
@@ -196,6 +232,42 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   gemm_engine::launch<kBlockN, kTransB>(f, map_b, k, p.ctas, stream, kOp);
 }
 
+// Across nodes (gemm_ar_nodes.cuh): the rail routes, the inter-node rings, the workspace's
+// allocation registered with the inter-node path.
+template <int kBlockN, bool kTransB>
+void launch_across_nodes(Communicator& comm, const FusedGemmPlan& p, const void* a, const void* b,
+                         void* out, int64_t m, int64_t n, int64_t k,
+                         const SymmetricRange& out_range, const SymmetricRange& ws,
+                         cudaStream_t stream) {
+  const Topology& topo = comm.topology();
+  fused::GemmArAcrossNodes<kBlockN> f{};
+  f.a = gemm_engine::make_map(a, m, k, 128);
+  f.out = gemm_engine::make_map(out, m, n, 64);
+  for (int i = 0; i < topo.local_size; ++i) {
+    f.c_local[i] = reinterpret_cast<__nv_bfloat16*>(out_range.host_peers[i] + out_range.offset);
+    f.ws_local[i] = reinterpret_cast<float*>(ws.host_peers[i] + ws.offset);
+  }
+  f.my_ws = f.ws_local[topo.local_rank];
+  f.links = fused::node_links(comm, ws);
+  f.comm = comm.device_comm();  // (after the inter-node path exists: its host pad)
+  f.m = static_cast<int>(m);
+  f.n = static_cast<int>(n);
+  f.tiles_m = static_cast<int>((m + 127) / 128);
+  f.tiles_n = static_cast<int>((n + kBlockN - 1) / kBlockN);
+  int max_col_tiles = 0;
+  for (int o = 0; o < topo.world_size; ++o) {
+    const int first = o * f.tiles_n / topo.world_size;
+    const int last = (o + 1) * f.tiles_n / topo.world_size;
+    max_col_tiles = std::max(max_col_tiles, last - first);
+    f.max_cols = std::max<int>(f.max_cols, std::min<int64_t>(last * kBlockN, n) - first * kBlockN);
+  }
+  f.slices = 2 * f.tiles_m * max_col_tiles;
+  f.trace = fused::trace_arm(p.ctas, stream);
+  const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
+  gemm_engine::launch<kBlockN, kTransB, fused::GemmArAcrossNodes<kBlockN>>(f, map_b, k, p.ctas,
+                                                                           stream, kOp);
+}
+
 }  // namespace
 
 std::size_t gemm_ar_workspace_bytes(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
@@ -212,7 +284,7 @@ void gemm_ar(Communicator& comm, const void* a, const void* b, void* out, int64_
              int64_t k, BLayout b_layout, void* workspace, cudaStream_t stream,
              const FusedGemmConfig& config) {
   detail::DeviceGuard guard(comm.device());
-  fused::check_call(comm, stream, b_layout, kOp);
+  fused::check_call(comm, stream, b_layout, kOp, /*across_nodes=*/true);
   const FusedGemmPlan p = fused::plan_gemm_ar(fused::plan_context(comm), m, n, k, config);
   detail::require_device_pointer(comm, a, 16, kOp, "A");
   detail::require_device_pointer(comm, b, 16, kOp, "B");
@@ -240,13 +312,28 @@ void gemm_ar(Communicator& comm, const void* a, const void* b, void* out, int64_
     invalid("out overlaps the workspace");
   }
   gemm_engine::dispatch(p.block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
-    launch<kBlockN, kTransB>(comm, p, a, b, out, m, n, k, out_range, ws, stream);
+    if (p.nodes > 1) {
+      if constexpr (kBlockN <= fused::kMaxReduceBlockN) {
+        launch_across_nodes<kBlockN, kTransB>(comm, p, a, b, out, m, n, k, out_range, ws, stream);
+      } else {
+        throw Error(ErrorCode::kInternal, "gemm_ar: across nodes with block_n " +
+                                              std::to_string(kBlockN) + " (the plan caps it)");
+      }
+    } else {
+      launch<kBlockN, kTransB>(comm, p, a, b, out, m, n, k, out_range, ws, stream);
+    }
   });
 }
 
 namespace detail {
-void preload_gemm_ar_kernels() {
+void preload_gemm_ar_kernels(bool across_nodes) {
   gemm_engine::preload_all<fused::GemmArFusion>();
+  if (across_nodes) {  // the widths the plan allows across nodes
+    gemm_engine::prepared_kernel<64, false, fused::GemmArAcrossNodes<64>>();
+    gemm_engine::prepared_kernel<64, true, fused::GemmArAcrossNodes<64>>();
+    gemm_engine::prepared_kernel<128, false, fused::GemmArAcrossNodes<128>>();
+    gemm_engine::prepared_kernel<128, true, fused::GemmArAcrossNodes<128>>();
+  }
   gemm_engine::prepared_kernel<128, false, fused::GemmArFusion<128>, true>();  // ping-pong
   gemm_engine::prepared_kernel<128, true, fused::GemmArFusion<128>, true>();
 }

@@ -7,8 +7,8 @@
 #include "fused/fused_common.h"
 #include "fused/gemm_rs.cuh"
 #include "fused/gemm_rs_nodes.cuh"
+#include "fused/node_links_host.cuh"
 #include "fused/plans.h"
-#include "fused/rail_routes.h"
 #include "fused/trace_layout.h"
 #include "gemm/gemm_internal.h"
 #include "gemm/launch.cuh"
@@ -16,7 +16,6 @@
 #include "mkernel/fused.h"
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
-#include "runtime/inter_node_rings.h"
 #include "runtime/validate.h"
 
 namespace mk {
@@ -160,13 +159,7 @@ void launch_across_nodes(Communicator& comm, const FusedGemmPlan& p, const void*
     f.ws_local[i] = reinterpret_cast<float*>(ws.host_peers[i] + ws.offset);
   }
   f.my_ws = static_cast<float*>(workspace);
-  f.routes = fused::RailRoutes(topo.node_of, topo.local_rank_of).reduce_routes(topo.rank);
-  const detail::InterNodeRings path = detail::inter_node_rings(
-      comm, reinterpret_cast<void*>(ws.host_peers[topo.local_rank]), ws.size);
-  f.num_rings = std::min(path.count, fused::kMaxReduceRings);
-  for (int i = 0; i < f.num_rings; ++i) f.rings[i] = path.ring[i];
-  f.ws_buffer = path.buffer;
-  f.ws_offset = ws.offset;
+  f.links = fused::node_links(comm, ws);
   f.comm = comm.device_comm();  // (after the inter-node path exists: its host pad)
   f.shard_rows = static_cast<int>(p.shard_rows);
   f.n = static_cast<int>(n);

@@ -65,7 +65,7 @@ struct CommState {
 void preload_collective_kernels();
 void preload_ag_gemm_kernels(bool across_nodes);  // also the multi-node ones
 void preload_gemm_rs_kernels(bool across_nodes);  // also the multi-node ones
-void preload_gemm_ar_kernels();
+void preload_gemm_ar_kernels(bool across_nodes);  // also the multi-node ones
 
 // Collective: allocate and map a symmetric buffer (symmetric.cpp).
 std::shared_ptr<SymAllocation> create_symmetric(CommState& comm, std::size_t bytes);

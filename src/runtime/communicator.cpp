@@ -171,7 +171,7 @@ std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
   detail::preload_collective_kernels();  // no lazy loading behind a peer's waiting kernel
   detail::preload_ag_gemm_kernels(s.topo.num_nodes > 1);
   detail::preload_gemm_rs_kernels(s.topo.num_nodes > 1);
-  detail::preload_gemm_ar_kernels();
+  detail::preload_gemm_ar_kernels(s.topo.num_nodes > 1);
   MK_CUDA_CHECK(cudaDeviceSynchronize());
   s.bootstrap->barrier();  // nobody signals into a pad before its owner has zeroed it
   return comm;

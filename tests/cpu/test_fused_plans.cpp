@@ -212,6 +212,30 @@ TEST(FusedPlans, GemmRsAcrossNodes) {
   }
 }
 
+// gemm_ar across nodes: any M, tiles at most 128 wide, blocked order, no outbox, 4 x nodes - 2
+// regions of M x the widest owner's columns fp32.
+TEST(FusedPlans, GemmArAcrossNodes) {
+  const PlanContext two_nodes{4, 2, 132, 2};
+  for (const int64_t m : {1, 7, 128, 4096}) {
+    const FusedGemmPlan p = plan_gemm_ar(two_nodes, m, 8192, 2048, {});
+    EXPECT_EQ(p.nodes, 2);
+    EXPECT_LE(p.block_n, 128) << p.describe();
+    EXPECT_EQ(p.lag, -1);
+    EXPECT_FALSE(p.pingpong);
+    EXPECT_FALSE(p.bf16_partials);
+    EXPECT_EQ(p.outbox_slots, 0);
+    const int64_t tiles_n = (8192 + p.block_n - 1) / p.block_n;
+    const int64_t max_cols = (tiles_n + 3) / 4 * p.block_n;  // 4 ranks share the column tiles
+    EXPECT_EQ(p.workspace_bytes, static_cast<std::size_t>(6 * m * max_cols * 4)) << p.describe();
+  }
+  FusedGemmConfig wide;
+  wide.block_n = 192;
+  EXPECT_THROW(plan_gemm_ar(two_nodes, 128, 8192, 2048, wide), Error);
+  // Two host-pad signals per slice (node sum, finished slice): 8192 x 8192 over 4 ranks has
+  // 1024 tiles per rank, 4097 signals - one more than the pad holds (a limit to lift).
+  EXPECT_THROW(plan_gemm_ar(two_nodes, 8192, 8192, 2048, {}), Error);
+}
+
 TEST(FusedPlans, SwitchesTurnMechanismsOff) {
   const PlanContext ctx = h200(2);
   // bf16 partials: only when asked, and only with two ranks (one partial per slice); the

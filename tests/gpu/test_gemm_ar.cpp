@@ -54,7 +54,11 @@ void expect_gemm_ar(Communicator& comm, const ArCase& c, uint64_t seed,
   // documented exception: three or more ranks and N < 128, where a rank owns a whole column tile
   // of the few there are and its fp32 accumulator is up to M x N x 4 bytes.
   const std::size_t intermediate = static_cast<std::size_t>(c.m) * c.n * 2;
-  if (world <= 2 || c.n >= 128) {
+  const int nodes = comm.topology().num_nodes, per_node = comm.topology().local_size;
+  if (nodes > 1) {
+    // Across nodes (gemm_ar_nodes.cuh): 4 x nodes - 2 regions of M x the widest owner's columns.
+    EXPECT_EQ(ws_bytes % (4 * nodes - 2), 0u);
+  } else if (world <= 2 || c.n >= 128) {
     EXPECT_LE(ws_bytes, intermediate) << "workspace larger than the sequential intermediate";
   } else {
     EXPECT_LE(ws_bytes, 2 * intermediate) << "workspace larger than M x N fp32";
@@ -86,9 +90,12 @@ void expect_gemm_ar(Communicator& comm, const ArCase& c, uint64_t seed,
                       call_what + (plan.bf16_partials ? ", bf16 partials" : ""),
                       baseline_for(plan));
     expect_same_on_all_ranks(comm, device_hash(out.data(), c.m * c.n * 2, stream), call_what);
-    if (ws_bytes > 0 && world > 2) {  // peers add into it: it must be zero for the next call
-      EXPECT_EQ(count_different_bytes16(ws.data(), zeros, ws_bytes - plan.staging_bytes, stream),
-                0u)
+    // What peers add into must be zero for the next call: one node, the accumulator (more than
+    // two ranks); across nodes the own and relay accumulators (more than two per node).
+    const std::size_t zeroed = nodes > 1 ? (per_node > 2 ? ws_bytes / (4 * nodes - 2) * nodes : 0)
+                                         : (world > 2 ? ws_bytes - plan.staging_bytes : 0);
+    if (zeroed > 0) {
+      EXPECT_EQ(count_different_bytes16(ws.data(), zeros, zeroed, stream), 0u)
           << call_what << ": the workspace was not left zero";
     }
     comm.bootstrap().barrier();
@@ -112,6 +119,31 @@ void expect_gemm_ar_cases(Communicator& comm, const FusedGemmConfig& base = {}) 
     expect_gemm_ar(comm, cases[i], seed + 100 * i, base);
   }
 }
+
+// Across (virtual) nodes (issue 8, gemm_ar_nodes.cuh): the reduce of gemm_rs across nodes per
+// owner's column block, then each finished slice to the other nodes through the owner's rail
+// peers. (ctest runs these as gpu_gemm_ar_nodes.)
+void expect_gemm_ar_across_nodes(Communicator& comm) {
+  const uint64_t seed = shared_seed(comm);
+  EXPECT_EQ(gemm_ar_plan(comm, 128, 1024, 512).nodes, comm.topology().num_nodes);
+  const std::vector<ArCase> cases = {
+      {1, 8, 8, BLayout::kNK, 0},          {7, 264, 136, BLayout::kNK, 0},
+      {128, 1024, 512, BLayout::kKN, 0},   {1000, 520, 1000, BLayout::kNK, 64},
+      {333, 2056, 256, BLayout::kKN, 128},
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) expect_gemm_ar(comm, cases[i], seed + 100 * i);
+}
+
+class GemmArNodes : public AcrossNodes {};
+TEST_P(GemmArNodes, MatchesReference) {
+  MKT_REQUIRE_GPU();
+  const auto [nodes, per_node] = GetParam();
+  run_in_process(nodes * per_node, expect_gemm_ar_across_nodes, virtual_nodes(per_node, 20));
+}
+INSTANTIATE_TEST_SUITE_P(GemmArAcrossNodes, GemmArNodes,
+                         ::testing::Values(NodesLayout{2, 1}, NodesLayout{2, 2}, NodesLayout{3, 2},
+                                           NodesLayout{2, 4}, NodesLayout{3, 3}),
+                         layout_name);
 
 class InProcessGemmAr : public ::testing::TestWithParam<int> {};
 

@@ -421,10 +421,15 @@ def _gemm_rs(rank, world, seed, use_nccl, gpus_per_node=0):
     dist.barrier()
 
 
-def _gemm_ar(rank, world, seed, use_nccl):
+def _gemm_ar(rank, world, seed, use_nccl, gpus_per_node=0):
     """mkernel.gemm_ar: the whole sum on every rank, within twice cuBLAS's error of the fp64
-    product of the K-concatenated operands, bitwise equal on all ranks; then a CUDA graph."""
+    product of the K-concatenated operands, bitwise equal on all ranks; then a CUDA graph.
+    gpus_per_node: virtual nodes of that many ranks (MKERNEL_GPUS_PER_NODE)."""
+    if gpus_per_node:
+        os.environ["MKERNEL_GPUS_PER_NODE"] = str(gpus_per_node)
     comm = mkernel.init()
+    if gpus_per_node:
+        assert comm.num_nodes == world // gpus_per_node, comm
     dev = torch.device("cuda", comm.device)
     cases = [(1, 8, 8, "nk", False), (7, 264, 136, "nk", False), (128, 1024, 512, "kn", False),
              (1000, 520, 256, "nk", False), (7, 264, 136, "nk", True), (1000, 520, 256, "nk", True)]
@@ -478,6 +483,11 @@ def _gemm_ar(rank, world, seed, use_nccl):
 
 def test_gemm_ar_matches_references():
     _spawn(_gemm_ar)
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 1), (2, 2)])
+def test_gemm_ar_across_virtual_nodes(nodes, per_node):
+    _spawn(_gemm_ar, world=nodes * per_node, gpus_per_node=per_node)
 
 
 def test_gemm_rs_matches_references():

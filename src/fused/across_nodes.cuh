@@ -1,0 +1,197 @@
+// What the reducing fused GEMMs share across nodes (gemm_rs_nodes.cuh, gemm_ar_nodes.cuh): the
+// links to the other nodes (routes, the inter-node rings, the registered workspace), the
+// consumers' record of who entered, and the two epilogue steps both make - a partial sent over
+// NVLink into a node peer's region, and a relay's node sum put to its owner. The steps take the
+// policy, which says where a slice lives: at(ws, region, offset), byte_offset(region, offset),
+// my_ws, ws_local[] and comm.
+#pragma once
+
+#include <cstdint>
+
+#include "fused/partials.cuh"
+#include "fused/reduce_routes.h"
+#include "mkernel/device/launch.cuh"
+#include "mkernel/device_comm.h"
+#include "mkernel/transport/command.h"
+#include "mkernel/transport/ring.h"
+
+namespace mk::fused {
+
+constexpr int kMaxReduceRings = 4;
+constexpr int kMaxReduceBlockN = 128;  // wider tiles spill in these epilogues (the plans cap it)
+
+// 16 bytes from L2 (ld.global.cg): coherent, for memory written while the kernel runs.
+__device__ __forceinline__ uint4 load_l2(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+// A kernel argument: the routes and the communicator's inter-node path as this launch uses it.
+struct NodeLinks {
+  ReduceRoutes routes;
+  transport::CommandRing rings[kMaxReduceRings];
+  int num_rings;
+  int ws_buffer;       // the workspace allocation's registered id (puts' source and destination)
+  uint64_t ws_offset;  // byte offset of the workspace in that allocation
+
+  // Pushes a command into ring `k` mod the rings (false: the ring broke or the time limit passed;
+  // the proxy or the waits then report).
+  __device__ bool push(const DeviceComm& comm, int k, const transport::Command& c) const {
+    const uint64_t start = dev::global_timer_ns();
+    const uint64_t limit = comm.timeout_ns;
+    return rings[k % num_rings]
+               .push(c,
+                     [&](uint64_t) { return limit == 0 || dev::global_timer_ns() - start < limit; })
+               .status == transport::PushStatus::kOk;
+  }
+
+  // Producer warps of CTA 0: this launch has begun - the device pad's entry signal to the node's
+  // other ranks, a signal command (host pad signal 0) to each rail peer.
+  __device__ void announce(const DeviceComm& comm, const dev::Launch& launch, int thread,
+                           int threads) const {
+    for (int peer = thread; peer < comm.local_size; peer += threads) {
+      if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
+    }
+    for (int m = thread; m < routes.nodes; m += threads) {
+      if (m == routes.node()) continue;
+      push(comm, m,
+           transport::make_signal(static_cast<uint32_t>(routes.rail_peer(m)), 0, kReduceEntrySignal,
+                                  dev::signal_value(launch.epoch, 1)));
+    }
+  }
+
+  // Thread 0 of a consumer: every other rank of the node raised op signal `signal` here.
+  __device__ void wait_local(const DeviceComm& comm, const dev::Launch& launch,
+                             uint32_t signal) const {
+    for (int i = 0; i < routes.per_node; ++i) {
+      if (i != routes.local() && !launch.wait(comm.node_ranks[i], signal, 1)) break;
+    }
+  }
+};
+
+// A consumer's thread 0: a send whose signal is still owed, and who has entered this launch.
+struct NodePeersState {
+  int owner_local = -1;  // the local rank owed a signal, or -1
+  uint32_t signal = 0;
+  uint32_t entered_local = 0;  // bit i: local rank i entered
+  uint64_t entered_rail = 0;   // bit q: rank q (another node) entered
+
+  // The previous send has landed -> raise its signal at the target (after send_slice's barrier).
+  __device__ void flush(const dev::Launch& launch) {
+    if (owner_local < 0) return;
+    dev::fence_acq_rel_sys();
+    launch.signal(owner_local, signal, 1);
+    owner_local = -1;
+  }
+  __device__ void ensure_local(const DeviceComm& comm, const dev::Launch& launch, int i) {
+    if ((entered_local >> i) & 1) return;
+    launch.wait(comm.node_ranks[i], dev::signal_index(SignalId::kEntry, 0), 1);
+    entered_local |= 1u << i;
+  }
+  __device__ void ensure_rail(const dev::Launch& launch, int q) {
+    if ((entered_rail >> q) & 1) return;
+    launch.wait_remote(q, kReduceEntrySignal, 1);
+    entered_rail |= uint64_t{1} << q;
+  }
+};
+
+// kLocalPeer / kViaRelay: the slice's fp32 partial over NVLink into the target's region (added
+// with more than two ranks per node, else stored), its signal owed to the consumer's next
+// epilogue. All 128 threads of the consumer.
+template <class Policy, int kRegs>
+__device__ __forceinline__ void send_to_node_peer(const Policy& p, float (&acc)[kRegs],
+                                                  int consumer, uint8_t* scratch,
+                                                  NodePeersState& state, const dev::Launch& launch,
+                                                  int owner, int64_t offset, int rows, int width,
+                                                  int slice, int slices) {
+  const ReduceRoutes& routes = p.links.routes;
+  const int dest = routes.target_local(owner);
+  const int region = routes.target_region(owner);
+  if (threadIdx.x % 128 == 0) state.ensure_local(p.comm, launch, dest);
+  float* block = p.at(p.ws_local[dest], region, offset);
+  send_slice(
+      acc, consumer, scratch, [&](int r, int c) { return block + r * width + c; }, rows, width,
+      /*add=*/routes.per_node > 2);
+  if (threadIdx.x % 128 == 0) {
+    state.owner_local = dest;
+    state.signal =
+        dev::signal_index(SignalId::kOp, ReduceRoutes::device_signal(region, slices, slice));
+  }
+}
+
+// kRelayed: wait for the node's other partials of the slice, add them (clearing them for the next
+// launch when they were added), write the fp32 node sum into the staging region, and put it into
+// the owner's inbound region (put+signal, host pad 1 + slice) once the owner entered.
+template <class Policy, int kRegs>
+__device__ __forceinline__ void relay_node_sum(const Policy& p, float (&acc)[kRegs], int consumer,
+                                               uint8_t* scratch, NodePeersState& state,
+                                               const dev::Launch& launch, int owner, int64_t offset,
+                                               int rows, int width, int slice, int slices) {
+  const ReduceRoutes& routes = p.links.routes;
+  const int t = threadIdx.x % 128, barrier = 1 + consumer;
+  const int region = routes.target_region(owner);  // this rank's relay accumulator
+  if (t == 0) {
+    p.links.wait_local(
+        p.comm, launch,
+        dev::signal_index(SignalId::kOp, ReduceRoutes::device_signal(region, slices, slice)));
+    state.ensure_rail(launch, owner);  // its last launch has read our last node sum
+  }
+  dev::named_barrier_sync(barrier, 128);
+  if (routes.per_node > 1) {
+    float* sums = p.at(p.my_ws, region, offset);
+    add_and_clear(acc, PartialAt::block(sums, width), rows, width,
+                  routes.per_node > 2 ? sums : nullptr, barrier);
+  }
+  const int staging = routes.staging_region(owner);
+  float* out_block = p.at(p.my_ws, staging, offset);
+  send_slice(
+      acc, consumer, scratch, [&](int r, int c) { return out_block + r * width + c; }, rows, width,
+      /*add=*/false);  // (ends with a barrier: every thread's stores are done)
+  if (t == 0) {
+    dev::fence_acq_rel_sys();  // the staging writes, before the proxy reads them
+    const auto buffer = static_cast<uint8_t>(p.links.ws_buffer);
+    p.links.push(p.comm, slice,
+                 transport::make_put_signal(
+                     static_cast<uint32_t>(owner), static_cast<uint64_t>(slice), buffer,
+                     p.byte_offset(staging, offset), buffer,
+                     p.byte_offset(routes.inbound_region_at_owner(owner), offset),
+                     static_cast<uint64_t>(rows) * width * 4, ReduceRoutes::host_signal(slice),
+                     dev::signal_value(launch.epoch, 1)));
+  }
+}
+
+// kOwn, first part: thread 0 waits for the node's partials (op signal of region 0) and every
+// other node's sum (host pad); then all threads add them (the node's cleared when added).
+template <class Policy, int kRegs>
+__device__ __forceinline__ void add_node_sums(const Policy& p, float (&acc)[kRegs], int consumer,
+                                              const dev::Launch& launch, int64_t offset, int rows,
+                                              int width, int slice, int slices) {
+  const ReduceRoutes& routes = p.links.routes;
+  const int t = threadIdx.x % 128, barrier = 1 + consumer;
+  if (t == 0) {
+    p.links.wait_local(
+        p.comm, launch,
+        dev::signal_index(SignalId::kOp, ReduceRoutes::device_signal(0, slices, slice)));
+    for (int m = 0; m < routes.nodes; ++m) {
+      if (m != routes.node())
+        launch.wait_remote(routes.rail_peer(m), ReduceRoutes::host_signal(slice), 1);
+    }
+  }
+  dev::named_barrier_sync(barrier, 128);
+  if (routes.per_node > 1) {
+    float* sums = p.at(p.my_ws, 0, offset);
+    add_and_clear(acc, PartialAt::block(sums, width), rows, width,
+                  routes.per_node > 2 ? sums : nullptr, barrier);
+  }
+  for (int m = 0; m < routes.nodes; ++m) {
+    if (m == routes.node()) continue;
+    add_and_clear(acc, PartialAt::block(p.at(p.my_ws, routes.inbound_region(m), offset), width),
+                  rows, width, nullptr, barrier);
+  }
+}
+
+}  // namespace mk::fused
