@@ -19,8 +19,9 @@
 # Environment knobs: BACKEND (socket), BUILD_TYPE (Release), CMAKE_ARGS, CTEST_ARGS
 # (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), SITE (/tmp/site), BENCH_KERNELS ("all
 # transport": bench/run.sh kernels; all = collectives, gemm and the fused kernels),
-# PYTHON_TESTS=0 (python step installs only), COMPARE_KERNELS / COMPARE_SHAPES / COMPARE_P2P=0
-# (compare step: which kernels and shapes, without the bench_p2p table), TRACE_CASES.
+# PYTHON_TESTS=0 (python step installs only), PYTEST_ARGS (added to its pytest command, e.g.
+# "-v -k test_torch_dist"), COMPARE_KERNELS / COMPARE_SHAPES / COMPARE_P2P=0 (compare step:
+# which kernels and shapes, without the bench_p2p table), TRACE_CASES.
 
 # NVLink multicast (NVLS) must stay off on the shared hosts: it can take their GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -190,7 +191,9 @@ step_sanitize() {
 
 # ---- python ---------------------------------------------------------------------------------
 step_python() {
-  SITE="${SITE:-/tmp/site}" OUT="$OUT" bash "$REPO/scripts/python_gpu_test.sh" || return 1
+  local args=()
+  read -r -a args <<<"${PYTEST_ARGS:-}"
+  SITE="${SITE:-/tmp/site}" OUT="$OUT" bash "$REPO/scripts/python_gpu_test.sh" "${args[@]}" || return 1
 }
 
 # ---- bench ----------------------------------------------------------------------------------

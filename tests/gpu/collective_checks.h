@@ -18,6 +18,15 @@ inline void ready(Communicator& comm, cudaStream_t stream) {
   comm.bootstrap().barrier();
 }
 
+// Ends an op: this rank's stream is idle and so is every rank's. Ranks sharing a GPU inside one
+// process need this across nodes before an implicitly synchronising call (cudaMalloc, cudaFree):
+// a rank's kernel may end while its transport threads still owe a peer a put, and a device-wide
+// synchronisation of that GPU stalls their staging copies while the peer's kernel waits for it.
+inline void finished(Communicator& comm, cudaStream_t stream) {
+  comm.synchronize(stream);
+  comm.bootstrap().barrier();
+}
+
 // Every rank but the last runs `launch` (which enqueues one op on `stream`); the last never does.
 // The others must fail with kTimeout naming the missing rank (and `signal`, when given) within
 // the communicator's time limit. Call after ready(); ends with a barrier of all ranks.

@@ -78,7 +78,7 @@ void expect_ag_gemm(Communicator& comm, const AgCase& c, uint64_t seed, FusedGem
   ready(comm, stream);
 
   ag_gemm(comm, a_shard, b, c_out, m, n, k, c.layout, ws.data(), stream, config, gathered);
-  comm.synchronize(stream);
+  finished(comm, stream);
 
   EXPECT_EQ(count_different_bytes16(gathered, a_full, m * k * 2, stream), 0u)
       << "gathered A differs from the concatenated shards";
@@ -239,7 +239,7 @@ void expect_ag_gemm_graph(Communicator& comm, int replays) {
     MKT_CUDA(cudaMemcpyAsync(static_cast<char*>(history) + i * m * n * 2, c_out, m * n * 2,
                              cudaMemcpyDeviceToDevice, stream));
   }
-  comm.synchronize(stream);
+  finished(comm, stream);
   GemmConfig plain;
   plain.block_n = ag_gemm_plan(comm, m, n, k).block_n;
   int bad = 0, first_bad = -1;

@@ -82,7 +82,7 @@ void expect_gemm_ar(Communicator& comm, const ArCase& c, uint64_t seed,
     ready(comm, stream);
     gemm_ar(comm, p.a_mine, p.b_mine, out.data(), c.m, c.n, c.k_local, c.layout, ws.data(), stream,
             config);
-    comm.synchronize(stream);
+    finished(comm, stream);
     EXPECT_EQ(count_nans_bf16(out.data(), c.m * c.n, stream), 0u)
         << call_what << ": output elements unwritten (or NaN)";
     // bf16 partials (two ranks) round as the sequential baseline does: its error is the bar.
@@ -270,7 +270,7 @@ void expect_gemm_ar_graph(Communicator& comm, int replays) {
     MKT_CUDA(cudaMemcpyAsync(static_cast<char*>(history) + i * m * n * 2, out.data(), m * n * 2,
                              cudaMemcpyDeviceToDevice, stream));
   }
-  comm.synchronize(stream);
+  finished(comm, stream);
   for (int i = 0; i < replays; ++i) {
     p.fill(a_seeds[i], seed, rank, stream);  // replay i's A, the B the graph used
     expect_rows_close(p, 0, m, static_cast<char*>(history) + i * m * n * 2, blas, c_blas, seed + i,
