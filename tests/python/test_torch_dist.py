@@ -10,6 +10,7 @@ Checks, with fresh random inputs every run (the seed is printed) and poisoned ou
   subgroups, two communicators on one group, and a time-out naming the rank that never came.
 """
 
+import contextlib
 import datetime
 import os
 import random
@@ -110,6 +111,40 @@ def _reduce_bar(plan, a_all, b_all, rows, exact, kn):
     baseline = torch.stack([p.float() for p in parts]).sum(0).to(torch.bfloat16)
     atol = exact.abs().max().item() / 256
     return 2 * (baseline.double() - exact).abs().max().item() + atol, "sequential (cuBLAS + NCCL)"
+
+
+def _wrong_blocks(out, exact, bar, a_all, b_all, rows, layout):
+    """Which 64 x 128 blocks of a reducing kernel's output are off, and whose partial each holds
+    (for a failure message)."""
+    dev = exact.device
+    bad = (out.double() - exact).abs() > bar
+    blocks = sorted({(r // 64, c // 128) for r, c in bad.nonzero().tolist()})
+    parts = [(a.to(dev)[rows] @ (b.to(dev) if layout == "kn" else b.to(dev).T)).double()
+             for a, b in zip(a_all, b_all)]
+    notes = []
+    for br, bc in blocks[:6]:
+        block = (slice(64 * br, 64 * br + 64), slice(128 * bc, 128 * bc + 128))
+        got = out.double()[block]
+        near = [i for i, p in enumerate(parts) if (got - p[block]).abs().max().item() < 1]
+        missing = [i for i in range(len(parts))
+                   if (got - (exact[block] - parts[i][block])).abs().max().item() < 1]
+        notes.append(f"({br},{bc}): equals partial of {near}, sum without {missing}")
+    return f"{bad.sum().item()} wrong in {len(blocks)} blocks of 64x128: " + "; ".join(notes)
+
+
+@contextlib.contextmanager
+def _kernel_status_on_failure(comm):
+    """A failed check inside gets what comm.synchronize() says appended: a kernel whose wait gave
+    up writes wrong numbers and records which rank, peer and signal it waited for."""
+    try:
+        yield
+    except AssertionError as e:
+        try:
+            comm.synchronize()
+            said = "nothing"
+        except Exception as err:  # any error: reported as text
+            said = f"{type(err).__name__}: {err}"
+        raise AssertionError(f"{e}\n(comm.synchronize() then raised {said})") from None
 
 
 def _bits(t):
@@ -312,26 +347,27 @@ def _ag_gemm(rank, world, seed, use_nccl, gpus_per_node=0):
              (517, 384, 4096, "nk")]
     if gpus_per_node:
         cases += [(m // world, n, k, "nk") for m, n, k in BENCH_CHECK_SHAPES]
-    for case, (shard, n, k, layout) in enumerate(cases):
-        what = f"ag_gemm case {case} (shard {shard}, N {n}, K {k}, {layout}), rank {rank}"
-        shards = [_inputs(seed, case, r, (shard, k), torch.bfloat16) for r in range(world)]
-        a_full = torch.cat(shards).to(dev)
-        b_shape = (n, k) if layout == "nk" else (k, n)
-        b = _inputs(seed, case, 1000 + rank, b_shape, torch.bfloat16).to(dev)
-        c, gathered = mkernel.ag_gemm(shards[rank].to(dev), b, comm, b_layout=layout,
-                                      return_gathered=True)
-        assert c.shape == (shard * world, n) and gathered.shape == (shard * world, k)
-        _assert_bitwise(gathered, a_full, what + ": gathered A")
-        if use_nccl:
-            nccl = torch.empty_like(a_full)
-            dist.all_gather_into_tensor(nccl, shards[rank].to(dev))
-            _assert_bitwise(gathered, nccl, what + ": gathered A vs NCCL")
-        _assert_bitwise(c, mkernel.gemm(a_full, b, layout), what + ": C vs the GEMM engine")
-        bt = b.T if layout == "nk" else b
-        exact = a_full.double() @ bt.double()
-        err = (c.double() - exact).abs().max().item()
-        err_blas = ((a_full @ bt).double() - exact).abs().max().item()
-        assert err <= 2 * err_blas + 1e-6, f"{what}: error {err}, cuBLAS {err_blas}"
+    with _kernel_status_on_failure(comm):
+        for case, (shard, n, k, layout) in enumerate(cases):
+            what = f"ag_gemm case {case} (shard {shard}, N {n}, K {k}, {layout}), rank {rank}"
+            shards = [_inputs(seed, case, r, (shard, k), torch.bfloat16) for r in range(world)]
+            a_full = torch.cat(shards).to(dev)
+            b_shape = (n, k) if layout == "nk" else (k, n)
+            b = _inputs(seed, case, 1000 + rank, b_shape, torch.bfloat16).to(dev)
+            c, gathered = mkernel.ag_gemm(shards[rank].to(dev), b, comm, b_layout=layout,
+                                          return_gathered=True)
+            assert c.shape == (shard * world, n) and gathered.shape == (shard * world, k)
+            _assert_bitwise(gathered, a_full, what + ": gathered A")
+            if use_nccl:
+                nccl = torch.empty_like(a_full)
+                dist.all_gather_into_tensor(nccl, shards[rank].to(dev))
+                _assert_bitwise(gathered, nccl, what + ": gathered A vs NCCL")
+            _assert_bitwise(c, mkernel.gemm(a_full, b, layout), what + ": C vs the GEMM engine")
+            bt = b.T if layout == "nk" else b
+            exact = a_full.double() @ bt.double()
+            err = (c.double() - exact).abs().max().item()
+            err_blas = ((a_full @ bt).double() - exact).abs().max().item()
+            assert err <= 2 * err_blas + 1e-6, f"{what}: error {err}, cuBLAS {err_blas}"
 
     with pytest.raises(ValueError, match="bfloat16"):
         mkernel.ag_gemm(torch.zeros(8, 8, device=dev), torch.zeros(8, 8, device=dev), comm)
@@ -375,25 +411,27 @@ def _gemm_rs(rank, world, seed, use_nccl, gpus_per_node=0):
     dev = torch.device("cuda", comm.device)
     cases = [(200, 264, 136, "nk", False), (1000, 1024, 512, "kn", False), (1, 8, 8, "nk", False),
              (1000, 1024, 512, "kn", True), (1, 8, 8, "nk", True)]  # True: bf16 partials
-    for case, (shard, n, kl, layout, bf16) in enumerate(cases):
-        what = (f"gemm_rs case {case} (shard {shard}, N {n}, K_r {kl}, {layout}, bf16 partials "
-                f"{bf16}), rank {rank}")
-        m = shard * world
-        a_all = [_inputs(seed, 100 + case, r, (m, kl), torch.bfloat16) for r in range(world)]
-        b_shape = (n, kl) if layout == "nk" else (kl, n)
-        b_all = [_inputs(seed, 200 + case, r, b_shape, torch.bfloat16) for r in range(world)]
-        out = mkernel.gemm_rs(a_all[rank].to(dev), b_all[rank].to(dev), comm, b_layout=layout,
-                              bf16_partials=bf16)
-        assert out.shape == (shard, n)
-        a_cat = torch.cat(a_all, dim=1).to(dev)
-        b_cat = torch.cat(b_all, dim=1 if layout == "nk" else 0).to(dev)
-        bt = b_cat.T if layout == "nk" else b_cat
-        rows = slice(rank * shard, (rank + 1) * shard)
-        exact = a_cat[rows].double() @ bt.double()
-        err = (out.double() - exact).abs().max().item()
-        plan = mkernel._C.gemm_rs_plan(comm._impl, m, n, kl, bf16_partials=bf16)
-        bar, baseline = _reduce_bar(plan, a_all, b_all, rows, exact, layout == "kn")
-        assert err <= bar, f"{what}: error {err}, bar {bar} from {baseline} ({plan})"
+    with _kernel_status_on_failure(comm):
+        for case, (shard, n, kl, layout, bf16) in enumerate(cases):
+            what = (f"gemm_rs case {case} (shard {shard}, N {n}, K_r {kl}, {layout}, bf16 partials "
+                    f"{bf16}), rank {rank}")
+            m = shard * world
+            a_all = [_inputs(seed, 100 + case, r, (m, kl), torch.bfloat16) for r in range(world)]
+            b_shape = (n, kl) if layout == "nk" else (kl, n)
+            b_all = [_inputs(seed, 200 + case, r, b_shape, torch.bfloat16) for r in range(world)]
+            out = mkernel.gemm_rs(a_all[rank].to(dev), b_all[rank].to(dev), comm, b_layout=layout,
+                                  bf16_partials=bf16)
+            assert out.shape == (shard, n)
+            a_cat = torch.cat(a_all, dim=1).to(dev)
+            b_cat = torch.cat(b_all, dim=1 if layout == "nk" else 0).to(dev)
+            bt = b_cat.T if layout == "nk" else b_cat
+            rows = slice(rank * shard, (rank + 1) * shard)
+            exact = a_cat[rows].double() @ bt.double()
+            err = (out.double() - exact).abs().max().item()
+            plan = mkernel._C.gemm_rs_plan(comm._impl, m, n, kl, bf16_partials=bf16)
+            bar, baseline = _reduce_bar(plan, a_all, b_all, rows, exact, layout == "kn")
+            assert err <= bar, (f"{what}: error {err}, bar {bar} from {baseline} ({plan}); "
+                                f"{_wrong_blocks(out, exact, bar, a_all, b_all, rows, layout)}")
 
     shard, n, kl = 136, 256, 64
     b = _inputs(seed, 300, rank, (n, kl), torch.bfloat16).to(dev)
@@ -433,25 +471,26 @@ def _gemm_ar(rank, world, seed, use_nccl, gpus_per_node=0):
     dev = torch.device("cuda", comm.device)
     cases = [(1, 8, 8, "nk", False), (7, 264, 136, "nk", False), (128, 1024, 512, "kn", False),
              (1000, 520, 256, "nk", False), (7, 264, 136, "nk", True), (1000, 520, 256, "nk", True)]
-    for case, (m, n, kl, layout, bf16) in enumerate(cases):  # bf16: bf16 partials
-        what = (f"gemm_ar case {case} (M {m}, N {n}, K_r {kl}, {layout}, bf16 partials {bf16}), "
-                f"rank {rank}")
-        a_all = [_inputs(seed, 500 + case, r, (m, kl), torch.bfloat16) for r in range(world)]
-        b_shape = (n, kl) if layout == "nk" else (kl, n)
-        b_all = [_inputs(seed, 600 + case, r, b_shape, torch.bfloat16) for r in range(world)]
-        out = comm.alloc_tensor((m, n), torch.bfloat16)
-        out.fill_(float("nan"))
-        mkernel.gemm_ar(a_all[rank].to(dev), b_all[rank].to(dev), comm, out, b_layout=layout,
-                        bf16_partials=bf16)
-        a_cat = torch.cat(a_all, dim=1).to(dev)
-        b_cat = torch.cat(b_all, dim=1 if layout == "nk" else 0).to(dev)
-        bt = b_cat.T if layout == "nk" else b_cat
-        exact = a_cat.double() @ bt.double()
-        err = (out.double() - exact).abs().max().item()
-        plan = mkernel._C.gemm_ar_plan(comm._impl, m, n, kl, bf16_partials=bf16)
-        bar, baseline = _reduce_bar(plan, a_all, b_all, slice(0, m), exact, layout == "kn")
-        assert err <= bar, f"{what}: error {err}, bar {bar} from {baseline} ({plan})"
-        _assert_same_on_all_ranks(out, what)
+    with _kernel_status_on_failure(comm):
+        for case, (m, n, kl, layout, bf16) in enumerate(cases):  # bf16: bf16 partials
+            what = (f"gemm_ar case {case} (M {m}, N {n}, K_r {kl}, {layout}, bf16 partials {bf16}), "
+                    f"rank {rank}")
+            a_all = [_inputs(seed, 500 + case, r, (m, kl), torch.bfloat16) for r in range(world)]
+            b_shape = (n, kl) if layout == "nk" else (kl, n)
+            b_all = [_inputs(seed, 600 + case, r, b_shape, torch.bfloat16) for r in range(world)]
+            out = comm.alloc_tensor((m, n), torch.bfloat16)
+            out.fill_(float("nan"))
+            mkernel.gemm_ar(a_all[rank].to(dev), b_all[rank].to(dev), comm, out, b_layout=layout,
+                            bf16_partials=bf16)
+            a_cat = torch.cat(a_all, dim=1).to(dev)
+            b_cat = torch.cat(b_all, dim=1 if layout == "nk" else 0).to(dev)
+            bt = b_cat.T if layout == "nk" else b_cat
+            exact = a_cat.double() @ bt.double()
+            err = (out.double() - exact).abs().max().item()
+            plan = mkernel._C.gemm_ar_plan(comm._impl, m, n, kl, bf16_partials=bf16)
+            bar, baseline = _reduce_bar(plan, a_all, b_all, slice(0, m), exact, layout == "kn")
+            assert err <= bar, f"{what}: error {err}, bar {bar} from {baseline} ({plan})"
+            _assert_same_on_all_ranks(out, what)
 
     m, n, kl = 200, 256, 64
     b = _inputs(seed, 700, rank, (n, kl), torch.bfloat16).to(dev)
