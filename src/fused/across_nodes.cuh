@@ -2,8 +2,9 @@
 // links to the other nodes (routes, the inter-node rings, the registered workspace), the
 // consumers' record of who entered, and the two epilogue steps both make - a partial sent over
 // NVLink into a node peer's region, and a relay's node sum put to its owner. The steps take the
-// policy, which says where a slice lives: at(ws, region, offset), byte_offset(region, offset),
-// my_ws, ws_local[] and comm.
+// policy, which says where a slice lives: at(ws, region, offset) for the node's regions (below
+// routes.nodes), xfer_at(region, offset) and byte_offset(region, offset) for the transfer regions
+// (what crosses the network: staging and inbound), my_ws, ws_local[] and comm.
 #pragma once
 
 #include <cstdint>
@@ -35,8 +36,12 @@ struct NodeLinks {
   ReduceRoutes routes;
   transport::CommandRing rings[kMaxReduceRings];
   int num_rings;
-  int ws_buffer;       // the workspace allocation's registered id (puts' source and destination)
-  uint64_t ws_offset;  // byte offset of the workspace in that allocation
+  // The transfer regions (region routes.nodes on, one after the other), what the network
+  // carries: in the workspace after the node's regions (InterNode::host_staging() false), or in
+  // this rank's pinned host staging, mapped here (true: the transport then makes no CUDA call).
+  uint8_t* xfer;         // region routes.nodes, as this rank addresses it
+  int xfer_buffer;       // the registered id of the buffer holding them (puts' source and dest)
+  uint64_t xfer_offset;  // byte offset of region routes.nodes in that buffer, on every rank
 
   // Pushes a command into ring `k` mod the rings (false: the ring broke or the time limit passed;
   // the proxy or the waits then report).
@@ -147,13 +152,13 @@ __device__ __forceinline__ void relay_node_sum(const Policy& p, float (&acc)[kRe
                   routes.per_node > 2 ? sums : nullptr, barrier);
   }
   const int staging = routes.staging_region(owner);
-  float* out_block = p.at(p.my_ws, staging, offset);
+  float* out_block = p.xfer_at(staging, offset);
   send_slice(
       acc, consumer, scratch, [&](int r, int c) { return out_block + r * width + c; }, rows, width,
       /*add=*/false);  // (ends with a barrier: every thread's stores are done)
   if (t == 0) {
     dev::fence_acq_rel_sys();  // the staging writes, before the proxy reads them
-    const auto buffer = static_cast<uint8_t>(p.links.ws_buffer);
+    const auto buffer = static_cast<uint8_t>(p.links.xfer_buffer);
     p.links.push(p.comm, slice,
                  transport::make_put_signal(
                      static_cast<uint32_t>(owner), static_cast<uint64_t>(slice), buffer,
@@ -189,8 +194,8 @@ __device__ __forceinline__ void add_node_sums(const Policy& p, float (&acc)[kReg
   }
   for (int m = 0; m < routes.nodes; ++m) {
     if (m == routes.node()) continue;
-    add_and_clear(acc, PartialAt::block(p.at(p.my_ws, routes.inbound_region(m), offset), width),
-                  rows, width, nullptr, barrier);
+    add_and_clear(acc, PartialAt::block(p.xfer_at(routes.inbound_region(m), offset), width), rows,
+                  width, nullptr, barrier);
   }
 }
 

@@ -88,9 +88,11 @@ namespace {
 
 // Where each shard comes from (ag_gemm.cuh, GatherRoutes). One node: from its owner over NVLink,
 // in the order r, r + 1, .... Across nodes: the rail routes (fused/rail_routes.h), the inter-node
-// rings, and the symmetric allocation holding the workspace registered with the inter-node path.
-fused::GatherRoutes gather_routes(Communicator& comm, const AgGemmPlan& p,
-                                  const SymmetricRange& ws) {
+// rings, and where what crosses the network is staged: the workspace (its symmetric allocation
+// registered with the inter-node path) or the path's host staging, one shard of `shard_bytes`
+// per node (InterNode::host_staging).
+fused::GatherRoutes gather_routes(Communicator& comm, const AgGemmPlan& p, const SymmetricRange& ws,
+                                  uint64_t shard_bytes) {
   const Topology& t = comm.topology();
   const int world = t.world_size, r = t.rank;
   fused::GatherRoutes g{};
@@ -104,11 +106,18 @@ fused::GatherRoutes gather_routes(Communicator& comm, const AgGemmPlan& p,
   const fused::RailRoutes routes(t.node_of, t.local_rank_of);
   const std::vector<int> order = routes.gather_order(r);
   for (int i = 0; i < world; ++i) g.order[i] = static_cast<int16_t>(order[i]);
+  const detail::InterNodeStaging staging =
+      detail::inter_node_staging(comm, shard_bytes * static_cast<uint64_t>(t.num_nodes));
   const std::vector<fused::RailRoutes::ShardSource> sources = routes.gather_sources(r, p.pieces);
   for (int q = 0; q < world; ++q) {
     g.source[q] = static_cast<int16_t>(sources[q].rank);
     g.signal_base[q] = static_cast<int16_t>(sources[q].signal_base);
-    if (sources[q].over_nic) g.remote_mask |= uint64_t{1} << q;
+    if (!sources[q].over_nic) continue;
+    if (staging.base == nullptr) {
+      g.remote_mask |= uint64_t{1} << q;  // the producer waits for the host pad
+    } else {
+      g.source[q] = static_cast<int16_t>(r);  // for its own relay's copy out of the staging
+    }
   }
   const std::vector<int> rails = routes.rail_peers(r);
   g.rails = static_cast<int>(rails.size());
@@ -117,11 +126,14 @@ fused::GatherRoutes gather_routes(Communicator& comm, const AgGemmPlan& p,
     g.rail_node[i] = static_cast<int16_t>(routes.node_of(rails[i]));
   }
   g.node = t.node;
-  const detail::InterNodeRings path =
-      detail::inter_node_rings(comm, reinterpret_cast<void*>(ws.host_peers[t.local_rank]), ws.size);
+  const detail::InterNodeRings path = detail::inter_node_rings(
+      comm,
+      staging.base == nullptr ? reinterpret_cast<void*>(ws.host_peers[t.local_rank]) : nullptr,
+      ws.size);
   g.num_rings = std::min(path.count, fused::kMaxGatherRings);
   for (int i = 0; i < g.num_rings; ++i) g.rings[i] = path.ring[i];
-  g.ws_buffer = path.buffer;
+  g.xfer = staging.base;
+  g.xfer_buffer = staging.base == nullptr ? path.buffer : staging.buffer;
   return g;
 }
 
@@ -146,7 +158,7 @@ void launch(Communicator& comm, const AgGemmPlan& p, const void* a_shard, const 
   f.piece_rows = p.piece_rows;
   f.pieces = p.pieces;
   f.comm_ctas = p.comm_ctas;
-  f.routes = gather_routes(comm, p, ws);
+  f.routes = gather_routes(comm, p, ws, static_cast<uint64_t>(p.shard_rows) * k * 2);
   f.comm = comm.device_comm();  // (again: the inter-node path may have just been created)
   f.trace = fused::trace_arm(p.ctas, stream);
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);

@@ -28,7 +28,10 @@
 // node_of(q) x pieces + p, so a relay's own pieces and those it relays never share a word.
 // Reuse across nodes: a rail peer announces "entered" with a signal command (host-pad signal 0)
 // and this rank waits for it before it overwrites its own slot (the source of the last launch's
-// puts) or sends anything.
+// puts) or sends anything. Where the path stages in host memory (InterNode::host_staging: the
+// socket backend) the puts go from and into the pinned host staging instead (one slot per node,
+// GatherRoutes::xfer), and the relay also copies each arrived piece into its own workspace slot
+// and raises its own device-pad signal, which its producer waits for.
 #pragma once
 
 #include <cstdint>
@@ -62,7 +65,11 @@ struct GatherRoutes {
   int node;
   transport::CommandRing rings[kMaxGatherRings];  // the communicator's inter-node rings
   int num_rings;
-  int ws_buffer;  // the workspace's registered buffer id (commands' source and destination)
+  // Where what crosses the network is staged (InterNode::host_staging): null - in the
+  // workspace's slots; else this rank's pinned host staging, mapped here, one shard slot per
+  // node ([nodes][S][K]: the own node's holds A_r, node m's the shard of the rail peer there).
+  uint8_t* xfer;
+  int xfer_buffer;  // the registered id of the workspace, or of the host staging
 };
 
 // 16 bytes read once: no L1 allocation (L1 shares its storage with the GEMM's shared memory).
@@ -262,7 +269,7 @@ struct AgGemmFusion {
     const int rows = min(piece_rows, shard_rows - row0);
     uint8_t* dst = static_cast<uint8_t*>(ws_peers[dest]) + ws_offset +
                    (static_cast<uint64_t>(q) * shard_rows + row0) * row_bytes;
-    // Coherent loads: a relayed piece was written by the proxy's copy after the kernel started.
+    // Coherent loads: a relayed piece was written by the transport after the kernel started.
     copy_bytes<true>(src, dst, rows * row_bytes, thread, threads);
     dev::named_barrier_sync(kSideBarrier, threads);
     if (thread == 0) {
@@ -305,8 +312,8 @@ struct AgGemmFusion {
     if (static_cast<int>(blockIdx.x) >= comm_ctas) return;
     const int sends = pieces, pushes = (g - 1) * pieces, relays = routes.rails * pieces;
     uint8_t* my_ws = static_cast<uint8_t*>(ws_peers[comm.local_rank]) + ws_offset;
-    uint32_t entered_local = 0;  // thread 0's
-    bool rails_entered = false;  // thread 0's
+    uint32_t entered_local = 1u << comm.local_rank;  // thread 0's (this rank: entered)
+    bool rails_entered = false;                      // thread 0's
     for (int u = blockIdx.x; u < sends + pushes + relays; u += comm_ctas) {
       if (u < sends) {
         // (1) Every rail peer has entered (its last launch, which read what this rank sent from
@@ -322,18 +329,22 @@ struct AgGemmFusion {
         if (dev::named_barrier_or(kSideBarrier, threads, failed)) return;
         const int row0 = p * piece_rows;
         const int rows = min(piece_rows, shard_rows - row0);
-        const uint64_t in_ws = (static_cast<uint64_t>(comm.rank) * shard_rows + row0) * row_bytes;
-        const uint64_t offset = ws_offset + in_ws;  // in the registered buffer, on every rank
-        copy_bytes(a_shard + static_cast<uint64_t>(row0) * row_bytes, my_ws + in_ws,
-                   rows * row_bytes, thread, threads);
+        // Staged in this rank's workspace slot, or its node's slot of the host staging; the
+        // offset in the registered buffer is the same at the rail peers.
+        const int slot = routes.xfer != nullptr ? routes.node : comm.rank;
+        const uint64_t in_slots = (static_cast<uint64_t>(slot) * shard_rows + row0) * row_bytes;
+        const uint64_t offset = routes.xfer != nullptr ? in_slots : ws_offset + in_slots;
+        copy_bytes(a_shard + static_cast<uint64_t>(row0) * row_bytes,
+                   (routes.xfer != nullptr ? routes.xfer : my_ws) + in_slots, rows * row_bytes,
+                   thread, threads);
         dev::named_barrier_sync(kSideBarrier, threads);
         if (thread == 0) {
           dev::fence_acq_rel_sys();  // the copy, before the proxy reads it
           const uint32_t signal = kHostPieceSignal0 + routes.signal_base[comm.rank] + p;
           for (int i = 0; i < routes.rails && !failed; ++i) {
             failed = !push(p + i,
-                           transport::make_put_signal(routes.rail[i], p, routes.ws_buffer, offset,
-                                                      routes.ws_buffer, offset, rows * row_bytes,
+                           transport::make_put_signal(routes.rail[i], p, routes.xfer_buffer, offset,
+                                                      routes.xfer_buffer, offset, rows * row_bytes,
                                                       signal, dev::signal_value(launch.epoch, 1)));
           }
           trace_mark(trace, kTraceSide, kTraceSent, routes.rail[0]);
@@ -360,10 +371,14 @@ struct AgGemmFusion {
           dev::fence_acq_rel_sys();
         }
         if (dev::named_barrier_or(kSideBarrier, threads, failed)) return;
-        const uint8_t* src = my_ws + (static_cast<uint64_t>(q) * shard_rows +
-                                      static_cast<uint64_t>(p) * piece_rows) *
-                                         row_bytes;
-        for (int d = 1; d < g; ++d) {
+        const uint64_t piece = static_cast<uint64_t>(p) * piece_rows * row_bytes;
+        const uint64_t shard_bytes = static_cast<uint64_t>(shard_rows) * row_bytes;
+        const uint8_t* src = routes.xfer != nullptr
+                                 ? routes.xfer + routes.rail_node[i] * shard_bytes + piece
+                                 : my_ws + q * shard_bytes + piece;
+        // Out of the host staging also into this rank's own slot (d = 0), where its producer
+        // waits for it on the device pad (GatherRoutes::source[q] is this rank then).
+        for (int d = routes.xfer != nullptr ? 0 : 1; d < g; ++d) {
           if (!push_local(launch, (comm.local_rank + d) % g, q, p, src, entered_local, thread,
                           threads)) {
             return;

@@ -248,8 +248,6 @@ void launch_across_nodes(Communicator& comm, const FusedGemmPlan& p, const void*
     f.ws_local[i] = reinterpret_cast<float*>(ws.host_peers[i] + ws.offset);
   }
   f.my_ws = f.ws_local[topo.local_rank];
-  f.links = fused::node_links(comm, ws);
-  f.comm = comm.device_comm();  // (after the inter-node path exists: its host pad)
   f.m = static_cast<int>(m);
   f.n = static_cast<int>(n);
   f.tiles_m = static_cast<int>((m + 127) / 128);
@@ -262,6 +260,9 @@ void launch_across_nodes(Communicator& comm, const FusedGemmPlan& p, const void*
     f.max_cols = std::max<int>(f.max_cols, std::min<int64_t>(last * kBlockN, n) - first * kBlockN);
   }
   f.slices = 2 * f.tiles_m * max_col_tiles;
+  f.links = fused::node_links(comm, ws, static_cast<uint64_t>(m) * f.max_cols * 4,
+                              4 * topo.num_nodes - 2);  // reduce_routes.h's and the final ones
+  f.comm = comm.device_comm();  // (after the inter-node path exists: its host pad)
   f.trace = fused::trace_arm(p.ctas, stream);
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
   gemm_engine::launch<kBlockN, kTransB, fused::GemmArAcrossNodes<kBlockN>>(f, map_b, k, p.ctas,

@@ -159,7 +159,8 @@ void launch_across_nodes(Communicator& comm, const FusedGemmPlan& p, const void*
     f.ws_local[i] = reinterpret_cast<float*>(ws.host_peers[i] + ws.offset);
   }
   f.my_ws = static_cast<float*>(workspace);
-  f.links = fused::node_links(comm, ws);
+  f.links = fused::node_links(comm, ws, static_cast<uint64_t>(p.shard_rows) * n * 4,
+                              3 * topo.num_nodes - 2);  // reduce_routes.h's regions
   f.comm = comm.device_comm();  // (after the inter-node path exists: its host pad)
   f.shard_rows = static_cast<int>(p.shard_rows);
   f.n = static_cast<int>(n);

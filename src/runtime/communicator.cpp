@@ -381,9 +381,19 @@ InterNodeRings inter_node_rings(Communicator& comm, void* base, uint64_t bytes) 
   InterNodeRings r;
   r.count = std::min(path.proxy().num_rings(), kMaxKernelRings);
   for (int i = 0; i < r.count; ++i) r.ring[i] = path.proxy().ring(i);
-  r.buffer =
-      path.buffer_id(base, bytes, transport::MemoryKind::kDevice, comm.symmetric_owner(base));
+  if (base != nullptr) {
+    r.buffer =
+        path.buffer_id(base, bytes, transport::MemoryKind::kDevice, comm.symmetric_owner(base));
+  }
   return r;
+}
+
+InterNodeStaging inter_node_staging(Communicator& comm, uint64_t bytes) {
+  RelaxedCapture relaxed;  // allocating and registering a larger staging, possibly under capture
+  InterNode& path = comm.inter_node();
+  if (!path.host_staging()) return {};
+  const InterNode::Staging s = path.staging(bytes);
+  return {s.base, s.buffer};
 }
 
 }  // namespace detail

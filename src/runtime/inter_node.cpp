@@ -1,6 +1,7 @@
 #include "runtime/inter_node.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <utility>
 
 #include "fused/rail_routes.h"
@@ -23,6 +24,16 @@ InterNode::InterNode(Bootstrap& bootstrap, const Topology& topo, InterNodeConfig
   if (config_.num_signals < 1) {
     throw Error(ErrorCode::kInvalidArgument, who + "num_signals must be at least 1");
   }
+  std::string staging = config_.staging;
+  if (staging.empty()) {
+    const char* env = std::getenv("MKERNEL_INTER_NODE_STAGING");
+    if (env != nullptr) staging = env;
+  }
+  if (!staging.empty() && staging != "host" && staging != "device") {
+    throw Error(ErrorCode::kInvalidArgument,
+                who + "staging \"" + staging +
+                    "\" (MKERNEL_INTER_NODE_STAGING); expected \"host\" or \"device\"");
+  }
   peers_ = fused::RailRoutes(topo.node_of, topo.local_rank_of).rail_peers(topo.rank);
   std::sort(peers_.begin(), peers_.end());
 
@@ -39,6 +50,7 @@ InterNode::InterNode(Bootstrap& bootstrap, const Topology& topo, InterNodeConfig
   tc.socket_ifname = config_.socket_ifname;
   tc.gpu_pci_bus_id = config_.gpu_pci_bus_id;
   transport_ = transport::make_transport(bootstrap, tc, config_.backend);
+  host_staging_ = staging.empty() ? std::string(transport_->name()) == "socket" : staging == "host";
 
   transport::ProxyOptions po;
   po.num_rings = config_.channels;
@@ -61,6 +73,47 @@ InterNode::~InterNode() {
   proxy_.reset();
   transport_.reset();  // goodbyes to the peers
   pad_.reset();
+  for (const Staging& s : stagings_) free_host(s.base);
+}
+
+void* InterNode::alloc_host(uint64_t bytes) const {
+  if (config_.host_memory.alloc) return config_.host_memory.alloc(bytes);
+  return std::aligned_alloc(kStagingAlign,
+                            (bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign);
+}
+
+void InterNode::free_host(void* p) const {
+  if (config_.host_memory.alloc) {
+    config_.host_memory.free(p);
+  } else {
+    std::free(p);
+  }
+}
+
+InterNode::Staging InterNode::staging(uint64_t bytes) {
+  if (!host_staging_) {
+    throw Error(ErrorCode::kInternal, "inter-node path of rank " + std::to_string(rank_) +
+                                          ": staging() asked for on a path that stages in device "
+                                          "memory");
+  }
+  bytes = std::max<uint64_t>(bytes, kStagingAlign);
+  if (!stagings_.empty() && stagings_.back().bytes >= bytes) return stagings_.back();
+  Staging s;
+  s.base = static_cast<uint8_t*>(alloc_host(bytes));
+  if (s.base == nullptr) {
+    throw Error(ErrorCode::kOutOfMemory, "inter-node path of rank " + std::to_string(rank_) +
+                                             ": cannot allocate " + std::to_string(bytes) +
+                                             " bytes of pinned host staging");
+  }
+  s.bytes = bytes;
+  try {
+    s.buffer = buffer_id(s.base, bytes, transport::MemoryKind::kHost);
+  } catch (...) {
+    free_host(s.base);
+    throw;
+  }
+  stagings_.push_back(s);
+  return s;
 }
 
 void InterNode::record(const Error& error) {

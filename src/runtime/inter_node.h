@@ -38,6 +38,9 @@ struct InterNodeConfig {
   transport::RingAllocator host_memory;  // rings and the signal pad (default: the heap)
   transport::CopyFn copy_to_device;      // socket backend, kDevice buffers (TransportConfig)
   transport::CopyFn copy_from_device;
+  // Where the kernels stage what crosses the network (InterNode::host_staging): "host", "device",
+  // or empty: MKERNEL_INTER_NODE_STAGING, else "host" for the socket backend, "device" for RDMA.
+  std::string staging;
   std::string gpu_pci_bus_id;  // picks the NIC (cx7 / efa)
   std::string socket_ifname;   // socket: the interface to listen on (empty: the environment's)
   std::function<void(const Error&)> on_error;  // once, from a transport or proxy thread
@@ -74,6 +77,27 @@ class InterNode {
   int buffer_id(void* base, uint64_t bytes, transport::MemoryKind kind,
                 std::weak_ptr<const void> owner = {});
 
+  // Where the kernels stage what crosses the network. true: in pinned host memory mapped into the
+  // device (staging(); InterNodeConfig::host_memory), which the kernels write and read over PCIe
+  // and the transport sends from and receives into in place, so that its threads make no CUDA
+  // call - a call there can wait on a driver lock that another thread of the process holds while
+  // it waits for the GPU (a device-wide synchronisation, a pageable copy, a module load), whose
+  // kernel waits for that very transfer. The socket backend's default; RDMA without GPUDirect.
+  // false: in the kernels' device workspace (GPUDirect RDMA; the socket backend then copies
+  // through host memory with config.copy_to_device / copy_from_device).
+  bool host_staging() const { return host_staging_; }
+
+  struct Staging {
+    uint8_t* base = nullptr;  // host memory, at the same address in the device (mapped, UVA)
+    uint64_t bytes = 0;
+    int buffer = -1;  // its registered id
+  };
+  // This rank's host staging of at least `bytes` (host_staging() paths). Collective when it
+  // grows: a larger buffer is allocated and registered, so every rank must ask for the same sizes
+  // in the same order (ops do: they are collective). Earlier buffers stay allocated and registered
+  // until the path is destroyed: commands or kernels in flight may still use them.
+  Staging staging(uint64_t bytes);
+
   // Throws the first error of the transport or the proxy, if any.
   void check() const;
   bool failed() const;
@@ -88,6 +112,9 @@ class InterNode {
 
  private:
   void record(const Error& error);
+  void* alloc_host(uint64_t bytes) const;  // config.host_memory, else the heap
+  void free_host(void* p) const;
+  static constexpr uint64_t kStagingAlign = 4096;
 
   InterNodeConfig config_;
   int rank_;
@@ -107,6 +134,8 @@ class InterNode {
   };
   std::vector<Registered> registered_;  // buffer_id's
   std::vector<bool> used_;              // [transport::kMaxBuffers] ids taken
+  bool host_staging_ = false;
+  std::vector<Staging> stagings_;  // staging()'s, the largest last
 };
 
 }  // namespace mk::detail

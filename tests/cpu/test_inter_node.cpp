@@ -265,6 +265,74 @@ TEST(InterNode, ExpiredOwnersFreeTheirIds) {
   }));
 }
 
+// Where the kernels stage what crosses the network: in host memory over the socket backend
+// unless the config or MKERNEL_INTER_NODE_STAGING says "device"; anything else is refused.
+TEST(InterNode, StagingIsHostForSocketsUnlessToldOtherwise) {
+  for (const char* asked : {"", "host", "device"}) {
+    expect_all_ok(mk::test::run_group(2, [&](Bootstrap& b) {
+      InterNodeConfig c = test_config();
+      c.staging = asked;
+      InterNode path(b, virtual_topology(b.rank(), 2, 1), c);
+      const bool host = std::string(asked) != "device";
+      EXPECT_EQ(path.host_staging(), host) << "staging \"" << asked << "\"";
+      if (!host) {
+        try {
+          path.staging(64);
+          ADD_FAILURE() << "staging() on a path that stages in device memory";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kInternal) << e.what();
+        }
+      }
+    }));
+  }
+  ::setenv("MKERNEL_INTER_NODE_STAGING", "device", 1);
+  expect_all_ok(mk::test::run_group(2, [&](Bootstrap& b) {
+    InterNode path(b, virtual_topology(b.rank(), 2, 1), test_config());
+    EXPECT_FALSE(path.host_staging());
+  }));
+  ::setenv("MKERNEL_INTER_NODE_STAGING", "nvme", 1);
+  const auto outcomes = mk::test::run_group(
+      2, [&](Bootstrap& b) { InterNode path(b, virtual_topology(b.rank(), 2, 1), test_config()); });
+  ::unsetenv("MKERNEL_INTER_NODE_STAGING");
+  for (const Outcome& o : outcomes) {
+    ASSERT_TRUE(o.threw);
+    EXPECT_EQ(o.code, ErrorCode::kInvalidArgument) << o.message;
+    EXPECT_TRUE(contains(o.message, "\"nvme\"")) << o.message;
+  }
+}
+
+// Host staging grows on demand (the same buffer for a smaller ask, a new one and a new id for a
+// larger), puts carry bytes from one rank's staging into another's, and an earlier staging stays
+// registered (a kernel still in flight may use it).
+TEST(InterNode, HostStagingGrowsAndCarriesPuts) {
+  expect_all_ok(mk::test::run_group(2, [&](Bootstrap& b) {
+    const int me = b.rank(), peer = 1 - me;
+    InterNode path(b, virtual_topology(me, 2, 1), test_config());
+    const InterNode::Staging small = path.staging(1000);
+    EXPECT_GE(small.bytes, 1000u);
+    EXPECT_EQ(path.staging(small.bytes).base, small.base);
+    const InterNode::Staging large = path.staging(small.bytes + 20000);
+    EXPECT_GE(large.bytes, small.bytes + 20000);
+    EXPECT_NE(large.buffer, small.buffer);
+    EXPECT_EQ(path.staging(10).base, large.base);  // the largest serves smaller asks
+    uint8_t* out = large.base + 4096;              // this rank's bytes, at the same offset there
+    uint8_t* in = large.base + 12288;
+    mk::test::fill_pattern(out, 8192, seed_of(me, peer));
+    std::memset(in, 0, 8192);
+    b.barrier();
+    path.proxy().push(
+        0, make_put_signal(peer, 0, large.buffer, 4096, large.buffer, 12288, 8192, 1, 3));
+    path.wait(peer, 1, 3);
+    EXPECT_EQ(mk::test::first_mismatch(in, 8192, seed_of(peer, me)), -1);
+    mk::test::fill_pattern(small.base, 512, seed_of(me, peer) + 1);  // the earlier one still works
+    b.barrier();
+    path.proxy().push(1, make_put_signal(peer, 0, small.buffer, 0, large.buffer, 0, 512, 2, 4));
+    path.wait(peer, 2, 4);
+    EXPECT_EQ(mk::test::first_mismatch(large.base, 512, seed_of(peer, me) + 1), -1);
+    b.barrier();
+  }));
+}
+
 TEST(InterNode, OneNodeIsRefused) {
   const auto outcomes = mk::test::run_group(
       2, [&](Bootstrap& b) { InterNode path(b, virtual_topology(b.rank(), 1, 2), test_config()); });
