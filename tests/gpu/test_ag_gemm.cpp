@@ -7,17 +7,11 @@
 // Fresh random data each run, outputs poisoned before each call, shards of rows that are not a
 // multiple of the 128-row tile. Also: CUDA-graph replay with new inputs, the time limit when a
 // rank never joins, and argument errors. Across virtual nodes (issue 8): 2x1, 2x2, 3x2 and 2x4
-// ranks, a graph captured across nodes, and a rank killed mid-kernel (through mkrun).
-#include <signal.h>
-#include <unistd.h>
-
-#include <chrono>
-#include <cstdio>
-#include <cstdlib>
+// ranks, growing workspaces and a graph captured across nodes (as processes and with a rank
+// killed mid-kernel: test_nodes_processes.cpp).
 #include <stdexcept>
-#include <thread>
 
-#include "../cpu/cpu_test_util.h"
+#include "across_nodes_checks.h"
 #include "collective_checks.h"
 #include "gemm_reference.h"
 #include "mkernel/fused.h"
@@ -353,32 +347,6 @@ TEST(InProcessAgGemm, RejectsBadArgumentsBeforeLaunch) {
   });
 }
 
-// ---- helper processes: a test that starts this binary through mkrun on one helper test ----
-
-// The helper's communicator (20-s kernel limit) when another test started it through mkrun and
-// set `env`; else null (the helper then skips).
-std::shared_ptr<Communicator> helper_comm(const char* env) {
-  if (std::getenv(env) == nullptr || launcher_bootstrap() == nullptr) return nullptr;
-  CommOptions options;
-  options.timeout_seconds = 20;
-  return launched_comm(options);
-}
-
-// Runs test `helper` of this binary as `ranks` mkrun processes with `env` added ("1") and
-// `per_node` ranks per virtual node.
-ProcessResult run_helper(const char* helper, const char* env, int ranks, int per_node,
-                         double grace_s, double limit_s) {
-  char self[4096] = {};
-  if (readlink("/proc/self/exe", self, sizeof(self) - 1) <= 0) return {};
-  return run_process({MKRUN_PATH, "-n", std::to_string(ranks), "--grace",
-                      std::to_string(static_cast<int>(grace_s)), "--", self,
-                      std::string("--gtest_filter=") + helper},
-                     {{env, "1"},
-                      {"MKERNEL_GPUS_PER_NODE", std::to_string(per_node)},
-                      {"MKERNEL_BOOTSTRAP_TIMEOUT_S", "30"}},
-                     limit_s);
-}
-
 // The shapes of `bench/run.sh ag_gemm check` (M / world x N x K), each with a new workspace while
 // the earlier ones stay alive, as the Python package grows its workspace: each is registered with
 // the inter-node path on first use.
@@ -400,41 +368,7 @@ TEST(AgGemmAcrossNodes, GrowingWorkspaces) {
   run_in_process(2, expect_ag_gemm_growing_workspaces, virtual_nodes(1, 20));
 }
 
-constexpr const char kNodesHelperEnv[] = "MKERNEL_TEST_NODES_HELPER";
-
-// Started by AgGemmAcrossNodes.Processes* through mkrun (one process per rank, virtual nodes from
-// MKERNEL_GPUS_PER_NODE), skipped otherwise.
-TEST(AgGemmNodesHelper, GrowingWorkspaces) {
-  MKT_REQUIRE_GPU();
-  auto comm = helper_comm(kNodesHelperEnv);
-  if (!comm) GTEST_SKIP() << "run by AgGemmAcrossNodes.Processes*";
-  ASSERT_GT(comm->topology().num_nodes, 1);
-  expect_ag_gemm_growing_workspaces(*comm);
-}
-
-// Runs AgGemmNodesHelper.GrowingWorkspaces as `ranks` processes on nodes of `per_node` ranks.
-void expect_processes_across_nodes(int ranks, int per_node) {
-  const ProcessResult r =
-      run_helper("AgGemmNodesHelper.GrowingWorkspaces", kNodesHelperEnv, ranks, per_node, 10, 120);
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  for (int rank = 0; rank < ranks; ++rank) {
-    EXPECT_NE(r.output.find("[rank " + std::to_string(rank) +
-                            "] [       OK ] AgGemmNodesHelper.GrowingWorkspaces"),
-              std::string::npos)
-        << r.output;
-  }
-}
-
-TEST(AgGemmAcrossNodes, ProcessesTwoByOne) {
-  MKT_REQUIRE_GPU();
-  expect_processes_across_nodes(2, 1);
-}
-TEST(AgGemmAcrossNodes, ProcessesTwoByTwo) {
-  MKT_REQUIRE_GPU();
-  expect_processes_across_nodes(4, 2);
-}
-
-// ---- faults and graphs across nodes ----
+// ---- a graph across nodes (processes and a killed rank: test_nodes_processes.cpp) ----
 
 // A graph of one launch across 2 x 2 virtual nodes: the first ag_gemm call, which creates the
 // inter-node path and registers the workspace, happens inside the capture.
@@ -444,59 +378,8 @@ TEST(AgGemmAcrossNodes, GraphReplays30Times) {
       4, [](Communicator& comm) { expect_ag_gemm_graph(comm, 30); }, virtual_nodes(2, 20));
 }
 
-constexpr const char kKillEnv[] = "MKERNEL_TEST_KILL_RANK";
-
-// Started by AgGemmAcrossNodes.KilledRankIsNamed through mkrun (2 ranks, 2 virtual nodes), skipped
-// otherwise. After one good launch (the inter-node path and the workspace's registration exist),
-// rank 0 launches again at once; rank 1 launches 300 ms later and SIGKILLs itself as soon as its
-// launch returns, its kernel in flight. Rank 0's kernel is waiting for rank 1's pieces by then:
-// it must stop, and synchronize() must name rank 1, long before the 20-s time limit.
-TEST(AgGemmKilledRankHelper, Run) {
-  MKT_REQUIRE_GPU();
-  auto comm = helper_comm(kKillEnv);
-  if (!comm) GTEST_SKIP() << "run by AgGemmAcrossNodes.KilledRankIsNamed";
-  ASSERT_EQ(comm->world_size(), 2);
-  ASSERT_EQ(comm->topology().num_nodes, 2);
-  const int rank = comm->rank();
-  AgCall call(*comm, 1024, 256, 1024, 1 + rank, 3);
-  call.launch();
-  comm->synchronize(call.stream);
-  comm->bootstrap().barrier();
-  if (rank == 1) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    call.launch();
-    std::printf("rank 1: launched, now killing itself\n");
-    std::fflush(stdout);
-    kill(getpid(), SIGKILL);
-  }
-  const auto start = std::chrono::steady_clock::now();
-  call.launch();
-  try {
-    comm->synchronize(call.stream);
-    ADD_FAILURE() << "rank 0: no error although rank 1 was killed";
-  } catch (const Error& e) {
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::printf("rank 0: error after %.2f s: %s\n", seconds, e.what());
-    EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
-    EXPECT_LT(seconds, 10.0) << "the lost peer was noticed late";
-  }
-}
-
-// A rank killed in the middle of a kernel (issue 8): the survivor reports the lost peer within
-// the limit and exits cleanly (code 0, well before mkrun's grace period ends); mkrun names only
-// the killed rank.
-TEST(AgGemmAcrossNodes, KilledRankIsNamed) {
-  MKT_REQUIRE_GPU();
-  const ProcessResult r = run_helper("AgGemmKilledRankHelper.Run", kKillEnv, 2, 1, 60, 90);
-  SCOPED_TRACE(r.output);
-  EXPECT_FALSE(r.killed_by_test);
-  EXPECT_EQ(r.exit_code, 1);  // mkrun: a rank failed
-  EXPECT_NE(r.output.find("rank 1: launched, now killing itself"), std::string::npos);
-  EXPECT_NE(r.output.find("[rank 0] [       OK ] AgGemmKilledRankHelper.Run"), std::string::npos);
-  EXPECT_NE(r.output.find("1 of 2 ranks failed: rank 1 (killed by SIGKILL)"), std::string::npos);
-  EXPECT_LT(r.seconds, 45.0) << "rank 0 did not exit on its own";
-}
-
 }  // namespace
+
+void expect_ag_gemm_nodes(Communicator& comm) { expect_ag_gemm_growing_workspaces(comm); }
+
 }  // namespace mk::test

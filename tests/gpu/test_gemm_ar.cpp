@@ -6,6 +6,7 @@
 // left zero (3+ ranks), CUDA-graph replay with new inputs, the time limit, argument errors.
 #include <chrono>
 
+#include "across_nodes_checks.h"
 #include "collective_checks.h"
 #include "gemm_reference.h"
 #include "mkernel/fused.h"
@@ -291,6 +292,14 @@ TEST(InProcessGemmAr, GraphReplays100Times) {
   run_in_process(2, [](Communicator& comm) { expect_gemm_ar_graph(comm, 100); });
 }
 
+// A graph of one launch across 2 x 2 virtual nodes, its first call (the inter-node path, the
+// workspace's registration or the host staging) inside the capture.
+TEST(GemmArAcrossNodes, GraphReplays30Times) {
+  MKT_REQUIRE_GPU();
+  run_in_process(
+      4, [](Communicator& comm) { expect_gemm_ar_graph(comm, 30); }, virtual_nodes(2, 20));
+}
+
 TEST(LaunchedGemmAr, GraphReplays100Times) {
   MKT_REQUIRE_MKRUN();
   auto comm = launched_comm();
@@ -355,4 +364,7 @@ TEST(InProcessGemmAr, RejectsBadArgumentsBeforeLaunch) {
 }
 
 }  // namespace
+
+void expect_gemm_ar_nodes(Communicator& comm) { expect_gemm_ar_across_nodes(comm); }
+
 }  // namespace mk::test

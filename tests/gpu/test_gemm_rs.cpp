@@ -7,6 +7,7 @@
 // after every call, CUDA-graph replay with new inputs, the time limit, and argument errors.
 #include <chrono>
 
+#include "across_nodes_checks.h"
 #include "collective_checks.h"
 #include "gemm_reference.h"
 #include "mkernel/fused.h"
@@ -360,4 +361,7 @@ TEST(InProcessGemmRs, RejectsBadArgumentsBeforeLaunch) {
 }
 
 }  // namespace
+
+void expect_gemm_rs_nodes(Communicator& comm) { expect_gemm_rs_across_nodes(comm); }
+
 }  // namespace mk::test
