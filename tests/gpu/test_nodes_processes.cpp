@@ -59,7 +59,7 @@ ProcessResult run_helper(const char* helper, const char* env, const std::string&
 TEST(NodesProcessHelper, Run) {
   MKT_REQUIRE_GPU();
   const std::string op = helper_op(kNodesHelperEnv);
-  if (op.empty()) GTEST_SKIP() << "run by *AcrossNodes.Processes*";
+  if (op.empty()) GTEST_SKIP() << "run by *AcrossNodes/Processes.Run/*";
   auto comm = helper_comm();
   ASSERT_GT(comm->topology().num_nodes, 1);
   if (op == "ag_gemm") {
@@ -73,12 +73,23 @@ TEST(NodesProcessHelper, Run) {
   }
 }
 
-// Runs NodesProcessHelper.Run for `op` as `ranks` processes on nodes of `per_node` ranks.
-void expect_processes_across_nodes(const std::string& op, int ranks, int per_node) {
+// NodesProcessHelper.Run for an op as `ranks` processes on nodes of `per_node` ranks; the suites
+// are named after the op (AgGemmAcrossNodes/Processes.Run/2x1, ...), as its other across-node
+// tests are.
+struct ProcessesCase {
+  const char* op;
+  int ranks;
+  int per_node;
+};
+class Processes : public ::testing::TestWithParam<ProcessesCase> {};
+
+TEST_P(Processes, Run) {
+  MKT_REQUIRE_GPU();
+  const ProcessesCase c = GetParam();
   const ProcessResult r =
-      run_helper("NodesProcessHelper.Run", kNodesHelperEnv, op, ranks, per_node, 10, 150);
+      run_helper("NodesProcessHelper.Run", kNodesHelperEnv, c.op, c.ranks, c.per_node, 10, 150);
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  for (int rank = 0; rank < ranks; ++rank) {
+  for (int rank = 0; rank < c.ranks; ++rank) {
     EXPECT_NE(
         r.output.find("[rank " + std::to_string(rank) + "] [       OK ] NodesProcessHelper.Run"),
         std::string::npos)
@@ -86,30 +97,22 @@ void expect_processes_across_nodes(const std::string& op, int ranks, int per_nod
   }
 }
 
-TEST(AgGemmAcrossNodes, ProcessesTwoByOne) {
-  MKT_REQUIRE_GPU();
-  expect_processes_across_nodes("ag_gemm", 2, 1);
+std::string processes_name(const ::testing::TestParamInfo<ProcessesCase>& info) {
+  return std::to_string(info.param.ranks / info.param.per_node) + "x" +
+         std::to_string(info.param.per_node);
 }
-TEST(AgGemmAcrossNodes, ProcessesTwoByTwo) {
-  MKT_REQUIRE_GPU();
-  expect_processes_across_nodes("ag_gemm", 4, 2);
-}
-TEST(GemmRsAcrossNodes, ProcessesTwoByOne) {
-  MKT_REQUIRE_GPU();
-  expect_processes_across_nodes("gemm_rs", 2, 1);
-}
-TEST(GemmRsAcrossNodes, ProcessesTwoByTwo) {
-  MKT_REQUIRE_GPU();
-  expect_processes_across_nodes("gemm_rs", 4, 2);
-}
-TEST(GemmArAcrossNodes, ProcessesTwoByOne) {
-  MKT_REQUIRE_GPU();
-  expect_processes_across_nodes("gemm_ar", 2, 1);
-}
-TEST(GemmArAcrossNodes, ProcessesTwoByTwo) {
-  MKT_REQUIRE_GPU();
-  expect_processes_across_nodes("gemm_ar", 4, 2);
-}
+INSTANTIATE_TEST_SUITE_P(AgGemmAcrossNodes, Processes,
+                         ::testing::Values(ProcessesCase{"ag_gemm", 2, 1},
+                                           ProcessesCase{"ag_gemm", 4, 2}),
+                         processes_name);
+INSTANTIATE_TEST_SUITE_P(GemmRsAcrossNodes, Processes,
+                         ::testing::Values(ProcessesCase{"gemm_rs", 2, 1},
+                                           ProcessesCase{"gemm_rs", 4, 2}),
+                         processes_name);
+INSTANTIATE_TEST_SUITE_P(GemmArAcrossNodes, Processes,
+                         ::testing::Values(ProcessesCase{"gemm_ar", 2, 1},
+                                           ProcessesCase{"gemm_ar", 4, 2}),
+                         processes_name);
 
 // ---- a rank killed mid-kernel ----
 
@@ -179,7 +182,7 @@ class FusedCall {
   cudaStream_t stream_ = nullptr;
 };
 
-// Started by *AcrossNodes.KilledRankIsNamed through mkrun (2 ranks, 2 virtual nodes), skipped
+// Started by *AcrossNodes/KilledRank.IsNamed through mkrun (2 ranks, 2 virtual nodes), skipped
 // otherwise. After one good launch (the inter-node path and the workspace's registration exist),
 // rank 0 launches again at once; rank 1 launches 300 ms later and SIGKILLs itself as soon as its
 // launch returns, its kernel in flight. Rank 0's kernel is waiting for rank 1's data by then: it
@@ -187,7 +190,7 @@ class FusedCall {
 TEST(NodesKilledRankHelper, Run) {
   MKT_REQUIRE_GPU();
   const std::string op = helper_op(kKillEnv);
-  if (op.empty()) GTEST_SKIP() << "run by *AcrossNodes.KilledRankIsNamed";
+  if (op.empty()) GTEST_SKIP() << "run by *AcrossNodes/KilledRank.IsNamed/*";
   auto comm = helper_comm();
   ASSERT_EQ(comm->world_size(), 2);
   ASSERT_EQ(comm->topology().num_nodes, 2);
@@ -219,9 +222,13 @@ TEST(NodesKilledRankHelper, Run) {
 
 // A rank killed in the middle of a kernel (issue 8): the survivor reports the lost peer within
 // the limit and exits cleanly (code 0, well before mkrun's grace period ends); mkrun names only
-// the killed rank.
-void expect_killed_rank_is_named(const std::string& op) {
-  const ProcessResult r = run_helper("NodesKilledRankHelper.Run", kKillEnv, op, 2, 1, 60, 90);
+// the killed rank. Suites named after the op: AgGemmAcrossNodes/KilledRank.IsNamed/ag_gemm, ...
+class KilledRank : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(KilledRank, IsNamed) {
+  MKT_REQUIRE_GPU();
+  const ProcessResult r =
+      run_helper("NodesKilledRankHelper.Run", kKillEnv, GetParam(), 2, 1, 60, 90);
   SCOPED_TRACE(r.output);
   EXPECT_FALSE(r.killed_by_test);
   EXPECT_EQ(r.exit_code, 1);  // mkrun: a rank failed
@@ -231,18 +238,10 @@ void expect_killed_rank_is_named(const std::string& op) {
   EXPECT_LT(r.seconds, 45.0) << "rank 0 did not exit on its own";
 }
 
-TEST(AgGemmAcrossNodes, KilledRankIsNamed) {
-  MKT_REQUIRE_GPU();
-  expect_killed_rank_is_named("ag_gemm");
-}
-TEST(GemmRsAcrossNodes, KilledRankIsNamed) {
-  MKT_REQUIRE_GPU();
-  expect_killed_rank_is_named("gemm_rs");
-}
-TEST(GemmArAcrossNodes, KilledRankIsNamed) {
-  MKT_REQUIRE_GPU();
-  expect_killed_rank_is_named("gemm_ar");
-}
+std::string op_name(const ::testing::TestParamInfo<const char*>& info) { return info.param; }
+INSTANTIATE_TEST_SUITE_P(AgGemmAcrossNodes, KilledRank, ::testing::Values("ag_gemm"), op_name);
+INSTANTIATE_TEST_SUITE_P(GemmRsAcrossNodes, KilledRank, ::testing::Values("gemm_rs"), op_name);
+INSTANTIATE_TEST_SUITE_P(GemmArAcrossNodes, KilledRank, ::testing::Values("gemm_ar"), op_name);
 
 }  // namespace
 }  // namespace mk::test
