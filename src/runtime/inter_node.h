@@ -84,7 +84,8 @@ class InterNode {
   // it waits for the GPU (a device-wide synchronisation, a pageable copy, a module load), whose
   // kernel waits for that very transfer. The socket backend's default; RDMA without GPUDirect.
   // false: in the kernels' device workspace (GPUDirect RDMA; the socket backend then copies
-  // through host memory with config.copy_to_device / copy_from_device).
+  // through host memory with config.copy_to_device / copy_from_device - the hazard above, so
+  // over sockets this is for tests of the RDMA layout, not for applications).
   bool host_staging() const { return host_staging_; }
 
   struct Staging {
