@@ -93,10 +93,11 @@ class InterNode {
     uint64_t bytes = 0;
     int buffer = -1;  // its registered id
   };
-  // This rank's host staging of at least `bytes` (host_staging() paths). Collective when it
-  // grows: a larger buffer is allocated and registered, so every rank must ask for the same sizes
-  // in the same order (ops do: they are collective). Earlier buffers stay allocated and registered
-  // until the path is destroyed: commands or kernels in flight may still use them.
+  // This rank's host staging of at least `bytes` (host_staging() paths), shared by the
+  // communicator's ops (they run one at a time, communicator.h). Collective when it grows: a larger
+  // buffer is allocated and registered, so every rank must ask for the same sizes in the same order
+  // (ops do: they are collective). Earlier buffers stay allocated and registered until the path is
+  // destroyed: commands or kernels in flight may still use them.
   Staging staging(uint64_t bytes);
 
   // Throws the first error of the transport or the proxy, if any.
