@@ -204,7 +204,8 @@ std::string InterNode::describe() const {
   return std::string("inter-node: ") + transport_->name() + ", rail peers " + format_ranks(peers_) +
          ", " + std::to_string(config_.channels) + " channel(s) of " +
          std::to_string(config_.ring_capacity) + " commands, " +
-         std::to_string(config_.num_signals) + " signals per peer";
+         std::to_string(config_.num_signals) + " signals per peer, staging in " +
+         (host_staging_ ? "host" : "device") + " memory";
 }
 
 }  // namespace mk::detail

@@ -109,7 +109,7 @@ class InterNode {
   // signal and the value after the time limit.
   void wait(int src_rank, uint32_t signal, uint64_t value) const;
 
-  // One line: backend, peers, channels, signals.
+  // One line: backend, peers, channels, signals, staging.
   std::string describe() const;
 
  private:

@@ -275,6 +275,9 @@ TEST(InterNode, StagingIsHostForSocketsUnlessToldOtherwise) {
       InterNode path(b, virtual_topology(b.rank(), 2, 1), c);
       const bool host = std::string(asked) != "device";
       EXPECT_EQ(path.host_staging(), host) << "staging \"" << asked << "\"";
+      EXPECT_TRUE(
+          contains(path.describe(), host ? "staging in host memory" : "staging in device memory"))
+          << path.describe();
       if (!host) {
         try {
           path.staging(64);
