@@ -3,8 +3,8 @@
 // consumers' record of who entered, and the two epilogue steps both make - a partial sent over
 // NVLink into a node peer's region, and a relay's node sum put to its owner. The steps take the
 // policy, which says where a slice lives: at(ws, region, offset) for the node's regions (below
-// routes.nodes), xfer_at(region, offset) and byte_offset(region, offset) for the transfer regions
-// (what crosses the network: staging and inbound), my_ws, ws_local[] and comm.
+// routes.nodes), region_words() for the transfer regions (what crosses the network: staging and
+// inbound; NodeLinks::xfer_at / xfer_byte), my_ws, ws_local[] and comm.
 #pragma once
 
 #include <cstdint>
@@ -42,6 +42,15 @@ struct NodeLinks {
   uint8_t* xfer;         // region routes.nodes, as this rank addresses it
   int xfer_buffer;       // the registered id of the buffer holding them (puts' source and dest)
   uint64_t xfer_offset;  // byte offset of region routes.nodes in that buffer, on every rank
+
+  // Transfer region `region` (routes.nodes or later; regions of `region_words` fp32 words): the
+  // word at `offset` in it as this rank addresses it, and its byte offset in the registered buffer.
+  __device__ float* xfer_at(int region, int64_t region_words, int64_t offset) const {
+    return reinterpret_cast<float*>(xfer) + (region - routes.nodes) * region_words + offset;
+  }
+  __device__ uint64_t xfer_byte(int region, int64_t region_words, int64_t offset) const {
+    return xfer_offset + 4 * static_cast<uint64_t>((region - routes.nodes) * region_words + offset);
+  }
 
   // Pushes a command into ring `k` mod the rings (false: the ring broke or the time limit passed;
   // the proxy or the waits then report).
@@ -152,20 +161,21 @@ __device__ __forceinline__ void relay_node_sum(const Policy& p, float (&acc)[kRe
                   routes.per_node > 2 ? sums : nullptr, barrier);
   }
   const int staging = routes.staging_region(owner);
-  float* out_block = p.xfer_at(staging, offset);
+  float* out_block = p.links.xfer_at(staging, p.region_words(), offset);
   send_slice(
       acc, consumer, scratch, [&](int r, int c) { return out_block + r * width + c; }, rows, width,
       /*add=*/false);  // (ends with a barrier: every thread's stores are done)
   if (t == 0) {
     dev::fence_acq_rel_sys();  // the staging writes, before the proxy reads them
     const auto buffer = static_cast<uint8_t>(p.links.xfer_buffer);
-    p.links.push(p.comm, slice,
-                 transport::make_put_signal(
-                     static_cast<uint32_t>(owner), static_cast<uint64_t>(slice), buffer,
-                     p.byte_offset(staging, offset), buffer,
-                     p.byte_offset(routes.inbound_region_at_owner(owner), offset),
-                     static_cast<uint64_t>(rows) * width * 4, ReduceRoutes::host_signal(slice),
-                     dev::signal_value(launch.epoch, 1)));
+    p.links.push(
+        p.comm, slice,
+        transport::make_put_signal(
+            static_cast<uint32_t>(owner), static_cast<uint64_t>(slice), buffer,
+            p.links.xfer_byte(staging, p.region_words(), offset), buffer,
+            p.links.xfer_byte(routes.inbound_region_at_owner(owner), p.region_words(), offset),
+            static_cast<uint64_t>(rows) * width * 4, ReduceRoutes::host_signal(slice),
+            dev::signal_value(launch.epoch, 1)));
   }
 }
 
@@ -194,8 +204,10 @@ __device__ __forceinline__ void add_node_sums(const Policy& p, float (&acc)[kReg
   }
   for (int m = 0; m < routes.nodes; ++m) {
     if (m == routes.node()) continue;
-    add_and_clear(acc, PartialAt::block(p.xfer_at(routes.inbound_region(m), offset), width), rows,
-                  width, nullptr, barrier);
+    add_and_clear(acc,
+                  PartialAt::block(
+                      p.links.xfer_at(routes.inbound_region(m), p.region_words(), offset), width),
+                  rows, width, nullptr, barrier);
   }
 }
 

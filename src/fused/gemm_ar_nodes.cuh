@@ -98,18 +98,9 @@ struct GemmArAcrossNodes {
   __device__ int slice_width(const gemm_engine::Tile& tile) const {
     return min(kBlockN, n - tile.n * kBlockN);
   }
-  // The node's regions (below routes.nodes) in a workspace; the transfer regions (from
-  // routes.nodes on) where NodeLinks keeps them, and their byte offset in its registered buffer.
+  // The node's regions (below routes.nodes) in a workspace (the transfer regions: NodeLinks).
   __device__ float* at(float* ws, int region, int64_t offset) const {
     return ws + region * region_words() + offset;
-  }
-  __device__ float* xfer_at(int region, int64_t offset) const {
-    return reinterpret_cast<float*>(links.xfer) + (region - links.routes.nodes) * region_words() +
-           offset;
-  }
-  __device__ uint64_t byte_offset(int region, int64_t offset) const {
-    return links.xfer_offset +
-           4 * static_cast<uint64_t>((region - links.routes.nodes) * region_words() + offset);
   }
   __device__ int final_staging_region() const { return links.routes.regions(); }
   // The final-inbound region, at a rank of node `at_node`, for slices from node `from_node`.
@@ -162,8 +153,8 @@ struct GemmArAcrossNodes {
     dev::named_barrier_sync(1 + consumer, 128);
     // C here by TMA; the node's other C and the final-staging slice (bf16 [rows][width],
     // contiguous) by every thread's 16-byte units of each packed chunk.
-    __nv_bfloat16* staged =
-        reinterpret_cast<__nv_bfloat16*>(xfer_at(final_staging_region(), offset));
+    __nv_bfloat16* staged = reinterpret_cast<__nv_bfloat16*>(
+        links.xfer_at(final_staging_region(), region_words(), offset));
     const int my_row = t / 2, my_half = t % 2;  // the half row (32 columns) this thread moves
     gemm_engine::store_slice(
         acc, col0, n, consumer, scratch,
@@ -190,13 +181,14 @@ struct GemmArAcrossNodes {
       const auto buffer = static_cast<uint8_t>(links.xfer_buffer);
       for (int mm = 0; mm < routes.nodes; ++mm) {
         if (mm == routes.node()) continue;
-        links.push(comm, s + mm,
-                   transport::make_put_signal(
-                       static_cast<uint32_t>(routes.rail_peer(mm)), static_cast<uint64_t>(s),
-                       buffer, byte_offset(final_staging_region(), offset), buffer,
-                       byte_offset(final_inbound_region(mm, routes.node()), offset),
-                       static_cast<uint64_t>(rows) * width * 2, final_signal(s),
-                       dev::signal_value(launch.epoch, 1)));
+        links.push(
+            comm, s + mm,
+            transport::make_put_signal(
+                static_cast<uint32_t>(routes.rail_peer(mm)), static_cast<uint64_t>(s), buffer,
+                links.xfer_byte(final_staging_region(), region_words(), offset), buffer,
+                links.xfer_byte(final_inbound_region(mm, routes.node()), region_words(), offset),
+                static_cast<uint64_t>(rows) * width * 2, final_signal(s),
+                dev::signal_value(launch.epoch, 1)));
       }
     }
   }
@@ -239,8 +231,8 @@ struct GemmArAcrossNodes {
           dev::fence_acq_rel_sys();
         }
         if (dev::named_barrier_or(kSideBarrier, threads, failed)) return;
-        const __nv_bfloat16* src = reinterpret_cast<const __nv_bfloat16*>(
-            xfer_at(final_inbound_region(routes.node(), mm), slice_offset(tile, half)));
+        const __nv_bfloat16* src = reinterpret_cast<const __nv_bfloat16*>(links.xfer_at(
+            final_inbound_region(routes.node(), mm), region_words(), slice_offset(tile, half)));
         const int units_per_row = width / 8;  // 16-byte units (width is a multiple of 8)
         const int col0 = tile.n * kBlockN;
         for (int v = thread; v < rows * units_per_row; v += threads) {

@@ -74,18 +74,9 @@ struct GemmRsAcrossNodes {
     return static_cast<int64_t>(row0) * n + static_cast<int64_t>(h) * tile_n * kBlockN;
   }
   __device__ int slice_width(int tile_n) const { return min(kBlockN, n - tile_n * kBlockN); }
-  // The node's regions (below routes.nodes) in a workspace; the transfer regions (from
-  // routes.nodes on) where NodeLinks keeps them, and their byte offset in its registered buffer.
+  // The node's regions (below routes.nodes) in a workspace (the transfer regions: NodeLinks).
   __device__ float* at(float* ws, int region, int64_t offset) const {
     return ws + region * region_words() + offset;
-  }
-  __device__ float* xfer_at(int region, int64_t offset) const {
-    return reinterpret_cast<float*>(links.xfer) + (region - links.routes.nodes) * region_words() +
-           offset;
-  }
-  __device__ uint64_t byte_offset(int region, int64_t offset) const {
-    return links.xfer_offset +
-           4 * static_cast<uint64_t>((region - links.routes.nodes) * region_words() + offset);
   }
 
   using ConsumerState = NodePeersState;
