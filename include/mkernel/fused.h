@@ -31,6 +31,8 @@ struct FusedGemmConfig {
   // gemm_rs / gemm_ar with two ranks: the peer's partial sums travel as bf16 - rounded once before
   // the fp32 add, as NCCL's reduce-scatter of bf16 partials rounds them - for half the staging,
   // NVLink and accumulator bytes. Off by default: the sums stay fp32 until the final rounding.
+  // Across nodes (any world size): the node sums cross the network as bf16 (rounded once more
+  // per node), and at two ranks per node the node's partials travel as bf16 too.
   // MKERNEL_BF16_PARTIALS=1 / =0 overrides it either way (benchmarks).
   bool bf16_partials = false;
 };
@@ -53,7 +55,7 @@ struct FusedGemmPlan {
   bool pingpong = false;         // the engine's ping-pong schedule (experimental, 128-wide
                                  // tiles; MKERNEL_GEMM_SCHEDULE=pingpong)
   bool bf16_partials = false;    // the peer's partial sums travel as bf16 (requested in the config,
-                                 // two ranks only)
+                                 // two ranks only; across nodes: node sums, FusedGemmConfig)
   std::string describe() const;  // one line
 };
 

@@ -615,7 +615,9 @@ if torch is not None:
         same order. torch.ops.mkernel.gemm_rs works under torch.compile and in CUDA graphs (call
         it once per new largest shape before capturing: that allocates its workspace).
         bf16_partials=True (two ranks): the peer's partial sums travel as bf16 - rounded once
-        before the fp32 add, as a bf16 NCCL reduce-scatter rounds them - for half the bytes.
+        before the fp32 add, as a bf16 NCCL reduce-scatter rounds them - for half the bytes;
+        across nodes (any world size) the node sums cross the network as bf16, and at two
+        ranks per node the node's partials travel as bf16 too.
         """
         return _gemm_rs_op(a, b, b_layout, comm._id, block_n, bf16_partials)
     @torch.library.custom_op("mkernel::gemm_ar", mutates_args=("out",),
@@ -658,7 +660,8 @@ if torch is not None:
         (mutates out) works under torch.compile and in CUDA graphs (call once per new largest
         shape before capturing: that allocates its workspace).
         bf16_partials=True (two ranks): the peer's partial sums travel as bf16 - rounded once
-        before the fp32 add, as a bf16 NCCL all-reduce rounds them - for half the bytes.
+        before the fp32 add, as a bf16 NCCL all-reduce rounds them - for half the bytes; across
+        nodes as in gemm_rs (bf16 node sums at any world size).
         """
         _gemm_ar_op(a, b, out, b_layout, comm._id, block_n, bf16_partials)
         return out

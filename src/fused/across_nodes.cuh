@@ -7,6 +7,8 @@
 // inbound; NodeLinks::xfer_at / xfer_byte), my_ws, ws_local[] and comm.
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "fused/partials.cuh"
@@ -42,6 +44,11 @@ struct NodeLinks {
   uint8_t* xfer;         // region routes.nodes, as this rank addresses it
   int xfer_buffer;       // the registered id of the buffer holding them (puts' source and dest)
   uint64_t xfer_offset;  // byte offset of region routes.nodes in that buffer, on every rank
+  // bf16 on the wire (FusedGemmConfig::bf16_partials): the node sums always, the node's partials
+  // where one sender writes a region (two ranks per node). A bf16 slice [rows][width] sits where
+  // the fp32 slice would start, in the first half of its footprint.
+  bool bf16_sums;
+  bool bf16_local;
 
   // Transfer region `region` (routes.nodes or later; regions of `region_words` fp32 words): the
   // word at `offset` in it as this rank addresses it, and its byte offset in the registered buffer.
@@ -113,9 +120,15 @@ struct NodePeersState {
   }
 };
 
-// kLocalPeer / kViaRelay: the slice's fp32 partial over NVLink into the target's region (added
-// with more than two ranks per node, else stored), its signal owed to the consumer's next
-// epilogue. All 128 threads of the consumer.
+// A slice of `width` columns at `p` for add_and_clear: fp32 [rows][width], or with `bf16` bf16
+// [rows][width] read as pairs (add_and_clear's bf16 mode).
+__device__ __forceinline__ PartialAt slice_at(float* p, int width, bool bf16) {
+  return PartialAt::block(p, bf16 ? width / 2 : width);
+}
+
+// kLocalPeer / kViaRelay: the slice's partial over NVLink into the target's region (fp32 added
+// with more than two ranks per node, else stored - as bf16 with links.bf16_local), its signal
+// owed to the consumer's next epilogue. All 128 threads of the consumer.
 template <class Policy, int kRegs>
 __device__ __forceinline__ void send_to_node_peer(const Policy& p, float (&acc)[kRegs],
                                                   int consumer, uint8_t* scratch,
@@ -127,9 +140,14 @@ __device__ __forceinline__ void send_to_node_peer(const Policy& p, float (&acc)[
   const int region = routes.target_region(owner);
   if (threadIdx.x % 128 == 0) state.ensure_local(p.comm, launch, dest);
   float* block = p.at(p.ws_local[dest], region, offset);
-  send_slice(
-      acc, consumer, scratch, [&](int r, int c) { return block + r * width + c; }, rows, width,
-      /*add=*/routes.per_node > 2);
+  if (p.links.bf16_local) {
+    send_slice_bf16(acc, consumer, scratch, reinterpret_cast<__nv_bfloat16*>(block), width, rows,
+                    width);
+  } else {
+    send_slice(
+        acc, consumer, scratch, [&](int r, int c) { return block + r * width + c; }, rows, width,
+        /*add=*/routes.per_node > 2);
+  }
   if (threadIdx.x % 128 == 0) {
     state.owner_local = dest;
     state.signal =
@@ -138,8 +156,9 @@ __device__ __forceinline__ void send_to_node_peer(const Policy& p, float (&acc)[
 }
 
 // kRelayed: wait for the node's other partials of the slice, add them (clearing them for the next
-// launch when they were added), write the fp32 node sum into the staging region, and put it into
-// the owner's inbound region (put+signal, host pad 1 + slice) once the owner entered.
+// launch when they were added), write the node sum (fp32, or bf16 with links.bf16_sums) into the
+// staging region, and put it into the owner's inbound region (put+signal, host pad 1 + slice)
+// once the owner entered.
 template <class Policy, int kRegs>
 __device__ __forceinline__ void relay_node_sum(const Policy& p, float (&acc)[kRegs], int consumer,
                                                uint8_t* scratch, NodePeersState& state,
@@ -157,14 +176,20 @@ __device__ __forceinline__ void relay_node_sum(const Policy& p, float (&acc)[kRe
   dev::named_barrier_sync(barrier, 128);
   if (routes.per_node > 1) {
     float* sums = p.at(p.my_ws, region, offset);
-    add_and_clear(acc, PartialAt::block(sums, width), rows, width,
-                  routes.per_node > 2 ? sums : nullptr, barrier);
+    add_and_clear(acc, slice_at(sums, width, p.links.bf16_local), rows, width,
+                  routes.per_node > 2 ? sums : nullptr, barrier, p.links.bf16_local);
   }
   const int staging = routes.staging_region(owner);
   float* out_block = p.links.xfer_at(staging, p.region_words(), offset);
-  send_slice(
-      acc, consumer, scratch, [&](int r, int c) { return out_block + r * width + c; }, rows, width,
-      /*add=*/false);  // (ends with a barrier: every thread's stores are done)
+  // (Both end with a barrier: every thread's stores are done.)
+  if (p.links.bf16_sums) {
+    send_slice_bf16(acc, consumer, scratch, reinterpret_cast<__nv_bfloat16*>(out_block), width,
+                    rows, width);
+  } else {
+    send_slice(
+        acc, consumer, scratch, [&](int r, int c) { return out_block + r * width + c; }, rows,
+        width, /*add=*/false);
+  }
   if (t == 0) {
     dev::fence_acq_rel_sys();  // the staging writes, before the proxy reads them
     const auto buffer = static_cast<uint8_t>(p.links.xfer_buffer);
@@ -174,8 +199,8 @@ __device__ __forceinline__ void relay_node_sum(const Policy& p, float (&acc)[kRe
             static_cast<uint32_t>(owner), static_cast<uint64_t>(slice), buffer,
             p.links.xfer_byte(staging, p.region_words(), offset), buffer,
             p.links.xfer_byte(routes.inbound_region_at_owner(owner), p.region_words(), offset),
-            static_cast<uint64_t>(rows) * width * 4, ReduceRoutes::host_signal(slice),
-            dev::signal_value(launch.epoch, 1)));
+            static_cast<uint64_t>(rows) * width * (p.links.bf16_sums ? 2 : 4),
+            ReduceRoutes::host_signal(slice), dev::signal_value(launch.epoch, 1)));
   }
 }
 
@@ -199,15 +224,15 @@ __device__ __forceinline__ void add_node_sums(const Policy& p, float (&acc)[kReg
   dev::named_barrier_sync(barrier, 128);
   if (routes.per_node > 1) {
     float* sums = p.at(p.my_ws, 0, offset);
-    add_and_clear(acc, PartialAt::block(sums, width), rows, width,
-                  routes.per_node > 2 ? sums : nullptr, barrier);
+    add_and_clear(acc, slice_at(sums, width, p.links.bf16_local), rows, width,
+                  routes.per_node > 2 ? sums : nullptr, barrier, p.links.bf16_local);
   }
   for (int m = 0; m < routes.nodes; ++m) {
     if (m == routes.node()) continue;
     add_and_clear(acc,
-                  PartialAt::block(
-                      p.links.xfer_at(routes.inbound_region(m), p.region_words(), offset), width),
-                  rows, width, nullptr, barrier);
+                  slice_at(p.links.xfer_at(routes.inbound_region(m), p.region_words(), offset),
+                           width, p.links.bf16_sums),
+                  rows, width, nullptr, barrier, p.links.bf16_sums);
   }
 }
 

@@ -94,6 +94,8 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
     p.workspace_bytes = static_cast<std::size_t>(4 * p.nodes - 2) *
                         static_cast<std::size_t>(m * max_owned(p.block_n)) * 4;
     p.lag = -1;
+    // bf16 on the wire when asked, as gemm_rs across nodes (NodeLinks::bf16_sums / bf16_local).
+    p.bf16_partials = fused::bf16_partials_requested(config);
     return p;
   }
   // The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong, experimental): 128-wide
@@ -262,6 +264,8 @@ void launch_across_nodes(Communicator& comm, const FusedGemmPlan& p, const void*
   f.slices = 2 * f.tiles_m * max_col_tiles;
   f.links = fused::node_links(comm, ws, static_cast<uint64_t>(m) * f.max_cols * 4,
                               4 * topo.num_nodes - 2);  // reduce_routes.h's and the final ones
+  f.links.bf16_sums = p.bf16_partials;
+  f.links.bf16_local = p.bf16_partials && topo.local_size == 2;
   f.comm = comm.device_comm();  // (after the inter-node path exists: its host pad)
   f.trace = fused::trace_arm(p.ctas, stream);
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);

@@ -87,8 +87,10 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
               " are supported across nodes (use fewer rows or columns per call)");
     }
     p.workspace_bytes *= static_cast<std::size_t>(3 * p.nodes - 2);
-    p.bf16_partials = false;  // node sums and partials stay fp32 across nodes
-    p.lag = -1;               // blocked order along the rail routes, no outbox
+    // bf16 on the wire when asked: the node sums, and the node's partials at two ranks per node
+    // (one sender per region; more are added in fp32) - NodeLinks::bf16_sums / bf16_local.
+    p.bf16_partials = fused::bf16_partials_requested(config);
+    p.lag = -1;  // blocked order along the rail routes, no outbox
     return p;
   }
   // Peers' tiles and own tiles interleaved (reduce_order.h) when every CTA still gets two own
@@ -161,6 +163,8 @@ void launch_across_nodes(Communicator& comm, const FusedGemmPlan& p, const void*
   f.my_ws = static_cast<float*>(workspace);
   f.links = fused::node_links(comm, ws, static_cast<uint64_t>(p.shard_rows) * n * 4,
                               3 * topo.num_nodes - 2);  // reduce_routes.h's regions
+  f.links.bf16_sums = p.bf16_partials;
+  f.links.bf16_local = p.bf16_partials && topo.local_size == 2;
   f.comm = comm.device_comm();  // (after the inter-node path exists: its host pad)
   f.shard_rows = static_cast<int>(p.shard_rows);
   f.n = static_cast<int>(n);

@@ -9,11 +9,12 @@
 //     into the owner's inbound region (host-pad signal), once the owner entered this launch;
 //   kOwn: wait for the node's partials (device pad) and every other node's sum (host pad), add
 //     them all to the own partial in fp32, store bf16.
-// Reductions stay fp32 until the one rounding (node sums travel as fp32). Blocked order (no
-// interleaving), no outbox, no ping-pong, no bf16 partials: the first version, correct before
-// fast. Reuse across launches: local senders wait for the target's device "entered", a relay for
-// the owner's host-pad "entered" before it overwrites its staging (the last launch's put has then
-// been delivered) and sends.
+// Reductions stay fp32 until the one rounding; node sums travel as fp32, or with bf16_partials
+// as bf16 (and the node's partials too at two ranks per node: NodeLinks::bf16_sums / bf16_local),
+// rounded once more per node. Blocked order (no interleaving), no outbox, no ping-pong: the first
+// version, correct before fast. Reuse across launches: local senders wait for the target's device
+// "entered", a relay for the owner's host-pad "entered" before it overwrites its staging (the last
+// launch's put has then been delivered) and sends.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -184,8 +184,8 @@ TEST(FusedPlans, AgGemmAcrossNodesFitsTheHostPad) {
   }
 }
 
-// gemm_rs across nodes: tiles at most 128 wide, blocked order, fp32 partials, 3 x nodes - 2
-// regions of workspace, signals within both pads.
+// gemm_rs across nodes: tiles at most 128 wide, blocked order, fp32 partials unless bf16 is
+// asked for, 3 x nodes - 2 regions of workspace, signals within both pads.
 TEST(FusedPlans, GemmRsAcrossNodes) {
   const PlanContext two_nodes{4, 2, 132, 2};
   const FusedGemmPlan p = plan_gemm_rs(two_nodes, 8192, 8192, 2048, {});
@@ -201,6 +201,12 @@ TEST(FusedPlans, GemmRsAcrossNodes) {
   EXPECT_LE(2 * 2 * tiles, kMaxOpSignals);
   const PlanContext pair_of_nodes{2, 1, 132, 2};  // the two ranks are on different nodes
   EXPECT_FALSE(plan_gemm_rs(pair_of_nodes, 4096, 4096, 2048, {}).bf16_partials);
+  FusedGemmConfig bf16;  // across nodes at any world size: node sums in bf16 (NodeLinks)
+  bf16.bf16_partials = true;
+  EXPECT_TRUE(plan_gemm_rs(pair_of_nodes, 4096, 4096, 2048, bf16).bf16_partials);
+  EXPECT_TRUE(plan_gemm_rs(two_nodes, 8192, 8192, 2048, bf16).bf16_partials);
+  EXPECT_NE(plan_gemm_rs(two_nodes, 8192, 8192, 2048, bf16).describe().find("bf16 partials"),
+            std::string::npos);
   FusedGemmConfig wide;
   wide.block_n = 256;
   EXPECT_THROW(plan_gemm_rs(two_nodes, 8192, 8192, 2048, wide), Error);
@@ -228,6 +234,9 @@ TEST(FusedPlans, GemmArAcrossNodes) {
     const int64_t max_cols = (tiles_n + 3) / 4 * p.block_n;  // 4 ranks share the column tiles
     EXPECT_EQ(p.workspace_bytes, static_cast<std::size_t>(6 * m * max_cols * 4)) << p.describe();
   }
+  FusedGemmConfig bf16;  // across nodes at any world size: node sums in bf16 (NodeLinks)
+  bf16.bf16_partials = true;
+  EXPECT_TRUE(plan_gemm_ar(two_nodes, 128, 8192, 2048, bf16).bf16_partials);
   FusedGemmConfig wide;
   wide.block_n = 192;
   EXPECT_THROW(plan_gemm_ar(two_nodes, 128, 8192, 2048, wide), Error);

@@ -133,6 +133,11 @@ void expect_gemm_ar_across_nodes(Communicator& comm) {
       {333, 2056, 256, BLayout::kKN, 128},
   };
   for (std::size_t i = 0; i < cases.size(); ++i) expect_gemm_ar(comm, cases[i], seed + 100 * i);
+  // bf16 on the wire, as gemm_rs across nodes.
+  FusedGemmConfig bf16;
+  bf16.bf16_partials = true;
+  expect_gemm_ar(comm, cases[1], seed + 1000, bf16);
+  expect_gemm_ar(comm, cases[4], seed + 1001, bf16);
 }
 
 class GemmArNodes : public AcrossNodes {};

@@ -110,6 +110,12 @@ void expect_gemm_rs_across_nodes(Communicator& comm) {
       {517, 2056, 256, BLayout::kKN, 0},
   };
   for (std::size_t i = 0; i < cases.size(); ++i) expect_gemm_rs(comm, cases[i], seed + 100 * i);
+  // bf16 on the wire (node sums; the node's partials at two ranks per node): the sequential
+  // baseline's error is the bar.
+  FusedGemmConfig bf16;
+  bf16.bf16_partials = true;
+  expect_gemm_rs(comm, cases[1], seed + 1000, bf16);
+  expect_gemm_rs(comm, cases[4], seed + 1001, bf16);
 }
 
 // (ctest runs these as gpu_gemm_rs_nodes, with a time limit of their own.) 3x3: three ranks
