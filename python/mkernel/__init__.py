@@ -103,6 +103,7 @@ class _StoreAllgather:
 
 _init_lock = threading.Lock()
 _comm_ids = itertools.count(1)
+_WORLD_BITS = 24  # a communicator's id: serial number << _WORLD_BITS | world size
 _comms: dict = {}  # id -> weakref to Communicator (the fused custom ops name communicators by id)
 
 
@@ -248,9 +249,13 @@ class Communicator:
     def __init__(self, impl, group=None):
         self._impl = impl  # mkernel._C.Communicator
         self.group = group
-        # Fused ops are torch custom ops: they name their communicator by this number.
+        # Fused ops are torch custom ops: they name their communicator by this number. It holds
+        # the world size because the ops' output shapes depend on it and torch.compile bakes the
+        # number into its graphs: Inductor's on-disk cache keys on the graph, so a program run at
+        # another world size must not hit a graph compiled for this one (it did: ag_gemm compiled
+        # at 2 ranks, replayed at 4 from the cache, asserted the wrong output size).
         with _init_lock:
-            self._id = next(_comm_ids)
+            self._id = (next(_comm_ids) << _WORLD_BITS) | impl.world_size
             _comms[self._id] = weakref.ref(self)
         # Fused ops' symmetric workspaces by kind ("gather": scratch; "accumulate": kept zero
         # between calls), each a list whose last tensor is the largest.

@@ -192,6 +192,17 @@ def comm():
     return mkernel.Communicator(_FakeImpl())
 
 
+def test_communicator_ids_differ_by_world_size():
+    # torch.compile bakes the id into its graphs and Inductor's on-disk cache keys on them: two
+    # programs at different world sizes (different output shapes) must not share a cached graph.
+    class _World4(_FakeImpl):
+        world_size = 4
+
+    a, b = mkernel.Communicator(_FakeImpl()), mkernel.Communicator(_World4())
+    assert a._id % (1 << 24) == 2 and b._id % (1 << 24) == 4
+    assert mkernel._communicator(b._id, "test") is b
+
+
 @needs_torch
 def test_alloc_tensor_views_the_buffer_with_shape_and_dtype(comm):
     t = comm.alloc_tensor((3, 5), torch.bfloat16)

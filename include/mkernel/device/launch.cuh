@@ -51,10 +51,12 @@ struct Launch {
                    signal_value(epoch, step));
   }
 
-  // Wait until rank `src` raised `signal` to at least (epoch, step). False on time-out / abort.
+  // Wait until rank `src` raised `signal` to at least (epoch, step). False on time-out / abort,
+  // and across nodes once this rank's inter-node path failed: a local signal may stand for data
+  // that crossed the network (a relay's copy), and the operation cannot finish anyway.
   __device__ bool wait(int src, uint32_t signal, uint32_t step) const {
     return wait_for(comm.signals + static_cast<uint64_t>(signal) * comm.world_size + src, src,
-                    signal, step, nullptr);
+                    signal, step, comm.host_abort);
   }
 
   // Wait until rank `src` on another node raised host-pad signal `signal` to at least (epoch,
