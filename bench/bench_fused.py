@@ -170,6 +170,9 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
             # nothing to zero between them)
             variants["sweep: bf16 partials"] = (
                 lambda: mkernel.gemm_rs(a, b, comm, bf16_partials=True))
+            # The peer's partials loaded by the epilogue itself instead of through the ring
+            variants["sweep: tma_partials0"] = with_switch(variants["mkernel"],
+                                                           "MKERNEL_TMA_PARTIALS")
     return ok, err, mag, variants
 
 

@@ -45,12 +45,14 @@ inline int sm_budget(const PlanContext& ctx, int requested, const char* op) {
 // Switches for measuring what a mechanism buys: on unless the variable is "0".
 //   MKERNEL_OUTBOX      partials leave through the producer's side threads (partials.cuh)
 //   MKERNEL_INTERLEAVE  reducing kernels interleave peers' and own tiles (reduce_order.h)
+//   MKERNEL_TMA_PARTIALS  gemm_rs's producer loads the peer's partials for the epilogue
 inline bool switch_on(const char* variable) {
   const char* v = std::getenv(variable);
   return v == nullptr || std::string(v) != "0";
 }
 inline bool outbox_enabled() { return switch_on("MKERNEL_OUTBOX"); }
 inline bool interleave_enabled() { return switch_on("MKERNEL_INTERLEAVE"); }
+inline bool tma_partials_enabled() { return switch_on("MKERNEL_TMA_PARTIALS"); }
 // FusedGemmConfig::bf16_partials, unless MKERNEL_BF16_PARTIALS says "1" (on) or "0" (off).
 inline bool bf16_partials_requested(const FusedGemmConfig& config) {
   const char* v = std::getenv("MKERNEL_BF16_PARTIALS");

@@ -98,6 +98,12 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
   // warpgroup posts both halves of a tile and wants two slots): lag = two (four) waves of remote
   // tiles, on a grid coprime to the world size (every CTA then sends its share).
   p.bf16_partials = world == 2 && fused::bf16_partials_requested(config);
+  // Two ranks, fp32 partials, the cooperative schedule: the peer's partials of whole own tiles
+  // reach the epilogue through the stage ring (gemm_rs.cuh). Their slices must start at a
+  // multiple of the tile width (64 N % block_n == 0: always but at 192 wide), and a whole tile
+  // must exist (S >= 128, N >= block_n) for the tensor map to have its 64-row boxes.
+  p.tma_partials = world == 2 && !p.bf16_partials && !p.pingpong && fused::tma_partials_enabled() &&
+                   (64 * n) % p.block_n == 0 && p.shard_rows >= 128 && n >= p.block_n;
   p.lag = -1;
   const int waves = p.pingpong ? 4 : 2;
   if (world > 1 && fused::outbox_enabled() && fused::interleave_enabled() &&
@@ -127,6 +133,10 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.my_accum = static_cast<float*>(workspace);
   f.single_peer = topo.world_size == 2;
   f.bf16_partials = p.bf16_partials && f.single_peer;
+  f.tma_partials = p.tma_partials;
+  if (p.tma_partials) {
+    f.partials = gemm_engine::make_map_fp32(workspace, p.shard_rows * n / kBlockN, kBlockN, 64);
+  }
   f.out_local = static_cast<__nv_bfloat16*>(out);
   f.outbox = fused::outbox_enabled();
   f.shard_rows = static_cast<int>(p.shard_rows);

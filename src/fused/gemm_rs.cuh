@@ -11,7 +11,11 @@
 //   - a tile of its own rows comes last: every peer handled it earlier (in its own order), so the
 //     consumer waits for the peers' signals of its slice (already there in the steady state), adds
 //     the accumulated fp32 partials to its registers, zeroes them for the next launch, and stores
-//     bf16 to the output. Reductions stay fp32 until that one rounding.
+//     bf16 to the output. Reductions stay fp32 until that one rounding. With two ranks and fp32
+//     partials (tma_partials) the producer thread does the waiting instead: after a whole own
+//     tile's k-blocks it waits for the peer's signals and TMA-loads the partial sums into the
+//     next stages of the ring, where the epilogue adds them from shared memory
+//     (add_from_ring).
 // With two ranks and bf16_partials (FusedGemmConfig, opt-in) the one peer partial travels as bf16
 // instead - rounded once, as the sequential baseline's NCCL reduce-scatter rounds it - which
 // halves the staging writes, the NVLink bytes and the owner's reads; the owner adds it to its own
@@ -41,6 +45,7 @@ struct GemmRsFusion {
   static constexpr int kConsumerRegs = 224;  // 56 + 2 x 224 <= 3 x 168 (gemm_kernel.cuh)
   CUtensorMap a;                             // A_r as [world][S][K_r], boxes 128 x 64 x 1
   CUtensorMap out;                           // this rank's output [S][N] bf16, boxes 64 x 64
+  CUtensorMap partials;  // tma_partials: my_accum as [S * N / kBlockN][kBlockN] fp32, boxes 64 x 32
   float* accum_peers[kMaxLocalRanks];  // each local rank's accumulator [S][N] fp32, mapped here
   DeviceComm comm;
   float* my_accum;           // this rank's accumulator (local address)
@@ -49,6 +54,7 @@ struct GemmRsFusion {
   bool single_peer;    // two ranks: the one peer stores its partial (a sum onto zero) instead of
                        // adding it - plain NVLink writes, no remote read-modify-write
   bool bf16_partials;  // (single_peer only) partials travel and wait as bf16
+  bool tma_partials;   // (single_peer, fp32) whole own tiles' partials come through the ring
   int shard_rows;      // S
   int n;
   gemm_engine::GroupedRaster raster;  // tiles of one shard
@@ -67,6 +73,39 @@ struct GemmRsFusion {
   }
 
   __device__ void wait_operands(const gemm_engine::Tile&) const {}
+
+  // ---- The peer's partials of a whole own tile through the stage ring (tma_partials) ----
+  // A slice [64][kBlockN] starts at a multiple of kBlockN floats (the plan checks 64 N %
+  // kBlockN == 0), so it is 64 rows of the `partials` map; a stage holds kPerStage of each
+  // slice's 32-column boxes (add_from_ring has the layout).
+  static constexpr int kPerStage =
+      gemm_engine::TileConfig<kBlockN>::kStageBytes / kPartialBoxBytes / 2;
+  static constexpr int kPartialStages = (kBlockN / 32 + kPerStage - 1) / kPerStage;
+
+  __device__ int epilogue_loads(const gemm_engine::Tile& tile) const {
+    const bool whole = tile.m * 128 + 128 <= shard_rows && (tile.n + 1) * kBlockN <= n;
+    return tma_partials && tile.shard == comm.rank && whole ? kPartialStages : 0;
+  }
+
+  // The producer thread: stage i of the tile's partials (first: wait for the peer's signals).
+  __device__ void load_epilogue(void* dst, uint64_t* bar, const gemm_engine::Tile& tile,
+                                int i) const {
+    if (i == 0) {
+      const dev::Launch launch = dev::Launch::begin(comm);
+      wait_for_partials(comm, launch, slot(tile, 0));  // after a time-out: loads anyway, the
+      wait_for_partials(comm, launch, slot(tile, 1));  // launch fails and says so
+      dev::fence_proxy_async_global();  // the peer's stores, acquired, before TMA reads them
+    }
+    const int boxes = min(kPerStage, kBlockN / 32 - i * kPerStage);
+    dev::mbarrier_arrive_expect_tx(bar, 2 * boxes * kPartialBoxBytes);
+    for (int h = 0; h < 2; ++h) {
+      const int row = static_cast<int>(slice_offset(tile.m, tile.n, h) / kBlockN);
+      for (int q = 0; q < boxes; ++q) {
+        dev::tma_load_2d(static_cast<uint8_t*>(dst) + (h * kPerStage + q) * kPartialBoxBytes,
+                         &partials, bar, 32 * (i * kPerStage + q), row);
+      }
+    }
+  }
 
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
     dev::tma_load_3d(dst, &a, bar, k0, tile.m * 128, tile.shard);
@@ -168,13 +207,15 @@ struct GemmRsFusion {
 
   template <int kRegs>
   __device__ void store(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
-                        uint8_t* scratch, ConsumerState& pending) const {
-    reducing_store(*this, acc, tile, consumer, scratch, pending);
+                        uint8_t* scratch, ConsumerState& pending,
+                        const gemm_engine::EpilogueRing& ring = {}) const {
+    reducing_store(*this, acc, tile, consumer, scratch, pending, ring);
   }
 
   template <int kRegs>
   __device__ void store_tile(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
-                             uint8_t* scratch, ConsumerState& pending) const {
+                             uint8_t* scratch, ConsumerState& pending,
+                             const gemm_engine::EpilogueRing& ring) const {
     const dev::Launch launch = dev::Launch::begin(comm);
     const int t = threadIdx.x % 128;
     if (t == 0) flush(pending, launch);
@@ -229,18 +270,23 @@ struct GemmRsFusion {
     // that the other one's wait for the drain (before a staging footprint) does not hang on it.
     if (tile.position > order.last_remote()) outbox_close(pending.outbox);
     // Own rows: the peers' partial sums of this slice, then one rounding to bf16.
-    if (t == 0 && row0 < shard_rows) {
-      wait_for_partials(comm, launch, slot(tile, half));
-      trace_mark(trace, kTraceConsumer0 + consumer, kTraceWaited);
-    }
-    dev::named_barrier_sync(1 + consumer, 128);
-    if (row0 < shard_rows) {
-      int rows = 0, width = 0;
-      const PartialAt sums = own_slice(tile, half, rows, width);
-      // (width counts words: with bf16 partials two columns each)
-      add_and_clear(acc, sums, rows, bf16_partials ? 2 * width : width,
-                    single_peer ? nullptr : sums.second, 1 + consumer, bf16_partials);
+    if (ring.count > 0) {  // in the ring: the producer waited for them and loaded them
+      add_from_ring<kPerStage>(acc, ring, half, consumer);
       if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
+    } else {
+      if (t == 0 && row0 < shard_rows) {
+        wait_for_partials(comm, launch, slot(tile, half));
+        trace_mark(trace, kTraceConsumer0 + consumer, kTraceWaited);
+      }
+      dev::named_barrier_sync(1 + consumer, 128);
+      if (row0 < shard_rows) {
+        int rows = 0, width = 0;
+        const PartialAt sums = own_slice(tile, half, rows, width);
+        // (width counts words: with bf16 partials two columns each)
+        add_and_clear(acc, sums, rows, bf16_partials ? 2 * width : width,
+                      single_peer ? nullptr : sums.second, 1 + consumer, bf16_partials);
+        if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
+      }
     }
     for (int k = 0; k < staging_footprints(slots); ++k) {  // a staging footprint: wait till free
       gemm_engine::Tile staging_tile;

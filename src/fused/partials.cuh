@@ -86,6 +86,58 @@ __device__ __forceinline__ void add_and_clear(float (&acc)[kRegs], const At& at,
   }
 }
 
+__device__ __forceinline__ float2 ld_shared_f32x2(const void* p) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(dev::smem_addr(p)));
+  return v;
+}
+
+// The peer's partial sums of a whole own tile, brought by the producer's TMA loads through the
+// stage ring behind the tile's k-blocks (gemm_rs with two ranks, GemmRsFusion::load_epilogue):
+// the epilogue reads them from shared memory instead of waiting on global loads - adding a 64 KiB
+// slice from global memory took ~10 us inside the GEMM (journal, session 4), held up by the
+// SM's own TMA traffic. Stage i holds, for slice (half) h of the tile, its 32-column boxes
+// [i * kPerStage, i * kPerStage + kPerStage) - 64 x 32 fp32 each, 128-byte swizzled - at
+// (h * kPerStage + q) * kPartialBoxBytes.
+constexpr int kPartialBoxBytes = 64 * 32 * 4;
+
+// acc += this consumer's slice (`half`) of the partials in the ring; releases every stage. All
+// 128 threads of the consumer call. Conflict-free: a warp's eight rows hit eight different
+// 16-byte units of the swizzle (two wavefronts per 256 bytes).
+template <int kPerStage, int kRegs>
+__device__ __forceinline__ void add_from_ring(float (&acc)[kRegs],
+                                              const gemm_engine::EpilogueRing& ring, int half,
+                                              int consumer) {
+  constexpr int kBoxes = kRegs / 16;  // 32 columns = 4 column blocks of 4 registers
+  constexpr int kStages = (kBoxes + kPerStage - 1) / kPerStage;
+  const int t = threadIdx.x % 128;
+  const int r = (t / 32) * 16 + (t % 32) / 4;  // rows r and r + 8
+  const int quad = t % 4;                      // columns 2 quad, 2 quad + 1 of each 8-column block
+#pragma unroll
+  for (int i = 0; i < kStages; ++i) {
+    const uint8_t* stage = ring.wait(i);
+#pragma unroll
+    for (int q = 0; q < kPerStage; ++q) {
+      const int box = i * kPerStage + q;
+      if (box >= kBoxes) break;
+      const uint8_t* buf = stage + (half * kPerStage + q) * kPartialBoxBytes;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const int unit = 2 * b + quad / 2;  // 16-byte unit of the 128-byte row
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = r + 8 * h;
+          const float2 v =
+              ld_shared_f32x2(buf + row * 128 + ((unit ^ (row % 8)) * 16) + (quad % 2) * 8);
+          acc[4 * (4 * box + b) + 2 * h] += v.x;
+          acc[4 * (4 * box + b) + 2 * h + 1] += v.y;
+        }
+      }
+    }
+    ring.release(i, consumer);
+  }
+}
+
 // Sends the slice (rows < `rows`, columns < `width`) to an owner's accumulator, usually over
 // NVLink; `at(row, col)` is the 16-byte aligned address of the four fp32 words (row, col..col + 3)
 // there (col a multiple of 4). 32-column chunks are transposed through a 128-byte-swizzled
@@ -206,10 +258,11 @@ __device__ __forceinline__ void prefetch_slice_l2(const PartialAt& at, int rows,
 // started on their way into L2 first. The policy provides num_tiles(), tile(t), comm, trace,
 // own_slice(tile, consumer, rows, width) (where this rank's accumulator keeps the slice; rows 0:
 // below the matrix) and store_tile(); the engine says which tile comes next (tile.next).
-template <class Policy, int kRegs, class State>
+template <class Policy, int kRegs, class State, class... Ring>
 __device__ __forceinline__ void reducing_store(const Policy& policy, float (&acc)[kRegs],
                                                const gemm_engine::Tile& tile, int consumer,
-                                               uint8_t* scratch, State& state) {
+                                               uint8_t* scratch, State& state,
+                                               const Ring&... ring) {
   const bool leader = threadIdx.x % 128 == 0;
   if (leader) {
     trace_mark(policy.trace, kTraceConsumer0 + consumer, kTraceStoreBegin,
@@ -225,7 +278,7 @@ __device__ __forceinline__ void reducing_store(const Policy& policy, float (&acc
       if (rows > 0) prefetch_slice_l2(at, rows, width);
     }
   }
-  policy.store_tile(acc, tile, consumer, scratch, state);
+  policy.store_tile(acc, tile, consumer, scratch, state, ring...);
   if (leader) trace_mark(policy.trace, kTraceConsumer0 + consumer, kTraceStoreEnd);
 }
 

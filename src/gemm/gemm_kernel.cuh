@@ -20,6 +20,10 @@
 //   side_task(thread, threads)    producer warps 1..3 (96 threads): communication, or nothing
 //   finish()                      every thread, last (fused: end of the launch's bookkeeping)
 //   init_shared()                 optional: thread 0, before the first __syncthreads (mbarriers)
+//   epilogue_loads(tile)          optional (cooperative schedule): stages of the ring the tile's
+//   load_epilogue(dst, bar, tile, i)  epilogue reads after its k-blocks - the producer fills stage
+//                                 i (arms `bar` and issues its TMA loads, e.g. a peer's partial
+//                                 sums), and store() gets them as an EpilogueRing (below)
 //
 //   smem:     [ stage 0 | ... | stage S-1 | epilogue buffers | full[S] | empty[S] | turn[2] ]
 //   stage s:  [ A tile (128 x 64) | B tile (kBlockN x 64) ]   both 128-byte swizzled
@@ -110,6 +114,32 @@ struct Tile {
   int half = -1;  // ping-pong epilogue: the 64-row half being stored (-1: the consumer's own)
   int next = -1;  // epilogue: the position (work item t) of this consumer's next tile, or -1
   int position = -1;  // epilogue: this tile's position (work item t)
+};
+
+// The stages of the ring that follow a tile's k-blocks for its epilogue (Fusion::epilogue_loads):
+// `count` of them from ring position `first`. Both consumers wait for each stage, read what they
+// need and release it (the stage's empty barrier counts both). count 0: none (the ping-pong
+// schedule never has any).
+struct EpilogueRing {
+  uint8_t* stages = nullptr;
+  uint64_t* full = nullptr;
+  uint64_t* empty = nullptr;
+  int stage_bytes = 0;
+  int num_stages = 0;
+  int first = 0;
+  int count = 0;
+
+  // All threads of a consumer: waits for stage i's loads and returns its shared memory.
+  __device__ const uint8_t* wait(int i) const {
+    const int it = first + i, s = it % num_stages;
+    dev::mbarrier_wait(&full[s], (it / num_stages) & 1);
+    return stages + s * stage_bytes;
+  }
+  // All threads of a consumer, done reading stage i: the producer may refill it.
+  __device__ void release(int i, int consumer) const {
+    dev::named_barrier_sync(1 + consumer, 128);
+    if (threadIdx.x % 128 == 0) dev::mbarrier_arrive(&empty[(first + i) % num_stages]);
+  }
 };
 
 // First row (within the tile) of the 64-row slice a store() call gets.
@@ -321,6 +351,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             dev::tma_load_2d(stage_b(s), &tma_b, &full[s], kb * Cfg::kBlockK, tn * Cfg::kBlockN);
           }
         }
+        if constexpr (!kPingPong && requires { fusion.epilogue_loads(tile); }) {
+          const int extra = fusion.epilogue_loads(tile);
+          for (int i = 0; i < extra; ++i, ++it) {
+            const int s = it % Cfg::kStages;
+            dev::mbarrier_wait(&empty[s], ((it / Cfg::kStages) & 1) ^ 1);
+            fusion.load_epilogue(stage_a(s), &full[s], tile, i);
+          }
+        }
       }
     } else if (threadIdx.x >= 32) {
       fusion.side_task(threadIdx.x - 32, 96);
@@ -416,8 +454,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       dev::wgmma_wait<0>();
       dev::wgmma_fence_operands(acc);
       if (leader && k_iters > 0) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
-      fusion.store(acc, tile, consumer,
-                   epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers), state);
+      uint8_t* scratch = epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers);
+      if constexpr (requires { fusion.epilogue_loads(tile); }) {
+        const EpilogueRing ring{smem,         full, empty, Cfg::kStageBytes, Cfg::kStages,
+                                it,           fusion.epilogue_loads(tile)};
+        fusion.store(acc, tile, consumer, scratch, state, ring);
+        it += ring.count;
+      } else {
+        fusion.store(acc, tile, consumer, scratch, state);
+      }
     }
     fusion.consumer_done(state);
     if (leader) dev::bulk_wait_group<0>();  // the last stores have landed

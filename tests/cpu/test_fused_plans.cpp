@@ -288,7 +288,29 @@ TEST(FusedPlans, SwitchesTurnMechanismsOff) {
   EXPECT_TRUE(rs_pp.pingpong) << rs_pp.describe();
   EXPECT_EQ(rs_pp.block_n, 128) << rs_pp.describe();
   EXPECT_EQ(rs_pp.lag, 4 * rs_pp.ctas) << rs_pp.describe();  // four own tiles per CTA at the end
+  EXPECT_FALSE(rs_pp.tma_partials) << rs_pp.describe();      // cooperative schedule only
   unsetenv("MKERNEL_GEMM_SCHEDULE");
+}
+
+// gemm_rs's partials through the stage ring: two ranks, fp32, the cooperative schedule, slices at
+// multiples of the tile width, and at least one whole tile.
+TEST(FusedPlans, GemmRsTmaPartials) {
+  const PlanContext ctx = h200(2);
+  const FusedGemmPlan p = plan_gemm_rs(ctx, 8192, 8192, 4096, {});
+  EXPECT_TRUE(p.tma_partials) << p.describe();
+  EXPECT_NE(p.describe().find("TMA partials"), std::string::npos) << p.describe();
+  EXPECT_FALSE(plan_gemm_rs(h200(4), 8192, 8192, 2048, {}).tma_partials);  // peers add (red)
+  FusedGemmConfig bf16;
+  bf16.bf16_partials = true;
+  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, bf16).tma_partials);
+  FusedGemmConfig w192;
+  w192.block_n = 192;
+  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8200, 4096, w192).tma_partials);  // 64 x 8200 % 192 != 0
+  EXPECT_TRUE(plan_gemm_rs(ctx, 8192, 8208, 4096, w192).tma_partials);
+  EXPECT_FALSE(plan_gemm_rs(ctx, 2 * 100, 8192, 4096, {}).tma_partials);  // shards < 128 rows
+  setenv("MKERNEL_TMA_PARTIALS", "0", 1);
+  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).tma_partials);
+  unsetenv("MKERNEL_TMA_PARTIALS");
 }
 
 TEST(FusedPlans, RejectWhatTheyCannotDo) {
