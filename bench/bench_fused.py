@@ -247,6 +247,8 @@ def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
                                                       "MKERNEL_GEMM_SCHEDULE", "pingpong")
             variants["sweep: bf16 partials"] = (
                 lambda: mkernel.gemm_ar(a, b, comm, out, bf16_partials=True))
+            variants["sweep: tma_partials0"] = with_switch(variants["mkernel"],
+                                                           "MKERNEL_TMA_PARTIALS")
     return ok, err, mag, variants
 
 

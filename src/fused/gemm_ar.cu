@@ -191,6 +191,12 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
   // Two ranks, when asked: the one peer partial of a slice travels as bf16, into its footprint in
   // the owner's C (gemm_ar.cuh); the workspace's accumulator part then goes unused.
   p.bf16_partials = world == 2 && fused::bf16_partials_requested(config);
+  // Two ranks, fp32 partials, the cooperative schedule: the peer's partials of whole own tiles
+  // reach the epilogue through the stage ring (gemm_ar.cuh). Their workspace halves must start at
+  // multiples of half the tile width (64 N % block_n == 0: always but at 192 wide), and a whole
+  // tile must exist (M >= 128, N >= block_n) for the tensor maps to have their 64-row boxes.
+  p.tma_partials = world == 2 && !p.bf16_partials && !p.pingpong && fused::tma_partials_enabled() &&
+                   (64 * n) % p.block_n == 0 && m >= 128 && n >= p.block_n;
   return p;
 }
 
@@ -215,6 +221,14 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.tiles_n = static_cast<int>((n + kBlockN - 1) / kBlockN);
   f.single_peer = topo.world_size == 2;
   f.bf16_partials = p.bf16_partials && f.single_peer;
+  f.tma_partials = p.tma_partials;
+  if (p.tma_partials) {
+    f.partials_c = gemm_engine::make_map_fp32(out, m, n / 2, 64);
+    const std::size_t accum_floats = (p.workspace_bytes - p.staging_bytes) / 4;
+    f.partials_ws = gemm_engine::make_map_fp32(f.accum_peers[topo.local_rank],
+                                               static_cast<int64_t>(accum_floats / (kBlockN / 2)),
+                                               kBlockN / 2, 64);
+  }
   f.slot_floats = std::min<int64_t>(64, m) * kBlockN;
   f.outbox_slots = p.outbox_slots;
   f.trace = fused::trace_arm(p.ctas, stream);

@@ -22,6 +22,9 @@
 // the remote slices are staged locally and sent by the producer warpgroup's side threads, and an
 // owned slice, once stored into C here by TMA, is copied from there to the peers' C by the side
 // threads too - the consumers never wait for NVLink. Without it the epilogue does both itself.
+// With two ranks and fp32 partials (tma_partials) the producer thread waits for the peer's
+// signals of a whole own tile and TMA-loads its partials (both parts: C and workspace) into the
+// stage ring behind the tile's k-blocks; the epilogue adds them from shared memory.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -44,6 +47,8 @@ struct GemmArFusion {
   static constexpr int kConsumerRegs = 224;  // 56 + 2 x 224 <= 3 x 168 (gemm_kernel.cuh)
   CUtensorMap a;                             // A_r [M, K_r], boxes 128 x 64
   CUtensorMap out;                           // this rank's C [M, N] bf16, boxes 64 x 64
+  CUtensorMap partials_c;   // tma_partials: C as fp32 [M][N / 2], boxes 64 x 32
+  CUtensorMap partials_ws;  // tma_partials: the accumulator as fp32 [..][kBlockN / 2], 64 x 32
   __nv_bfloat16* out_peers[kMaxLocalRanks];  // each local rank's C, mapped here
   float* accum_peers[kMaxLocalRanks];        // each local rank's accumulator, mapped here
   DeviceComm comm;
@@ -53,6 +58,7 @@ struct GemmArFusion {
   int tiles_n;
   bool single_peer;    // two ranks: partials are stored (one per slice), not added
   bool bf16_partials;  // (single_peer only) partials travel as bf16, into the owner's C
+  bool tma_partials;   // (single_peer, fp32) whole own tiles' partials come through the ring
   float* staging;      // this rank's outbox slots, [CTA][consumer][slot][slot_floats]; or null
   int64_t slot_floats;
   int outbox_slots;   // per consumer, when staging is set
@@ -95,6 +101,39 @@ struct GemmArFusion {
 
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
     dev::tma_load_2d(dst, &a, bar, k0, tile.m * 128);
+  }
+
+  // ---- The peer's partials of a whole own tile through the stage ring (tma_partials) ----
+  // A two-rank slice's first kBlockN / 2 columns lie in C (boxes of the `partials_c` view), the
+  // rest in a half-width slice of the workspace that starts at a multiple of kBlockN / 2 floats
+  // (the plan checks 64 N % kBlockN == 0): 64 rows of the `partials_ws` view.
+  using Ring = RingPartials<kBlockN>;
+
+  __device__ int epilogue_loads(const gemm_engine::Tile& tile) const {
+    const bool whole = tile.m * 128 + 128 <= m && (tile.n + 1) * kBlockN <= n;
+    return tma_partials && tile.shard == comm.rank && whole ? Ring::kStages : 0;
+  }
+
+  // The producer thread: stage i of the tile's partials (first: wait for the peer's signals).
+  __device__ void load_epilogue(void* dst, uint64_t* bar, const gemm_engine::Tile& tile,
+                                int i) const {
+    if (i == 0) {
+      const dev::Launch launch = dev::Launch::begin(comm);
+      wait_for_partials(comm, launch, slot(tile, 0));  // after a time-out: loads anyway, the
+      wait_for_partials(comm, launch, slot(tile, 1));  // launch fails and says so
+      dev::fence_proxy_async_global();  // the peer's stores, acquired, before TMA reads them
+    }
+    Ring::load(dst, bar, i, [&](void* box_dst, int half, int box) {
+      const int row0 = tile.m * 128 + half * 64;
+      constexpr int kInC = kBlockN / 64;  // boxes of the slice's first half (in C)
+      if (box < kInC) {
+        dev::tma_load_2d(box_dst, &partials_c, bar, tile.n * (kBlockN / 2) + 32 * box, row0);
+      } else {
+        const PartialAt at = slice_at(tile, half);
+        const int row = static_cast<int>((at.second - accum_peers[comm.local_rank]) / (kBlockN / 2));
+        dev::tma_load_2d(box_dst, &partials_ws, bar, 32 * (box - kInC), row);
+      }
+    });
   }
 
   // The accumulator of owner o, slice by slice. Three or more ranks: fp32 in o's workspace, bands
@@ -172,13 +211,15 @@ struct GemmArFusion {
 
   template <int kRegs>
   __device__ void store(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
-                        uint8_t* scratch, ConsumerState& state) const {
-    reducing_store(*this, acc, tile, consumer, scratch, state);
+                        uint8_t* scratch, ConsumerState& state,
+                        const gemm_engine::EpilogueRing& ring = {}) const {
+    reducing_store(*this, acc, tile, consumer, scratch, state, ring);
   }
 
   template <int kRegs>
   __device__ void store_tile(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
-                             uint8_t* scratch, ConsumerState& state) const {
+                             uint8_t* scratch, ConsumerState& state,
+                             const gemm_engine::EpilogueRing& ring) const {
     const dev::Launch launch = dev::Launch::begin(comm);
     const int t = threadIdx.x % 128;
     if (t == 0) flush(state, launch);
@@ -218,18 +259,24 @@ struct GemmArFusion {
     }
     // Own slice: the peers' sums, one rounding, then C here and in every peer.
     if (t == 0) {
-      wait_for_partials(comm, launch, slot(tile, half));
-      trace_mark(trace, kTraceConsumer0 + consumer, kTraceWaited);
+      if (ring.count == 0) {  // (in the ring: the producer waited)
+        wait_for_partials(comm, launch, slot(tile, half));
+        trace_mark(trace, kTraceConsumer0 + consumer, kTraceWaited);
+      }
       for (int p = 0; p < comm.local_size && staging == nullptr; ++p) {  // (else: side threads)
         if (p != comm.local_rank) ensure_entered(state, p, launch);
       }
     }
-    dev::named_barrier_sync(1 + consumer, 128);
-    // Every thread has read its words of the slice (in C too) before store_slice's first barrier;
-    // the result overwrites them only after it.
-    const PartialAt sums = slice_at(tile, half);  // three or more ranks: one block, cleared
-    add_and_clear(acc, sums, rows, width, single_peer ? nullptr : sums.second, 1 + consumer,
-                  bf16_partials);
+    if (ring.count > 0) {  // the words in C were read by the TMA loads: the result may overwrite
+      add_from_ring<Ring::kPerStage>(acc, ring, half, consumer);  // them (ends with a barrier)
+    } else {
+      dev::named_barrier_sync(1 + consumer, 128);
+      // Every thread has read its words of the slice (in C too) before store_slice's first
+      // barrier; the result overwrites them only after it.
+      const PartialAt sums = slice_at(tile, half);  // three or more ranks: one block, cleared
+      add_and_clear(acc, sums, rows, width, single_peer ? nullptr : sums.second, 1 + consumer,
+                    bf16_partials);
+    }
     if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
     if (staging != nullptr) {  // C here by TMA; the side threads copy it to the peers' C
       gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {

@@ -76,15 +76,12 @@ struct GemmRsFusion {
 
   // ---- The peer's partials of a whole own tile through the stage ring (tma_partials) ----
   // A slice [64][kBlockN] starts at a multiple of kBlockN floats (the plan checks 64 N %
-  // kBlockN == 0), so it is 64 rows of the `partials` map; a stage holds kPerStage of each
-  // slice's 32-column boxes (add_from_ring has the layout).
-  static constexpr int kPerStage =
-      gemm_engine::TileConfig<kBlockN>::kStageBytes / kPartialBoxBytes / 2;
-  static constexpr int kPartialStages = (kBlockN / 32 + kPerStage - 1) / kPerStage;
+  // kBlockN == 0), so it is 64 rows of the `partials` map (add_from_ring has the stages' layout).
+  using Ring = RingPartials<kBlockN>;
 
   __device__ int epilogue_loads(const gemm_engine::Tile& tile) const {
     const bool whole = tile.m * 128 + 128 <= shard_rows && (tile.n + 1) * kBlockN <= n;
-    return tma_partials && tile.shard == comm.rank && whole ? kPartialStages : 0;
+    return tma_partials && tile.shard == comm.rank && whole ? Ring::kStages : 0;
   }
 
   // The producer thread: stage i of the tile's partials (first: wait for the peer's signals).
@@ -96,15 +93,10 @@ struct GemmRsFusion {
       wait_for_partials(comm, launch, slot(tile, 1));  // launch fails and says so
       dev::fence_proxy_async_global();  // the peer's stores, acquired, before TMA reads them
     }
-    const int boxes = min(kPerStage, kBlockN / 32 - i * kPerStage);
-    dev::mbarrier_arrive_expect_tx(bar, 2 * boxes * kPartialBoxBytes);
-    for (int h = 0; h < 2; ++h) {
-      const int row = static_cast<int>(slice_offset(tile.m, tile.n, h) / kBlockN);
-      for (int q = 0; q < boxes; ++q) {
-        dev::tma_load_2d(static_cast<uint8_t*>(dst) + (h * kPerStage + q) * kPartialBoxBytes,
-                         &partials, bar, 32 * (i * kPerStage + q), row);
-      }
-    }
+    Ring::load(dst, bar, i, [&](void* box_dst, int half, int box) {
+      const int row = static_cast<int>(slice_offset(tile.m, tile.n, half) / kBlockN);
+      dev::tma_load_2d(box_dst, &partials, bar, 32 * box, row);
+    });
   }
 
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
@@ -271,7 +263,7 @@ struct GemmRsFusion {
     if (tile.position > order.last_remote()) outbox_close(pending.outbox);
     // Own rows: the peers' partial sums of this slice, then one rounding to bf16.
     if (ring.count > 0) {  // in the ring: the producer waited for them and loaded them
-      add_from_ring<kPerStage>(acc, ring, half, consumer);
+      add_from_ring<Ring::kPerStage>(acc, ring, half, consumer);
       if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
     } else {
       if (t == 0 && row0 < shard_rows) {

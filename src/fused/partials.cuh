@@ -101,6 +101,29 @@ __device__ __forceinline__ float2 ld_shared_f32x2(const void* p) {
 // (h * kPerStage + q) * kPartialBoxBytes.
 constexpr int kPartialBoxBytes = 64 * 32 * 4;
 
+// How a whole 128 x kBlockN tile's partials fill the ring: kPerStage boxes of each slice per
+// stage (a 48 KiB stage at 256 wide holds 3 + 3), kStages stages.
+template <int kBlockN>
+struct RingPartials {
+  static constexpr int kPerStage =
+      gemm_engine::TileConfig<kBlockN>::kStageBytes / kPartialBoxBytes / 2;
+  static constexpr int kStages = (kBlockN / 32 + kPerStage - 1) / kPerStage;
+
+  // The producer thread: arms `bar` with stage i's bytes and issues its loads;
+  // load_box(dst, half, box) loads the slice's 32-column box `box` (a TMA load on `bar`).
+  template <class LoadBox>
+  __device__ static void load(void* dst, uint64_t* bar, int i, const LoadBox& load_box) {
+    const int boxes = min(kPerStage, kBlockN / 32 - i * kPerStage);
+    dev::mbarrier_arrive_expect_tx(bar, 2 * boxes * kPartialBoxBytes);
+    for (int h = 0; h < 2; ++h) {
+      for (int q = 0; q < boxes; ++q) {
+        load_box(static_cast<uint8_t*>(dst) + (h * kPerStage + q) * kPartialBoxBytes, h,
+                 i * kPerStage + q);
+      }
+    }
+  }
+};
+
 // acc += this consumer's slice (`half`) of the partials in the ring; releases every stage. All
 // 128 threads of the consumer call. Conflict-free: a warp's eight rows hit eight different
 // 16-byte units of the swizzle (two wavefronts per 256 bytes).

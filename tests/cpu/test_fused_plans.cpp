@@ -292,8 +292,8 @@ TEST(FusedPlans, SwitchesTurnMechanismsOff) {
   unsetenv("MKERNEL_GEMM_SCHEDULE");
 }
 
-// gemm_rs's partials through the stage ring: two ranks, fp32, the cooperative schedule, slices at
-// multiples of the tile width, and at least one whole tile.
+// gemm_rs's and gemm_ar's partials through the stage ring: two ranks, fp32, the cooperative
+// schedule, slices at multiples of the tile width, and at least one whole tile.
 TEST(FusedPlans, GemmRsTmaPartials) {
   const PlanContext ctx = h200(2);
   const FusedGemmPlan p = plan_gemm_rs(ctx, 8192, 8192, 4096, {});
@@ -308,8 +308,15 @@ TEST(FusedPlans, GemmRsTmaPartials) {
   EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8200, 4096, w192).tma_partials);  // 64 x 8200 % 192 != 0
   EXPECT_TRUE(plan_gemm_rs(ctx, 8192, 8208, 4096, w192).tma_partials);
   EXPECT_FALSE(plan_gemm_rs(ctx, 2 * 100, 8192, 4096, {}).tma_partials);  // shards < 128 rows
+  // gemm_ar: the same rules, M rows instead of a shard's
+  EXPECT_TRUE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).tma_partials);
+  EXPECT_TRUE(plan_gemm_ar(ctx, 128, 8192, 4096, {}).tma_partials);
+  EXPECT_FALSE(plan_gemm_ar(ctx, 127, 8192, 4096, {}).tma_partials);
+  EXPECT_FALSE(plan_gemm_ar(h200(4), 8192, 8192, 2048, {}).tma_partials);
+  EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, bf16).tma_partials);
   setenv("MKERNEL_TMA_PARTIALS", "0", 1);
   EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).tma_partials);
+  EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).tma_partials);
   unsetenv("MKERNEL_TMA_PARTIALS");
 }
 
