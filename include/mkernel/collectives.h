@@ -16,8 +16,8 @@
 namespace mk {
 
 struct CollectiveConfig {
-  int channels = 0;  // CTAs per rank; 0 = heuristic (MKERNEL_COLL_CHANNELS overrides)
-  int threads = 512;
+  int channels = 0;   // CTAs per rank; 0 = heuristic (MKERNEL_COLL_CHANNELS overrides)
+  int threads = 512;  // per CTA; reduce_scatter's bulk path (MKERNEL_COLL_RS_BULK) runs 256
 };
 
 // output[r * count + i] = input_of_rank_r[i] for every rank r.

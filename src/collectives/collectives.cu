@@ -48,6 +48,16 @@ int pick_channels(const Communicator& comm, const CollectiveConfig& config, std:
   return channels;
 }
 
+// Whether reduce_scatter takes the bulk path (reduce_scatter_bulk_kernel): by default wherever it
+// can, which needs 16-byte aligned slices (vector width 16) and a ring that holds a chunk of every
+// local rank; MKERNEL_COLL_RS_BULK=0 forces the loads of reduce_scatter_kernel (read per call, so
+// that one run can compare both).
+bool use_rs_bulk(const Communicator& comm, int vector_bytes) {
+  const char* env = std::getenv("MKERNEL_COLL_RS_BULK");
+  if (env != nullptr && std::atoi(env) == 0) return false;
+  return vector_bytes == 16 && coll::bulk_chunk_bytes(comm.topology().local_size) > 0;
+}
+
 // Largest power-of-two vector width (<= 16 bytes) dividing every address and size in `values`.
 int vector_bytes(std::initializer_list<uintptr_t> values) {
   uintptr_t bits = 16;
@@ -124,6 +134,10 @@ void preload_collective_kernels() {
           load(reinterpret_cast<const void*>(&coll::all_reduce_kernel<U, kBytes>));
         });
       }
+      // Allowing the ring's shared memory loads the kernel as well.
+      MK_CUDA_CHECK(cudaFuncSetAttribute(coll::reduce_scatter_bulk_kernel<T>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         coll::kBulkBarrierBytes + coll::kBulkRingBytes));
     });
   }
 }
@@ -199,12 +213,27 @@ void reduce_scatter(Communicator& comm, const void* input, void* output, std::si
   const std::size_t begin_bytes = chunk * comm.rank();
   const int vb = vector_bytes({in.offset, begin_bytes, reinterpret_cast<uintptr_t>(output)});
   const DeviceComm dc = comm.device_comm();
-  dispatch_dtype(dtype, [&]<typename T>() {
-    dispatch_vector<T>(std::max<int>(vb, sizeof(T)), [&]<typename U, int kBytes>() {
-      coll::reduce_scatter_kernel<U, kBytes><<<channels, config.threads, 0, stream>>>(
-          dc, in.device_peers, in.offset, count, static_cast<U*>(output));
+  if (use_rs_bulk(comm, vb)) {
+    // config.threads is the loads' block size; the ring's sums are sized for kBulkThreads.
+    const int local_size = comm.topology().local_size;
+    if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr && comm.rank() == 0) {
+      std::fprintf(stderr, "[mkernel] %s: bulk path, %d threads, %d stages x %d ranks x %u bytes\n",
+                   op, coll::kBulkThreads, coll::kBulkStages, local_size,
+                   coll::bulk_chunk_bytes(local_size));
+    }
+    dispatch_dtype(dtype, [&]<typename T>() {
+      coll::reduce_scatter_bulk_kernel<T>
+          <<<channels, coll::kBulkThreads, coll::bulk_smem_bytes(local_size), stream>>>(
+              dc, in.device_peers, in.offset, count, static_cast<T*>(output));
     });
-  });
+  } else {
+    dispatch_dtype(dtype, [&]<typename T>() {
+      dispatch_vector<T>(std::max<int>(vb, sizeof(T)), [&]<typename U, int kBytes>() {
+        coll::reduce_scatter_kernel<U, kBytes><<<channels, config.threads, 0, stream>>>(
+            dc, in.device_peers, in.offset, count, static_cast<U*>(output));
+      });
+    });
+  }
   launch_check(op);
 }
 

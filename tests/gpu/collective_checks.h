@@ -130,7 +130,10 @@ inline std::size_t count_bad_sums(const std::vector<unsigned char>& got,
   return bad;
 }
 
-inline void expect_reduce_scatter(Communicator& comm, const Case& c, uint64_t seed) {
+// Keeps this rank's output in *result when given, for comparisons between paths.
+inline void expect_reduce_scatter(Communicator& comm, const Case& c, uint64_t seed,
+                                  const CollectiveConfig& config = {},
+                                  std::vector<unsigned char>* result = nullptr) {
   const int world = comm.world_size(), rank = comm.rank();
   const std::size_t es = dtype_size(c.dtype), bytes = c.count * es;
   SymmetricBuffer in = comm.alloc(bytes * world);
@@ -147,7 +150,7 @@ inline void expect_reduce_scatter(Communicator& comm, const Case& c, uint64_t se
   std::vector<unsigned char> first_run;
   for (int repeat = 0; repeat < 2; ++repeat) {
     ready(comm, stream);
-    reduce_scatter(comm, in.data(), out, c.count, c.dtype, stream);
+    reduce_scatter(comm, in.data(), out, c.count, c.dtype, stream, config);
     comm.synchronize(stream);
     std::vector<unsigned char> got(bytes);
     MKT_CUDA(cudaMemcpy(got.data(), out, bytes, cudaMemcpyDeviceToHost));
@@ -162,6 +165,7 @@ inline void expect_reduce_scatter(Communicator& comm, const Case& c, uint64_t se
   }
   cudaFree(out);
   cudaStreamDestroy(stream);
+  if (result != nullptr) *result = first_run;
 }
 
 inline void expect_all_reduce(Communicator& comm, const Case& c, uint64_t seed, bool in_place) {

@@ -35,6 +35,58 @@ TEST(SanitizeCollectives, SmallWorld2) {
   });
 }
 
+// reduce_scatter's bulk path (MKERNEL_COLL_RS_BULK=1) against its loads (=0), bitwise: the same
+// inputs and order of adds must give the same bits. Two channels make each CTA reuse its ring
+// stages (the first case: 11 chunks per CTA at 2 ranks, 43 at 8); 16-byte multiple slices (every
+// rank on the bulk path) end in a short chunk; odd counts put rank 0 (and rank 4 of 8 for f32 + 5)
+// on the bulk path with a < 16-byte element tail and the others on the loads.
+class BulkReduceScatter : public ::testing::TestWithParam<int> {};
+
+TEST_P(BulkReduceScatter, MatchesLoadsBitwise) {
+  MKT_REQUIRE_GPU();
+  struct BulkCase {
+    Case c;
+    int channels;  // 0: the heuristic
+  };
+  const std::vector<BulkCase> cases = {
+      {{(1 << 18) + 1000, DType::kBF16}, 2}, {{(1 << 18) + 1000, DType::kBF16}, 0},
+      {{(1 << 18) + 3, DType::kBF16}, 2},    {{(1 << 17) + 56, DType::kF16}, 2},
+      {{(1 << 16) + 4, DType::kF32}, 2},     {{(1 << 16) + 5, DType::kF32}, 2}};
+  const int world = GetParam();
+  const uint64_t seed = std::random_device{}() * 0x100000001ull + std::random_device{}();
+  const char* env = "MKERNEL_COLL_RS_BULK";
+  const char* saved = std::getenv(env);
+  const std::string previous = saved != nullptr ? saved : "";
+  std::vector<std::vector<unsigned char>> got[2];  // [bulk][rank * cases + case]
+  for (int bulk : {0, 1}) {
+    setenv(env, bulk ? "1" : "0", 1);  // read by every reduce_scatter call
+    got[bulk].resize(world * cases.size());
+    run_in_process(world, [&](Communicator& comm) {
+      for (std::size_t k = 0; k < cases.size(); ++k) {
+        CollectiveConfig config;
+        config.channels = cases[k].channels;
+        expect_reduce_scatter(comm, cases[k].c, seed + k, config,
+                              &got[bulk][comm.rank() * cases.size() + k]);
+      }
+    });
+  }
+  if (saved != nullptr) {
+    setenv(env, previous.c_str(), 1);
+  } else {
+    unsetenv(env);
+  }
+  for (std::size_t i = 0; i < got[0].size(); ++i) {
+    const BulkCase& bc = cases[i % cases.size()];
+    EXPECT_TRUE(got[0][i] == got[1][i])
+        << "reduce_scatter rank " << i / cases.size() << " world " << world << " count "
+        << bc.c.count << " " << dtype_name(bc.c.dtype) << " channels " << bc.channels
+        << ": the bulk path differs from the loads";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(World, BulkReduceScatter, ::testing::Values(2, 4, 8),
+                         [](const auto& info) { return "w" + std::to_string(info.param); });
+
 }  // namespace
 }  // namespace mk::test
 

@@ -1,6 +1,7 @@
 // mkernel/device/tma.cuh - bulk tensor copies (TMA) between global and shared memory.
-// Tensor maps are built on the host (cuTensorMapEncodeTiled) and passed in `const
-// __grid_constant__` kernel parameters (directly or as a member of one).
+// Tensor maps (all but bulk_load_1d, a plain 1-D range) are built on the host
+// (cuTensorMapEncodeTiled) and passed in `const __grid_constant__` kernel parameters (directly or
+// as a member of one).
 //
 //   load:   global -> shared, completes on an mbarrier (its transaction count).
 //   store:  shared -> global (possibly a peer GPU's memory), completes in "bulk groups" of the
@@ -41,6 +42,18 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// Copies `bytes` of plain global memory (this GPU's, or a peer's through its mapping) to
+// `smem_dst`, no tensor map. Both addresses 16-byte aligned, bytes a multiple of 16 (and below
+// 2^20, the barrier's transaction range). Completion adds `bytes` to `bar`'s transaction count.
+__device__ __forceinline__ void bulk_load_1d(void* smem_dst, const void* gmem_src, uint32_t bytes,
+                                             uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(gmem_src)), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
 }
 
