@@ -363,10 +363,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     } else if (threadIdx.x >= 32) {
       fusion.side_task(threadIdx.x - 32, 96);
     }
-    // Warp 0's other lanes wait here for thread 0, not at a barrier in finish(): a warp parked
-    // at bar.sync while one lane spins on a peer's signal (load_epilogue, wait_operands) need
-    // not let that lane run - gemm_ar's exit barrier hung so under compute-sanitizer racecheck.
-    __syncwarp();
   } else if constexpr (kPingPong) {
     // ---- consumers, ping-pong: warpgroup c takes the CTA's tiles c, c + 2, ... whole ----
     dev::warpgroup_reg_alloc<consumer_regs<Cfg, Fusion>()>();
