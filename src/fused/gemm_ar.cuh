@@ -130,7 +130,8 @@ struct GemmArFusion {
         dev::tma_load_2d(box_dst, &partials_c, bar, tile.n * (kBlockN / 2) + 32 * box, row0);
       } else {
         const PartialAt at = slice_at(tile, half);
-        const int row = static_cast<int>((at.second - accum_peers[comm.local_rank]) / (kBlockN / 2));
+        const int row =
+            static_cast<int>((at.second - accum_peers[comm.local_rank]) / (kBlockN / 2));
         dev::tma_load_2d(box_dst, &partials_ws, bar, 32 * (box - kInC), row);
       }
     });
