@@ -318,6 +318,20 @@ int main(int argc, char** argv) {
         if (ms < best_ms) best_ms = ms, best_channels = ch;
       }
       const double default_ms = bench.time_ms([&] { op.ours(CollectiveConfig{}); });
+      // reduce_scatter: also the threads' loads instead of the bulk copies (MKERNEL_COLL_RS_BULK,
+      // read at each call), default config, in the same run.
+      double loads_ms = -1;
+      if (std::string(op.name) == "reduce_scatter") {
+        const char* saved = std::getenv("MKERNEL_COLL_RS_BULK");
+        const std::string restore = saved == nullptr ? "" : saved;
+        setenv("MKERNEL_COLL_RS_BULK", "0", 1);
+        loads_ms = bench.time_ms([&] { op.ours(CollectiveConfig{}); });
+        if (saved == nullptr) {
+          unsetenv("MKERNEL_COLL_RS_BULK");
+        } else {
+          setenv("MKERNEL_COLL_RS_BULK", restore.c_str(), 1);
+        }
+      }
       const double nccl_ms = bench.time_ms(op.theirs);
       const double bus = bytes * op.bus_factor * 1e-6;  // GB/s once divided by ms
       if (root) {
@@ -328,13 +342,17 @@ int main(int argc, char** argv) {
                       op.name, mib, best_ms, bus / best_ms, default_ms, best_channels, nccl_ms,
                       bus / nccl_ms, peer_gbps, nccl_ms / best_ms, correct ? "ok" : "WRONG");
         std::printf("%s\n", line);
+        if (loads_ms > 0) {
+          std::printf("  %s loads path (MKERNEL_COLL_RS_BULK=0): %.3f ms\n", op.name, loads_ms);
+        }
         if (!correct) std::printf("  %s\n", why.c_str());
         summary.push_back(line);
         rows << (rows.tellp() > 0 ? ",\n" : "") << "    {\"op\": \"" << op.name
              << "\", \"shape\": {\"bytes_per_rank\": " << bytes << "}, \"dtype\": \"bf16\", "
              << "\"ms\": {\"mkernel\": " << best_ms
-             << ", \"mkernel_default_config\": " << default_ms << ", \"nccl\": " << nccl_ms
-             << ", \"peer_copy\": " << peer_ms << "}, "
+             << ", \"mkernel_default_config\": " << default_ms
+             << (loads_ms > 0 ? ", \"mkernel_loads_path\": " + std::to_string(loads_ms) : "")
+             << ", \"nccl\": " << nccl_ms << ", \"peer_copy\": " << peer_ms << "}, "
              << "\"busbw_gbps\": {\"mkernel\": " << bus / best_ms << ", \"nccl\": " << bus / nccl_ms
              << ", \"peer_copy_one_way\": " << peer_gbps << "}, "
              << "\"best_channels\": " << best_channels << ", \"channel_sweep_ms\": {" << sweep.str()
