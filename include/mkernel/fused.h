@@ -56,9 +56,9 @@ struct FusedGemmPlan {
                                  // tiles; MKERNEL_GEMM_SCHEDULE=pingpong)
   bool bf16_partials = false;    // the peer's partial sums travel as bf16 (requested in the config,
                                  // two ranks only; across nodes: node sums, FusedGemmConfig)
-  bool tma_partials = false;     // gemm_rs, two ranks, fp32: the producer TMA-loads the peer's
-                                 // partials of whole own tiles into the stage ring for the
-                                 // epilogue (MKERNEL_TMA_PARTIALS=0 turns it off)
+  bool tma_partials = false;     // gemm_rs / gemm_ar, two ranks, fp32: the producer TMA-loads
+                                 // the peer's partials of whole own tiles into the stage ring
+                                 // for the epilogue (MKERNEL_TMA_PARTIALS=0 turns it off)
   std::string describe() const;  // one line
 };
 
