@@ -319,6 +319,23 @@ __device__ __forceinline__ void wait_for_partials(const DeviceComm& comm, const 
   }
 }
 
+// The producer thread, stage i of a whole own tile's partials through the ring (gemm_rs,
+// gemm_ar: load_epilogue): before the first stage, the peer's signals of both slices (bounded
+// waits; after a time-out it loads anyway - the launch fails and says so) and a proxy fence, so
+// that the TMA reads what the acquired signals announced; then RingPartials::load.
+template <int kBlockN, class LoadBox>
+__device__ __forceinline__ void load_own_partials(const DeviceComm& comm, uint32_t signal0,
+                                                  uint32_t signal1, void* dst, uint64_t* bar,
+                                                  int i, const LoadBox& load_box) {
+  if (i == 0) {
+    const dev::Launch launch = dev::Launch::begin(comm);
+    wait_for_partials(comm, launch, signal0);
+    wait_for_partials(comm, launch, signal1);
+    dev::fence_proxy_async_global();
+  }
+  RingPartials<kBlockN>::load(dst, bar, i, load_box);
+}
+
 // Thread 0's record of the peers known to have entered this launch (their previous launch is
 // over, so their buffers may be written); ensure() waits for a peer's entry signal once. False:
 // the wait timed out (recorded).
