@@ -108,6 +108,11 @@ struct RingPartials {
   static constexpr int kPerStage =
       gemm_engine::TileConfig<kBlockN>::kStageBytes / kPartialBoxBytes / 2;
   static constexpr int kStages = (kBlockN / 32 + kPerStage - 1) / kPerStage;
+  static_assert(kPerStage >= 1 && 2 * kPerStage * kPartialBoxBytes <=
+                                      gemm_engine::TileConfig<kBlockN>::kStageBytes,
+                "both slices' boxes of a stage fit in it");
+  static_assert(kStages <= gemm_engine::TileConfig<kBlockN>::kStages,
+                "a tile's partials fit in the ring at once");
 
   // The producer thread: arms `bar` with stage i's bytes and issues its loads;
   // load_box(dst, half, box) loads the slice's 32-column box `box` (a TMA load on `bar`).
