@@ -47,7 +47,7 @@ struct GemmArFusion {
   static constexpr int kConsumerRegs = 224;  // 56 + 2 x 224 <= 3 x 168 (gemm_kernel.cuh)
   CUtensorMap a;                             // A_r [M, K_r], boxes 128 x 64
   CUtensorMap out;                           // this rank's C [M, N] bf16, boxes 64 x 64
-  CUtensorMap partials_c;   // tma_partials: C as fp32 [M][N / 2], boxes 64 x 32
+  CUtensorMap partials_c;                    // tma_partials: C as fp32 [M][N / 2], boxes 64 x 32
   CUtensorMap partials_ws;  // tma_partials: the accumulator as fp32 [..][kBlockN / 2], 64 x 32
   __nv_bfloat16* out_peers[kMaxLocalRanks];  // each local rank's C, mapped here
   float* accum_peers[kMaxLocalRanks];        // each local rank's accumulator, mapped here

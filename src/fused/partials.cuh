@@ -330,8 +330,8 @@ __device__ __forceinline__ void wait_for_partials(const DeviceComm& comm, const 
 // that the TMA reads what the acquired signals announced; then RingPartials::load.
 template <int kBlockN, class LoadBox>
 __device__ __forceinline__ void load_own_partials(const DeviceComm& comm, uint32_t signal0,
-                                                  uint32_t signal1, void* dst, uint64_t* bar,
-                                                  int i, const LoadBox& load_box) {
+                                                  uint32_t signal1, void* dst, uint64_t* bar, int i,
+                                                  const LoadBox& load_box) {
   if (i == 0) {
     const dev::Launch launch = dev::Launch::begin(comm);
     wait_for_partials(comm, launch, signal0);
