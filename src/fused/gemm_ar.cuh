@@ -47,7 +47,7 @@ struct GemmArFusion {
   static constexpr int kConsumerRegs = 224;  // 56 + 2 x 224 <= 3 x 168 (gemm_kernel.cuh)
   CUtensorMap a;                             // A_r [M, K_r], boxes 128 x 64
   CUtensorMap out;                           // this rank's C [M, N] bf16, boxes 64 x 64
-  CUtensorMap partials_c;   // tma_partials: C as fp32 [M][N / 2], boxes 64 x 32
+  CUtensorMap partials_c;                    // tma_partials: C as fp32 [M][N / 2], boxes 64 x 32
   CUtensorMap partials_ws;  // tma_partials: the accumulator as fp32 [..][kBlockN / 2], 64 x 32
   __nv_bfloat16* out_peers[kMaxLocalRanks];  // each local rank's C, mapped here
   float* accum_peers[kMaxLocalRanks];        // each local rank's accumulator, mapped here
@@ -114,16 +114,10 @@ struct GemmArFusion {
     return tma_partials && tile.shard == comm.rank && whole ? Ring::kStages : 0;
   }
 
-  // The producer thread: stage i of the tile's partials (first: wait for the peer's signals).
+  // The producer thread: stage i of the tile's partials (partials.cuh, load_own_partials).
   __device__ void load_epilogue(void* dst, uint64_t* bar, const gemm_engine::Tile& tile,
                                 int i) const {
-    if (i == 0) {
-      const dev::Launch launch = dev::Launch::begin(comm);
-      wait_for_partials(comm, launch, slot(tile, 0));  // after a time-out: loads anyway, the
-      wait_for_partials(comm, launch, slot(tile, 1));  // launch fails and says so
-      dev::fence_proxy_async_global();  // the peer's stores, acquired, before TMA reads them
-    }
-    Ring::load(dst, bar, i, [&](void* box_dst, int half, int box) {
+    auto load_box = [&](void* box_dst, int half, int box) {
       const int row0 = tile.m * 128 + half * 64;
       constexpr int kInC = kBlockN / 64;  // boxes of the slice's first half (in C)
       if (box < kInC) {
@@ -134,7 +128,8 @@ struct GemmArFusion {
             static_cast<int>((at.second - accum_peers[comm.local_rank]) / (kBlockN / 2));
         dev::tma_load_2d(box_dst, &partials_ws, bar, 32 * (box - kInC), row);
       }
-    });
+    };
+    load_own_partials<kBlockN>(comm, slot(tile, 0), slot(tile, 1), dst, bar, i, load_box);
   }
 
   // The accumulator of owner o, slice by slice. Three or more ranks: fp32 in o's workspace, bands

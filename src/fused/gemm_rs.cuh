@@ -84,19 +84,14 @@ struct GemmRsFusion {
     return tma_partials && tile.shard == comm.rank && whole ? Ring::kStages : 0;
   }
 
-  // The producer thread: stage i of the tile's partials (first: wait for the peer's signals).
+  // The producer thread: stage i of the tile's partials (partials.cuh, load_own_partials).
   __device__ void load_epilogue(void* dst, uint64_t* bar, const gemm_engine::Tile& tile,
                                 int i) const {
-    if (i == 0) {
-      const dev::Launch launch = dev::Launch::begin(comm);
-      wait_for_partials(comm, launch, slot(tile, 0));  // after a time-out: loads anyway, the
-      wait_for_partials(comm, launch, slot(tile, 1));  // launch fails and says so
-      dev::fence_proxy_async_global();  // the peer's stores, acquired, before TMA reads them
-    }
-    Ring::load(dst, bar, i, [&](void* box_dst, int half, int box) {
+    auto load_box = [&](void* box_dst, int half, int box) {
       const int row = static_cast<int>(slice_offset(tile.m, tile.n, half) / kBlockN);
       dev::tma_load_2d(box_dst, &partials, bar, 32 * box, row);
-    });
+    };
+    load_own_partials<kBlockN>(comm, slot(tile, 0), slot(tile, 1), dst, bar, i, load_box);
   }
 
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {

@@ -108,6 +108,11 @@ struct RingPartials {
   static constexpr int kPerStage =
       gemm_engine::TileConfig<kBlockN>::kStageBytes / kPartialBoxBytes / 2;
   static constexpr int kStages = (kBlockN / 32 + kPerStage - 1) / kPerStage;
+  static_assert(kPerStage >= 1 && 2 * kPerStage * kPartialBoxBytes <=
+                                      gemm_engine::TileConfig<kBlockN>::kStageBytes,
+                "both slices' boxes of a stage fit in it");
+  static_assert(kStages <= gemm_engine::TileConfig<kBlockN>::kStages,
+                "a tile's partials fit in the ring at once");
 
   // The producer thread: arms `bar` with stage i's bytes and issues its loads;
   // load_box(dst, half, box) loads the slice's 32-column box `box` (a TMA load on `bar`).
@@ -317,6 +322,23 @@ __device__ __forceinline__ void wait_for_partials(const DeviceComm& comm, const 
     if (src == comm.rank) continue;
     if (!launch.wait(src, signal, 1)) break;
   }
+}
+
+// The producer thread, stage i of a whole own tile's partials through the ring (gemm_rs,
+// gemm_ar: load_epilogue): before the first stage, the peer's signals of both slices (bounded
+// waits; after a time-out it loads anyway - the launch fails and says so) and a proxy fence, so
+// that the TMA reads what the acquired signals announced; then RingPartials::load.
+template <int kBlockN, class LoadBox>
+__device__ __forceinline__ void load_own_partials(const DeviceComm& comm, uint32_t signal0,
+                                                  uint32_t signal1, void* dst, uint64_t* bar, int i,
+                                                  const LoadBox& load_box) {
+  if (i == 0) {
+    const dev::Launch launch = dev::Launch::begin(comm);
+    wait_for_partials(comm, launch, signal0);
+    wait_for_partials(comm, launch, signal1);
+    dev::fence_proxy_async_global();
+  }
+  RingPartials<kBlockN>::load(dst, bar, i, load_box);
 }
 
 // Thread 0's record of the peers known to have entered this launch (their previous launch is
