@@ -426,11 +426,38 @@ def _gemm_shapes(a, b, b_layout: str):
 
 
 if torch is not None:
+    def _make_direct():
+        """The public functions' eager fast path: whether a call may run the op's implementation
+        directly instead of through the dispatcher (torch.ops.mkernel.*), whose Python custom-op
+        layer costs the host tens of microseconds per call - as long as a decode-sized op runs
+        on the GPU (bench/bench_host.py measures both). Direct only in plain eager mode: not while
+        torch.compile traces, with no TorchDispatchMode or TorchFunctionMode active (fake tensors,
+        FlopCounterMode, torch.device(...) as a context), not while the profiler records (its
+        traces name the op) and with plain tensors that need no gradient; anything else goes
+        through torch.ops.mkernel.*, which does the same work."""
+        try:
+            compiling = torch.compiler.is_compiling
+            dispatch_modes = torch._C._len_torch_dispatch_stack
+            function_modes = torch._C._len_torch_function_stack
+            profiler = torch.autograd.profiler
+            profiler._is_profiler_enabled  # noqa: B018 - present in this torch?
+        except AttributeError:  # pragma: no cover - a torch without these: always dispatch
+            return lambda *tensors: False
+        plain = torch.Tensor
+
+        def direct(*tensors) -> bool:
+            if (compiling() or dispatch_modes() or function_modes()
+                    or profiler._is_profiler_enabled):
+                return False
+            grad = torch.is_grad_enabled()
+            return all(type(t) is plain and not (grad and t.requires_grad) for t in tensors)
+        return direct
+
+    _direct = _make_direct()
+
     # The schema is spelled out (this module postpones annotations, and an op's schema is its
     # contract); the default argument lives in the Python wrapper `gemm` below.
-    @torch.library.custom_op("mkernel::gemm", mutates_args=(),
-                             schema="(Tensor a, Tensor b, str b_layout) -> Tensor")
-    def _gemm_op(a, b, b_layout):
+    def _gemm_impl(a, b, b_layout):
         m, n, k = _gemm_shapes(a, b, b_layout)
         for name, x in (("a", a), ("b", b)):
             if x.dtype != torch.bfloat16:
@@ -448,6 +475,10 @@ if torch is not None:
                     torch.cuda.current_stream(a.device).cuda_stream)
         return c
 
+    _gemm_op = torch.library.custom_op(
+        "mkernel::gemm", mutates_args=(),
+        schema="(Tensor a, Tensor b, str b_layout) -> Tensor")(_gemm_impl)
+
     @_gemm_op.register_fake
     def _gemm_fake(a, b, b_layout):
         _, n, _ = _gemm_shapes(a, b, b_layout)
@@ -461,7 +492,7 @@ if torch is not None:
         the current CUDA stream without synchronising the host, and works under torch.compile
         (fake implementation registered) and inside CUDA graphs.
         """
-        return _gemm_op(a, b, b_layout)
+        return (_gemm_impl if _direct(a, b) else _gemm_op)(a, b, b_layout)
 
     def _grouped_shapes(a, b, group_rows, b_layout):
         if b_layout not in ("nk", "kn"):
@@ -478,10 +509,7 @@ if torch is not None:
                              f"K = {kb} and {g} groups, group_rows has {group_rows.shape[0]}")
         return a.shape[0], n, a.shape[1], g
 
-    @torch.library.custom_op("mkernel::grouped_gemm", mutates_args=(),
-                             schema="(Tensor a, Tensor b, Tensor group_rows, str b_layout) -> "
-                                    "Tensor")
-    def _grouped_gemm_op(a, b, group_rows, b_layout):
+    def _grouped_gemm_impl(a, b, group_rows, b_layout):
         rows, n, k, g = _grouped_shapes(a, b, group_rows, b_layout)
         for name, x in (("a", a), ("b", b)):
             if x.dtype != torch.bfloat16:
@@ -503,6 +531,11 @@ if torch is not None:
                             n, k, b_layout, torch.cuda.current_stream(a.device).cuda_stream, 0)
         return c
 
+    _grouped_gemm_op = torch.library.custom_op(
+        "mkernel::grouped_gemm", mutates_args=(),
+        schema="(Tensor a, Tensor b, Tensor group_rows, str b_layout) -> Tensor",
+    )(_grouped_gemm_impl)
+
     @_grouped_gemm_op.register_fake
     def _grouped_gemm_fake(a, b, group_rows, b_layout):
         rows, n, _, _ = _grouped_shapes(a, b, group_rows, b_layout)
@@ -518,7 +551,8 @@ if torch is not None:
         groups' total are left uninitialised. torch.ops.mkernel.grouped_gemm: current stream,
         torch.compile, CUDA graphs (the counts may change between replays).
         """
-        return _grouped_gemm_op(a, b, group_rows, b_layout)
+        op = _grouped_gemm_impl if _direct(a, b, group_rows) else _grouped_gemm_op
+        return op(a, b, group_rows, b_layout)
 
     def _ag_gemm_shapes(comm, a_shard, b, b_layout):
         if a_shard.dim() != 2:
@@ -527,11 +561,7 @@ if torch is not None:
         _, n, k = _gemm_shapes(a_shard, b, b_layout)
         return a_shard.shape[0] * comm.world_size, n, k
 
-    @torch.library.custom_op(
-        "mkernel::ag_gemm", mutates_args=(),
-        schema="(Tensor a_shard, Tensor b, str b_layout, int comm, bool return_gathered, "
-               "int block_n, int comm_ctas, int piece_rows) -> (Tensor, Tensor)")
-    def _ag_gemm_op(a_shard, b, b_layout, comm, return_gathered, block_n, comm_ctas, piece_rows):
+    def _ag_gemm_impl(a_shard, b, b_layout, comm, return_gathered, block_n, comm_ctas, piece_rows):
         c = _communicator(comm, "ag_gemm")
         m, n, k = _ag_gemm_shapes(c, a_shard, b, b_layout)
         for name, x in (("a_shard", a_shard), ("b", b)):
@@ -543,11 +573,16 @@ if torch is not None:
         gathered = torch.empty((m, k) if return_gathered else (0, k), dtype=torch.bfloat16,
                                device=a_shard.device)
         ws = c._workspace(_C.ag_gemm_workspace_bytes(m, k), "ag_gemm", "gather")
-        with torch.cuda.device(c.device):
-            _C.ag_gemm(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
-                       ws.data_ptr(), c._stream(), gathered.data_ptr() if return_gathered else 0,
-                       block_n, comm_ctas, piece_rows)
+        # (the C++ entry makes c.device current for the launch)
+        _C.ag_gemm(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
+                   ws.data_ptr(), c._stream(), gathered.data_ptr() if return_gathered else 0,
+                   block_n, comm_ctas, piece_rows)
         return out, gathered
+
+    _ag_gemm_op = torch.library.custom_op(
+        "mkernel::ag_gemm", mutates_args=(),
+        schema="(Tensor a_shard, Tensor b, str b_layout, int comm, bool return_gathered, "
+               "int block_n, int comm_ctas, int piece_rows) -> (Tensor, Tensor)")(_ag_gemm_impl)
 
     @_ag_gemm_op.register_fake
     def _ag_gemm_fake(a_shard, b, b_layout, comm, return_gathered, block_n, comm_ctas,
@@ -571,8 +606,9 @@ if torch is not None:
         shape allocates the communicator's symmetric workspace (collectively), so make it before
         capturing. block_n, comm_ctas, piece_rows: overrides of the tuned configuration (0 = auto).
         """
-        c, gathered = _ag_gemm_op(a_shard, b, b_layout, comm._id, return_gathered, block_n,
-                                  comm_ctas, piece_rows)
+        op = _ag_gemm_impl if _direct(a_shard, b) else _ag_gemm_op
+        c, gathered = op(a_shard, b, b_layout, comm._id, return_gathered, block_n, comm_ctas,
+                         piece_rows)
         return (c, gathered) if return_gathered else c
     def _gemm_rs_shapes(comm, a, b, b_layout):
         if a.dim() != 2:
@@ -583,10 +619,7 @@ if torch is not None:
                              f"{comm.world_size}")
         return m, n, k
 
-    @torch.library.custom_op("mkernel::gemm_rs", mutates_args=(),
-                             schema="(Tensor a, Tensor b, str b_layout, int comm, int block_n, "
-                                    "bool bf16_partials) -> Tensor")
-    def _gemm_rs_op(a, b, b_layout, comm, block_n, bf16_partials):
+    def _gemm_rs_impl(a, b, b_layout, comm, block_n, bf16_partials):
         c = _communicator(comm, "gemm_rs")
         m, n, k = _gemm_rs_shapes(c, a, b, b_layout)
         for name, x in (("a", a), ("b", b)):
@@ -596,10 +629,15 @@ if torch is not None:
         a2, b2 = a.contiguous(), b.contiguous()
         out = torch.empty((m // c.world_size, n), dtype=torch.bfloat16, device=a.device)
         ws = c._workspace(_C.gemm_rs_workspace_bytes(c._impl, m, n), "gemm_rs", "accumulate")
-        with torch.cuda.device(c.device):
-            _C.gemm_rs(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
-                       ws.data_ptr(), c._stream(), block_n, bf16_partials)
+        # (the C++ entry makes c.device current for the launch)
+        _C.gemm_rs(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
+                   ws.data_ptr(), c._stream(), block_n, bf16_partials)
         return out
+
+    _gemm_rs_op = torch.library.custom_op(
+        "mkernel::gemm_rs", mutates_args=(),
+        schema="(Tensor a, Tensor b, str b_layout, int comm, int block_n, bool bf16_partials) "
+               "-> Tensor")(_gemm_rs_impl)
 
     @_gemm_rs_op.register_fake
     def _gemm_rs_fake(a, b, b_layout, comm, block_n, bf16_partials):
@@ -624,11 +662,9 @@ if torch is not None:
         across nodes (any world size) the node sums cross the network as bf16, and at two
         ranks per node the node's partials travel as bf16 too.
         """
-        return _gemm_rs_op(a, b, b_layout, comm._id, block_n, bf16_partials)
-    @torch.library.custom_op("mkernel::gemm_ar", mutates_args=("out",),
-                             schema="(Tensor a, Tensor b, Tensor(a!) out, str b_layout, int comm, "
-                                    "int block_n, bool bf16_partials) -> ()")
-    def _gemm_ar_op(a, b, out, b_layout, comm, block_n, bf16_partials):
+        op = _gemm_rs_impl if _direct(a, b) else _gemm_rs_op
+        return op(a, b, b_layout, comm._id, block_n, bf16_partials)
+    def _gemm_ar_impl(a, b, out, b_layout, comm, block_n, bf16_partials):
         c = _communicator(comm, "gemm_ar")
         if a.dim() != 2:
             raise ValueError(f"mkernel.gemm_ar: a must be 2-D [M, K / world]; got {tuple(a.shape)}")
@@ -643,9 +679,14 @@ if torch is not None:
         a2, b2 = a.contiguous(), b.contiguous()
         ws = c._workspace(_C.gemm_ar_workspace_bytes(c._impl, m, n, k, block_n), "gemm_ar",
                           "accumulate")
-        with torch.cuda.device(c.device):
-            _C.gemm_ar(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
-                       ws.data_ptr(), c._stream(), block_n, bf16_partials)
+        # (the C++ entry makes c.device current for the launch)
+        _C.gemm_ar(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
+                   ws.data_ptr(), c._stream(), block_n, bf16_partials)
+
+    _gemm_ar_op = torch.library.custom_op(
+        "mkernel::gemm_ar", mutates_args=("out",),
+        schema="(Tensor a, Tensor b, Tensor(a!) out, str b_layout, int comm, int block_n, "
+               "bool bf16_partials) -> ()")(_gemm_ar_impl)
 
     @_gemm_ar_op.register_fake
     def _gemm_ar_fake(a, b, out, b_layout, comm, block_n, bf16_partials):
@@ -668,7 +709,8 @@ if torch is not None:
         before the fp32 add, as a bf16 NCCL all-reduce rounds them - for half the bytes; across
         nodes as in gemm_rs (bf16 node sums at any world size).
         """
-        _gemm_ar_op(a, b, out, b_layout, comm._id, block_n, bf16_partials)
+        op = _gemm_ar_impl if _direct(a, b, out) else _gemm_ar_op
+        op(a, b, out, b_layout, comm._id, block_n, bf16_partials)
         return out
 else:  # pragma: no cover - without torch there is no tensor to multiply
     def gemm_ar(a, b, comm, out, **kwargs):

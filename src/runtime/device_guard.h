@@ -12,13 +12,17 @@ class DeviceGuard {
   explicit DeviceGuard(int device) {
     MK_CUDA_CHECK(cudaGetDevice(&previous_));
     if (previous_ != device) MK_CUDA_CHECK(cudaSetDevice(device));
+    changed_ = previous_ != device;
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(previous_);
+  }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
   int previous_ = 0;
+  bool changed_ = false;
 };
 
 // Puts this thread's stream-capture mode to relaxed for a scope, restoring it after. For the

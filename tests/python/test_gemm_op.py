@@ -59,6 +59,29 @@ def test_leading_dimensions():
     torch.testing.assert_close(out.view(600, 256), mkernel.gemm(a, b), rtol=0, atol=0)
 
 
+def test_eager_fast_path_and_dispatcher_agree():
+    """The public function skips the dispatcher in plain eager mode (host time); torch.ops and
+    everything that needs the dispatcher (fake tensors, profiler, autograd) still reach the op."""
+    a, b = _inputs(300, 512, 256, "nk", seed=4)
+    direct = mkernel.gemm(a, b)
+    torch.testing.assert_close(direct, torch.ops.mkernel.gemm(a, b, "nk"), rtol=0, atol=0)
+    assert mkernel._direct(a, b)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fa, fb = mode.from_tensor(a), mode.from_tensor(b)
+        assert not mkernel._direct(fa, fb)
+        out = mkernel.gemm(fa, fb)  # the fake implementation: shape only, nothing launched
+        assert out.shape == (300, 512) and type(out).__name__ == "FakeTensor"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert not mkernel._direct(a, b)
+        mkernel.gemm(a, b)
+    assert any("mkernel::gemm" in e.name for e in prof.events()), "the profiler names the op"
+    w = b.clone().requires_grad_()
+    assert not mkernel._direct(a, w)
+    with torch.no_grad():
+        assert mkernel._direct(a, w)
+
+
 def test_torch_compile_fullgraph():
     a, b = _inputs(512, 1024, 768, "nk", seed=5)
 
