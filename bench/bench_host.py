@@ -124,6 +124,8 @@ def main():
             "_C.gemm_ar": lambda: _C.gemm_ar(*c_args),
             "_C.gemm_ar_workspace_bytes": lambda: _C.gemm_ar_workspace_bytes(
                 comm._impl, m, n, kl, 0),
+            "mkernel.gemm_rs": lambda: mkernel.gemm_rs(a, b, comm),
+            "mkernel.ag_gemm": lambda: mkernel.ag_gemm(a[: m // world], b, comm),
             "mkernel.gemm": lambda: mkernel.gemm(a, b),
             "torch matmul": lambda: torch.matmul(a, b.T, out=partial),
         }

@@ -23,6 +23,7 @@ Intra-node only for now (all ranks of a communicator on one host, NVLink or PCIe
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -206,9 +207,25 @@ def _check_same_dtype(op: str, input, output):
 
 
 def _check_device(op: str, name: str, x, device: int):
-    if x.device.type != "cuda" or x.device.index != device:
+    if x.get_device() != device:  # (-1 off the GPU; one call, where x.device builds an object)
         raise ValueError(f"{op}: {name} is on {x.device}; expected cuda:{device} "
                          "(the communicator's GPU)")
+
+
+def _current_raw_stream(device: int) -> int:
+    """torch.cuda.current_stream(device).cuda_stream, without building a Stream object (PyTorch's
+    own launchers read it this way); the public call where this torch lacks the private one."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def _current_device(device: int):
+    """torch.cuda.device(device), or nothing to switch when it is current already (the common
+    case: a context switch costs the host microseconds per op)."""
+    return _SAME_DEVICE if torch.cuda.current_device() == device else torch.cuda.device(device)
 
 
 def _validate(op: str, world: int, device: int, input, output, in_factor: int, out_factor: int):
@@ -248,6 +265,7 @@ class Communicator:
 
     def __init__(self, impl, group=None):
         self._impl = impl  # mkernel._C.Communicator
+        self._device = impl.device  # (read on every op: a plain attribute is the cheapest)
         self.group = group
         # Fused ops are torch custom ops: they name their communicator by this number. It holds
         # the world size because the ops' output shapes depend on it and torch.compile bakes the
@@ -311,7 +329,7 @@ class Communicator:
     @property
     def device(self) -> int:
         """CUDA device ordinal of this rank."""
-        return self._impl.device
+        return self._device
 
     @property
     def timeout_seconds(self) -> float:
@@ -345,7 +363,8 @@ class Communicator:
 
     # collectives
     def _stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
+        """The current CUDA stream of this rank's GPU, as the raw handle the C++ layer takes."""
+        return _current_raw_stream(self._device)
 
     def all_gather(self, input: "torch.Tensor", output: "torch.Tensor", *,
                    channels: int = 0) -> "torch.Tensor":
@@ -470,9 +489,10 @@ if torch is not None:
         c = torch.empty((*a.shape[:-1], n), dtype=torch.bfloat16, device=a.device)
         if m == 0:
             return c
-        with torch.cuda.device(a.device):
+        dev = a.get_device()
+        with _current_device(dev):
             _C.gemm(a2.data_ptr(), b2.data_ptr(), c.data_ptr(), m, n, k, b_layout,
-                    torch.cuda.current_stream(a.device).cuda_stream)
+                    _current_raw_stream(dev))
         return c
 
     _gemm_op = torch.library.custom_op(
@@ -526,9 +546,10 @@ if torch is not None:
         c = torch.empty((rows, n), dtype=torch.bfloat16, device=a.device)
         if rows == 0:
             return c
-        with torch.cuda.device(a.device):
+        dev = a.get_device()
+        with _current_device(dev):
             _C.grouped_gemm(a2.data_ptr(), b2.data_ptr(), c.data_ptr(), r2.data_ptr(), g, rows,
-                            n, k, b_layout, torch.cuda.current_stream(a.device).cuda_stream, 0)
+                            n, k, b_layout, _current_raw_stream(dev), 0)
         return c
 
     _grouped_gemm_op = torch.library.custom_op(
@@ -567,13 +588,13 @@ if torch is not None:
         for name, x in (("a_shard", a_shard), ("b", b)):
             if x.dtype != torch.bfloat16:
                 raise ValueError(f"mkernel.ag_gemm: {name} has dtype {x.dtype}; expected bfloat16")
-            _check_device("ag_gemm", name, x, c.device)
+            _check_device("ag_gemm", name, x, c._device)
         a2, b2 = a_shard.contiguous(), b.contiguous()
         out = torch.empty((m, n), dtype=torch.bfloat16, device=a_shard.device)
         gathered = torch.empty((m, k) if return_gathered else (0, k), dtype=torch.bfloat16,
                                device=a_shard.device)
         ws = c._workspace(_C.ag_gemm_workspace_bytes(m, k), "ag_gemm", "gather")
-        # (the C++ entry makes c.device current for the launch)
+        # (the C++ entry makes c._device current for the launch)
         _C.ag_gemm(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
                    ws.data_ptr(), c._stream(), gathered.data_ptr() if return_gathered else 0,
                    block_n, comm_ctas, piece_rows)
@@ -625,11 +646,11 @@ if torch is not None:
         for name, x in (("a", a), ("b", b)):
             if x.dtype != torch.bfloat16:
                 raise ValueError(f"mkernel.gemm_rs: {name} has dtype {x.dtype}; expected bfloat16")
-            _check_device("gemm_rs", name, x, c.device)
+            _check_device("gemm_rs", name, x, c._device)
         a2, b2 = a.contiguous(), b.contiguous()
         out = torch.empty((m // c.world_size, n), dtype=torch.bfloat16, device=a.device)
         ws = c._workspace(_C.gemm_rs_workspace_bytes(c._impl, m, n), "gemm_rs", "accumulate")
-        # (the C++ entry makes c.device current for the launch)
+        # (the C++ entry makes c._device current for the launch)
         _C.gemm_rs(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
                    ws.data_ptr(), c._stream(), block_n, bf16_partials)
         return out
@@ -672,14 +693,14 @@ if torch is not None:
         for name, x in (("a", a), ("b", b), ("out", out)):
             if x.dtype != torch.bfloat16:
                 raise ValueError(f"mkernel.gemm_ar: {name} has dtype {x.dtype}; expected bfloat16")
-            _check_device("gemm_ar", name, x, c.device)
+            _check_device("gemm_ar", name, x, c._device)
         if tuple(out.shape) != (m, n) or not out.is_contiguous():
             raise ValueError(f"mkernel.gemm_ar: out must be a contiguous [{m}, {n}] tensor; got "
                              f"{tuple(out.shape)}")
         a2, b2 = a.contiguous(), b.contiguous()
         ws = c._workspace(_C.gemm_ar_workspace_bytes(c._impl, m, n, k, block_n), "gemm_ar",
                           "accumulate")
-        # (the C++ entry makes c.device current for the launch)
+        # (the C++ entry makes c._device current for the launch)
         _C.gemm_ar(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
                    ws.data_ptr(), c._stream(), block_n, bf16_partials)
 
