@@ -20,6 +20,7 @@
 
 #include "bench_check.h"
 #include "bench_kernels.h"
+#include "bench_rank.h"
 #include "mkernel/mkernel.h"
 #include "nccl_dl.h"
 
@@ -136,15 +137,8 @@ std::string now_utc() {
 
 int main(int argc, char** argv) {
   const Args args = parse(argc, argv);
-  if (!launched_by_mkrun()) {
-    std::fprintf(stderr, "run me under mkrun: mkrun -n 2 -- %s\n", argv[0]);
-    return 2;
-  }
-  auto boot = bootstrap_from_launcher();
+  auto boot = bench::mkrun_rank(argv[0]);
   Bootstrap& bootstrap = *boot;
-  int ndev = 0;
-  CK(cudaGetDeviceCount(&ndev));
-  CK(cudaSetDevice(bootstrap.rank() % ndev));
   // Borrowed: the mkrun connection also serves NCCL's id exchange below.
   auto comm = Communicator::create(borrow_bootstrap(bootstrap));
   const int rank = comm->rank(), world = comm->world_size();

@@ -18,6 +18,7 @@
 
 #include "bench_check.h"
 #include "bench_kernels.h"
+#include "bench_rank.h"
 #include "gemm/gemm_internal.h"
 #include "mkernel/mkernel.h"
 
@@ -63,15 +64,9 @@ int main(int argc, char** argv) {
       calls = std::atoi(v.c_str());
     }
   }
-  if (!launched_by_mkrun()) {
-    std::fprintf(stderr, "run me under mkrun: mkrun -n 2 -- %s\n", argv[0]);
-    return 2;
-  }
-  auto boot = bootstrap_from_launcher();
+  auto comm = Communicator::create(bench::mkrun_rank(argv[0]));
   int ndev = 0;
   CK(cudaGetDeviceCount(&ndev));
-  CK(cudaSetDevice(boot->rank() % ndev));
-  auto comm = Communicator::create(std::move(boot));
   const int rank = comm->rank(), world = comm->world_size();
   const int64_t kl = k / world;
   cudaStream_t stream;

@@ -19,6 +19,7 @@
 
 #include "bench_check.h"
 #include "bench_kernels.h"
+#include "bench_rank.h"
 #include "fused/trace_layout.h"
 #include "mkernel/mkernel.h"
 
@@ -219,16 +220,8 @@ void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double even
 
 int main(int argc, char** argv) {
   const Args args = parse(argc, argv);
-  if (!launched_by_mkrun()) {
-    std::fprintf(stderr, "run me under mkrun: mkrun -n 2 -- %s\n", argv[0]);
-    return 2;
-  }
   setenv("MKERNEL_TRACE", "1", 1);
-  auto boot = bootstrap_from_launcher();
-  int ndev = 0;
-  CK(cudaGetDeviceCount(&ndev));
-  CK(cudaSetDevice(boot->rank() % ndev));
-  auto comm = Communicator::create(std::move(boot));
+  auto comm = Communicator::create(bench::mkrun_rank(argv[0]));
   const int rank = comm->rank(), world = comm->world_size();
   const int64_t m = args.m, n = args.n;
   const bool rs = args.kernel == "gemm_rs", ag = args.kernel == "ag_gemm";

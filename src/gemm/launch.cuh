@@ -50,8 +50,8 @@ auto prepared_kernel() {
   MK_CUDA_CHECK(cudaGetDevice(&device));
   const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
   if (bit == 0 || (done.load(std::memory_order_acquire) & bit) == 0) {
-    MK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       Cfg::kSmemBytes));
+    MK_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
     done.fetch_or(bit, std::memory_order_release);
   }
   return kernel;
