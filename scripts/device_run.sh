@@ -176,7 +176,7 @@ step_sanitize() {
     for tool in memcheck racecheck synccheck; do
       log "compute-sanitizer --tool $tool"
       limited "$SANITIZE_TIMEOUT" "$sanitizer" --tool "$tool" --error-exitcode 99 \
-        --print-limit 100 "$GPU_TESTS" --gtest_filter='Sanitize*' --gtest_brief=1
+        --print-limit 100 "$GPU_TESTS" --gtest_filter='Sanitize*'
       rc=$?
       if ((rc == 0)); then
         log "sanitize $tool: PASS"
