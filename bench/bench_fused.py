@@ -11,6 +11,8 @@ runs on the same fresh random inputs:
   sequential      the collective, then the GEMM (NCCL then cuBLAS)
   torch_async_tp  PyTorch's symmetric-memory fused op (torch.ops.symm_mem.*), where it exists
   mkernel_gemm    mkernel's GEMM engine alone (for reference)
+  mkernel_graph   the fused op replayed from a CUDA graph of one call: the GPU's time without
+                  the host's per-call work (Python, checks, launch), as in a graph-captured step
 Times: each variant runs `iters` times back to back between CUDA events (ranks keep themselves
 in step through the collective, as in a training step), five rounds (--rounds) interleaved
 across the variants; the median round, the maximum over ranks. limit = max(gemm_alone, comm_alone).
@@ -286,9 +288,34 @@ def torch_async_tp_rs(a, b):
 CASES = {"ag_gemm": ag_gemm_case, "gemm_rs": gemm_rs_case, "gemm_ar": gemm_ar_case}
 
 
+ROW_KEYS = ("mkernel", "gemm_alone", "comm_alone", "sequential", "torch_async_tp", "mkernel_gemm",
+            "mkernel_graph")
+
+
 def row_keys(ms):
-    return [key for key in ("mkernel", "gemm_alone", "comm_alone", "sequential", "torch_async_tp",
-                            "mkernel_gemm") if key in ms]
+    return [key for key in ROW_KEYS if key in ms]
+
+
+def graphed(fn):
+    """fn's one call captured into a CUDA graph, as its replay; None on every rank if capture
+    failed on any (the ranks must time the same variants: the op waits for its peers)."""
+    replay, why = None, ""
+    try:
+        fn()  # warm: workspaces are allocated before the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        replay = graph.replay
+    except Exception as e:  # noqa: BLE001 - any failure: the variant is left out, with the reason
+        why = f"{type(e).__name__}: {e}"
+    ok = torch.tensor([0 if replay is None else 1], device="cuda")
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if ok.item() == 0:
+        log(f"  mkernel_graph left out: capture failed on a rank{' (' + why + ')' if why else ''}")
+        return None
+    return replay
 
 
 def parse_shapes(text):
@@ -334,12 +361,14 @@ def main():
             log(f"[{i + 1}/{len(shapes)}] {label:<20} max |mkernel - sequential| {diff:.4g} "
                 f"(max |C| {mag:.4g})  {'ok' if ok else 'WRONG'}")
             continue
+        replay = graphed(variants["mkernel"])
+        if replay is not None:
+            variants["mkernel_graph"] = replay
         ms, spread = time_variants(variants, args.iters, args.rounds)
         limit = max(ms["gemm_alone"], ms["comm_alone"])
         row = {
             "shape": {"M": m, "N": n, "K": k}, "dtype": "bf16",
-            "ms": {key: ms.get(key) for key in ("mkernel", "gemm_alone", "comm_alone",
-                                                "sequential", "torch_async_tp", "mkernel_gemm")},
+            "ms": {key: ms.get(key) for key in ROW_KEYS},
             "limit_ms": limit,
             "ratio_to_limit": ms["mkernel"] / limit,
             "speedup_vs_sequential": ms["sequential"] / ms["mkernel"],
@@ -358,6 +387,9 @@ def main():
             f"{row['ratio_to_limit']:6.3f} {row['speedup_vs_sequential']:6.3f} "
             f"{row['speedup_vs_torch_async_tp'] or float('nan'):6.3f}  {'ok' if ok else 'WRONG'}"
             f"  [{len(rows)}/{len(shapes)}]")
+        if "mkernel_graph" in ms:
+            log(f"  {label}: mkernel from a CUDA graph {ms['mkernel_graph']:.3f} (eager "
+                f"{ms['mkernel']:.3f}; the difference is the host's per-call work)")
         sweep = [f"{key[7:]} {v:.3f}" for key, v in ms.items() if key.startswith("sweep: ")]
         if sweep:
             log(f"  sweep {label}: mkernel {ms['mkernel']:.3f}, engine alone "

@@ -43,6 +43,7 @@ SERIES = {
     "torch_async_tp": ("PyTorch async-TP (symmetric memory)", "#2ca02c"),
     "nccl": ("NCCL", "#ff7f0e"),
     "mkernel_gemm": ("mkernel's GEMM engine alone (reference)", "#9467bd"),
+    "mkernel_graph": ("mkernel replayed from a CUDA graph (no host work per call)", "#aec7e8"),
 }
 SERIES_ORDER = ["mkernel", "gemm_alone", "comm_alone", "sequential", "torch_async_tp"]
 EXTRA_COLORS = ["#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
