@@ -13,6 +13,7 @@ runs on the same fresh random inputs:
   mkernel_gemm    mkernel's GEMM engine alone (for reference)
   mkernel_graph   the fused op replayed from a CUDA graph of one call: the GPU's time without
                   the host's per-call work (Python, checks, launch), as in a graph-captured step
+                  (BENCH_GRAPH=0 leaves it out)
 Times: each variant runs `iters` times back to back between CUDA events (ranks keep themselves
 in step through the collective, as in a training step), five rounds (--rounds) interleaved
 across the variants; the median round, the maximum over ranks. limit = max(gemm_alone, comm_alone).
@@ -361,7 +362,7 @@ def main():
             log(f"[{i + 1}/{len(shapes)}] {label:<20} max |mkernel - sequential| {diff:.4g} "
                 f"(max |C| {mag:.4g})  {'ok' if ok else 'WRONG'}")
             continue
-        replay = graphed(variants["mkernel"])
+        replay = graphed(variants["mkernel"]) if os.environ.get("BENCH_GRAPH", "1") != "0" else None
         if replay is not None:
             variants["mkernel_graph"] = replay
         ms, spread = time_variants(variants, args.iters, args.rounds)
