@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script sent to the GPU machine (see /work/.library/device/README.md).
 #
-#   bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|nodes|all]...
+#   bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|nodes|host|all]...
 #   (default: all)
 #
 # Steps run in the order given; `all` = build test sanitize python bench. `python` builds the
@@ -239,6 +239,21 @@ step_trace() {
   return "$rc"
 }
 
+# ---- host -----------------------------------------------------------------------------------
+# The host's share of an op (bench/bench_launch.cu, then bench/bench_host.py with the python
+# step's package): microseconds per call of the C++ entry's pieces and of each Python layer, two
+# ranks (sharing a GPU on a one-GPU machine). Output to stdout and $OUT/host.log.
+step_host() {
+  local rc=0
+  [[ -x "$BUILD/bench/bench_launch" ]] || { log "no $BUILD/bench/bench_launch"; return 1; }
+  {
+    timeout 120 "$BUILD/mkrun" -n 2 -- "$BUILD/bench/bench_launch" || rc=1
+    timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+      "$REPO/bench/bench_host.py" || rc=1
+  } 2>&1 | tee "$OUT/host.log"
+  return "$rc"
+}
+
 # ---- nodes ----------------------------------------------------------------------------------
 # Issue 8 across virtual nodes on this host, through the users' front: every fused kernel's check
 # on NODES_COUNT (2) virtual nodes of the GPUs here (bench/run.sh with MKERNEL_VIRTUAL_NODES=1,
@@ -290,8 +305,8 @@ plan=()
 for s in "${steps[@]}"; do
   case "$s" in
     all) plan+=(build test sanitize python bench) ;;
-    build | test | sanitize | python | bench | compare | trace | nodes) plan+=("$s") ;;
-    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|nodes|all]..." >&2; exit 2 ;;
+    build | test | sanitize | python | bench | compare | trace | nodes | host) plan+=("$s") ;;
+    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|nodes|host|all]..." >&2; exit 2 ;;
   esac
 done
 
@@ -312,6 +327,7 @@ for s in "${plan[@]}"; do
     compare) step_compare ;;
     trace) step_trace ;;
     nodes) step_nodes ;;
+    host) step_host ;;
   esac
   rc=$?
   case "$rc" in
