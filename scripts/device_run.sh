@@ -246,11 +246,11 @@ step_trace() {
 step_host() {
   local rc=0
   [[ -x "$BUILD/bench/bench_launch" ]] || { log "no $BUILD/bench/bench_launch"; return 1; }
-  {
-    timeout 120 "$BUILD/mkrun" -n 2 -- "$BUILD/bench/bench_launch" || rc=1
-    timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-      "$REPO/bench/bench_host.py" || rc=1
-  } 2>&1 | tee "$OUT/host.log"
+  timeout 120 "$BUILD/mkrun" -n 2 -- "$BUILD/bench/bench_launch" 2>&1 | tee "$OUT/host.log"
+  ((PIPESTATUS[0] == 0)) || rc=1
+  timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+    "$REPO/bench/bench_host.py" 2>&1 | tee -a "$OUT/host.log"
+  ((PIPESTATUS[0] == 0)) || rc=1
   return "$rc"
 }
 
