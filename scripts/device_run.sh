@@ -4,12 +4,13 @@
 #   bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|nodes|host|all]...
 #   (default: all)
 #
-# Steps run in the order given; `all` = build test sanitize python bench. `python` builds the
+# Steps run in the order given; `all` = build test sanitize python bench (`host`: the host time
+# per op, bench_launch + bench_host.py, after `python`). `python` builds the
 # package into $SITE (/tmp/site) and runs tests/python (scripts/python_gpu_test.sh); later steps
 # import it from there (the fused kernels' benchmarks need it). A failed step does not stop
 # the later ones; each ends with one line "== <step>: PASS|FAIL|SKIP (<s> s) ..." and the script
 # exits non-zero when any step failed. Logs go to $OUT (./out when $OUT is unset):
-#   build.log  test.log  topo.txt  sanitize.log  bench.log  nodes.log  and the benchmark JSON files
+#   build.log  test.log  topo.txt  sanitize.log  bench.log  nodes.log  host.log  and the JSON files
 # (at most 8 files come back from $OUT: JSON beyond that is packed into bench-json.tar.gz).
 #
 # That machine has nvcc, cmake, ninja and python3 with torch, and no internet. GoogleTest is taken
