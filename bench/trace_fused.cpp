@@ -5,6 +5,13 @@
 // change over the launch (ten time bins).
 //   mkrun -n 2 -- trace_fused [--kernel ag_gemm|gemm_rs|gemm_ar] [--shape MxNxK] [--iters 5]
 //                             [--csv FILE]
+//   trace_fused --ranks 2 [...]   the ranks as threads of this one process, on the GPUs present
+//                                 (rank r on GPU r % GPUs). On one GPU the ranks' kernels run side
+//                                 by side on half of its SMs each and their "peer" traffic stays
+//                                 in local memory: what it measures is the work inside the SM
+//                                 (epilogues, staging, the side threads' loads), not NVLink.
+//                                 (Separate processes on one GPU take turns: their timelines say
+//                                 nothing.)
 // As in bench_fused.py: gemm_rs / gemm_ar split K over the ranks (each holds K / world of it),
 // ag_gemm splits M (each rank holds M / world rows of A). --csv writes every
 // record (rank, cta, lane, ns since the launch's first record, event, argument), rank by rank.
@@ -15,6 +22,7 @@
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench_check.h"
@@ -32,6 +40,7 @@ struct Args {
   std::string kernel = "gemm_rs";
   int64_t m = 8192, n = 8192, k = 8192;
   int iters = 5;
+  int ranks = 0;  // > 0: this many ranks as threads of this process (else one rank, from mkrun)
   std::string csv;
 };
 
@@ -48,6 +57,8 @@ Args parse(int argc, char** argv) {
       }
     } else if (key == "--iters") {
       a.iters = std::atoi(v.c_str());
+    } else if (key == "--ranks") {
+      a.ranks = std::atoi(v.c_str());
     } else if (key == "--csv") {
       a.csv = v;
     } else {
@@ -216,12 +227,9 @@ void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double even
   }
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  const Args args = parse(argc, argv);
-  setenv("MKERNEL_TRACE", "1", 1);
-  auto comm = Communicator::create(bench::mkrun_rank(argv[0]));
+// One rank's launches and summary; `boot` is its bootstrap, its GPU already current.
+void run_rank(const Args& args, std::unique_ptr<Bootstrap> boot) {
+  auto comm = Communicator::create(std::move(boot));
   const int rank = comm->rank(), world = comm->world_size();
   const int64_t m = args.m, n = args.n;
   const bool rs = args.kernel == "gemm_rs", ag = args.kernel == "ag_gemm";
@@ -247,9 +255,12 @@ int main(int argc, char** argv) {
                              : rs ? gemm_rs_plan(*comm, m, n, k_local)
                                   : gemm_ar_plan(*comm, m, n, k_local);
   if (rank == 0) {
-    std::printf("%s %ldx%ldx%ld, world %d: %s\n", args.kernel.c_str(), m, n, args.k, world,
-                plan.describe().c_str());
+    std::printf("%s %ldx%ldx%ld, world %d%s: %s\n", args.kernel.c_str(), m, n, args.k, world,
+                args.ranks > 0 ? " (threads of one process)" : "", plan.describe().c_str());
   }
+  // The trace buffer is allocated before any launch: ranks sharing a GPU in one process must not
+  // allocate while a peer's kernel may already run (mkernel/communicator.h).
+  trace_arm(plan.ctas, stream);
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
@@ -284,5 +295,27 @@ int main(int argc, char** argv) {
     if (csv != nullptr) std::fclose(csv);
   }
   comm->bootstrap().barrier();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = parse(argc, argv);
+  setenv("MKERNEL_TRACE", "1", 1);
+  if (args.ranks <= 0) {
+    run_rank(args, bench::mkrun_rank(argv[0]));
+    return 0;
+  }
+  int gpus = 0;
+  CK(cudaGetDeviceCount(&gpus));
+  InProcessGroup group(args.ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < args.ranks; ++r) {
+    threads.emplace_back([&, r] {
+      CK(cudaSetDevice(r % gpus));
+      run_rank(args, group.bootstrap(r));
+    });
+  }
+  for (auto& t : threads) t.join();
   return 0;
 }

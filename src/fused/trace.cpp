@@ -11,15 +11,20 @@
 namespace mk::fused {
 namespace {
 
+// One per host thread: ranks driven by threads of one process (InProcessGroup) each trace their
+// own launches.
 struct TraceState {
   std::mutex mutex;
   uint64_t* buffer = nullptr;
   std::size_t words = 0;
   int ctas = 0;
+  ~TraceState() {
+    if (buffer != nullptr) cudaFree(buffer);  // (an error at process exit is of no interest)
+  }
 };
 
 TraceState& state() {
-  static TraceState s;
+  thread_local TraceState s;
   return s;
 }
 

@@ -37,8 +37,8 @@ enum TraceEvent : uint32_t {
 };
 
 // Host: the buffer for the next launch of a fused kernel on `stream` with `ctas` CTAs, zeroed on
-// that stream; nullptr unless the environment has MKERNEL_TRACE (not "0"). One buffer per
-// process (grown as needed): a trace holds the last armed launch only.
+// that stream; nullptr unless the environment has MKERNEL_TRACE (not "0"). One buffer per host
+// thread (grown as needed): a trace holds the thread's last armed launch only.
 uint64_t* trace_arm(int ctas, cudaStream_t stream);
 
 // Host: the last armed launch's records (synchronises the device); `ctas` receives its CTA count.
