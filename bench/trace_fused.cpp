@@ -84,6 +84,7 @@ using Lane = std::vector<Record>;
 struct Totals {  // microseconds summed over consumer lanes (or side lanes)
   double mainloop = 0, remote_epilogue = 0, own_wait = 0, own_epilogue = 0, after_done = 0;
   double own_add = 0;       // part of own_epilogue: adding the partials
+  double slot_wait = 0;     // part of remote_epilogue: waiting for a free outbox slot
   double operand_wait = 0;  // producer (ag_gemm): waiting for a peer's rows
   int operand_waits = 0;
   double side_busy = 0;
@@ -142,6 +143,10 @@ void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double even
             bin_add(b_main, prev_end, begin, span);
             break;
           case kTraceWaited:
+            if (remote) {  // the outbox slot is free (part of the peer's-tile epilogue)
+              tot.slot_wait += r.us - begin;
+              break;
+            }
             waited = r.us;
             tot.own_wait += waited - begin;
             bin_add(b_wait, begin, waited, span);
@@ -197,19 +202,19 @@ void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double even
       "rank %d: launch %.1f us by the trace (%.1f us by CUDA events), %d CTAs\n"
       "  consumer time: mainloop %.1f%%, peers' tiles' epilogues %.1f%%, waits for partials "
       "%.1f%%, own epilogues %.1f%%, idle after the last tile %.1f%%\n"
-      "  per tile (us): mainloop %.2f, peer's-tile epilogue %.2f (%d), own wait %.2f + epilogue "
-      "%.2f (%d; adding the partials %.2f of it)\n"
+      "  per tile (us): mainloop %.2f, peer's-tile epilogue %.2f (%d; waiting for an outbox slot "
+      "%.2f of it), own wait %.2f + epilogue %.2f (%d; adding the partials %.2f of it)\n"
       "  last tile done (us): first CTA %.1f, median %.1f, last %.1f\n"
       "  side threads: %d items, %.2f us each, busy %.1f%% of the launch\n",
       rank, span, event_ms * 1e3, ctas, pct(tot.mainloop), pct(tot.remote_epilogue),
       pct(tot.own_wait), pct(tot.own_epilogue), pct(tot.after_done),
       tot.mainloop / std::max(1, tot.remote_tiles + tot.own_tiles),
       tot.remote_epilogue / std::max(1, tot.remote_tiles), tot.remote_tiles,
-      tot.own_wait / std::max(1, tot.own_tiles), tot.own_epilogue / std::max(1, tot.own_tiles),
-      tot.own_tiles, tot.own_add / std::max(1, tot.own_tiles),
-      done_at.empty() ? 0 : done_at.front(), done_at.empty() ? 0 : done_at[done_at.size() / 2],
-      done_at.empty() ? 0 : done_at.back(), tot.items, tot.side_busy / std::max(1, tot.items),
-      100.0 * tot.side_busy / (ctas * span));
+      tot.slot_wait / std::max(1, tot.remote_tiles), tot.own_wait / std::max(1, tot.own_tiles),
+      tot.own_epilogue / std::max(1, tot.own_tiles), tot.own_tiles,
+      tot.own_add / std::max(1, tot.own_tiles), done_at.empty() ? 0 : done_at.front(),
+      done_at.empty() ? 0 : done_at[done_at.size() / 2], done_at.empty() ? 0 : done_at.back(),
+      tot.items, tot.side_busy / std::max(1, tot.items), 100.0 * tot.side_busy / (ctas * span));
   if (tot.operand_waits > 0) {
     std::printf(
         "  producer: waited for peers' rows %.2f us per peer tile (%d), %.1f%% of the "

@@ -46,6 +46,7 @@ inline int sm_budget(const PlanContext& ctx, int requested, const char* op) {
 //   MKERNEL_OUTBOX      partials leave through the producer's side threads (partials.cuh)
 //   MKERNEL_INTERLEAVE  reducing kernels interleave peers' and own tiles (reduce_order.h)
 //   MKERNEL_TMA_PARTIALS  gemm_rs's producer loads the peer's partials for the epilogue
+//   MKERNEL_TMA_STAGING   outbox slices are staged by TMA stores (partials.cuh, stage_chunks)
 inline bool switch_on(const char* variable) {
   const char* v = std::getenv(variable);
   return v == nullptr || std::string(v) != "0";
@@ -53,6 +54,7 @@ inline bool switch_on(const char* variable) {
 inline bool outbox_enabled() { return switch_on("MKERNEL_OUTBOX"); }
 inline bool interleave_enabled() { return switch_on("MKERNEL_INTERLEAVE"); }
 inline bool tma_partials_enabled() { return switch_on("MKERNEL_TMA_PARTIALS"); }
+inline bool tma_staging_enabled() { return switch_on("MKERNEL_TMA_STAGING"); }
 // FusedGemmConfig::bf16_partials, unless MKERNEL_BF16_PARTIALS says "1" (on) or "0" (off).
 inline bool bf16_partials_requested(const FusedGemmConfig& config) {
   const char* v = std::getenv("MKERNEL_BF16_PARTIALS");

@@ -104,6 +104,10 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
   // must exist (S >= 128, N >= block_n) for the tensor map to have its 64-row boxes.
   p.tma_partials = world == 2 && !p.bf16_partials && !p.pingpong && fused::tma_partials_enabled() &&
                    (64 * n) % p.block_n == 0 && p.shard_rows >= 128 && n >= p.block_n;
+  // fp32 partials through the outbox: staged by TMA stores into the output footprints of whole
+  // own tiles (gemm_rs.cuh, store_staged_chunk) - the outbox needs such tiles anyway.
+  p.tma_staging = world > 1 && !p.bf16_partials && fused::outbox_enabled() &&
+                  fused::tma_staging_enabled() && p.shard_rows >= 128 && n >= p.block_n;
   p.lag = -1;
   const int waves = p.pingpong ? 4 : 2;
   if (world > 1 && fused::outbox_enabled() && fused::interleave_enabled() &&
@@ -137,6 +141,8 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   if (p.tma_partials) {
     f.partials = gemm_engine::make_map_fp32(workspace, p.shard_rows * n / kBlockN, kBlockN, 64);
   }
+  f.tma_staging = p.tma_staging;
+  if (p.tma_staging) f.staging = gemm_engine::make_map_fp32_row_pairs(out, p.shard_rows, n);
   f.out_local = static_cast<__nv_bfloat16*>(out);
   f.outbox = fused::outbox_enabled();
   f.shard_rows = static_cast<int>(p.shard_rows);

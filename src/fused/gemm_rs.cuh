@@ -46,6 +46,7 @@ struct GemmRsFusion {
   CUtensorMap a;                             // A_r as [world][S][K_r], boxes 128 x 64 x 1
   CUtensorMap out;                           // this rank's output [S][N] bf16, boxes 64 x 64
   CUtensorMap partials;  // tma_partials: my_accum as [S * N / kBlockN][kBlockN] fp32, boxes 64 x 32
+  CUtensorMap staging;   // tma_staging: the output's row pairs as fp32 (make_map_fp32_row_pairs)
   float* accum_peers[kMaxLocalRanks];  // each local rank's accumulator [S][N] fp32, mapped here
   DeviceComm comm;
   float* my_accum;           // this rank's accumulator (local address)
@@ -55,6 +56,7 @@ struct GemmRsFusion {
                        // adding it - plain NVLink writes, no remote read-modify-write
   bool bf16_partials;  // (single_peer only) partials travel and wait as bf16
   bool tma_partials;   // (single_peer, fp32) whole own tiles' partials come through the ring
+  bool tma_staging;    // (fp32) outbox slots are filled by TMA stores (partials.cuh, stage_chunks)
   int shard_rows;      // S
   int n;
   gemm_engine::GroupedRaster raster;  // tiles of one shard
@@ -156,10 +158,14 @@ struct GemmRsFusion {
   }
   // Footprints the CTA's 2 x slots staging slots take.
   __device__ int staging_footprints(int slots) const { return bf16_partials ? slots : 2 * slots; }
-  // Staging slot k of the CTA (k = consumer * slots + slot), as 32-bit words (words() wide).
-  __device__ PartialAt staging_at(int k) const {
+  // Staging slot k of the CTA (k = consumer * slots + slot), as 32-bit words (words() wide), in
+  // the footprint `own` = staging_footprint(k).
+  __device__ gemm_engine::Tile staging_footprint(int k) const {
     gemm_engine::Tile own;
     footprints(bf16_partials ? k / 2 : k, own);
+    return own;
+  }
+  __device__ PartialAt staging_at(int k, const gemm_engine::Tile& own) const {
     if (!bf16_partials) return footprint_at(own);
     __nv_bfloat16* base =
         out_local + (static_cast<int64_t>(own.m) * 128 + (k % 2) * 64) * n + own.n * kBlockN;
@@ -168,6 +174,14 @@ struct GemmRsFusion {
   __device__ PartialAt footprint_at(const gemm_engine::Tile& own) const {
     __nv_bfloat16* base = out_local + static_cast<int64_t>(own.m) * 128 * n + own.n * kBlockN;
     return {reinterpret_cast<float*>(base), n, reinterpret_cast<float*>(base + n), n, kBlockN / 2};
+  }
+  // Thread 0, tma_staging: the TMA store of a slice's 32-column chunk j into the fp32 slot of
+  // the footprint whose first column and row pair in `staging` are x0 = own.n * kBlockN / 2 and
+  // pair0 = own.m * 64 (footprint_at's layout: columns < kBlockN / 2 in the even output rows, the
+  // rest in the odd ones - as `staging` sees them, row pairs and halves).
+  __device__ void store_staged_chunk(int x0, int pair0, const uint8_t* buf, int j) const {
+    const int col = 32 * j, half = col >= kBlockN / 2 ? 1 : 0;
+    dev::tma_store_3d(&staging, buf, x0 + col - half * (kBlockN / 2), half, pair0);
   }
 
   // Per consumer warpgroup: bookkeeping between epilogues (thread 0's, and the outbox cursor).
@@ -219,14 +233,25 @@ struct GemmRsFusion {
     if (tile.shard != comm.rank && slots > 0) {  // one item per remote tile, even if empty
       const int owner = tile.shard;              // one node: global rank = local rank
       const int width = words(slice_width(tile.n));
+      const int k = consumer * slots + pending.outbox.slot();
+      const gemm_engine::Tile own = staging_footprint(k);
       OutboxItem item{};
-      item.src = staging_at(consumer * slots + pending.outbox.slot());
+      item.src = staging_at(k, own);
       item.at = PartialAt::block(slice_words(accum_peers[owner], tile.m, tile.n, half), width);
       item.rows = max(0, min(64, shard_rows - row0));
       item.width = width;
       item.owner = owner;
       item.signal = slot(tile, half);
-      outbox_post(acc, consumer, pending.outbox, item, bf16_partials);
+      if (tma_staging && !bf16_partials) {
+        const int x0 = own.n * (kBlockN / 2), pair0 = own.m * 64;
+        outbox_post(
+            acc, consumer, pending.outbox, item, false, scratch,
+            [this, x0, pair0](const uint8_t* buf, int j) { store_staged_chunk(x0, pair0, buf, j); },
+            trace);
+      } else {
+        outbox_post(acc, consumer, pending.outbox, item, bf16_partials, nullptr, NoChunkStore{},
+                    trace);
+      }
       return;
     }
     if (tile.shard != comm.rank) {

@@ -437,19 +437,82 @@ __device__ __forceinline__ void outbox_enqueue(const OutboxItem& item) {
   dev::mbarrier_arrive(&box.full[p]);
 }
 
+// The fp32 slice (columns < width) staged by TMA: 32-column chunks are transposed through the
+// consumer's two 64 x 32 fp32 scratch buffers (128-byte swizzle, as send_slice's), and thread 0
+// stores chunk j with store_chunk(buf, j) - a TMA store of the box into the staging slot, issued
+// and committed as one bulk group. The epilogue's own 8-byte global stores of a 64 KiB slice
+// took ~9 us at 128 x 256 beside the GEMM (trace, H200, 2026-12-01); these are shared-memory
+// stores and an asynchronous copy. All 128 threads of the consumer call; the stores are in flight
+// on return (thread 0's bulk groups).
+template <int kRegs, class StoreChunk>
+__device__ __forceinline__ void stage_chunks(const float (&acc)[kRegs], int consumer,
+                                             uint8_t* scratch, int width,
+                                             const StoreChunk& store_chunk) {
+  constexpr int kChunks = kRegs / 16;  // 32 columns = 4 column blocks of 4 registers
+  constexpr int kChunkBytes = 64 * 32 * 4;
+  const int t = threadIdx.x % 128;
+  const int r = (t / 32) * 16 + (t % 32) / 4;
+  const int barrier = 1 + consumer;
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    if (32 * j >= width) break;
+    uint8_t* buf = scratch + (j % 2) * kChunkBytes;
+    if (t == 0) {  // the store that last read buf is done (for chunk 0: any earlier one)
+      if (j == 0) {
+        dev::bulk_wait_group_read<0>();
+      } else {
+        dev::bulk_wait_group_read<1>();
+      }
+    }
+    dev::named_barrier_sync(barrier, 128);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const float* v = &acc[16 * j + 4 * b];
+      const int unit = 2 * b + (t % 4) / 2;  // 16-byte unit of the 128-byte row
+      const int offset = 8 * (t % 2);
+      st_shared_f32x2(buf + r * 128 + ((unit ^ (r % 8)) * 16) + offset, v[0], v[1]);
+      st_shared_f32x2(buf + (r + 8) * 128 + ((unit ^ ((r + 8) % 8)) * 16) + offset, v[2], v[3]);
+    }
+    dev::fence_proxy_async_shared();
+    dev::named_barrier_sync(barrier, 128);
+    if (t == 0) {
+      store_chunk(buf, j);
+      dev::bulk_commit_group();
+    }
+  }
+}
+
+// outbox_post's staging by TMA (stage_chunks): the consumer's scratch buffers and the store of
+// one chunk; a null scratch stages with global stores.
+struct NoChunkStore {
+  __device__ void operator()(const uint8_t*, int) const {}
+};
+
 // All 128 threads of a consumer: waits for its staging slot cursor.slot() to be free, writes the
 // slice into item.src (rows < item.rows, columns < item.width) and posts the item; rows 0 posts
 // an item without data. `bf16`: the slice is staged as bf16 pairs, one 32-bit word per two
 // columns, and item.width counts those words (the side threads copy words either way).
-template <int kRegs>
+// `scratch` (fp32 only): stage by TMA - store_chunk(buf, j) stores chunk j (columns 32 j ..)
+// into item.src's slot (stage_chunks); thread 0 waits for the stores to land before the post.
+// `trace`: the timeline (the slot free: kTraceWaited), or null.
+template <int kRegs, class StoreChunk = NoChunkStore>
 __device__ __forceinline__ void outbox_post(const float (&acc)[kRegs], int consumer,
                                             OutboxCursor& cursor, const OutboxItem& item,
-                                            bool bf16 = false) {
+                                            bool bf16 = false, uint8_t* scratch = nullptr,
+                                            const StoreChunk& store_chunk = {},
+                                            uint64_t* trace = nullptr) {
   OutboxShared& box = outbox_shared();
   const int s = cursor.slot();
   dev::mbarrier_wait(&box.staged[consumer][s], cursor.parity() ^ 1);  // first lap at once
   const int t = threadIdx.x % 128;
-  if (item.rows > 0 && bf16) {
+  if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceWaited, 1);
+  if (item.rows > 0 && !bf16 && scratch != nullptr) {
+    stage_chunks(acc, consumer, scratch, item.width, store_chunk);
+    if (t == 0) {  // landed, and visible to the side threads' generic loads
+      dev::bulk_wait_group<0>();
+      dev::fence_proxy_async_global();
+    }
+  } else if (item.rows > 0 && bf16) {
     const int r = (t / 32) * 16 + (t % 32) / 4, w = t % 4;
 #pragma unroll
     for (int b = 0; b < kRegs / 4; ++b) {

@@ -58,6 +58,15 @@ CUtensorMap gemm_engine::make_map_fp32(void* base, int64_t rows, int64_t cols, i
   return encode(base, 2, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
 }
 
+CUtensorMap gemm_engine::make_map_fp32_row_pairs(void* base, int64_t rows, int64_t cols) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols / 2), 2,
+                              static_cast<cuuint64_t>(rows / 2)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 2,
+                                 static_cast<cuuint64_t>(cols) * 4};
+  const cuuint32_t box[3] = {32, 1, 64};
+  return encode(base, 3, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
+}
+
 CUtensorMap gemm_engine::make_map_3d(const void* base, int64_t batches, int64_t rows, int64_t cols,
                                      int box_rows) {
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),

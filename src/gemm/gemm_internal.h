@@ -16,6 +16,10 @@ namespace gemm_engine {
 CUtensorMap make_map(const void* base, int64_t rows, int64_t cols, int box_rows);
 // fp32 [rows, cols] row-major, boxes of [box_rows, 32 cols] (128 bytes), 128-byte swizzle.
 CUtensorMap make_map_fp32(void* base, int64_t rows, int64_t cols, int box_rows);
+// A bf16 [rows, cols] row-major matrix (cols a multiple of 8) seen as fp32 row pairs: row pair p,
+// half h (0: row 2p, 1: row 2p + 1), fp32 column c - a box of [64 pairs, one half, 32 columns]
+// is 64 rows of 128 bytes, 128-byte swizzle (the outbox's staging slots in gemm_rs's output).
+CUtensorMap make_map_fp32_row_pairs(void* base, int64_t rows, int64_t cols);
 // The same over [batches, rows, cols] (boxes of one batch): rows clip at each batch's end.
 CUtensorMap make_map_3d(const void* base, int64_t batches, int64_t rows, int64_t cols,
                         int box_rows);

@@ -320,6 +320,35 @@ TEST(FusedPlans, GemmRsTmaPartials) {
   unsetenv("MKERNEL_TMA_PARTIALS");
 }
 
+// The outbox's fp32 staging by TMA stores: whenever fp32 partials go through the outbox (gemm_rs:
+// a whole own tile exists; gemm_ar: the plan has staging slots), any world size.
+TEST(FusedPlans, TmaStaging) {
+  const PlanContext ctx = h200(2);
+  const FusedGemmPlan rs = plan_gemm_rs(ctx, 8192, 8192, 4096, {});
+  EXPECT_TRUE(rs.tma_staging) << rs.describe();
+  EXPECT_NE(rs.describe().find("TMA staging"), std::string::npos) << rs.describe();
+  EXPECT_TRUE(plan_gemm_rs(h200(4), 8192, 8192, 2048, {}).tma_staging);  // peers add from it
+  EXPECT_FALSE(plan_gemm_rs(ctx, 2 * 100, 8192, 4096, {}).tma_staging);  // no whole own tile
+  FusedGemmConfig bf16;
+  bf16.bf16_partials = true;
+  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, bf16).tma_staging);
+  EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, bf16).tma_staging);
+  const FusedGemmPlan ar = plan_gemm_ar(ctx, 8192, 8192, 4096, {});
+  EXPECT_GT(ar.outbox_slots, 0) << ar.describe();
+  EXPECT_TRUE(ar.tma_staging) << ar.describe();
+  const FusedGemmPlan decode = plan_gemm_ar(ctx, 128, 8192, 4096, {});
+  EXPECT_EQ(decode.outbox_slots, 0) << decode.describe();  // no room for slots: the epilogue sends
+  EXPECT_FALSE(decode.tma_staging) << decode.describe();
+  setenv("MKERNEL_TMA_STAGING", "0", 1);
+  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).tma_staging);
+  EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).tma_staging);
+  unsetenv("MKERNEL_TMA_STAGING");
+  setenv("MKERNEL_OUTBOX", "0", 1);
+  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).tma_staging);
+  EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).tma_staging);
+  unsetenv("MKERNEL_OUTBOX");
+}
+
 TEST(FusedPlans, RejectWhatTheyCannotDo) {
   const PlanContext ctx = h200(2);
   auto message = [](auto fn) {
