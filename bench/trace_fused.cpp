@@ -311,6 +311,7 @@ int main(int argc, char** argv) {
     run_rank(args, bench::mkrun_rank(argv[0]));
     return 0;
   }
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);  // a queue per rank's stream (communicator.h)
   int gpus = 0;
   CK(cudaGetDeviceCount(&gpus));
   InProcessGroup group(args.ranks);

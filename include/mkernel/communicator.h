@@ -13,7 +13,11 @@
 // cudaFree, cudaMemset, ...) while a peer's kernel may already wait for its next launch: the GPU
 // would hold the rank's launch behind the waiting kernel until the time limit. Finish setup, then
 // meet (e.g. bootstrap().barrier()), then launch. Separate processes sharing a GPU are not
-// affected.
+// affected. The process's streams also share CUDA_DEVICE_MAX_CONNECTIONS hardware queues per GPU
+// (8 unless set before the first CUDA call): two streams in one queue run in order, so a rank's
+// launch or copy can wait behind a peer's persistent kernel that waits for it. Each rank uses its
+// own stream, plus two for copies on the socket path with device staging - with more than 8 in
+// all (8 ranks on a GPU, or 3 with device staging), set CUDA_DEVICE_MAX_CONNECTIONS=32.
 #pragma once
 
 #include <cuda_runtime_api.h>

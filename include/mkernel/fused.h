@@ -59,9 +59,9 @@ struct FusedGemmPlan {
   bool tma_partials = false;     // gemm_rs / gemm_ar, two ranks, fp32: the producer TMA-loads
                                  // the peer's partials of whole own tiles into the stage ring
                                  // for the epilogue (MKERNEL_TMA_PARTIALS=0 turns it off)
-  bool tma_staging = false;      // gemm_rs / gemm_ar with the outbox, fp32: a peer's slice is
-                                 // staged by TMA stores from shared memory, not by the
-                                 // epilogue's global stores (MKERNEL_TMA_STAGING=0 turns it off)
+  bool tma_staging = false;      // gemm_rs with the outbox, fp32: a peer's slice is staged by
+                                 // TMA stores from shared memory, not by the epilogue's global
+                                 // stores (MKERNEL_TMA_STAGING=0 turns it off)
   std::string describe() const;  // one line
 };
 

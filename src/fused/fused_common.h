@@ -46,7 +46,7 @@ inline int sm_budget(const PlanContext& ctx, int requested, const char* op) {
 //   MKERNEL_OUTBOX      partials leave through the producer's side threads (partials.cuh)
 //   MKERNEL_INTERLEAVE  reducing kernels interleave peers' and own tiles (reduce_order.h)
 //   MKERNEL_TMA_PARTIALS  gemm_rs's producer loads the peer's partials for the epilogue
-//   MKERNEL_TMA_STAGING   outbox slices are staged by TMA stores (partials.cuh, stage_chunks)
+//   MKERNEL_TMA_STAGING   gemm_rs stages outbox slices by TMA stores (partials.cuh, stage_chunks)
 inline bool switch_on(const char* variable) {
   const char* v = std::getenv(variable);
   return v == nullptr || std::string(v) != "0";

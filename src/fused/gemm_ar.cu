@@ -197,8 +197,6 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
   // tile must exist (M >= 128, N >= block_n) for the tensor maps to have their 64-row boxes.
   p.tma_partials = world == 2 && !p.bf16_partials && !p.pingpong && fused::tma_partials_enabled() &&
                    (64 * n) % p.block_n == 0 && m >= 128 && n >= p.block_n;
-  // fp32 partials through the outbox: staged by TMA stores (gemm_ar.cuh).
-  p.tma_staging = p.outbox_slots > 0 && !p.bf16_partials && fused::tma_staging_enabled();
   return p;
 }
 
@@ -233,18 +231,12 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   }
   f.slot_floats = std::min<int64_t>(64, m) * kBlockN;
   f.outbox_slots = p.outbox_slots;
-  f.tma_staging = p.tma_staging && p.staging_bytes > 0;
   f.trace = fused::trace_arm(p.ctas, stream);
   f.order = {topo.world_size, static_cast<int>(f.tiles_m * (f.tiles_n / topo.world_size)), p.lag};
   f.staging = p.staging_bytes == 0
                   ? nullptr
                   : reinterpret_cast<float*>(ws.host_peers[topo.local_rank] + ws.offset +
                                              (p.workspace_bytes - p.staging_bytes));
-  if (f.tma_staging) {
-    f.staging_map =
-        gemm_engine::make_map_fp32(f.staging, static_cast<int64_t>(p.staging_bytes / 4 / kBlockN),
-                                   kBlockN, static_cast<int>(std::min<int64_t>(64, m)));
-  }
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
   if constexpr (kBlockN == 128) {
     if (p.pingpong) {

@@ -49,8 +49,6 @@ struct GemmArFusion {
   CUtensorMap out;                           // this rank's C [M, N] bf16, boxes 64 x 64
   CUtensorMap partials_c;                    // tma_partials: C as fp32 [M][N / 2], boxes 64 x 32
   CUtensorMap partials_ws;  // tma_partials: the accumulator as fp32 [..][kBlockN / 2], 64 x 32
-  CUtensorMap staging_map;  // tma_staging: the slots as fp32 [..][kBlockN], boxes of a slot's
-                            // rows (slot_floats / kBlockN) x 32
   __nv_bfloat16* out_peers[kMaxLocalRanks];  // each local rank's C, mapped here
   float* accum_peers[kMaxLocalRanks];        // each local rank's accumulator, mapped here
   DeviceComm comm;
@@ -61,7 +59,6 @@ struct GemmArFusion {
   bool single_peer;    // two ranks: partials are stored (one per slice), not added
   bool bf16_partials;  // (single_peer only) partials travel as bf16, into the owner's C
   bool tma_partials;   // (single_peer, fp32) whole own tiles' partials come through the ring
-  bool tma_staging;    // (fp32) the outbox slots are filled by TMA stores (partials.cuh)
   float* staging;      // this rank's outbox slots, [CTA][consumer][slot][slot_floats]; or null
   int64_t slot_floats;
   int outbox_slots;   // per consumer, when staging is set
@@ -230,31 +227,17 @@ struct GemmArFusion {
     const int rows = min(64, m - row0), width = slice_width(tile);
     const int owner = tile.shard;                    // one node: global rank = local rank
     if (owner != comm.rank && staging != nullptr) {  // one item per remote tile, even if empty
-      const bool by_tma = tma_staging && !bf16_partials;
       OutboxItem item{};
-      // (by TMA: rows kBlockN floats apart, the tensor map's)
-      item.src = PartialAt::block(my_staging(consumer) + state.outbox.slot() * slot_floats,
-                                  by_tma ? kBlockN : words(width));
+      item.src =
+          PartialAt::block(my_staging(consumer) + state.outbox.slot() * slot_floats, words(width));
       item.at = slice_at(tile, half);
       item.rows = max(rows, 0);
       item.width = words(width);
       item.owner = owner;
       item.signal = slot(tile, half);
-      if (by_tma) {
-        const int slot_rows = static_cast<int>(slot_floats / kBlockN);
-        const int first_row =
-            ((static_cast<int>(blockIdx.x) * 2 + consumer) * outbox_slots + state.outbox.slot()) *
-            slot_rows;
-        outbox_post(
-            acc, consumer, state.outbox, item, false, scratch,
-            [this, first_row](const uint8_t* buf, int j) {
-              dev::tma_store_2d(&staging_map, buf, 32 * j, first_row);
-            },
-            trace);
-      } else {
-        outbox_post(acc, consumer, state.outbox, item, bf16_partials, nullptr, NoChunkStore{},
-                    trace);
-      }
+      // (Staged with plain stores: its slots are contiguous blocks, which these write in ~2 us
+      // per 64 KiB beside the GEMM; TMA staging, as gemm_rs's, took ~3: trace, H200, 2026-12-01.)
+      outbox_post(acc, consumer, state.outbox, item, bf16_partials, nullptr, NoChunkStore{}, trace);
       return;
     }
     if (row0 >= m) return;  // the slice lies below C (the last tile-row is partial)

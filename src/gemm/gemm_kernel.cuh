@@ -55,7 +55,9 @@
 
 namespace mk::gemm_engine {
 
-template <int kBlockN_>
+// kMaxStages: a cap on the stage ring below what fits (bench/bench_stages.cu measures what a
+// stage is worth; the library uses the default).
+template <int kBlockN_, int kMaxStages = 8>
 struct TileConfig {
   static constexpr int kBlockM = 128;       // 2 consumer warpgroups x 64 rows
   static constexpr int kBlockN = kBlockN_;  // 64, 128, 192 or 256
@@ -67,12 +69,13 @@ struct TileConfig {
   static constexpr int kStageBytes = kABytes + kBBytes;
   // Epilogue staging: per consumer, two 64 x 64 bf16 buffers (one filling while one is stored).
   static constexpr int kEpilogueBytes = kConsumers * 2 * 64 * 64 * 2;
-  // As many stages as fit (at most 8) next to the epilogue buffers, the barriers and the
-  // 1024 bytes spent aligning everything to the swizzle atom.
+  // As many stages as fit (at most kMaxStages) next to the epilogue buffers, the barriers and
+  // the 1024 bytes spent aligning everything to the swizzle atom.
   static constexpr int kSmemLimit = 227 * 1024;
-  static constexpr int kStages = (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes < 8
-                                     ? (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes
-                                     : 8;
+  static constexpr int kStages =
+      (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes < kMaxStages
+          ? (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes
+          : kMaxStages;
   // Barriers: full[kStages], empty[kStages] and the ping-pong schedule's turn[2].
   static constexpr int kSmemBytes =
       1024 + kStages * kStageBytes + kEpilogueBytes + (2 * kStages + 2) * 8;
@@ -456,8 +459,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (leader && k_iters > 0) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
       uint8_t* scratch = epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers);
       if constexpr (requires { fusion.epilogue_loads(tile); }) {
-        const EpilogueRing ring{smem,         full, empty, Cfg::kStageBytes, Cfg::kStages,
-                                it,           fusion.epilogue_loads(tile)};
+        const EpilogueRing ring{
+            smem, full, empty, Cfg::kStageBytes, Cfg::kStages, it, fusion.epilogue_loads(tile)};
         fusion.store(acc, tile, consumer, scratch, state, ring);
         it += ring.count;
       } else {

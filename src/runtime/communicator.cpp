@@ -319,6 +319,15 @@ std::string recorded_timeout(const detail::CommState& s) {
       << describe_value(read_signal(s, rec->signal, rec->peer)) << "); time limit "
       << s.timeout_seconds << " s (MKERNEL_TIMEOUT_S). Is rank " << rec->peer
       << " alive and issuing the same operations in the same order?";
+  const int peer = rec->peer;
+  if (s.topo.ranks_on_my_device > 1 && peer >= 0 && peer < s.topo.world_size &&
+      s.topo.same_process[peer]) {
+    const char* queues = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    msg << " (Ranks sharing a GPU in one process: their streams share CUDA_DEVICE_MAX_CONNECTIONS"
+        << " hardware queues, " << (queues != nullptr ? queues : "8 - unset")
+        << " here, and a launch queued behind a peer's waiting kernel never starts; set it to 32"
+        << " before the first CUDA call - mkernel/communicator.h.)";
+  }
   return msg.str();
 }
 

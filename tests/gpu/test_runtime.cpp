@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <latch>
 
 #include "collective_checks.h"
@@ -297,6 +298,10 @@ TEST(LaunchedRuntime, GraphReplays1000Times) {
 }  // namespace mk::test
 
 int main(int argc, char** argv) {
+  // Up to 8 in-process ranks share a GPU here, each with its stream and, across virtual nodes with
+  // device staging, two copy streams: hardware queues of their own for all of them, or a launch
+  // can queue behind a peer's waiting kernel (mkernel/communicator.h). Before any CUDA call.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }
