@@ -237,7 +237,7 @@ struct GemmArFusion {
       item.signal = slot(tile, half);
       // (Staged with plain stores: its slots are contiguous blocks, which these write in ~2 us
       // per 64 KiB beside the GEMM; TMA staging, as gemm_rs's, took ~3: trace, H200, 2026-12-01.)
-      outbox_post(acc, consumer, state.outbox, item, bf16_partials, nullptr, NoChunkStore{}, trace);
+      outbox_post(acc, consumer, state.outbox, item, bf16_partials, trace);
       return;
     }
     if (row0 >= m) return;  // the slice lies below C (the last tile-row is partial)

@@ -135,19 +135,40 @@ struct GemmRsFusion {
   // one fp32 slot (64 x kBlockN fp32: slot row r = output rows 2r and 2r + 1), or two bf16 slots
   // (output rows 0-63 and 64-127).
   // footprints(): the whole (not clipped) own tiles of this CTA, last first - how many there
-  // are (up to 2 x kMaxOutboxSlots), and the k-th of them in `found`.
-  __device__ int footprints(int k, gemm_engine::Tile& found) const {
+  // are (up to 2 x kMaxOutboxSlots), and the k-th of them (its m and n) in `found`. Found once per
+  // CTA (init_shared) and kept in shared memory: every peer's-tile epilogue asks.
+  struct Footprints {
+    int count;
+    int m[2 * kMaxOutboxSlots];
+    int n[2 * kMaxOutboxSlots];
+  };
+  __device__ static Footprints& footprint_list() {
+    __shared__ Footprints list;
+    return list;
+  }
+  __device__ void find_footprints() const {
+    Footprints& list = footprint_list();
     const int last = num_tiles() - 1 -
                      (num_tiles() - 1 - static_cast<int>(blockIdx.x)) % static_cast<int>(gridDim.x);
-    int count = 0;
-    for (int t = last; t > order.last_remote() && count < 2 * kMaxOutboxSlots; t -= gridDim.x) {
+    list.count = 0;
+    for (int t = last; t > order.last_remote() && list.count < 2 * kMaxOutboxSlots;
+         t -= gridDim.x) {
       const gemm_engine::Tile own = tile(t);
       if (own.m * 128 + 128 <= shard_rows && (own.n + 1) * kBlockN <= n) {
-        if (count == k) found = own;
-        ++count;
+        list.m[list.count] = own.m;
+        list.n[list.count] = own.n;
+        ++list.count;
       }
     }
-    return count;
+  }
+  __device__ int footprints(int k, gemm_engine::Tile& found) const {
+    const Footprints& list = footprint_list();
+    if (k < list.count) {
+      found.m = list.m[k];
+      found.n = list.n[k];
+      found.shard = comm.rank;
+    }
+    return list.count;
   }
   // Outbox slots per consumer of this CTA: 0 (the epilogue sends), 1 or 2. None for a CTA of one
   // tile: it has nothing to send ahead of, and under ping-pong its second warpgroup gets no tile,
@@ -196,6 +217,7 @@ struct GemmRsFusion {
   __device__ void init_shared() const {
     outbox_init();
     trace_init();
+    find_footprints();
   }
 
   // This rank's accumulator slice of an own tile: one contiguous block (rows 0: below the shard).
@@ -234,23 +256,26 @@ struct GemmRsFusion {
       const int owner = tile.shard;              // one node: global rank = local rank
       const int width = words(slice_width(tile.n));
       const int k = consumer * slots + pending.outbox.slot();
-      const gemm_engine::Tile own = staging_footprint(k);
-      OutboxItem item{};
-      item.src = staging_at(k, own);
-      item.at = PartialAt::block(slice_words(accum_peers[owner], tile.m, tile.n, half), width);
-      item.rows = max(0, min(64, shard_rows - row0));
-      item.width = width;
-      item.owner = owner;
-      item.signal = slot(tile, half);
+      const int rows = max(0, min(64, shard_rows - row0));
+      auto make_item = [&] {
+        OutboxItem item{};
+        item.src = staging_at(k, staging_footprint(k));
+        item.at = PartialAt::block(slice_words(accum_peers[owner], tile.m, tile.n, half), width);
+        item.rows = rows;
+        item.width = width;
+        item.owner = owner;
+        item.signal = slot(tile, half);
+        return item;
+      };
       if (tma_staging && !bf16_partials) {
+        const gemm_engine::Tile own = staging_footprint(k);
         const int x0 = own.n * (kBlockN / 2), pair0 = own.m * 64;
-        outbox_post(
-            acc, consumer, pending.outbox, item, false, scratch,
+        outbox_post_by_tma(
+            acc, consumer, pending.outbox, rows > 0, width, scratch,
             [this, x0, pair0](const uint8_t* buf, int j) { store_staged_chunk(x0, pair0, buf, j); },
-            trace);
+            make_item, trace);
       } else {
-        outbox_post(acc, consumer, pending.outbox, item, bf16_partials, nullptr, NoChunkStore{},
-                    trace);
+        outbox_post(acc, consumer, pending.outbox, make_item(), bf16_partials, trace);
       }
       return;
     }
@@ -300,7 +325,8 @@ struct GemmRsFusion {
         if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
       }
     }
-    for (int k = 0; k < staging_footprints(slots); ++k) {  // a staging footprint: wait till free
+    // A staging footprint (only after the last remote position): wait till the outbox is free.
+    for (int k = 0; tile.position > order.last_remote() && k < staging_footprints(slots); ++k) {
       gemm_engine::Tile staging_tile;
       footprints(k, staging_tile);
       if (staging_tile.m == tile.m && staging_tile.n == tile.n) {

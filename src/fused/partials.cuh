@@ -482,37 +482,36 @@ __device__ __forceinline__ void stage_chunks(const float (&acc)[kRegs], int cons
   }
 }
 
-// outbox_post's staging by TMA (stage_chunks): the consumer's scratch buffers and the store of
-// one chunk; a null scratch stages with global stores.
-struct NoChunkStore {
-  __device__ void operator()(const uint8_t*, int) const {}
-};
+// All 128 threads of a consumer: waits until its staging slot cursor.slot() is free and returns
+// it (`trace`: the timeline - the slot free is kTraceWaited - or null).
+__device__ __forceinline__ int outbox_wait_slot(int consumer, const OutboxCursor& cursor,
+                                                uint64_t* trace) {
+  const int s = cursor.slot();
+  dev::mbarrier_wait(&outbox_shared().staged[consumer][s],
+                     cursor.parity() ^ 1);  // 1st lap: at once
+  if (threadIdx.x % 128 == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceWaited, 1);
+  return s;
+}
+
+// Thread 0 of a consumer: posts `item` staged in slot s.
+__device__ __forceinline__ void outbox_post_staged(int consumer, int s, const OutboxItem& item) {
+  OutboxItem posted = item;
+  posted.consumer = consumer;
+  posted.staged = s;
+  outbox_enqueue(posted);
+}
 
 // All 128 threads of a consumer: waits for its staging slot cursor.slot() to be free, writes the
 // slice into item.src (rows < item.rows, columns < item.width) and posts the item; rows 0 posts
 // an item without data. `bf16`: the slice is staged as bf16 pairs, one 32-bit word per two
 // columns, and item.width counts those words (the side threads copy words either way).
-// `scratch` (fp32 only): stage by TMA - store_chunk(buf, j) stores chunk j (columns 32 j ..)
-// into item.src's slot (stage_chunks); thread 0 waits for the stores to land before the post.
-// `trace`: the timeline (the slot free: kTraceWaited), or null.
-template <int kRegs, class StoreChunk = NoChunkStore>
+template <int kRegs>
 __device__ __forceinline__ void outbox_post(const float (&acc)[kRegs], int consumer,
                                             OutboxCursor& cursor, const OutboxItem& item,
-                                            bool bf16 = false, uint8_t* scratch = nullptr,
-                                            const StoreChunk& store_chunk = {},
-                                            uint64_t* trace = nullptr) {
-  OutboxShared& box = outbox_shared();
-  const int s = cursor.slot();
-  dev::mbarrier_wait(&box.staged[consumer][s], cursor.parity() ^ 1);  // first lap at once
+                                            bool bf16 = false, uint64_t* trace = nullptr) {
+  const int s = outbox_wait_slot(consumer, cursor, trace);
   const int t = threadIdx.x % 128;
-  if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceWaited, 1);
-  if (item.rows > 0 && !bf16 && scratch != nullptr) {
-    stage_chunks(acc, consumer, scratch, item.width, store_chunk);
-    if (t == 0) {  // landed, and visible to the side threads' generic loads
-      dev::bulk_wait_group<0>();
-      dev::fence_proxy_async_global();
-    }
-  } else if (item.rows > 0 && bf16) {
+  if (item.rows > 0 && bf16) {
     const int r = (t / 32) * 16 + (t % 32) / 4, w = t % 4;
 #pragma unroll
     for (int b = 0; b < kRegs / 4; ++b) {
@@ -545,11 +544,27 @@ __device__ __forceinline__ void outbox_post(const float (&acc)[kRegs], int consu
     }
   }
   dev::named_barrier_sync(1 + consumer, 128);  // every thread's staging writes, before the post
-  if (t == 0) {
-    OutboxItem posted = item;
-    posted.consumer = consumer;
-    posted.staged = s;
-    outbox_enqueue(posted);
+  if (t == 0) outbox_post_staged(consumer, s, item);
+  ++cursor.next;
+}
+
+// outbox_post for an fp32 slice staged by TMA (stage_chunks: store_chunk(buf, j) stores chunk j,
+// columns 32 j .., into the slot): thread 0 waits for its stores to land, then posts
+// make_item() - built by that thread only, so that the consumers hold no item while they stage.
+// `has_data` false: an item without data (rows 0).
+template <int kRegs, class StoreChunk, class MakeItem>
+__device__ __forceinline__ void outbox_post_by_tma(const float (&acc)[kRegs], int consumer,
+                                                   OutboxCursor& cursor, bool has_data, int width,
+                                                   uint8_t* scratch, const StoreChunk& store_chunk,
+                                                   const MakeItem& make_item, uint64_t* trace) {
+  const int s = outbox_wait_slot(consumer, cursor, trace);
+  if (has_data) stage_chunks(acc, consumer, scratch, width, store_chunk);
+  if (threadIdx.x % 128 == 0) {
+    if (has_data) {  // landed, and visible to the side threads' generic loads
+      dev::bulk_wait_group<0>();
+      dev::fence_proxy_async_global();
+    }
+    outbox_post_staged(consumer, s, make_item());
   }
   ++cursor.next;
 }
