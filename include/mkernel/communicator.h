@@ -17,7 +17,9 @@
 // (8 unless set before the first CUDA call): two streams in one queue run in order, so a rank's
 // launch or copy can wait behind a peer's persistent kernel that waits for it. Each rank uses its
 // own stream, plus two for copies on the socket path with device staging - with more than 8 in
-// all (8 ranks on a GPU, or 3 with device staging), set CUDA_DEVICE_MAX_CONNECTIONS=32.
+// all (8 ranks on a GPU, or 3 with device staging), set CUDA_DEVICE_MAX_CONNECTIONS=32. Likewise
+// upload CUDA graphs (cudaGraphUpload) before meeting: a first launch's upload can queue behind a
+// peer's waiting kernel too.
 #pragma once
 
 #include <cuda_runtime_api.h>

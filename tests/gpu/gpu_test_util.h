@@ -46,6 +46,17 @@ inline std::string gpu_skip_reason() {
     if (!reason_.empty()) GTEST_SKIP() << reason_;             \
   } while (0)
 
+// `graph` instantiated and uploaded (on `stream`, waited for), so that its first launch has no
+// work of its own. Ranks sharing a GPU in one process prepare their graphs before they meet: a
+// first launch's upload, queued behind a peer's kernel that already waits for this rank, left
+// both waiting until the time limit (InProcessRuntime.GraphReplays1000Times, H200, 2026-12-01).
+// (Use as ASSERT_NO_FATAL_FAILURE(instantiate_uploaded(graph, stream, &exec)).)
+inline void instantiate_uploaded(cudaGraph_t graph, cudaStream_t stream, cudaGraphExec_t* exec) {
+  MKT_CUDA(cudaGraphInstantiate(exec, graph, 0));
+  MKT_CUDA(cudaGraphUpload(*exec, stream));
+  MKT_CUDA(cudaStreamSynchronize(stream));
+}
+
 inline int device_count() {
   int n = 0;
   cudaGetDeviceCount(&n);

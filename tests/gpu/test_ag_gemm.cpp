@@ -224,7 +224,7 @@ void expect_ag_gemm_graph(Communicator& comm, int replays) {
   MKT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   ag_gemm(comm, a_shard, b, c_out, m, n, k, BLayout::kNK, ws.data(), stream);
   MKT_CUDA(cudaStreamEndCapture(stream, &graph));
-  MKT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  ASSERT_NO_FATAL_FAILURE(instantiate_uploaded(graph, stream, &exec));
   ready(comm, stream);
   for (int i = 0; i < replays; ++i) {
     MKT_CUDA(cudaMemcpyAsync(a_shard, static_cast<char*>(inputs) + i * shard * k * 2, shard * k * 2,

@@ -266,7 +266,7 @@ void expect_gemm_ar_graph(Communicator& comm, int replays) {
   MKT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   gemm_ar(comm, a_in, p.b_mine, out.data(), m, n, k_local, BLayout::kNK, ws.data(), stream);
   MKT_CUDA(cudaStreamEndCapture(stream, &graph));
-  MKT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  ASSERT_NO_FATAL_FAILURE(instantiate_uploaded(graph, stream, &exec));
   std::vector<uint64_t> a_seeds(replays);
   for (int i = 0; i < replays; ++i) a_seeds[i] = seed + 7919 * (i + 1);
   ready(comm, stream);

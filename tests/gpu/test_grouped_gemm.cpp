@@ -176,7 +176,7 @@ TEST(GroupedGemm, GraphReplayWithDeviceCounts) {
   MKT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   grouped_gemm(a, b, out, rows_dev, groups, max_rows, n, k, BLayout::kNK, stream);
   MKT_CUDA(cudaStreamEndCapture(stream, &graph));
-  MKT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  ASSERT_NO_FATAL_FAILURE(instantiate_uploaded(graph, stream, &exec));
   for (int i = 0; i < replays; ++i) {
     MKT_CUDA(cudaMemcpyAsync(rows_dev, all_counts + i * groups, groups * sizeof(int32_t),
                              cudaMemcpyDeviceToDevice, stream));

@@ -260,7 +260,7 @@ void expect_graph_replays(Communicator& comm, int replays) {
   all_reduce(comm, in.data(), out.data(), count, DType::kBF16, stream);
   launch_record(out.data(), count, history, counter, stream);
   MKT_CUDA(cudaStreamEndCapture(stream, &graph));
-  MKT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  ASSERT_NO_FATAL_FAILURE(instantiate_uploaded(graph, stream, &exec));
   ready(comm, stream);
   for (int k = 0; k < replays; ++k) MKT_CUDA(cudaGraphLaunch(exec, stream));
   comm.synchronize(stream);
