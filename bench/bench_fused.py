@@ -176,6 +176,8 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
             # The peer's partials loaded by the epilogue itself instead of through the ring
             variants["sweep: tma_partials0"] = with_switch(variants["mkernel"],
                                                            "MKERNEL_TMA_PARTIALS")
+        # The outbox slices staged by the epilogue's global stores instead of TMA stores
+        variants["sweep: tma_staging0"] = with_switch(variants["mkernel"], "MKERNEL_TMA_STAGING")
     return ok, err, mag, variants
 
 
