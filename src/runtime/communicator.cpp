@@ -325,8 +325,8 @@ std::string recorded_timeout(const detail::CommState& s) {
     const char* queues = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
     msg << " (Ranks sharing a GPU in one process: their streams share CUDA_DEVICE_MAX_CONNECTIONS"
         << " hardware queues, " << (queues != nullptr ? queues : "8 - unset")
-        << " here, and a launch queued behind a peer's waiting kernel never starts; set it to 32"
-        << " before the first CUDA call - mkernel/communicator.h.)";
+        << " here, and work queued behind a peer's waiting kernel - a launch, a copy, a graph's"
+        << " first upload - waits for it to end: see mkernel/communicator.h.)";
   }
   return msg.str();
 }
