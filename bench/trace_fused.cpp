@@ -4,7 +4,7 @@
 // (or ag_gemm's pushes), the producer's waits for gathered rows (ag_gemm), and how these shares
 // change over the launch (ten time bins).
 //   mkrun -n 2 -- trace_fused [--kernel ag_gemm|gemm_rs|gemm_ar] [--shape MxNxK] [--iters 5]
-//                             [--csv FILE]
+//                             [--comm-ctas N] [--piece-rows N] [--sms N] [--csv FILE]
 //   trace_fused --ranks 2 [...]   the ranks as threads of this one process, on the GPUs present
 //                                 (rank r on GPU r % GPUs). On one GPU the ranks' kernels run side
 //                                 by side on half of its SMs each and their "peer" traffic stays
@@ -41,6 +41,7 @@ struct Args {
   int64_t m = 8192, n = 8192, k = 8192;
   int iters = 5;
   int ranks = 0;  // > 0: this many ranks as threads of this process (else one rank, from mkrun)
+  FusedGemmConfig config;  // --comm-ctas, --piece-rows, --sms (0: the plan's choice)
   std::string csv;
 };
 
@@ -59,6 +60,12 @@ Args parse(int argc, char** argv) {
       a.iters = std::atoi(v.c_str());
     } else if (key == "--ranks") {
       a.ranks = std::atoi(v.c_str());
+    } else if (key == "--comm-ctas") {
+      a.config.comm_ctas = std::atoi(v.c_str());
+    } else if (key == "--piece-rows") {
+      a.config.piece_rows = std::atoi(v.c_str());
+    } else if (key == "--sms") {
+      a.config.sms = std::atoi(v.c_str());
     } else if (key == "--csv") {
       a.csv = v;
     } else {
@@ -89,6 +96,8 @@ struct Totals {  // microseconds summed over consumer lanes (or side lanes)
   int operand_waits = 0;
   double side_busy = 0;
   int remote_tiles = 0, own_tiles = 0, items = 0;
+  double mover_mainloop = 0;  // of mainloop: in CTAs whose side threads move data
+  int mover_tiles = 0;
 };
 
 constexpr int kBins = 10;
@@ -102,7 +111,9 @@ void bin_add(std::vector<double>& bins, double a, double b, double span) {
   }
 }
 
-void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double event_ms, FILE* csv) {
+// `movers`: the plan's comm_ctas (the first CTAs move data with their side threads).
+void summarise(int rank, int ctas, int movers, const std::vector<uint64_t>& raw, double event_ms,
+               FILE* csv) {
   uint64_t t0 = ~0ull;
   for (std::size_t i = 0; i + 1 < raw.size(); i += 2) {
     if (raw[i] != 0) t0 = std::min(t0, raw[i]);
@@ -140,6 +151,10 @@ void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double even
             waited = -1;
             added = -1;
             tot.mainloop += begin - prev_end;
+            if (c < movers) {
+              tot.mover_mainloop += begin - prev_end;
+              ++tot.mover_tiles;
+            }
             bin_add(b_main, prev_end, begin, span);
             break;
           case kTraceWaited:
@@ -222,6 +237,12 @@ void summarise(int rank, int ctas, const std::vector<uint64_t>& raw, double even
         tot.operand_wait / tot.operand_waits, tot.operand_waits,
         100.0 * tot.operand_wait / (ctas * span));
   }
+  const int tiles = tot.remote_tiles + tot.own_tiles;
+  if (movers > 0 && movers < ctas && tot.mover_tiles > 0 && tot.mover_tiles < tiles) {
+    std::printf("  mainloop per tile (us): %.2f in the %d CTAs moving data, %.2f in the others\n",
+                tot.mover_mainloop / tot.mover_tiles, movers,
+                (tot.mainloop - tot.mover_mainloop) / (tiles - tot.mover_tiles));
+  }
   std::printf("  bins of %.1f us  mainloop / epilogue / wait (%% of consumers), side busy (%%)\n",
               span / kBins);
   for (int i = 0; i < kBins; ++i) {
@@ -256,9 +277,10 @@ void run_rank(const Args& args, std::unique_ptr<Bootstrap> boot) {
   if (rs) CK(cudaMalloc(&out_plain, m / world * n * 2));
   if (ag) CK(cudaMalloc(&out_plain, m * n * 2));
   void* out = rs || ag ? out_plain : out_sym.data();
-  const FusedGemmPlan plan = ag   ? ag_gemm_plan(*comm, m, n, k_local)
-                             : rs ? gemm_rs_plan(*comm, m, n, k_local)
-                                  : gemm_ar_plan(*comm, m, n, k_local);
+  const FusedGemmConfig& cfg = args.config;
+  const FusedGemmPlan plan = ag   ? ag_gemm_plan(*comm, m, n, k_local, cfg)
+                             : rs ? gemm_rs_plan(*comm, m, n, k_local, cfg)
+                                  : gemm_ar_plan(*comm, m, n, k_local, cfg);
   if (rank == 0) {
     std::printf("%s %ldx%ldx%ld, world %d%s: %s\n", args.kernel.c_str(), m, n, args.k, world,
                 args.ranks > 0 ? " (threads of one process)" : "", plan.describe().c_str());
@@ -275,11 +297,11 @@ void run_rank(const Args& args, std::unique_ptr<Bootstrap> boot) {
     comm->bootstrap().barrier();
     CK(cudaEventRecord(e0, stream));
     if (ag) {
-      ag_gemm(*comm, a, b, out, m, n, k_local, BLayout::kNK, ws.data(), stream);
+      ag_gemm(*comm, a, b, out, m, n, k_local, BLayout::kNK, ws.data(), stream, cfg);
     } else if (rs) {
-      gemm_rs(*comm, a, b, out, m, n, k_local, BLayout::kNK, ws.data(), stream);
+      gemm_rs(*comm, a, b, out, m, n, k_local, BLayout::kNK, ws.data(), stream, cfg);
     } else {
-      gemm_ar(*comm, a, b, out, m, n, k_local, BLayout::kNK, ws.data(), stream);
+      gemm_ar(*comm, a, b, out, m, n, k_local, BLayout::kNK, ws.data(), stream, cfg);
     }
     CK(cudaEventRecord(e1, stream));
   }
@@ -295,7 +317,7 @@ void run_rank(const Args& args, std::unique_ptr<Bootstrap> boot) {
       csv = std::fopen(args.csv.c_str(), r == 0 ? "w" : "a");
       if (csv != nullptr && r == 0) std::fprintf(csv, "rank,cta,lane,us,event,arg\n");
     }
-    summarise(rank, ctas, raw, ms, csv);
+    summarise(rank, ctas, plan.comm_ctas, raw, ms, csv);
     std::fflush(stdout);
     if (csv != nullptr) std::fclose(csv);
   }

@@ -225,24 +225,27 @@ step_compare() {
 # ---- trace ----------------------------------------------------------------------------------
 # Timelines of gemm_rs / gemm_ar launches (bench/trace_fused.cpp, two ranks: processes on two
 # GPUs, threads of one process on one GPU): the summaries go to stdout, the records to
-# $OUT/trace.tar.gz. TRACE_CASES: "kernel:MxNxK[:VAR=value,...]" words.
+# $OUT/trace.tar.gz. TRACE_CASES: "kernel:MxNxK[:VAR=value,...[:--option,value,...]]" words
+# (options of trace_fused, e.g. --comm-ctas,16).
 step_trace() {
-  local dir=/tmp/mk-trace rc=0 c kernel shape envs i=0
+  local dir=/tmp/mk-trace rc=0 c kernel shape envs opts i=0
   [[ -x "$BUILD/bench/trace_fused" ]] || { log "no $BUILD/bench/trace_fused"; return 1; }
   rm -rf "$dir" && mkdir -p "$dir"
   local gpus
   gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
   ((gpus >= 2)) || log "one GPU: the traces run two ranks in one process (SM work, not NVLink)"
   for c in ${TRACE_CASES:-gemm_rs:8192x8192x8192 gemm_ar:8192x8192x8192}; do
-    IFS=: read -r kernel shape envs <<<"$c"
+    IFS=: read -r kernel shape envs opts <<<"$c"
     i=$((i + 1))
     echo "=== trace $c"
     if ((gpus >= 2)); then
       env ${envs//,/ } timeout 120 "$BUILD/mkrun" -n 2 -- "$BUILD/bench/trace_fused" \
-        --kernel "$kernel" --shape "$shape" --csv "$dir/$i-$kernel-$shape.csv" || rc=1
+        --kernel "$kernel" --shape "$shape" ${opts//,/ } --csv "$dir/$i-$kernel-$shape.csv" ||
+        rc=1
     else  # one GPU: two ranks as threads of one process, side by side on its SMs
       env ${envs//,/ } timeout 120 "$BUILD/bench/trace_fused" --ranks 2 \
-        --kernel "$kernel" --shape "$shape" --csv "$dir/$i-$kernel-$shape.csv" || rc=1
+        --kernel "$kernel" --shape "$shape" ${opts//,/ } --csv "$dir/$i-$kernel-$shape.csv" ||
+        rc=1
     fi
   done
   tar -czf "$OUT/trace.tar.gz" -C "$dir" .

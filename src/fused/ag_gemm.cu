@@ -66,7 +66,15 @@ FusedGemmPlan fused::plan_ag_gemm(const fused::PlanContext& comm, int64_t m, int
   }
   int64_t piece_rows = config.piece_rows;
   if (piece_rows < 0) invalid("piece_rows = " + std::to_string(piece_rows));
-  if (piece_rows == 0) piece_rows = std::max<int64_t>(1, (int64_t{512} << 10) / row_bytes);
+  if (piece_rows == 0) {
+    // Pushing CTA c takes pieces c, c + comm_ctas, ...: the shard arrives in rounds of comm_ctas
+    // pieces, so its front rows come early only if it spans several rounds (one round of 512 KiB
+    // pieces landed all at once, after ~110 us on the H200: docs/PERFORMANCE.md, session 13).
+    // About kRounds rounds, of pieces of 128-512 KiB (a piece's fence and signal cost ~2-3 us).
+    constexpr int64_t kRounds = 4, kMinPiece = int64_t{128} << 10, kMaxPiece = int64_t{512} << 10;
+    const int64_t want = p.shard_rows * row_bytes / (int64_t{p.comm_ctas} * kRounds);
+    piece_rows = std::max<int64_t>(1, std::clamp(want, kMinPiece, kMaxPiece) / row_bytes);
+  }
   piece_rows = std::min(piece_rows, p.shard_rows);
   // One op signal per piece and node (a shard's signals sit at node_of(shard) x pieces): at most
   // kMaxOpSignals / nodes pieces per shard; across nodes also one host-pad signal per piece and

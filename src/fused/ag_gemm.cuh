@@ -5,11 +5,12 @@
 // own shard first, read straight from the caller's A_r, so the tensor cores start at once.
 //
 // Meanwhile the producer warpgroup's three spare warps push A_r into every peer's workspace
-// (slot r of [world][S][K]), piece by piece (piece_rows rows, ~512 KiB), the peer that needs it
-// soonest first (rank r - 1 reads shard r right after its own), and raise the op signal of each
-// piece on the receiver. Before a peer-shard tile's first load the producer waits for the signals
-// of the pieces under the tile's 128 rows, then orders that acquire before its TMA reads
-// (fence.proxy.async.global).
+// (slot r of [world][S][K]), piece by piece (piece_rows rows, 128-512 KiB), the peer that needs
+// it soonest first (rank r - 1 reads shard r right after its own), and raise the op signal of
+// each piece on the receiver. Pushing CTA c takes pieces c, c + comm_ctas, ...: a shard arrives
+// in rounds of comm_ctas pieces, front rows first. Before a peer-shard tile's first load the
+// producer waits for the signals of the pieces under the tile's 128 rows, then orders that
+// acquire before its TMA reads (fence.proxy.async.global).
 //
 // Reuse: pushing into a peer's workspace is safe once the peer has entered this launch (its
 // previous launch, which read the workspace, is over): CTA 0 raises "entered" to every peer at
@@ -82,15 +83,15 @@ __device__ __forceinline__ uint4 load_streaming(const uint8_t* p) {
   return v;
 }
 
-// Copies `bytes` (a multiple of 16) from src to dst with `threads` threads, two 16-byte vectors
-// in flight per thread. kWrittenDuringKernel: src changed after the kernel started (load_l2).
-template <bool kWrittenDuringKernel = false>
+// Copies `bytes` (a multiple of 16) from src to dst with `threads` threads, kUnroll 16-byte
+// vectors in flight per thread. kWrittenDuringKernel: src changed after the kernel started
+// (load_l2).
+template <bool kWrittenDuringKernel = false, int kUnroll = 2>
 __device__ __forceinline__ void copy_bytes(const uint8_t* src, uint8_t* dst, uint64_t bytes,
                                            int thread, int threads) {
   auto load = [](const uint8_t* p) {
     return kWrittenDuringKernel ? load_l2(p) : load_streaming(p);
   };
-  constexpr int kUnroll = 2;
   const uint64_t step = static_cast<uint64_t>(threads) * 16;
   uint64_t i = static_cast<uint64_t>(thread) * 16;
   for (; i + (kUnroll - 1) * step < bytes; i += kUnroll * step) {
@@ -109,9 +110,10 @@ __device__ __forceinline__ void copy_bytes(const uint8_t* src, uint8_t* dst, uin
 // the one-node kernels carry none of its code (and keep their register split and spill report).
 template <int kBlockN, bool kAcrossNodes = false>
 struct AgGemmFusion {
-  // Producer warpgroup: the pushes and waits with their timeline marks (across nodes also the
-  // rail's commands and relays); 56 + 2 x 224 <= 504. Consumers: fewer spilled 40 bytes.
-  static constexpr int kProducerRegs = kAcrossNodes ? 56 : 48;
+  // Producer warpgroup: the pushes (four 16-byte loads in flight per thread) and waits with
+  // their timeline marks, across nodes also the rail's commands and relays: 56 + 2 x 224 <= 504
+  // (48 spilled 8 bytes). Consumers: fewer spilled 40 bytes.
+  static constexpr int kProducerRegs = 56;
   static constexpr int kConsumerRegs = 224;
   CUtensorMap a_local;     // this rank's shard [S, K] (caller's memory), boxes 128 x 64
   CUtensorMap a_gathered;  // workspace [world][S][K], boxes 128 x 64 x 1 (rows clip per shard)
@@ -240,7 +242,7 @@ struct AgGemmFusion {
       if (thread == 0) trace_mark(trace, kTraceSide, kTraceItem, dest);
       uint8_t* dst = static_cast<uint8_t*>(ws_peers[dest]) + ws_offset +
                      (static_cast<uint64_t>(comm.rank) * shard_rows + row0) * row_bytes;
-      copy_bytes(a_shard + src_offset, dst, rows * row_bytes, thread, threads);
+      copy_bytes<false, 4>(a_shard + src_offset, dst, rows * row_bytes, thread, threads);
       dev::named_barrier_sync(kBarrier, threads);
       if (thread == 0) {
         dev::fence_acq_rel_sys();

@@ -162,6 +162,32 @@ TEST(FusedPlans, TwoRankH200PlansOfTheJournal) {
   EXPECT_EQ(plan_gemm_ar(ctx, 8192, 2048, 4096, {}).lag, -1);
 }
 
+// ag_gemm's pieces: the shard arrives in rounds of comm_ctas pieces (pushing CTA c takes pieces
+// c, c + comm_ctas, ...), so pieces are sized for about four rounds, 128-512 KiB each
+// (docs/PERFORMANCE.md, session 13: one round of 512 KiB pieces landed all at once).
+TEST(FusedPlans, AgGemmPiecesArriveInRounds) {
+  const PlanContext ctx = h200(2);
+  struct Case {
+    int64_t m, n, k;
+    int rounds_at_least;
+  };
+  for (const Case& c : {Case{4096, 4096, 4096, 2}, Case{8192, 2048, 8192, 4},
+                        Case{2048, 8192, 8192, 2}, Case{8192, 8192, 8192, 4},
+                        Case{16384, 8192, 8192, 4}, Case{8192, 28672, 8192, 4}}) {
+    const FusedGemmPlan p = plan_ag_gemm(ctx, c.m, c.n, c.k, {});
+    SCOPED_TRACE(p.describe());
+    const int64_t piece_bytes = int64_t{p.piece_rows} * c.k * 2;
+    EXPECT_GE(piece_bytes, int64_t{128} << 10);
+    EXPECT_LE(piece_bytes, int64_t{512} << 10);
+    EXPECT_GE(p.pieces, c.rounds_at_least * p.comm_ctas);
+  }
+  // A shard under one 128 KiB piece: one piece; an explicit piece size is kept.
+  EXPECT_EQ(plan_ag_gemm(ctx, 64, 256, 512, {}).pieces, 1);
+  FusedGemmConfig rows;
+  rows.piece_rows = 64;
+  EXPECT_EQ(plan_ag_gemm(ctx, 4096, 4096, 4096, rows).piece_rows, 64);
+}
+
 // ag_gemm across nodes: each piece has a host-pad signal per node (after the entry signal), so
 // the pieces per shard shrink to fit kHostPadSignals; at most kMaxGatherRanks ranks.
 TEST(FusedPlans, AgGemmAcrossNodesFitsTheHostPad) {
