@@ -171,9 +171,9 @@ TEST(FusedPlans, AgGemmPiecesArriveInRounds) {
     int64_t m, n, k;
     int rounds_at_least;
   };
-  for (const Case& c : {Case{4096, 4096, 4096, 2}, Case{8192, 2048, 8192, 4},
-                        Case{2048, 8192, 8192, 2}, Case{8192, 8192, 8192, 4},
-                        Case{16384, 8192, 8192, 4}, Case{8192, 28672, 8192, 4}}) {
+  for (const Case& c :
+       {Case{4096, 4096, 4096, 2}, Case{8192, 2048, 8192, 4}, Case{2048, 8192, 8192, 2},
+        Case{8192, 8192, 8192, 4}, Case{16384, 8192, 8192, 4}, Case{8192, 28672, 8192, 4}}) {
     const FusedGemmPlan p = plan_ag_gemm(ctx, c.m, c.n, c.k, {});
     SCOPED_TRACE(p.describe());
     const int64_t piece_bytes = int64_t{p.piece_rows} * c.k * 2;
