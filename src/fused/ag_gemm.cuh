@@ -146,80 +146,33 @@ struct AgGemmFusion {
     return tile;
   }
 
-  // What the producer thread has acquired (one node): pieces [0, upto) of `shard`, all arrived
-  // and ordered before its later TMA reads by an earlier fence. Shared memory (the fusion is a
-  // kernel parameter), set by init_shared for every launch.
-  struct Acquired {
-    int shard;
-    int upto;
-  };
-  static __device__ __forceinline__ Acquired& acquired() {
-    __shared__ Acquired a;
-    return a;
-  }
-
-  // The pieces under the tile's rows have arrived, then one acquire fence (.sys: the writers are
-  // on other GPUs) and the proxy fence before the TMA reads. One node: the producer keeps the
-  // prefix of the shard's pieces it has acquired, so that most tiles need neither loads nor
-  // fences - the system fence costs 2-9 us while this SM's pushes are in flight (H200 traces,
-  // docs/PERFORMANCE.md, session 13). Past the tile's pieces it looks ahead (relaxed loads,
-  // four in flight) at most kLookahead pieces, as far as they have all arrived.
-  static constexpr int kLookahead = 64;
-
+  // The pieces under the tile's rows have arrived: one pass of relaxed loads over their signals
+  // (independent loads, in flight together), the slow timed wait only for those not there yet,
+  // then one acquire fence for all of them and the proxy fence before the TMA reads.
   __device__ void wait_operands(const gemm_engine::Tile& tile) const {
     if (tile.shard == comm.rank) return;
-    const int last = (min(tile.m * 128 + 128, shard_rows) - 1) / piece_rows;
-    Acquired& got = acquired();
-    if (!kAcrossNodes && got.shard == tile.shard && last < got.upto) return;
     trace_mark(trace, kTraceProducer, kTraceOperandsWait, tile.shard);
     const dev::Launch launch = dev::Launch::begin(comm);
     const uint64_t expected = dev::signal_value(launch.epoch, 1);
+    const int first = tile.m * 128 / piece_rows;
+    const int last = (min(tile.m * 128 + 128, shard_rows) - 1) / piece_rows;
     // One node: from the shard's owner, signals kOp + p. Across nodes: GatherRoutes.
     const int src = kAcrossNodes ? routes.source[tile.shard] : tile.shard;
     const int base = kAcrossNodes ? routes.signal_base[tile.shard] : 0;
-    const uint64_t* words = comm.signals + src;
-    const uint64_t stride = comm.world_size;
-    auto word = [&](int p) { return words + dev::signal_index(SignalId::kOp, base + p) * stride; };
-    if constexpr (kAcrossNodes) {
-      const int first = tile.m * 128 / piece_rows;
-      if ((routes.remote_mask >> tile.shard) & 1) {  // over the NIC: host pad
-        for (int p = first; p <= last; ++p) {
-          if (!launch.wait_remote(src, kHostPieceSignal0 + base + p, 1)) break;
-        }
-      } else {
-        for (int p = first; p <= last; ++p) {
-          if (dev::reached(dev::ld_relaxed_sys(word(p)), expected)) continue;
-          // On a time-out the error is recorded and every later wait returns at once; the tile
-          // is computed from whatever is there and the host reports the error.
-          if (!launch.wait(src, dev::signal_index(SignalId::kOp, base + p), 1)) break;
-        }
+    if (kAcrossNodes && ((routes.remote_mask >> tile.shard) & 1)) {  // over the NIC: host pad
+      for (int p = first; p <= last; ++p) {
+        if (!launch.wait_remote(src, kHostPieceSignal0 + base + p, 1)) break;
       }
     } else {
-      if (got.shard != tile.shard) got = {tile.shard, 0};
-      // Pieces [upto, last] must be there (waiting for those below `first` costs little: they
-      // arrive front first); beyond `last` only as far as all have arrived.
-      const int end = min(pieces, last + 1 + kLookahead);
-      int p = got.upto;
-      bool failed = false;
-      while (p < end) {
-        constexpr int kBatch = 4;
-        uint64_t v[kBatch];
-#pragma unroll
-        for (int i = 0; i < kBatch; ++i) v[i] = p + i < end ? dev::ld_relaxed_sys(word(p + i)) : 0;
-        int i = 0;
-        while (i < kBatch && p + i < end && dev::reached(v[i], expected)) ++i;
-        p += i;
-        if (i == kBatch || p == end) continue;  // all of the batch there: the next one
-        if (p > last) break;                    // looking ahead: stop at the first missing one
+      const uint64_t* words = comm.signals + src;
+      const uint64_t stride = comm.world_size;
+      for (int p = first; p <= last; ++p) {
+        const uint32_t signal = dev::signal_index(SignalId::kOp, base + p);
+        if (dev::reached(dev::ld_relaxed_sys(words + signal * stride), expected)) continue;
         // On a time-out the error is recorded and every later wait returns at once; the tile is
         // computed from whatever is there and the host reports the error.
-        if (!launch.wait(src, dev::signal_index(SignalId::kOp, base + p), 1)) {
-          failed = true;
-          break;
-        }
-        ++p;  // there now; the rest of the batch is read again
+        if (!launch.wait(src, signal, 1)) break;
       }
-      if (!failed) got.upto = p;
     }
     dev::fence_acq_rel_sys();
     dev::fence_proxy_async_global();
@@ -236,10 +189,7 @@ struct AgGemmFusion {
 
   struct ConsumerState {};
 
-  __device__ void init_shared() const {
-    trace_init();
-    acquired() = {-1, 0};
-  }
+  __device__ void init_shared() const { trace_init(); }
 
   template <int kRegs>
   __device__ void store(const float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
