@@ -166,6 +166,8 @@ void launch(Communicator& comm, const AgGemmPlan& p, const void* a_shard, const 
   f.piece_rows = p.piece_rows;
   f.pieces = p.pieces;
   f.comm_ctas = p.comm_ctas;
+  const char* acquire = std::getenv("MKERNEL_AG_ACQUIRE_LOADS");  // experiment, off by default
+  f.acquire_loads = acquire != nullptr && std::string(acquire) == "1";
   f.routes = gather_routes(comm, p, ws, static_cast<uint64_t>(p.shard_rows) * k * 2);
   f.comm = comm.device_comm();  // (again: the inter-node path may have just been created)
   f.trace = fused::trace_arm(p.ctas, stream);
