@@ -181,6 +181,9 @@ TEST(FusedPlans, AgGemmPiecesArriveInRounds) {
     EXPECT_LE(piece_bytes, int64_t{512} << 10);
     EXPECT_GE(p.pieces, c.rounds_at_least * p.comm_ctas);
   }
+  // No more pushers than NVLink carries (72 at 5 GB/s each): 8192x2048x8192 asked for 127.
+  EXPECT_EQ(plan_ag_gemm(ctx, 8192, 2048, 8192, {}).comm_ctas, 72);
+  EXPECT_EQ(plan_ag_gemm(ctx, 4096, 4096, 4096, {}).comm_ctas, 64);
   // A shard under one 128 KiB piece: one piece; an explicit piece size is kept.
   EXPECT_EQ(plan_ag_gemm(ctx, 64, 256, 512, {}).pieces, 1);
   FusedGemmConfig rows;
