@@ -122,9 +122,6 @@ def ag_gemm_case(comm, m, n, k, mode, iters, sweep=False):
                                                   "MKERNEL_GEMM_SCHEDULE", "pingpong")
         variants["sweep: engine pingpong"] = with_switch(lambda: mkernel.gemm(a_full, b),
                                                          "MKERNEL_GEMM_SCHEDULE", "pingpong")
-        # Peer tiles acquire their pieces' signals with acquire loads, no system fence
-        variants["sweep: acquire loads"] = with_switch(variants["mkernel"],
-                                                       "MKERNEL_AG_ACQUIRE_LOADS", "1")
     return ok, diff, mag, variants
 
 

@@ -55,9 +55,9 @@ FusedGemmPlan fused::plan_ag_gemm(const fused::PlanContext& comm, int64_t m, int
     // (H200 sweep, docs/PERFORMANCE.md: 16-48 pushers beat 132 wherever the GEMM is long).
     // Peer r - d reads this shard after d shards of its own work, so the pushes keep up when
     // they run at shard * world / T_gemm. Each pushing CTA moves about kPushRate; take twice the
-    // CTAs that rate asks for, at least kMinPushers.
-    // No more pushers than the link carries: beyond that they only contend (8192x2048x8192 on
-    // the H200 x2, session 13: 127 pushers 0.461 ms, 64 pushers 0.385, the engine alone 0.382).
+    // CTAs that rate asks for, at least kMinPushers, and no more than the link carries: beyond
+    // that they only contend (8192x2048x8192 on the H200 x2, session 13: 127 pushers 0.461 ms,
+    // 64 pushers 0.385, the engine alone 0.382).
     constexpr double kGemmFlops = 650e12;  // what the engine sustains on large shapes (H200)
     constexpr double kPushRate = 5e9;      // bytes/s of one CTA's three pushing warps
     constexpr double kLinkRate = 360e9;    // bytes/s one way over NVLink (H200, NV18)
@@ -170,8 +170,6 @@ void launch(Communicator& comm, const AgGemmPlan& p, const void* a_shard, const 
   f.piece_rows = p.piece_rows;
   f.pieces = p.pieces;
   f.comm_ctas = p.comm_ctas;
-  const char* acquire = std::getenv("MKERNEL_AG_ACQUIRE_LOADS");  // experiment, off by default
-  f.acquire_loads = acquire != nullptr && std::string(acquire) == "1";
   f.routes = gather_routes(comm, p, ws, static_cast<uint64_t>(p.shard_rows) * k * 2);
   f.comm = comm.device_comm();  // (again: the inter-node path may have just been created)
   f.trace = fused::trace_arm(p.ctas, stream);

@@ -129,8 +129,7 @@ struct AgGemmFusion {
   int piece_rows;
   int pieces;  // per shard
   int comm_ctas;
-  bool acquire_loads;  // experiment (MKERNEL_AG_ACQUIRE_LOADS=1): acquire loads, no .sys fence
-  uint64_t* trace;     // timeline records (fused/trace.cuh), or null
+  uint64_t* trace;  // timeline records (fused/trace.cuh), or null
   GatherRoutes routes;
 
   __device__ int num_tiles() const { return comm.world_size * raster.num_tiles(); }
@@ -167,16 +166,6 @@ struct AgGemmFusion {
     } else {
       const uint64_t* words = comm.signals + src;
       const uint64_t stride = comm.world_size;
-      if (!kAcrossNodes && acquire_loads) {  // experiment: no system fence
-        for (int p = first; p <= last; ++p) {
-          const uint32_t signal = dev::signal_index(SignalId::kOp, base + p);
-          if (dev::reached(dev::ld_acquire_sys(words + signal * stride), expected)) continue;
-          if (!launch.wait(src, signal, 1)) break;
-        }
-        dev::fence_proxy_async_global();
-        trace_mark(trace, kTraceProducer, kTraceOperandsIn, tile.shard);
-        return;
-      }
       for (int p = first; p <= last; ++p) {
         const uint32_t signal = dev::signal_index(SignalId::kOp, base + p);
         if (dev::reached(dev::ld_relaxed_sys(words + signal * stride), expected)) continue;
