@@ -5,15 +5,22 @@
 // talks to GPU 1, one direction - or, with --both, both directions at once (GPU 1 runs the same
 // kernel towards GPU 0 meanwhile, as the reducing fused GEMMs do; GPU 0's time is reported).
 //
-//   build/bench/bench_p2p [--mib-per-cta N] [--both]  (default 2 MiB; needs two GPUs with P2P)
+//   build/bench/bench_p2p [--mib-per-cta N] [--both] [--bulk-only]
+//   (default 2 MiB; needs two GPUs with P2P; --bulk-only: the bulk stores below only)
 //
 // Prints one line per (op, CTAs, threads, V): GB/s per CTA and in total, median of 5 runs.
+// Then the copy engine of the SM (TMA): one thread per CTA pushes shared-memory buffers to the
+// peer with bulk stores (cp.async.bulk.global.shared::cta), `bufs` buffers of `chunk` bytes in
+// rotation, each reused once the store that last read it has read it (wait_group.read) - what
+// an epilogue storing its slice straight into a peer's memory through its scratch buffers gets.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "bench_check.h"
@@ -56,6 +63,29 @@ __global__ void move(float4* remote, float4* local, long long per_cta) {
   }
 }
 
+// One thread per CTA: CTA b stores bytes [b * per_cta, (b + 1) * per_cta) of `remote` from
+// `bufs` shared buffers of `chunk` bytes in turn (contents irrelevant: the rate is measured).
+__global__ void bulk_push(uint8_t* remote, long long per_cta, int chunk, int bufs) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  if (threadIdx.x != 0) return;
+  uint8_t* base = remote + blockIdx.x * per_cta;
+  const long long chunks = per_cta / chunk;
+  for (long long i = 0; i < chunks; ++i) {
+    // at most bufs - 1 older groups may still be reading: buffer i % bufs is free
+    if (bufs == 2) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+    if (bufs == 4) asm volatile("cp.async.bulk.wait_group.read 3;" ::: "memory");
+    if (bufs == 8) asm volatile("cp.async.bulk.wait_group.read 7;" ::: "memory");
+    const uint32_t src =
+        static_cast<uint32_t>(__cvta_generic_to_shared(smem + (i % bufs) * chunk));
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
+                     base + i * chunk),
+                 "r"(src), "r"(chunk)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
 template <Op kOp>
 void launch(int v, int ctas, int threads, float4* remote, float4* local, long long per_cta,
             cudaStream_t stream) {
@@ -86,14 +116,16 @@ void run(Op op, int v, int ctas, int threads, float4* remote, float4* local, lon
 
 int main(int argc, char** argv) {
   double mib_per_cta = 2;
-  bool both = false;
+  bool both = false, bulk_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--mib-per-cta") == 0 && i + 1 < argc) {
       mib_per_cta = std::atof(argv[++i]);
     } else if (std::strcmp(argv[i], "--both") == 0) {
       both = true;
+    } else if (std::strcmp(argv[i], "--bulk-only") == 0) {
+      bulk_only = true;
     } else {
-      std::fprintf(stderr, "usage: bench_p2p [--mib-per-cta N] [--both]\n");
+      std::fprintf(stderr, "usage: bench_p2p [--mib-per-cta N] [--both] [--bulk-only]\n");
       return 2;
     }
   }
@@ -154,6 +186,7 @@ int main(int argc, char** argv) {
   const std::vector<int> all_ctas = {1, 4, 16, 33, 66, 132}, all_threads = {96, 128, 256, 512};
   const std::vector<int> some_ctas = {66, 131, 132}, some_threads = {96};
   for (Op op : {Op::kPush, Op::kReduce, Op::kPull}) {
+    if (bulk_only) break;
     for (int ctas : both ? some_ctas : all_ctas) {
       for (int threads : both ? some_threads : all_threads) {
         for (int v : {1, 2, 4, 8}) {
@@ -175,6 +208,41 @@ int main(int argc, char** argv) {
                       per_cta_gbs * ctas);
         }
       }
+    }
+  }
+  // The SM's bulk copies (TMA) into the peer, one issuing thread per CTA.
+  CK(cudaFuncSetAttribute(bulk_push, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  const long long per_cta_bytes = per_cta * 16;
+  std::printf("\n%-8s %5s %7s %5s %12s %12s\n", "op", "CTAs", "chunk", "bufs", "GB/s per CTA",
+              "GB/s total");
+  for (int ctas : both ? some_ctas : all_ctas) {
+    for (const auto [chunk, bufs] : {std::pair{8192, 2}, std::pair{8192, 4}, std::pair{16384, 2},
+                                     std::pair{16384, 4}, std::pair{32768, 4}}) {
+      auto go = [&](cudaStream_t s, uint8_t* dst) {
+        bulk_push<<<ctas, 32, chunk * bufs, s>>>(dst, per_cta_bytes, chunk, bufs);
+      };
+      go(nullptr, reinterpret_cast<uint8_t*>(remote));  // warm-up
+      std::vector<float> ms(5);
+      for (float& t : ms) {
+        if (both) {
+          CK(cudaSetDevice(1));
+          CK(cudaFuncSetAttribute(bulk_push, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  200 * 1024));
+          for (int i = 0; i < 3; ++i) go(stream1, reinterpret_cast<uint8_t*>(remote1));
+          CK(cudaSetDevice(0));
+        }
+        CK(cudaEventRecord(start));
+        go(nullptr, reinterpret_cast<uint8_t*>(remote));
+        CK(cudaEventRecord(stop));
+        CK(cudaEventSynchronize(stop));
+        CK(cudaEventElapsedTime(&t, start, stop));
+        other_done();
+      }
+      CK(cudaGetLastError());
+      std::sort(ms.begin(), ms.end());
+      const double per_cta_gbs = static_cast<double>(per_cta_bytes) / (ms[2] * 1e6);
+      std::printf("%-8s %5d %7d %5d %12.2f %12.1f\n", "bulk", ctas, chunk, bufs, per_cta_gbs,
+                  per_cta_gbs * ctas);
     }
   }
   cudaFree(local);
