@@ -254,6 +254,8 @@ def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
                 lambda: mkernel.gemm_ar(a, b, comm, out, bf16_partials=True))
             variants["sweep: tma_partials0"] = with_switch(variants["mkernel"],
                                                            "MKERNEL_TMA_PARTIALS")
+            # Without an outbox (small M): the threads' global stores instead of TMA sends
+            variants["sweep: tma_sends0"] = with_switch(variants["mkernel"], "MKERNEL_TMA_SENDS")
     return ok, err, mag, variants
 
 

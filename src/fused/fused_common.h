@@ -47,6 +47,7 @@ inline int sm_budget(const PlanContext& ctx, int requested, const char* op) {
 //   MKERNEL_INTERLEAVE  reducing kernels interleave peers' and own tiles (reduce_order.h)
 //   MKERNEL_TMA_PARTIALS  gemm_rs's producer loads the peer's partials for the epilogue
 //   MKERNEL_TMA_STAGING   gemm_rs stages outbox slices by TMA stores (partials.cuh, stage_chunks)
+//   MKERNEL_TMA_SENDS     gemm_ar without an outbox sends by TMA stores into the peer (gemm_ar.cuh)
 inline bool switch_on(const char* variable) {
   const char* v = std::getenv(variable);
   return v == nullptr || std::string(v) != "0";
@@ -55,6 +56,7 @@ inline bool outbox_enabled() { return switch_on("MKERNEL_OUTBOX"); }
 inline bool interleave_enabled() { return switch_on("MKERNEL_INTERLEAVE"); }
 inline bool tma_partials_enabled() { return switch_on("MKERNEL_TMA_PARTIALS"); }
 inline bool tma_staging_enabled() { return switch_on("MKERNEL_TMA_STAGING"); }
+inline bool tma_sends_enabled() { return switch_on("MKERNEL_TMA_SENDS"); }
 // FusedGemmConfig::bf16_partials, unless MKERNEL_BF16_PARTIALS says "1" (on) or "0" (off).
 inline bool bf16_partials_requested(const FusedGemmConfig& config) {
   const char* v = std::getenv("MKERNEL_BF16_PARTIALS");

@@ -25,6 +25,11 @@
 // With two ranks and fp32 partials (tma_partials) the producer thread waits for the peer's
 // signals of a whole own tile and TMA-loads its partials (both parts: C and workspace) into the
 // stage ring behind the tile's k-blocks; the epilogue adds them from shared memory.
+// Without an outbox (small M) and with those views (tma_sends) the epilogue's sends are TMA
+// stores into the peer's memory through the same views of its buffers: a peer's whole slice goes
+// chunk by chunk from the scratch buffers (stage_chunks), an own tile's bf16 result leaves with
+// the local store of each chunk; the issuing thread waits for them to land before it signals
+// (the next epilogue, or the end).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -49,6 +54,9 @@ struct GemmArFusion {
   CUtensorMap out;                           // this rank's C [M, N] bf16, boxes 64 x 64
   CUtensorMap partials_c;                    // tma_partials: C as fp32 [M][N / 2], boxes 64 x 32
   CUtensorMap partials_ws;  // tma_partials: the accumulator as fp32 [..][kBlockN / 2], 64 x 32
+  CUtensorMap peer_out;          // tma_sends: the peer's C, as `out`
+  CUtensorMap peer_partials_c;   // tma_sends: the peer's C as fp32, as `partials_c`
+  CUtensorMap peer_partials_ws;  // tma_sends: the peer's accumulator, as `partials_ws`
   __nv_bfloat16* out_peers[kMaxLocalRanks];  // each local rank's C, mapped here
   float* accum_peers[kMaxLocalRanks];        // each local rank's accumulator, mapped here
   DeviceComm comm;
@@ -59,6 +67,7 @@ struct GemmArFusion {
   bool single_peer;    // two ranks: partials are stored (one per slice), not added
   bool bf16_partials;  // (single_peer only) partials travel as bf16, into the owner's C
   bool tma_partials;   // (single_peer, fp32) whole own tiles' partials come through the ring
+  bool tma_sends;      // (tma_partials, no outbox) the epilogue sends by TMA stores (above)
   float* staging;      // this rank's outbox slots, [CTA][consumer][slot][slot_floats]; or null
   int64_t slot_floats;
   int outbox_slots;   // per consumer, when staging is set
@@ -174,6 +183,7 @@ struct GemmArFusion {
   struct ConsumerState {
     int owner = -1;  // a partial whose signal is still owed, or -1
     uint32_t signal = 0;
+    bool by_tma = false;  // that partial left by TMA stores of this thread (tma_sends)
     uint32_t entered = 0;  // bit p: rank p is known to have entered this launch
     OutboxCursor outbox;
   };
@@ -243,6 +253,24 @@ struct GemmArFusion {
     if (row0 >= m) return;  // the slice lies below C (the last tile-row is partial)
     if (owner != comm.rank) {
       if (t == 0) ensure_entered(state, owner, launch);
+      if (tma_sends && rows == 64 && width == kBlockN) {  // a whole slice (the views' boxes)
+        const int ws_row = static_cast<int>(
+            (slice_at(tile, half).second - accum_peers[owner]) / (kBlockN / 2));
+        stage_chunks(acc, consumer, scratch, width, [&](const uint8_t* buf, int j) {
+          constexpr int kInC = kBlockN / 64;  // chunks of the slice's first half (in C)
+          if (j < kInC) {
+            dev::tma_store_2d(&peer_partials_c, buf, tile.n * (kBlockN / 2) + 32 * j, row0);
+          } else {
+            dev::tma_store_2d(&peer_partials_ws, buf, 32 * (j - kInC), ws_row);
+          }
+        });
+        if (t == 0) {
+          state.owner = owner;
+          state.signal = slot(tile, half);
+          state.by_tma = true;
+        }
+        return;
+      }
       if (bf16_partials) {
         send_slice_bf16(acc, consumer, scratch,
                         out_peers[owner] + static_cast<int64_t>(row0) * n + col0, n, rows, width);
@@ -295,6 +323,13 @@ struct GemmArFusion {
       }
       return;
     }
+    if (tma_sends) {  // each chunk to C here and to the peer's C (waited for at the end)
+      gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
+        dev::tma_store_2d(&out, buf, col0 + 64 * j, row0);
+        dev::tma_store_2d(&peer_out, buf, col0 + 64 * j, row0);
+      });
+      return;
+    }
     const int my_row = t / 2, my_half = t % 2;  // the half row this thread pushes to the peers
     gemm_engine::store_slice(
         acc, col0, n, consumer, scratch,
@@ -320,6 +355,11 @@ struct GemmArFusion {
 
   __device__ void flush(ConsumerState& state, const dev::Launch& launch) const {
     if (state.owner < 0) return;
+    if (state.by_tma) {  // this thread's stores have landed, ordered before its generic release
+      dev::bulk_wait_group<0>();
+      dev::fence_proxy_async_global();
+      state.by_tma = false;
+    }
     dev::fence_acq_rel_sys();  // after the warpgroup's writes (send_slice ends with a barrier)
     launch.signal(state.owner, state.signal, 1);
     state.owner = -1;
@@ -330,6 +370,10 @@ struct GemmArFusion {
       state.outbox.slots = outbox_slots;  // (a consumer without remote tiles never set it)
       outbox_close(state.outbox);
     } else if (threadIdx.x % 128 == 0) {
+      if (tma_sends) {  // every TMA store into the peer (results too) landed before the exit
+        dev::bulk_wait_group<0>();  // barrier's release (finish)
+        dev::fence_proxy_async_global();
+      }
       flush(state, dev::Launch::begin(comm));
     }
     if (threadIdx.x % 128 == 0)

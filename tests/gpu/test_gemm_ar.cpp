@@ -166,10 +166,25 @@ TEST(InProcessGemmAr, LargeWorld2) {
   run_in_process(2, [](Communicator& comm) {
     const uint64_t seed = shared_seed(comm);
     expect_gemm_ar(comm, {4096, 4096, 2048, BLayout::kNK, 0}, seed);
+    // the decode shape: no outbox, the epilogue's TMA sends (and with them off)
+    EXPECT_TRUE(gemm_ar_plan(comm, 128, 8192, 4096).tma_sends)
+        << gemm_ar_plan(comm, 128, 8192, 4096).describe();
     expect_gemm_ar(comm, {128, 8192, 4096, BLayout::kNK, 0}, seed + 1);
     expect_gemm_ar(comm, {8192, 1032, 512, BLayout::kKN, 0}, seed + 2);
     expect_gemm_ar(comm, {8192, 8192, 256, BLayout::kKN, 0}, seed + 3);  // through the outbox
   });
+}
+
+// MKERNEL_TMA_SENDS=0: without an outbox the epilogue's threads send with global stores again.
+TEST(InProcessGemmAr, ThreadSendsWorld2) {
+  MKT_REQUIRE_GPU();
+  setenv("MKERNEL_TMA_SENDS", "0", 1);  // before the ranks start: both plan alike
+  run_in_process(2, [](Communicator& comm) {
+    EXPECT_FALSE(gemm_ar_plan(comm, 128, 8192, 4096).tma_sends);
+    expect_gemm_ar(comm, {128, 8192, 4096, BLayout::kNK, 0}, shared_seed(comm));
+    expect_gemm_ar(comm, {1000, 1024, 256, BLayout::kNK, 192}, shared_seed(comm) + 1);
+  });
+  unsetenv("MKERNEL_TMA_SENDS");
 }
 
 // FusedGemmConfig::bf16_partials (opt-in; two ranks): the peer's partial slice travels as bf16
