@@ -254,7 +254,7 @@ def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
                 lambda: mkernel.gemm_ar(a, b, comm, out, bf16_partials=True))
             variants["sweep: tma_partials0"] = with_switch(variants["mkernel"],
                                                            "MKERNEL_TMA_PARTIALS")
-            # Without an outbox (small M): the threads' global stores instead of TMA sends
+            # The threads' stores (no outbox) or the side threads (outbox) instead of TMA sends
             variants["sweep: tma_sends0"] = with_switch(variants["mkernel"], "MKERNEL_TMA_SENDS")
     return ok, err, mag, variants
 

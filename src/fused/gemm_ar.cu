@@ -197,11 +197,12 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
   // tile must exist (M >= 128, N >= block_n) for the tensor maps to have their 64-row boxes.
   p.tma_partials = world == 2 && !p.bf16_partials && !p.pingpong && fused::tma_partials_enabled() &&
                    (64 * n) % p.block_n == 0 && m >= 128 && n >= p.block_n;
-  // Without an outbox (small M) the epilogue sends itself: by TMA stores straight into the
-  // peer's memory, through tensor maps of the peer's C and accumulator laid out as the ring's
-  // (so the same conditions) - a CTA's copy engine pushes ~42 GB/s over NVLink where its threads'
+  // Two ranks: an own tile's bf16 result leaves for the peer's C by a TMA store beside its local
+  // one (not through the outbox's side threads), and without an outbox (small M) a peer's
+  // tile's fp32 slice too, through tensor maps of the peer's C and accumulator laid out as the
+  // ring's (tma_partials) - a CTA's copy engine pushes ~42 GB/s over NVLink where its threads'
   // stores managed ~1 GB/s from the epilogue (bench_p2p, H200 x2, 2026-12-01).
-  p.tma_sends = p.tma_partials && p.outbox_slots == 0 && fused::tma_sends_enabled();
+  p.tma_sends = world == 2 && !p.pingpong && fused::tma_sends_enabled();
   return p;
 }
 
@@ -233,15 +234,15 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
     f.partials_ws = gemm_engine::make_map_fp32(f.accum_peers[topo.local_rank],
                                                static_cast<int64_t>(accum_floats / (kBlockN / 2)),
                                                kBlockN / 2, 64);
-    f.tma_sends = p.tma_sends;
-    if (p.tma_sends) {  // the same three views of the one peer's buffers, mapped here
+    if (p.tma_sends) {  // the same two views of the one peer's buffers, mapped here
       const int peer = 1 - topo.local_rank;
-      f.peer_out = gemm_engine::make_map(f.out_peers[peer], m, n, 64);
       f.peer_partials_c = gemm_engine::make_map_fp32(f.out_peers[peer], m, n / 2, 64);
       f.peer_partials_ws = gemm_engine::make_map_fp32(
           f.accum_peers[peer], static_cast<int64_t>(accum_floats / (kBlockN / 2)), kBlockN / 2, 64);
     }
   }
+  f.tma_sends = p.tma_sends;
+  if (p.tma_sends) f.peer_out = gemm_engine::make_map(f.out_peers[1 - topo.local_rank], m, n, 64);
   f.slot_floats = std::min<int64_t>(64, m) * kBlockN;
   f.outbox_slots = p.outbox_slots;
   f.trace = fused::trace_arm(p.ctas, stream);

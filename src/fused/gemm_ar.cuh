@@ -25,11 +25,11 @@
 // With two ranks and fp32 partials (tma_partials) the producer thread waits for the peer's
 // signals of a whole own tile and TMA-loads its partials (both parts: C and workspace) into the
 // stage ring behind the tile's k-blocks; the epilogue adds them from shared memory.
-// Without an outbox (small M) and with those views (tma_sends) the epilogue's sends are TMA
-// stores into the peer's memory through the same views of its buffers: a peer's whole slice goes
-// chunk by chunk from the scratch buffers (stage_chunks), an own tile's bf16 result leaves with
-// the local store of each chunk; the issuing thread waits for them to land before it signals
-// (the next epilogue, or the end).
+// Two ranks (tma_sends): an own tile's bf16 result leaves for the peer's C by a TMA store of each
+// packed chunk beside its local one - with or without an outbox; and without an outbox (small M)
+// and with the ring's views (tma_partials) a peer's whole slice goes chunk by chunk from the
+// scratch buffers (stage_chunks) through the same views of the peer's buffers. The issuing thread
+// waits for its stores to land before it signals (the next epilogue) and before the exit barrier.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -55,8 +55,8 @@ struct GemmArFusion {
   CUtensorMap partials_c;                    // tma_partials: C as fp32 [M][N / 2], boxes 64 x 32
   CUtensorMap partials_ws;  // tma_partials: the accumulator as fp32 [..][kBlockN / 2], 64 x 32
   CUtensorMap peer_out;          // tma_sends: the peer's C, as `out`
-  CUtensorMap peer_partials_c;   // tma_sends: the peer's C as fp32, as `partials_c`
-  CUtensorMap peer_partials_ws;  // tma_sends: the peer's accumulator, as `partials_ws`
+  CUtensorMap peer_partials_c;   // tma_sends and tma_partials: the peer's C as fp32 (partials_c)
+  CUtensorMap peer_partials_ws;  // tma_sends and tma_partials: its accumulator (partials_ws)
   __nv_bfloat16* out_peers[kMaxLocalRanks];  // each local rank's C, mapped here
   float* accum_peers[kMaxLocalRanks];        // each local rank's accumulator, mapped here
   DeviceComm comm;
@@ -67,7 +67,7 @@ struct GemmArFusion {
   bool single_peer;    // two ranks: partials are stored (one per slice), not added
   bool bf16_partials;  // (single_peer only) partials travel as bf16, into the owner's C
   bool tma_partials;   // (single_peer, fp32) whole own tiles' partials come through the ring
-  bool tma_sends;      // (tma_partials, no outbox) the epilogue sends by TMA stores (above)
+  bool tma_sends;      // (single_peer) the epilogue sends by TMA stores (above)
   float* staging;      // this rank's outbox slots, [CTA][consumer][slot][slot_floats]; or null
   int64_t slot_floats;
   int outbox_slots;   // per consumer, when staging is set
@@ -253,7 +253,7 @@ struct GemmArFusion {
     if (row0 >= m) return;  // the slice lies below C (the last tile-row is partial)
     if (owner != comm.rank) {
       if (t == 0) ensure_entered(state, owner, launch);
-      if (tma_sends && rows == 64 && width == kBlockN) {  // a whole slice (the views' boxes)
+      if (tma_sends && tma_partials && rows == 64 && width == kBlockN) {  // the views' boxes
         const int ws_row = static_cast<int>(
             (slice_at(tile, half).second - accum_peers[owner]) / (kBlockN / 2));
         stage_chunks(acc, consumer, scratch, width, [&](const uint8_t* buf, int j) {
@@ -289,7 +289,8 @@ struct GemmArFusion {
         wait_for_partials(comm, launch, slot(tile, half));
         trace_mark(trace, kTraceConsumer0 + consumer, kTraceWaited);
       }
-      for (int p = 0; p < comm.local_size && staging == nullptr; ++p) {  // (else: side threads)
+      // (with the outbox and without TMA sends its side threads make sure)
+      for (int p = 0; p < comm.local_size && (staging == nullptr || tma_sends); ++p) {
         if (p != comm.local_rank) ensure_entered(state, p, launch);
       }
     }
@@ -304,6 +305,13 @@ struct GemmArFusion {
                     bf16_partials);
     }
     if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
+    if (tma_sends) {  // each chunk to C here and to the peer's C (waited for at the end)
+      gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
+        dev::tma_store_2d(&out, buf, col0 + 64 * j, row0);
+        dev::tma_store_2d(&peer_out, buf, col0 + 64 * j, row0);
+      });
+      return;
+    }
     if (staging != nullptr) {  // C here by TMA; the side threads copy it to the peers' C
       gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
         dev::tma_store_2d(&out, buf, col0 + 64 * j, row0);
@@ -321,13 +329,6 @@ struct GemmArFusion {
         item.owner = -1;  // to every peer
         outbox_post_ready(consumer, item);
       }
-      return;
-    }
-    if (tma_sends) {  // each chunk to C here and to the peer's C (waited for at the end)
-      gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
-        dev::tma_store_2d(&out, buf, col0 + 64 * j, row0);
-        dev::tma_store_2d(&peer_out, buf, col0 + 64 * j, row0);
-      });
       return;
     }
     const int my_row = t / 2, my_half = t % 2;  // the half row this thread pushes to the peers
@@ -366,14 +367,14 @@ struct GemmArFusion {
   }
 
   __device__ void consumer_done(ConsumerState& state) const {
+    if (tma_sends && threadIdx.x % 128 == 0) {  // every TMA store into the peer (results too)
+      dev::bulk_wait_group<0>();                // has landed before the exit barrier's release
+      dev::fence_proxy_async_global();          // (finish)
+    }
     if (staging != nullptr) {
       state.outbox.slots = outbox_slots;  // (a consumer without remote tiles never set it)
       outbox_close(state.outbox);
     } else if (threadIdx.x % 128 == 0) {
-      if (tma_sends) {  // every TMA store into the peer (results too) landed before the exit
-        dev::bulk_wait_group<0>();  // barrier's release (finish)
-        dev::fence_proxy_async_global();
-      }
       flush(state, dev::Launch::begin(comm));
     }
     if (threadIdx.x % 128 == 0)

@@ -372,20 +372,22 @@ TEST(FusedPlans, TmaStaging) {
   unsetenv("MKERNEL_OUTBOX");
 }
 
-// gemm_ar's TMA sends: two ranks, fp32, the ring's views (tma_partials), and no outbox - the
-// decode shapes, whose partials the epilogue sends itself.
+// gemm_ar's TMA sends: two ranks, one node, the cooperative schedule - results always, and the
+// partials of the decode shapes (no outbox) through the ring's views.
 TEST(FusedPlans, TmaSends) {
   const PlanContext ctx = h200(2);
   const FusedGemmPlan decode = plan_gemm_ar(ctx, 128, 8192, 4096, {});
   EXPECT_EQ(decode.outbox_slots, 0) << decode.describe();
-  EXPECT_TRUE(decode.tma_sends) << decode.describe();
+  EXPECT_TRUE(decode.tma_sends && decode.tma_partials) << decode.describe();
   EXPECT_NE(decode.describe().find("TMA sends"), std::string::npos) << decode.describe();
-  EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).tma_sends);  // the outbox sends
-  EXPECT_FALSE(plan_gemm_ar(ctx, 64, 8192, 4096, {}).tma_sends);    // no whole tile: no views
+  const FusedGemmPlan large = plan_gemm_ar(ctx, 8192, 8192, 4096, {});
+  EXPECT_TRUE(large.tma_sends && large.outbox_slots > 0) << large.describe();
+  EXPECT_TRUE(plan_gemm_ar(ctx, 64, 8192, 4096, {}).tma_sends);  // results only: no views
+  EXPECT_FALSE(plan_gemm_ar(ctx, 64, 8192, 4096, {}).tma_partials);
   EXPECT_FALSE(plan_gemm_ar(h200(4), 128, 8192, 2048, {}).tma_sends);
   FusedGemmConfig bf16;
   bf16.bf16_partials = true;
-  EXPECT_FALSE(plan_gemm_ar(ctx, 128, 8192, 4096, bf16).tma_sends);
+  EXPECT_TRUE(plan_gemm_ar(ctx, 128, 8192, 4096, bf16).tma_sends);
   EXPECT_FALSE(plan_gemm_rs(ctx, 256, 8192, 4096, {}).tma_sends);  // gemm_ar only
   setenv("MKERNEL_TMA_SENDS", "0", 1);
   EXPECT_FALSE(plan_gemm_ar(ctx, 128, 8192, 4096, {}).tma_sends);

@@ -175,7 +175,8 @@ TEST(InProcessGemmAr, LargeWorld2) {
   });
 }
 
-// MKERNEL_TMA_SENDS=0: without an outbox the epilogue's threads send with global stores again.
+// MKERNEL_TMA_SENDS=0: the epilogue's threads send with global stores again (no outbox), and
+// the side threads copy an own tile's result to the peer (outbox).
 TEST(InProcessGemmAr, ThreadSendsWorld2) {
   MKT_REQUIRE_GPU();
   setenv("MKERNEL_TMA_SENDS", "0", 1);  // before the ranks start: both plan alike
@@ -183,6 +184,7 @@ TEST(InProcessGemmAr, ThreadSendsWorld2) {
     EXPECT_FALSE(gemm_ar_plan(comm, 128, 8192, 4096).tma_sends);
     expect_gemm_ar(comm, {128, 8192, 4096, BLayout::kNK, 0}, shared_seed(comm));
     expect_gemm_ar(comm, {1000, 1024, 256, BLayout::kNK, 192}, shared_seed(comm) + 1);
+    expect_gemm_ar(comm, {8192, 8192, 256, BLayout::kKN, 0}, shared_seed(comm) + 2);  // outbox
   });
   unsetenv("MKERNEL_TMA_SENDS");
 }
