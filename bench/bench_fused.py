@@ -178,6 +178,8 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
                                                            "MKERNEL_TMA_PARTIALS")
         # The outbox slices staged by the epilogue's global stores instead of TMA stores
         variants["sweep: tma_staging0"] = with_switch(variants["mkernel"], "MKERNEL_TMA_STAGING")
+        # A busy staging slot waited for, instead of the slice sent straight by TMA stores
+        variants["sweep: tma_sends0"] = with_switch(variants["mkernel"], "MKERNEL_TMA_SENDS")
     return ok, err, mag, variants
 
 

@@ -62,11 +62,12 @@ struct FusedGemmPlan {
   bool tma_staging = false;      // gemm_rs with the outbox, fp32: a peer's slice is staged by
                                  // TMA stores from shared memory, not by the epilogue's global
                                  // stores (MKERNEL_TMA_STAGING=0 turns it off)
-  bool tma_sends = false;        // gemm_ar, two ranks: an own tile's result goes to the peer by a
-                                 // TMA store from the epilogue, and without an outbox (small M)
-                                 // with fp32 partials (tma_partials) a peer's tile's partials too
-                                 // - instead of the threads' stores (the side threads' with an
-                                 // outbox) (MKERNEL_TMA_SENDS=0 turns it off)
+  bool tma_sends = false;        // two ranks, by TMA stores from the epilogue into the peer:
+                                 // gemm_ar's own tiles' results, and without an outbox (small M)
+                                 // with fp32 partials (tma_partials) a peer's tile's partials;
+                                 // gemm_rs's (fp32) whole slices whose outbox slot is busy or
+                                 // that have none - instead of the threads' stores (the side
+                                 // threads' with an outbox) (MKERNEL_TMA_SENDS=0 turns it off)
   std::string describe() const;  // one line
 };
 

@@ -47,7 +47,8 @@ inline int sm_budget(const PlanContext& ctx, int requested, const char* op) {
 //   MKERNEL_INTERLEAVE  reducing kernels interleave peers' and own tiles (reduce_order.h)
 //   MKERNEL_TMA_PARTIALS  gemm_rs's producer loads the peer's partials for the epilogue
 //   MKERNEL_TMA_STAGING   gemm_rs stages outbox slices by TMA stores (partials.cuh, stage_chunks)
-//   MKERNEL_TMA_SENDS     gemm_ar without an outbox sends by TMA stores into the peer (gemm_ar.cuh)
+//   MKERNEL_TMA_SENDS     sends by TMA stores into the peer: gemm_ar's results and (no outbox)
+//                         partials, gemm_rs's slices whose staging slot is busy (two ranks)
 inline bool switch_on(const char* variable) {
   const char* v = std::getenv(variable);
   return v == nullptr || std::string(v) != "0";

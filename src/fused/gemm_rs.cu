@@ -108,6 +108,11 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
   // own tiles (gemm_rs.cuh, store_staged_chunk) - the outbox needs such tiles anyway.
   p.tma_staging = world > 1 && !p.bf16_partials && fused::outbox_enabled() &&
                   fused::tma_staging_enabled() && p.shard_rows >= 128 && n >= p.block_n;
+  // Two ranks, fp32: a whole slice whose staging slot is busy (or that has none) goes straight
+  // into the peer's accumulator by TMA stores (gemm_rs.cuh) - through a view of it as the ring's
+  // (so the same conditions as tma_partials but the switch).
+  p.tma_sends = world == 2 && !p.bf16_partials && !p.pingpong && fused::tma_sends_enabled() &&
+                (64 * n) % p.block_n == 0 && p.shard_rows >= 128 && n >= p.block_n;
   p.lag = -1;
   const int waves = p.pingpong ? 4 : 2;
   if (world > 1 && fused::outbox_enabled() && fused::interleave_enabled() &&
@@ -142,6 +147,11 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
     f.partials = gemm_engine::make_map_fp32(workspace, p.shard_rows * n / kBlockN, kBlockN, 64);
   }
   f.tma_staging = p.tma_staging;
+  f.tma_sends = p.tma_sends;
+  if (p.tma_sends) {
+    f.peer_partials = gemm_engine::make_map_fp32(f.accum_peers[1 - topo.local_rank],
+                                                 p.shard_rows * n / kBlockN, kBlockN, 64);
+  }
   if (p.tma_staging) f.staging = gemm_engine::make_map_fp32_row_pairs(out, p.shard_rows, n);
   f.out_local = static_cast<__nv_bfloat16*>(out);
   f.outbox = fused::outbox_enabled();

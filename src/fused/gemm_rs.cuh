@@ -20,6 +20,11 @@
 // instead - rounded once, as the sequential baseline's NCCL reduce-scatter rounds it - which
 // halves the staging writes, the NVLink bytes and the owner's reads; the owner adds it to its own
 // fp32 partial. The accumulator then holds bf16 in the same slice layout (half of its bytes).
+// With two ranks and fp32 partials (tma_sends) a peer's whole slice whose outbox slot is still
+// busy - or that has no outbox - goes straight to the owner: TMA stores of its 32-column chunks
+// from the scratch buffers into the owner's accumulator (the `partials` view of it), instead of
+// waiting for the side threads to free the slot; the consumer's deferred signal follows once they
+// have landed.
 // Reuse: a peer adds into o's accumulator only after o entered the launch (o's previous launch,
 // which read and zeroed it, is over). The workspace must be zero before the first launch.
 #pragma once
@@ -47,6 +52,7 @@ struct GemmRsFusion {
   CUtensorMap out;                           // this rank's output [S][N] bf16, boxes 64 x 64
   CUtensorMap partials;  // tma_partials: my_accum as [S * N / kBlockN][kBlockN] fp32, boxes 64 x 32
   CUtensorMap staging;   // tma_staging: the output's row pairs as fp32 (make_map_fp32_row_pairs)
+  CUtensorMap peer_partials;  // tma_sends: the peer's accumulator, as `partials`
   float* accum_peers[kMaxLocalRanks];  // each local rank's accumulator [S][N] fp32, mapped here
   DeviceComm comm;
   float* my_accum;           // this rank's accumulator (local address)
@@ -57,6 +63,7 @@ struct GemmRsFusion {
   bool bf16_partials;  // (single_peer only) partials travel and wait as bf16
   bool tma_partials;   // (single_peer, fp32) whole own tiles' partials come through the ring
   bool tma_staging;    // (fp32) outbox slots are filled by TMA stores (partials.cuh, stage_chunks)
+  bool tma_sends;      // (single_peer, fp32) whole slices may go straight to the peer (above)
   int shard_rows;      // S
   int n;
   gemm_engine::GroupedRaster raster;  // tiles of one shard
@@ -209,6 +216,7 @@ struct GemmRsFusion {
   struct ConsumerState {
     int owner = -1;  // a reduce whose signal is still owed, or -1
     uint32_t signal = 0;
+    bool by_tma = false;   // that reduce left by TMA stores of this thread (tma_sends)
     uint32_t entered = 0;  // bit o: owner o has been seen in this launch
     bool ready = false;    // outbox.slots set
     OutboxCursor outbox;
@@ -252,6 +260,25 @@ struct GemmRsFusion {
     const int half = gemm_engine::slice_half(tile, consumer);
     const int row0 = tile.m * 128 + half * 64, col0 = tile.n * kBlockN;
     const int slots = pending.outbox.slots;
+    if (tile.shard != comm.rank && tma_sends && row0 + 64 <= shard_rows &&
+        slice_width(tile.n) == kBlockN &&
+        (slots == 0 || !outbox_slot_free(consumer, pending.outbox))) {
+      const int owner = tile.shard;  // one node: global rank = local rank
+      if (t == 0 && !(pending.entered & (1u << owner))) {
+        launch.wait(owner, dev::signal_index(SignalId::kEntry, 0), 1);  // it may be reused
+        pending.entered |= 1u << owner;
+      }
+      const int row = static_cast<int>(slice_offset(tile.m, tile.n, half) / kBlockN);
+      stage_chunks(acc, consumer, scratch, kBlockN, [&](const uint8_t* buf, int j) {
+        dev::tma_store_2d(&peer_partials, buf, 32 * j, row);
+      });
+      if (t == 0) {
+        pending.owner = owner;
+        pending.signal = slot(tile, half);
+        pending.by_tma = true;
+      }
+      return;
+    }
     if (tile.shard != comm.rank && slots > 0) {  // one item per remote tile, even if empty
       const int owner = tile.shard;              // one node: global rank = local rank
       const int width = words(slice_width(tile.n));
@@ -344,6 +371,11 @@ struct GemmRsFusion {
   // Thread 0 of a consumer: the previous reduce has landed -> tell its owner.
   __device__ void flush(ConsumerState& pending, const dev::Launch& launch) const {
     if (pending.owner < 0) return;
+    if (pending.by_tma) {  // this thread's stores have landed, ordered before its generic release
+      dev::bulk_wait_group<0>();
+      dev::fence_proxy_async_global();
+      pending.by_tma = false;
+    }
     dev::fence_acq_rel_sys();  // after the warpgroup's stores (send_slice ends with a barrier)
     launch.signal(pending.owner, pending.signal, 1);
     pending.owner = -1;

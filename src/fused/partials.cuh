@@ -482,6 +482,15 @@ __device__ __forceinline__ void stage_chunks(const float (&acc)[kRegs], int cons
   }
 }
 
+// All 128 threads of a consumer: whether its staging slot cursor.slot() is free now (thread 0's
+// look, the same answer on every thread; no wait).
+__device__ __forceinline__ bool outbox_slot_free(int consumer, const OutboxCursor& cursor) {
+  const bool free = threadIdx.x % 128 == 0 &&
+                    dev::mbarrier_test(&outbox_shared().staged[consumer][cursor.slot()],
+                                       cursor.parity() ^ 1);
+  return dev::named_barrier_or(1 + consumer, 128, free);
+}
+
 // All 128 threads of a consumer: waits until its staging slot cursor.slot() is free and returns
 // it (`trace`: the timeline - the slot free is kTraceWaited - or null).
 __device__ __forceinline__ int outbox_wait_slot(int consumer, const OutboxCursor& cursor,

@@ -372,8 +372,9 @@ TEST(FusedPlans, TmaStaging) {
   unsetenv("MKERNEL_OUTBOX");
 }
 
-// gemm_ar's TMA sends: two ranks, one node, the cooperative schedule - results always, and the
-// partials of the decode shapes (no outbox) through the ring's views.
+// TMA sends, two ranks, one node, the cooperative schedule: gemm_ar's results always, and the
+// partials of the decode shapes (no outbox) through the ring's views; gemm_rs's fp32 slices whose
+// staging slot is busy (or that have none), where a whole slice exists.
 TEST(FusedPlans, TmaSends) {
   const PlanContext ctx = h200(2);
   const FusedGemmPlan decode = plan_gemm_ar(ctx, 128, 8192, 4096, {});
@@ -388,9 +389,13 @@ TEST(FusedPlans, TmaSends) {
   FusedGemmConfig bf16;
   bf16.bf16_partials = true;
   EXPECT_TRUE(plan_gemm_ar(ctx, 128, 8192, 4096, bf16).tma_sends);
-  EXPECT_FALSE(plan_gemm_rs(ctx, 256, 8192, 4096, {}).tma_sends);  // gemm_ar only
+  EXPECT_TRUE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).tma_sends);  // gemm_rs: busy slots
+  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, bf16).tma_sends);
+  EXPECT_FALSE(plan_gemm_rs(h200(4), 8192, 8192, 2048, {}).tma_sends);
+  EXPECT_FALSE(plan_gemm_rs(ctx, 2 * 100, 8192, 4096, {}).tma_sends);  // no whole slice
   setenv("MKERNEL_TMA_SENDS", "0", 1);
   EXPECT_FALSE(plan_gemm_ar(ctx, 128, 8192, 4096, {}).tma_sends);
+  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).tma_sends);
   unsetenv("MKERNEL_TMA_SENDS");
 }
 

@@ -159,9 +159,24 @@ TEST(InProcessGemmRs, LargeWorld2) {
   MKT_REQUIRE_GPU();
   run_in_process(2, [](Communicator& comm) {
     const uint64_t seed = shared_seed(comm);
+    EXPECT_TRUE(gemm_rs_plan(comm, 2048, 4096, 2048).tma_sends);  // busy slots: TMA sends
     expect_gemm_rs(comm, {2048, 4096, 2048, BLayout::kNK, 0}, seed);
     expect_gemm_rs(comm, {1000, 8192, 4096, BLayout::kKN, 0}, seed + 1);
   });
+}
+
+// MKERNEL_TMA_SENDS=0: every peer's slice through the outbox (or the epilogue's own stores
+// without one) - the two-rank paths before TMA sends, kept for the comparison.
+TEST(InProcessGemmRs, ThreadSendsWorld2) {
+  MKT_REQUIRE_GPU();
+  setenv("MKERNEL_TMA_SENDS", "0", 1);  // before the ranks start: both plan alike
+  run_in_process(2, [](Communicator& comm) {
+    EXPECT_FALSE(gemm_rs_plan(comm, 2048, 4096, 1024).tma_sends);
+    const uint64_t seed = shared_seed(comm);
+    expect_gemm_rs(comm, {1000, 1024, 512, BLayout::kKN, 0}, seed);
+    expect_gemm_rs(comm, {2048, 4096, 2048, BLayout::kNK, 0}, seed + 1);
+  });
+  unsetenv("MKERNEL_TMA_SENDS");
 }
 
 TEST(LaunchedGemmRs, MatchesReference) {
