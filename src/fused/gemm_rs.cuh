@@ -213,11 +213,14 @@ struct GemmRsFusion {
   }
 
   // Per consumer warpgroup: bookkeeping between epilogues (thread 0's, and the outbox cursor).
+  static constexpr uint32_t kByTma = 1u << 31;
   struct ConsumerState {
     int owner = -1;  // a reduce whose signal is still owed, or -1
     uint32_t signal = 0;
-    bool by_tma = false;   // that reduce left by TMA stores of this thread (tma_sends)
-    uint32_t entered = 0;  // bit o: owner o has been seen in this launch
+    // bit o < kMaxLocalRanks: owner o has been seen in this launch; kByTma: the owed reduce left
+    // by TMA stores of this thread (tma_sends) - a bit here, not a field: the state stays in
+    // registers through the mainloop, where one more spilled at 128 x 256
+    uint32_t entered = 0;
     bool ready = false;    // outbox.slots set
     OutboxCursor outbox;
   };
@@ -268,15 +271,16 @@ struct GemmRsFusion {
         launch.wait(owner, dev::signal_index(SignalId::kEntry, 0), 1);  // it may be reused
         pending.entered |= 1u << owner;
       }
-      const int row = static_cast<int>(slice_offset(tile.m, tile.n, half) / kBlockN);
-      stage_chunks(acc, consumer, scratch, kBlockN, [&](const uint8_t* buf, int j) {
-        dev::tma_store_2d(&peer_partials, buf, 32 * j, row);
-      });
-      if (t == 0) {
+      if (t == 0) {  // (set before the chunks: nothing of the tile stays live across them)
         pending.owner = owner;
         pending.signal = slot(tile, half);
-        pending.by_tma = true;
+        pending.entered |= kByTma;
       }
+      const int row = static_cast<int>(slice_offset(tile.m, tile.n, half) / kBlockN);
+      const CUtensorMap* map = &peer_partials;
+      stage_chunks(acc, consumer, scratch, kBlockN, [map, row](const uint8_t* buf, int j) {
+        dev::tma_store_2d(map, buf, 32 * j, row);
+      });
       return;
     }
     if (tile.shard != comm.rank && slots > 0) {  // one item per remote tile, even if empty
@@ -371,10 +375,10 @@ struct GemmRsFusion {
   // Thread 0 of a consumer: the previous reduce has landed -> tell its owner.
   __device__ void flush(ConsumerState& pending, const dev::Launch& launch) const {
     if (pending.owner < 0) return;
-    if (pending.by_tma) {  // this thread's stores have landed, ordered before its generic release
-      dev::bulk_wait_group<0>();
+    if (pending.entered & kByTma) {  // this thread's stores have landed, ordered before its
+      dev::bulk_wait_group<0>();       // generic release
       dev::fence_proxy_async_global();
-      pending.by_tma = false;
+      pending.entered &= ~kByTma;
     }
     dev::fence_acq_rel_sys();  // after the warpgroup's stores (send_slice ends with a barrier)
     launch.signal(pending.owner, pending.signal, 1);
