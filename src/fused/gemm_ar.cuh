@@ -354,6 +354,13 @@ struct GemmArFusion {
         });
   }
 
+  // Thread 0 of a consumer, halfway through a tile's k-blocks (gemm_kernel.cuh): the previous
+  // epilogue's partials, sent by TMA stores, have long landed - tell the owner now rather than
+  // at the next epilogue, a whole mainloop later.
+  __device__ void mid_tile(ConsumerState& state) const {
+    if (state.by_tma) flush(state, dev::Launch::begin(comm));
+  }
+
   __device__ void flush(ConsumerState& state, const dev::Launch& launch) const {
     if (state.owner < 0) return;
     if (state.by_tma) {  // this thread's stores have landed, ordered before its generic release

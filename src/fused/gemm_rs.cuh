@@ -372,6 +372,13 @@ struct GemmRsFusion {
     });
   }
 
+  // Thread 0 of a consumer, halfway through a tile's k-blocks (gemm_kernel.cuh): the previous
+  // epilogue's reduce, sent by TMA stores, has long landed - tell its owner now rather than at the
+  // next epilogue, a whole mainloop later (the owner's tile may be waiting for it).
+  __device__ void mid_tile(ConsumerState& pending) const {
+    if (pending.entered & kByTma) flush(pending, dev::Launch::begin(comm));
+  }
+
   // Thread 0 of a consumer: the previous reduce has landed -> tell its owner.
   __device__ void flush(ConsumerState& pending, const dev::Launch& launch) const {
     if (pending.owner < 0) return;

@@ -20,6 +20,9 @@
 //   side_task(thread, threads)    producer warps 1..3 (96 threads): communication, or nothing
 //   finish()                      every thread, last (fused: end of the launch's bookkeeping)
 //   init_shared()                 optional: thread 0, before the first __syncthreads (mbarriers)
+//   mid_tile(state)               optional (cooperative schedule): a consumer's thread 0 halfway
+//                                 through each tile's k-blocks (e.g. to signal what its previous
+//                                 epilogue sent, once landed, without waiting for the next one)
 //   epilogue_loads(tile)          optional (cooperative schedule): stages of the ring the tile's
 //   load_epilogue(dst, bar, tile, i)  epilogue reads after its k-blocks - the producer fills stage
 //                                 i (arms `bar` and issues its TMA loads, e.g. a peer's partial
@@ -453,6 +456,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         // The group of the previous stage has retired once at most this one is pending.
         dev::wgmma_wait<1>();
         if (kb > 0 && leader) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
+        if constexpr (requires { fusion.mid_tile(state); }) {
+          if (kb == k_iters / 2 && leader) fusion.mid_tile(state);
+        }
       }
       dev::wgmma_wait<0>();
       dev::wgmma_fence_operands(acc);
