@@ -173,7 +173,9 @@ __device__ __forceinline__ void add_from_ring(float (&acc)[kRegs],
 // 16-byte pieces of rows - coalesced, posted writes; `add`: vector reductions (red.add.v4.f32),
 // else plain stores (an accumulator that receives one partial). Ends with a barrier of the
 // warpgroup, so that thread 0's release afterwards covers every thread's writes. (TMA stores and
-// reduces to the peer, tried first, were no faster.) All 128 threads of the warpgroup call.
+// reduces to the peer, tried first in session 2, were no faster while other costs dominated; two
+// ranks with fp32 partials now send by TMA stores where the policies' views allow - their
+// tma_sends.) All 128 threads of the warpgroup call.
 template <int kRegs, typename At>
 __device__ __forceinline__ void send_slice(const float (&acc)[kRegs], int consumer,
                                            uint8_t* scratch, const At& at, int rows, int width,
