@@ -26,10 +26,11 @@
 // signals of a whole own tile and TMA-loads its partials (both parts: C and workspace) into the
 // stage ring behind the tile's k-blocks; the epilogue adds them from shared memory.
 // Two ranks (tma_sends): an own tile's bf16 result leaves for the peer's C by a TMA store of each
-// packed chunk beside its local one - with or without an outbox; and without an outbox (small M)
-// and with the ring's views (tma_partials) a peer's whole slice goes chunk by chunk from the
-// scratch buffers (stage_chunks) through the same views of the peer's buffers. The issuing thread
-// waits for its stores to land before it signals (the next epilogue) and before the exit barrier.
+// packed chunk beside its local one - with or without an outbox; and with the ring's views
+// (tma_partials) a peer's whole slice that has no outbox (small M) or whose staging slot is busy
+// goes chunk by chunk from the scratch buffers (stage_chunks) through the same views of the
+// peer's buffers. The issuing thread waits for its stores to land before it signals (halfway
+// through its next tile, mid_tile) and before the exit barrier.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -236,6 +237,28 @@ struct GemmArFusion {
     const int row0 = tile.m * 128 + half * 64, col0 = tile.n * kBlockN;
     const int rows = min(64, m - row0), width = slice_width(tile);
     const int owner = tile.shard;                    // one node: global rank = local rank
+    // A whole slice by TMA stores (the views' boxes) when there is no outbox or its slot is busy.
+    if (owner != comm.rank && tma_sends && tma_partials && rows == 64 && width == kBlockN &&
+        (staging == nullptr || !outbox_slot_free(consumer, state.outbox))) {
+      if (t == 0) {
+        ensure_entered(state, owner, launch);
+        state.owner = owner;  // (set before the chunks: nothing of the tile stays live across them)
+        state.signal = slot(tile, half);
+        state.by_tma = true;
+      }
+      const int ws_row =
+          static_cast<int>((slice_at(tile, half).second - accum_peers[owner]) / (kBlockN / 2));
+      const int c0 = tile.n * (kBlockN / 2);
+      stage_chunks(acc, consumer, scratch, width, [&](const uint8_t* buf, int j) {
+        constexpr int kInC = kBlockN / 64;  // chunks of the slice's first half (in C)
+        if (j < kInC) {
+          dev::tma_store_2d(&peer_partials_c, buf, c0 + 32 * j, row0);
+        } else {
+          dev::tma_store_2d(&peer_partials_ws, buf, 32 * (j - kInC), ws_row);
+        }
+      });
+      return;
+    }
     if (owner != comm.rank && staging != nullptr) {  // one item per remote tile, even if empty
       OutboxItem item{};
       item.src =
@@ -253,24 +276,6 @@ struct GemmArFusion {
     if (row0 >= m) return;  // the slice lies below C (the last tile-row is partial)
     if (owner != comm.rank) {
       if (t == 0) ensure_entered(state, owner, launch);
-      if (tma_sends && tma_partials && rows == 64 && width == kBlockN) {  // the views' boxes
-        const int ws_row = static_cast<int>(
-            (slice_at(tile, half).second - accum_peers[owner]) / (kBlockN / 2));
-        stage_chunks(acc, consumer, scratch, width, [&](const uint8_t* buf, int j) {
-          constexpr int kInC = kBlockN / 64;  // chunks of the slice's first half (in C)
-          if (j < kInC) {
-            dev::tma_store_2d(&peer_partials_c, buf, tile.n * (kBlockN / 2) + 32 * j, row0);
-          } else {
-            dev::tma_store_2d(&peer_partials_ws, buf, 32 * (j - kInC), ws_row);
-          }
-        });
-        if (t == 0) {
-          state.owner = owner;
-          state.signal = slot(tile, half);
-          state.by_tma = true;
-        }
-        return;
-      }
       if (bf16_partials) {
         send_slice_bf16(acc, consumer, scratch,
                         out_peers[owner] + static_cast<int64_t>(row0) * n + col0, n, rows, width);
@@ -381,9 +386,8 @@ struct GemmArFusion {
     if (staging != nullptr) {
       state.outbox.slots = outbox_slots;  // (a consumer without remote tiles never set it)
       outbox_close(state.outbox);
-    } else if (threadIdx.x % 128 == 0) {
-      flush(state, dev::Launch::begin(comm));
     }
+    if (threadIdx.x % 128 == 0) flush(state, dev::Launch::begin(comm));  // (TMA sends too)
     if (threadIdx.x % 128 == 0)
       trace_mark(trace, kTraceConsumer0 + threadIdx.x / 128 - 1, kTraceDone);
   }
