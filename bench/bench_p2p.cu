@@ -181,6 +181,24 @@ int main(int argc, char** argv) {
   cudaEvent_t start, stop;
   CK(cudaEventCreate(&start));
   CK(cudaEventCreate(&stop));
+  // The median of five timed runs of `kernel` on GPU 0 (after a warm-up), each with `other`
+  // queued first on GPU 1 (the other direction, --both) and waited for after.
+  auto median_ms = [&](auto&& kernel, auto&& other_first) {
+    kernel();  // warm-up
+    std::vector<float> ms(5);
+    for (float& t : ms) {
+      other_first();
+      CK(cudaEventRecord(start));
+      kernel();
+      CK(cudaEventRecord(stop));
+      CK(cudaEventSynchronize(stop));
+      CK(cudaEventElapsedTime(&t, start, stop));
+      other_done();
+    }
+    CK(cudaGetLastError());
+    std::sort(ms.begin(), ms.end());
+    return ms[2];
+  };
   std::printf("%-8s %5s %7s %2s %12s %12s%s\n", "op", "CTAs", "threads", "V", "GB/s per CTA",
               "GB/s total", both ? "  (both directions at once)" : "");
   const std::vector<int> all_ctas = {1, 4, 16, 33, 66, 132}, all_threads = {96, 128, 256, 512};
@@ -190,20 +208,9 @@ int main(int argc, char** argv) {
     for (int ctas : both ? some_ctas : all_ctas) {
       for (int threads : both ? some_threads : all_threads) {
         for (int v : {1, 2, 4, 8}) {
-          run(op, v, ctas, threads, remote, local, per_cta);  // warm-up
-          std::vector<float> ms(5);
-          for (float& t : ms) {
-            other(op, v, ctas, threads);
-            CK(cudaEventRecord(start));
-            run(op, v, ctas, threads, remote, local, per_cta);
-            CK(cudaEventRecord(stop));
-            CK(cudaEventSynchronize(stop));
-            CK(cudaEventElapsedTime(&t, start, stop));
-            other_done();
-          }
-          CK(cudaGetLastError());
-          std::sort(ms.begin(), ms.end());
-          const double per_cta_gbs = static_cast<double>(per_cta) * 16 / (ms[2] * 1e6);
+          const float ms = median_ms([&] { run(op, v, ctas, threads, remote, local, per_cta); },
+                                     [&] { other(op, v, ctas, threads); });
+          const double per_cta_gbs = static_cast<double>(per_cta) * 16 / (ms * 1e6);
           std::printf("%-8s %5d %7d %2d %12.2f %12.1f\n", name(op), ctas, threads, v, per_cta_gbs,
                       per_cta_gbs * ctas);
         }
@@ -221,26 +228,15 @@ int main(int argc, char** argv) {
       auto go = [&](cudaStream_t s, uint8_t* dst) {
         bulk_push<<<ctas, 32, chunk * bufs, s>>>(dst, per_cta_bytes, chunk, bufs);
       };
-      go(nullptr, reinterpret_cast<uint8_t*>(remote));  // warm-up
-      std::vector<float> ms(5);
-      for (float& t : ms) {
-        if (both) {
-          CK(cudaSetDevice(1));
-          CK(cudaFuncSetAttribute(bulk_push, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  200 * 1024));
-          for (int i = 0; i < 3; ++i) go(stream1, reinterpret_cast<uint8_t*>(remote1));
-          CK(cudaSetDevice(0));
-        }
-        CK(cudaEventRecord(start));
-        go(nullptr, reinterpret_cast<uint8_t*>(remote));
-        CK(cudaEventRecord(stop));
-        CK(cudaEventSynchronize(stop));
-        CK(cudaEventElapsedTime(&t, start, stop));
-        other_done();
-      }
-      CK(cudaGetLastError());
-      std::sort(ms.begin(), ms.end());
-      const double per_cta_gbs = static_cast<double>(per_cta_bytes) / (ms[2] * 1e6);
+      const float ms = median_ms([&] { go(nullptr, reinterpret_cast<uint8_t*>(remote)); }, [&] {
+        if (!both) return;
+        CK(cudaSetDevice(1));
+        CK(cudaFuncSetAttribute(bulk_push, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                200 * 1024));
+        for (int i = 0; i < 3; ++i) go(stream1, reinterpret_cast<uint8_t*>(remote1));
+        CK(cudaSetDevice(0));
+      });
+      const double per_cta_gbs = static_cast<double>(per_cta_bytes) / (ms * 1e6);
       std::printf("%-8s %5d %7d %5d %12.2f %12.1f\n", "bulk", ctas, chunk, bufs, per_cta_gbs,
                   per_cta_gbs * ctas);
     }
