@@ -180,6 +180,9 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
         variants["sweep: tma_staging0"] = with_switch(variants["mkernel"], "MKERNEL_TMA_STAGING")
         # A busy staging slot waited for, instead of the slice sent straight by TMA stores
         variants["sweep: tma_sends0"] = with_switch(variants["mkernel"], "MKERNEL_TMA_SENDS")
+        # Experimental: own tiles' partials before their k-blocks (no add in the epilogue)
+        variants["sweep: partials first"] = with_switch(variants["mkernel"],
+                                                        "MKERNEL_PARTIALS_FIRST", "1")
     return ok, err, mag, variants
 
 
@@ -258,6 +261,8 @@ def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
                                                            "MKERNEL_TMA_PARTIALS")
             # The threads' stores (no outbox) or the side threads (outbox) instead of TMA sends
             variants["sweep: tma_sends0"] = with_switch(variants["mkernel"], "MKERNEL_TMA_SENDS")
+            variants["sweep: partials first"] = with_switch(variants["mkernel"],
+                                                            "MKERNEL_PARTIALS_FIRST", "1")
     return ok, err, mag, variants
 
 

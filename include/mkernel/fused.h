@@ -68,6 +68,9 @@ struct FusedGemmPlan {
                                  // gemm_rs's (fp32) whole slices whose outbox slot is busy or
                                  // that have none - instead of the threads' stores (the side
                                  // threads' with an outbox) (MKERNEL_TMA_SENDS=0 turns it off)
+  bool partials_first = false;   // (tma_partials) the peer's partials of an own tile come through
+                                 // the ring before its k-blocks and start the accumulator - no add
+                                 // in the epilogue (experimental: MKERNEL_PARTIALS_FIRST=1)
   std::string describe() const;  // one line
 };
 

@@ -200,11 +200,12 @@ std::string FusedGemmPlan::describe() const {
   std::snprintf(line, sizeof(line),
                 "shards of %lld rows, tiles 128x%d, %d CTAs (%d moving data), pieces of %d rows "
                 "(%d per shard), workspace %zu bytes (staging %zu: %d outbox slots per consumer), "
-                "lag %d%s%s%s%s%s%s",
+                "lag %d%s%s%s%s%s%s%s",
                 static_cast<long long>(shard_rows), block_n, ctas, comm_ctas, piece_rows, pieces,
                 workspace_bytes, staging_bytes, outbox_slots, lag, pingpong ? ", ping-pong" : "",
                 bf16_partials ? ", bf16 partials" : "", tma_partials ? ", TMA partials" : "",
                 tma_staging ? ", TMA staging" : "", tma_sends ? ", TMA sends" : "",
+                partials_first ? ", partials first" : "",
                 nodes > 1 ? (", across " + std::to_string(nodes) + " nodes").c_str() : "");
   return line;
 }

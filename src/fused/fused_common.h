@@ -58,6 +58,12 @@ inline bool interleave_enabled() { return switch_on("MKERNEL_INTERLEAVE"); }
 inline bool tma_partials_enabled() { return switch_on("MKERNEL_TMA_PARTIALS"); }
 inline bool tma_staging_enabled() { return switch_on("MKERNEL_TMA_STAGING"); }
 inline bool tma_sends_enabled() { return switch_on("MKERNEL_TMA_SENDS"); }
+// Experimental, off unless "1": the own tiles' partials before their k-blocks (gemm_kernel.cuh,
+// prologue_loads).
+inline bool partials_first_requested() {
+  const char* v = std::getenv("MKERNEL_PARTIALS_FIRST");
+  return v != nullptr && std::string(v) == "1";
+}
 // FusedGemmConfig::bf16_partials, unless MKERNEL_BF16_PARTIALS says "1" (on) or "0" (off).
 inline bool bf16_partials_requested(const FusedGemmConfig& config) {
   const char* v = std::getenv("MKERNEL_BF16_PARTIALS");

@@ -203,6 +203,7 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
   // ring's (tma_partials) - a CTA's copy engine pushes ~42 GB/s over NVLink where its threads'
   // stores managed ~1 GB/s from the epilogue (bench_p2p, H200 x2, 2026-12-01).
   p.tma_sends = world == 2 && !p.pingpong && fused::tma_sends_enabled();
+  p.partials_first = p.tma_partials && fused::partials_first_requested();
   return p;
 }
 
@@ -228,6 +229,7 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.single_peer = topo.world_size == 2;
   f.bf16_partials = p.bf16_partials && f.single_peer;
   f.tma_partials = p.tma_partials;
+  f.partials_first = p.partials_first;
   if (p.tma_partials) {
     f.partials_c = gemm_engine::make_map_fp32(out, m, n / 2, 64);
     const std::size_t accum_floats = (p.workspace_bytes - p.staging_bytes) / 4;

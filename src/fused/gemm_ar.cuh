@@ -69,6 +69,7 @@ struct GemmArFusion {
   bool bf16_partials;  // (single_peer only) partials travel as bf16, into the owner's C
   bool tma_partials;   // (single_peer, fp32) whole own tiles' partials come through the ring
   bool tma_sends;      // (single_peer) the epilogue sends by TMA stores (above)
+  bool partials_first;  // (tma_partials) those partials come before the tile's k-blocks
   float* staging;      // this rank's outbox slots, [CTA][consumer][slot][slot_floats]; or null
   int64_t slot_floats;
   int outbox_slots;   // per consumer, when staging is set
@@ -119,9 +120,23 @@ struct GemmArFusion {
   // (the plan checks 64 N % kBlockN == 0): 64 rows of the `partials_ws` view.
   using Ring = RingPartials<kBlockN>;
 
-  __device__ int epilogue_loads(const gemm_engine::Tile& tile) const {
+  __device__ int ring_partials(const gemm_engine::Tile& tile) const {
     const bool whole = tile.m * 128 + 128 <= m && (tile.n + 1) * kBlockN <= n;
     return tma_partials && tile.shard == comm.rank && whole ? Ring::kStages : 0;
+  }
+  __device__ int epilogue_loads(const gemm_engine::Tile& tile) const {
+    return partials_first ? 0 : ring_partials(tile);
+  }
+  // partials_first: the same stages before the k-blocks; start() sets the accumulator from them.
+  __device__ int prologue_loads(const gemm_engine::Tile& tile) const {
+    return partials_first ? ring_partials(tile) : 0;
+  }
+  template <int kRegs>
+  __device__ void start(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
+                        const gemm_engine::EpilogueRing& ring) const {
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
+    add_from_ring<Ring::kPerStage>(acc, ring, gemm_engine::slice_half(tile, consumer), consumer);
   }
 
   // The producer thread: stage i of the tile's partials (partials.cuh, load_own_partials).
@@ -289,8 +304,9 @@ struct GemmArFusion {
       return;
     }
     // Own slice: the peers' sums, one rounding, then C here and in every peer.
+    const bool started = prologue_loads(tile) > 0;  // the accumulator started from them: start()
     if (t == 0) {
-      if (ring.count == 0) {  // (in the ring: the producer waited)
+      if (ring.count == 0 && !started) {  // (in the ring: the producer waited)
         wait_for_partials(comm, launch, slot(tile, half));
         trace_mark(trace, kTraceConsumer0 + consumer, kTraceWaited);
       }
@@ -299,8 +315,11 @@ struct GemmArFusion {
         if (p != comm.local_rank) ensure_entered(state, p, launch);
       }
     }
-    if (ring.count > 0) {  // the words in C were read by the TMA loads: the result may overwrite
-      add_from_ring<Ring::kPerStage>(acc, ring, half, consumer);  // them (ends with a barrier)
+    if (started) {
+      // (the TMA loads read the words in C before the k-blocks: the result may overwrite them)
+    } else if (ring.count > 0) {  // the words in C were read by the TMA loads: the result may
+      add_from_ring<Ring::kPerStage>(acc, ring, half, consumer);  // overwrite them (ends with a
+                                                                  // barrier)
     } else {
       dev::named_barrier_sync(1 + consumer, 128);
       // Every thread has read its words of the slice (in C too) before store_slice's first

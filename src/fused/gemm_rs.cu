@@ -108,6 +108,7 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
   // own tiles (gemm_rs.cuh, store_staged_chunk) - the outbox needs such tiles anyway.
   p.tma_staging = world > 1 && !p.bf16_partials && fused::outbox_enabled() &&
                   fused::tma_staging_enabled() && p.shard_rows >= 128 && n >= p.block_n;
+  p.partials_first = p.tma_partials && fused::partials_first_requested();
   // Two ranks, fp32: a whole slice whose staging slot is busy (or that has none) goes straight
   // into the peer's accumulator by TMA stores (gemm_rs.cuh) - through a view of it as the ring's
   // (so the same conditions as tma_partials but the switch).
@@ -143,6 +144,7 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.single_peer = topo.world_size == 2;
   f.bf16_partials = p.bf16_partials && f.single_peer;
   f.tma_partials = p.tma_partials;
+  f.partials_first = p.partials_first;
   if (p.tma_partials) {
     f.partials = gemm_engine::make_map_fp32(workspace, p.shard_rows * n / kBlockN, kBlockN, 64);
   }

@@ -64,6 +64,7 @@ struct GemmRsFusion {
   bool tma_partials;   // (single_peer, fp32) whole own tiles' partials come through the ring
   bool tma_staging;    // (fp32) outbox slots are filled by TMA stores (partials.cuh, stage_chunks)
   bool tma_sends;      // (single_peer, fp32) whole slices may go straight to the peer (above)
+  bool partials_first;  // (tma_partials) those partials come before the tile's k-blocks
   int shard_rows;      // S
   int n;
   gemm_engine::GroupedRaster raster;  // tiles of one shard
@@ -88,9 +89,23 @@ struct GemmRsFusion {
   // kBlockN == 0), so it is 64 rows of the `partials` map (add_from_ring has the stages' layout).
   using Ring = RingPartials<kBlockN>;
 
-  __device__ int epilogue_loads(const gemm_engine::Tile& tile) const {
+  __device__ int ring_partials(const gemm_engine::Tile& tile) const {
     const bool whole = tile.m * 128 + 128 <= shard_rows && (tile.n + 1) * kBlockN <= n;
     return tma_partials && tile.shard == comm.rank && whole ? Ring::kStages : 0;
+  }
+  __device__ int epilogue_loads(const gemm_engine::Tile& tile) const {
+    return partials_first ? 0 : ring_partials(tile);
+  }
+  // partials_first: the same stages before the k-blocks; start() sets the accumulator from them.
+  __device__ int prologue_loads(const gemm_engine::Tile& tile) const {
+    return partials_first ? ring_partials(tile) : 0;
+  }
+  template <int kRegs>
+  __device__ void start(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
+                        const gemm_engine::EpilogueRing& ring) const {
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
+    add_from_ring<Ring::kPerStage>(acc, ring, gemm_engine::slice_half(tile, consumer), consumer);
   }
 
   // The producer thread: stage i of the tile's partials (partials.cuh, load_own_partials).
@@ -338,7 +353,9 @@ struct GemmRsFusion {
     // that the other one's wait for the drain (before a staging footprint) does not hang on it.
     if (tile.position > order.last_remote()) outbox_close(pending.outbox);
     // Own rows: the peers' partial sums of this slice, then one rounding to bf16.
-    if (ring.count > 0) {  // in the ring: the producer waited for them and loaded them
+    if (prologue_loads(tile) > 0) {
+      // (the accumulator started from them: start())
+    } else if (ring.count > 0) {  // in the ring: the producer waited for them and loaded them
       add_from_ring<Ring::kPerStage>(acc, ring, half, consumer);
       if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
     } else {

@@ -23,6 +23,9 @@
 //   mid_tile(state)               optional (cooperative schedule): a consumer's thread 0 halfway
 //                                 through each tile's k-blocks (e.g. to signal what its previous
 //                                 epilogue sent, once landed, without waiting for the next one)
+//   prologue_loads(tile)          optional (cooperative schedule): stages of the ring before the
+//   start(acc, tile, consumer, ring)  tile's k-blocks, filled by load_epilogue (below); start()
+//                                 sets the accumulator from them (then every wgmma accumulates)
 //   epilogue_loads(tile)          optional (cooperative schedule): stages of the ring the tile's
 //   load_epilogue(dst, bar, tile, i)  epilogue reads after its k-blocks - the producer fills stage
 //                                 i (arms `bar` and issues its TMA loads, e.g. a peer's partial
@@ -330,6 +333,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const Tile tile = fusion.tile(t);
         fusion.wait_operands(tile);
         const int tn = tile.n;
+        if constexpr (!kPingPong && requires { fusion.prologue_loads(tile); }) {
+          const int pre = fusion.prologue_loads(tile);
+          for (int i = 0; i < pre; ++i, ++it) {
+            const int s = it % Cfg::kStages;
+            dev::mbarrier_wait(&empty[s], ((it / Cfg::kStages) & 1) ^ 1);
+            fusion.load_epilogue(stage_a(s), &full[s], tile, i);
+          }
+        }
         for (int kb = 0; kb < k_iters; ++kb, ++it) {
           const int s = it % Cfg::kStages;
           const uint32_t phase = (it / Cfg::kStages) & 1;
@@ -437,6 +448,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       tile.position = t;
       const int next = t + static_cast<int>(gridDim.x);
       tile.next = next < fusion.num_tiles() ? next : -1;
+      bool started = false;  // the accumulator holds the prologue's values: accumulate from k = 0
+      if constexpr (requires { fusion.prologue_loads(tile); }) {
+        const int pre = fusion.prologue_loads(tile);
+        if (pre > 0) {
+          const EpilogueRing ring{smem, full, empty, Cfg::kStageBytes, Cfg::kStages, it, pre};
+          fusion.start(acc, tile, consumer, ring);
+          it += pre;
+          started = true;
+        }
+      }
       for (int kb = 0; kb < k_iters; ++kb, ++it) {
         const int s = it % Cfg::kStages;
         const uint32_t phase = (it / Cfg::kStages) & 1;
@@ -449,7 +470,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           const uint64_t db =
               kTransB ? dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes)
                       : dev::wgmma_desc_sw128(stage_b(s) + kk * 32);
-          dev::wgmma_bf16<Cfg::kBlockN, kTransB>(acc, da, db, kb > 0 || kk > 0);
+          dev::wgmma_bf16<Cfg::kBlockN, kTransB>(acc, da, db, started || kb > 0 || kk > 0);
         }
         dev::wgmma_commit();
         dev::wgmma_fence_operands(acc);

@@ -399,6 +399,22 @@ TEST(FusedPlans, TmaSends) {
   unsetenv("MKERNEL_TMA_SENDS");
 }
 
+// The experimental partials-first path: only when asked (MKERNEL_PARTIALS_FIRST=1), only where the
+// ring carries partials (tma_partials).
+TEST(FusedPlans, PartialsFirstOnlyWhenAsked) {
+  const PlanContext ctx = h200(2);
+  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).partials_first);
+  EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).partials_first);
+  setenv("MKERNEL_PARTIALS_FIRST", "1", 1);
+  const FusedGemmPlan rs = plan_gemm_rs(ctx, 8192, 8192, 4096, {});
+  EXPECT_TRUE(rs.partials_first) << rs.describe();
+  EXPECT_NE(rs.describe().find("partials first"), std::string::npos) << rs.describe();
+  EXPECT_TRUE(plan_gemm_ar(ctx, 128, 8192, 4096, {}).partials_first);
+  EXPECT_FALSE(plan_gemm_ar(ctx, 64, 8192, 4096, {}).partials_first);  // no ring partials
+  EXPECT_FALSE(plan_gemm_rs(h200(4), 8192, 8192, 2048, {}).partials_first);
+  unsetenv("MKERNEL_PARTIALS_FIRST");
+}
+
 TEST(FusedPlans, RejectWhatTheyCannotDo) {
   const PlanContext ctx = h200(2);
   auto message = [](auto fn) {

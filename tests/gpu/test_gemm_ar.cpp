@@ -189,6 +189,21 @@ TEST(InProcessGemmAr, ThreadSendsWorld2) {
   unsetenv("MKERNEL_TMA_SENDS");
 }
 
+// MKERNEL_PARTIALS_FIRST=1 (experimental): an own tile's partials come through the ring before its
+// k-blocks and start the accumulator.
+TEST(InProcessGemmAr, PartialsFirstWorld2) {
+  MKT_REQUIRE_GPU();
+  setenv("MKERNEL_PARTIALS_FIRST", "1", 1);  // before the ranks start: both plan alike
+  run_in_process(2, [](Communicator& comm) {
+    EXPECT_TRUE(gemm_ar_plan(comm, 128, 8192, 4096).partials_first);
+    const uint64_t seed = shared_seed(comm);
+    expect_gemm_ar(comm, {128, 8192, 4096, BLayout::kNK, 0}, seed);
+    expect_gemm_ar(comm, {1000, 1024, 256, BLayout::kNK, 192}, seed + 1);
+    expect_gemm_ar(comm, {8192, 8192, 256, BLayout::kKN, 0}, seed + 2);  // through the outbox
+  });
+  unsetenv("MKERNEL_PARTIALS_FIRST");
+}
+
 // FusedGemmConfig::bf16_partials (opt-in; two ranks): the peer's partial slice travels as bf16
 // into its footprint in the owner's C; the bar is the sequential baseline's error.
 TEST(InProcessGemmAr, PartialsBf16World2) {

@@ -179,6 +179,21 @@ TEST(InProcessGemmRs, ThreadSendsWorld2) {
   unsetenv("MKERNEL_TMA_SENDS");
 }
 
+// MKERNEL_PARTIALS_FIRST=1 (experimental): an own tile's partials come through the ring before its
+// k-blocks and start the accumulator.
+TEST(InProcessGemmRs, PartialsFirstWorld2) {
+  MKT_REQUIRE_GPU();
+  setenv("MKERNEL_PARTIALS_FIRST", "1", 1);  // before the ranks start: both plan alike
+  run_in_process(2, [](Communicator& comm) {
+    EXPECT_TRUE(gemm_rs_plan(comm, 2048, 4096, 1024).partials_first);
+    const uint64_t seed = shared_seed(comm);
+    expect_gemm_rs(comm, {1000, 1024, 512, BLayout::kKN, 0}, seed);
+    expect_gemm_rs(comm, {2048, 4096, 2048, BLayout::kNK, 0}, seed + 1);
+    expect_gemm_rs(comm, {512, 512, 64, BLayout::kNK, 128}, seed + 2, {.sms = 4});
+  });
+  unsetenv("MKERNEL_PARTIALS_FIRST");
+}
+
 TEST(LaunchedGemmRs, MatchesReference) {
   MKT_REQUIRE_MKRUN();
   auto comm = launched_comm();
