@@ -103,9 +103,7 @@ struct GemmRsFusion {
   template <int kRegs>
   __device__ void start(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
                         const gemm_engine::EpilogueRing& ring) const {
-#pragma unroll
-    for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
-    add_from_ring<Ring::kPerStage>(acc, ring, gemm_engine::slice_half(tile, consumer), consumer);
+    start_from_ring<Ring::kPerStage>(acc, ring, gemm_engine::slice_half(tile, consumer), consumer);
   }
 
   // The producer thread: stage i of the tile's partials (partials.cuh, load_own_partials).

@@ -166,6 +166,17 @@ __device__ __forceinline__ void add_from_ring(float (&acc)[kRegs],
   }
 }
 
+// The partials-first path (gemm_kernel.cuh, prologue_loads / start): the accumulator set to this
+// consumer's slice of the partials in the ring before the tile's k-blocks; releases every stage.
+template <int kPerStage, int kRegs>
+__device__ __forceinline__ void start_from_ring(float (&acc)[kRegs],
+                                                const gemm_engine::EpilogueRing& ring, int half,
+                                                int consumer) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
+  add_from_ring<kPerStage>(acc, ring, half, consumer);
+}
+
 // Sends the slice (rows < `rows`, columns < `width`) to an owner's accumulator, usually over
 // NVLink; `at(row, col)` is the 16-byte aligned address of the four fp32 words (row, col..col + 3)
 // there (col a multiple of 4). 32-column chunks are transposed through a 128-byte-swizzled

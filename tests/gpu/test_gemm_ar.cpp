@@ -6,6 +6,7 @@
 // left zero (3+ ranks), CUDA-graph replay with new inputs, the time limit, argument errors.
 #include <chrono>
 
+#include "../cpu/cpu_test_util.h"  // ScopedEnv
 #include "across_nodes_checks.h"
 #include "collective_checks.h"
 #include "gemm_reference.h"
@@ -179,21 +180,20 @@ TEST(InProcessGemmAr, LargeWorld2) {
 // the side threads copy an own tile's result to the peer (outbox).
 TEST(InProcessGemmAr, ThreadSendsWorld2) {
   MKT_REQUIRE_GPU();
-  setenv("MKERNEL_TMA_SENDS", "0", 1);  // before the ranks start: both plan alike
+  const ScopedEnv env("MKERNEL_TMA_SENDS", "0");  // before the ranks start: both plan alike
   run_in_process(2, [](Communicator& comm) {
     EXPECT_FALSE(gemm_ar_plan(comm, 128, 8192, 4096).tma_sends);
     expect_gemm_ar(comm, {128, 8192, 4096, BLayout::kNK, 0}, shared_seed(comm));
     expect_gemm_ar(comm, {1000, 1024, 256, BLayout::kNK, 192}, shared_seed(comm) + 1);
     expect_gemm_ar(comm, {8192, 8192, 256, BLayout::kKN, 0}, shared_seed(comm) + 2);  // outbox
   });
-  unsetenv("MKERNEL_TMA_SENDS");
 }
 
 // MKERNEL_PARTIALS_FIRST=1 (experimental): an own tile's partials come through the ring before its
 // k-blocks and start the accumulator.
 TEST(InProcessGemmAr, PartialsFirstWorld2) {
   MKT_REQUIRE_GPU();
-  setenv("MKERNEL_PARTIALS_FIRST", "1", 1);  // before the ranks start: both plan alike
+  const ScopedEnv env("MKERNEL_PARTIALS_FIRST", "1");  // before the ranks start: both plan alike
   run_in_process(2, [](Communicator& comm) {
     EXPECT_TRUE(gemm_ar_plan(comm, 128, 8192, 4096).partials_first);
     const uint64_t seed = shared_seed(comm);
@@ -201,7 +201,6 @@ TEST(InProcessGemmAr, PartialsFirstWorld2) {
     expect_gemm_ar(comm, {1000, 1024, 256, BLayout::kNK, 192}, seed + 1);
     expect_gemm_ar(comm, {8192, 8192, 256, BLayout::kKN, 0}, seed + 2);  // through the outbox
   });
-  unsetenv("MKERNEL_PARTIALS_FIRST");
 }
 
 // FusedGemmConfig::bf16_partials (opt-in; two ranks): the peer's partial slice travels as bf16

@@ -7,6 +7,7 @@
 // after every call, CUDA-graph replay with new inputs, the time limit, and argument errors.
 #include <chrono>
 
+#include "../cpu/cpu_test_util.h"  // ScopedEnv
 #include "across_nodes_checks.h"
 #include "collective_checks.h"
 #include "gemm_reference.h"
@@ -169,21 +170,20 @@ TEST(InProcessGemmRs, LargeWorld2) {
 // without one) - the two-rank paths before TMA sends, kept for the comparison.
 TEST(InProcessGemmRs, ThreadSendsWorld2) {
   MKT_REQUIRE_GPU();
-  setenv("MKERNEL_TMA_SENDS", "0", 1);  // before the ranks start: both plan alike
+  const ScopedEnv env("MKERNEL_TMA_SENDS", "0");  // before the ranks start: both plan alike
   run_in_process(2, [](Communicator& comm) {
     EXPECT_FALSE(gemm_rs_plan(comm, 2048, 4096, 1024).tma_sends);
     const uint64_t seed = shared_seed(comm);
     expect_gemm_rs(comm, {1000, 1024, 512, BLayout::kKN, 0}, seed);
     expect_gemm_rs(comm, {2048, 4096, 2048, BLayout::kNK, 0}, seed + 1);
   });
-  unsetenv("MKERNEL_TMA_SENDS");
 }
 
 // MKERNEL_PARTIALS_FIRST=1 (experimental): an own tile's partials come through the ring before its
 // k-blocks and start the accumulator.
 TEST(InProcessGemmRs, PartialsFirstWorld2) {
   MKT_REQUIRE_GPU();
-  setenv("MKERNEL_PARTIALS_FIRST", "1", 1);  // before the ranks start: both plan alike
+  const ScopedEnv env("MKERNEL_PARTIALS_FIRST", "1");  // before the ranks start: both plan alike
   run_in_process(2, [](Communicator& comm) {
     EXPECT_TRUE(gemm_rs_plan(comm, 2048, 4096, 1024).partials_first);
     const uint64_t seed = shared_seed(comm);
@@ -191,7 +191,6 @@ TEST(InProcessGemmRs, PartialsFirstWorld2) {
     expect_gemm_rs(comm, {2048, 4096, 2048, BLayout::kNK, 0}, seed + 1);
     expect_gemm_rs(comm, {512, 512, 64, BLayout::kNK, 128}, seed + 2, {.sms = 4});
   });
-  unsetenv("MKERNEL_PARTIALS_FIRST");
 }
 
 TEST(LaunchedGemmRs, MatchesReference) {
