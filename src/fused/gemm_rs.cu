@@ -98,22 +98,23 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
   // warpgroup posts both halves of a tile and wants two slots): lag = two (four) waves of remote
   // tiles, on a grid coprime to the world size (every CTA then sends its share).
   p.bf16_partials = world == 2 && fused::bf16_partials_requested(config);
-  // Two ranks, fp32 partials, the cooperative schedule: the peer's partials of whole own tiles
-  // reach the epilogue through the stage ring (gemm_rs.cuh). Their slices must start at a
-  // multiple of the tile width (64 N % block_n == 0: always but at 192 wide), and a whole tile
-  // must exist (S >= 128, N >= block_n) for the tensor map to have its 64-row boxes.
-  p.tma_partials = world == 2 && !p.bf16_partials && !p.pingpong && fused::tma_partials_enabled() &&
-                   (64 * n) % p.block_n == 0 && p.shard_rows >= 128 && n >= p.block_n;
+  // Two ranks, fp32 partials, the cooperative schedule, and the accumulator seen as 64-row views
+  // of whole slices (the `partials` tensor maps): the slices must start at a multiple of the tile
+  // width (64 N % block_n == 0: always but at 192 wide), and a whole tile must exist (S >= 128,
+  // N >= block_n) for the maps to have their 64-row boxes.
+  const bool slice_views = world == 2 && !p.bf16_partials && !p.pingpong &&
+                           (64 * n) % p.block_n == 0 && p.shard_rows >= 128 && n >= p.block_n;
+  // Through those views the peer's partials of whole own tiles reach the epilogue by the stage
+  // ring (gemm_rs.cuh).
+  p.tma_partials = slice_views && fused::tma_partials_enabled();
   // fp32 partials through the outbox: staged by TMA stores into the output footprints of whole
   // own tiles (gemm_rs.cuh, store_staged_chunk) - the outbox needs such tiles anyway.
   p.tma_staging = world > 1 && !p.bf16_partials && fused::outbox_enabled() &&
                   fused::tma_staging_enabled() && p.shard_rows >= 128 && n >= p.block_n;
   p.partials_first = p.tma_partials && fused::partials_first_requested();
-  // Two ranks, fp32: a whole slice whose staging slot is busy (or that has none) goes straight
-  // into the peer's accumulator by TMA stores (gemm_rs.cuh) - through a view of it as the ring's
-  // (so the same conditions as tma_partials but the switch).
-  p.tma_sends = world == 2 && !p.bf16_partials && !p.pingpong && fused::tma_sends_enabled() &&
-                (64 * n) % p.block_n == 0 && p.shard_rows >= 128 && n >= p.block_n;
+  // And a whole slice whose staging slot is busy (or that has none) goes straight into the peer's
+  // accumulator by TMA stores (gemm_rs.cuh), through the same view of the peer's.
+  p.tma_sends = slice_views && fused::tma_sends_enabled();
   p.lag = -1;
   const int waves = p.pingpong ? 4 : 2;
   if (world > 1 && fused::outbox_enabled() && fused::interleave_enabled() &&
