@@ -339,8 +339,7 @@ struct GemmArFusion {
         dev::tma_store_2d(&out, buf, col0 + 64 * j, row0);
       });
       if (t == 0) {  // the issuing thread: the stores have landed, visible to generic loads
-        dev::bulk_wait_group<0>();
-        dev::fence_proxy_async_global();
+        dev::bulk_stores_landed();
         float* here = reinterpret_cast<float*>(out_peers[comm.local_rank] +
                                                static_cast<int64_t>(row0) * n + col0);
         OutboxItem item{};
@@ -385,9 +384,8 @@ struct GemmArFusion {
 
   __device__ void flush(ConsumerState& state, const dev::Launch& launch) const {
     if (state.owner < 0) return;
-    if (state.by_tma) {  // this thread's stores have landed, ordered before its generic release
-      dev::bulk_wait_group<0>();
-      dev::fence_proxy_async_global();
+    if (state.by_tma) {  // this thread's stores, before its release
+      dev::bulk_stores_landed();
       state.by_tma = false;
     }
     dev::fence_acq_rel_sys();  // after the warpgroup's writes (send_slice ends with a barrier)
@@ -397,8 +395,7 @@ struct GemmArFusion {
 
   __device__ void consumer_done(ConsumerState& state) const {
     if (tma_sends && threadIdx.x % 128 == 0) {  // every TMA store into the peer (results too)
-      dev::bulk_wait_group<0>();                // has landed before the exit barrier's release
-      dev::fence_proxy_async_global();          // (finish)
+      dev::bulk_stores_landed();                // before the exit barrier's release (finish)
     }
     if (staging != nullptr) {
       state.outbox.slots = outbox_slots;  // (a consumer without remote tiles never set it)

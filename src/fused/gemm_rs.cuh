@@ -252,6 +252,13 @@ struct GemmRsFusion {
     return PartialAt::block(slice_words(my_accum, tile.m, tile.n, half), width);
   }
 
+  // Thread 0: owner o's buffers may be written to (its previous launch is over).
+  __device__ void ensure_entered(ConsumerState& pending, int owner, const dev::Launch& launch) const {
+    if (pending.entered & (1u << owner)) return;
+    launch.wait(owner, dev::signal_index(SignalId::kEntry, 0), 1);
+    pending.entered |= 1u << owner;
+  }
+
   template <int kRegs>
   __device__ void store(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
                         uint8_t* scratch, ConsumerState& pending,
@@ -280,11 +287,8 @@ struct GemmRsFusion {
         slice_width(tile.n) == kBlockN &&
         (slots == 0 || !outbox_slot_free(consumer, pending.outbox))) {
       const int owner = tile.shard;  // one node: global rank = local rank
-      if (t == 0 && !(pending.entered & (1u << owner))) {
-        launch.wait(owner, dev::signal_index(SignalId::kEntry, 0), 1);  // it may be reused
-        pending.entered |= 1u << owner;
-      }
       if (t == 0) {  // (set before the chunks: nothing of the tile stays live across them)
+        ensure_entered(pending, owner, launch);
         pending.owner = owner;
         pending.signal = slot(tile, half);
         pending.entered |= kByTma;
@@ -325,10 +329,7 @@ struct GemmRsFusion {
     }
     if (tile.shard != comm.rank) {
       const int owner = tile.shard;  // one node: global rank = local rank
-      if (t == 0 && !(pending.entered & (1u << owner))) {
-        launch.wait(owner, dev::signal_index(SignalId::kEntry, 0), 1);  // it may be reused
-        pending.entered |= 1u << owner;
-      }
+      if (t == 0) ensure_entered(pending, owner, launch);
       if (row0 < shard_rows && bf16_partials) {
         send_slice_bf16(acc, consumer, scratch,
                         reinterpret_cast<__nv_bfloat16*>(accum_peers[owner]) +
@@ -397,9 +398,8 @@ struct GemmRsFusion {
   // Thread 0 of a consumer: the previous reduce has landed -> tell its owner.
   __device__ void flush(ConsumerState& pending, const dev::Launch& launch) const {
     if (pending.owner < 0) return;
-    if (pending.entered & kByTma) {  // this thread's stores have landed, ordered before its
-      dev::bulk_wait_group<0>();       // generic release
-      dev::fence_proxy_async_global();
+    if (pending.entered & kByTma) {  // this thread's stores, before its release
+      dev::bulk_stores_landed();
       pending.entered &= ~kByTma;
     }
     dev::fence_acq_rel_sys();  // after the warpgroup's stores (send_slice ends with a barrier)

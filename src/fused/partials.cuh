@@ -582,10 +582,7 @@ __device__ __forceinline__ void outbox_post_by_tma(const float (&acc)[kRegs], in
   const int s = outbox_wait_slot(consumer, cursor, trace);
   if (has_data) stage_chunks(acc, consumer, scratch, width, store_chunk);
   if (threadIdx.x % 128 == 0) {
-    if (has_data) {  // landed, and visible to the side threads' generic loads
-      dev::bulk_wait_group<0>();
-      dev::fence_proxy_async_global();
-    }
+    if (has_data) dev::bulk_stores_landed();  // visible to the side threads' generic loads
     outbox_post_staged(consumer, s, make_item());
   }
   ++cursor.next;

@@ -333,13 +333,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const Tile tile = fusion.tile(t);
         fusion.wait_operands(tile);
         const int tn = tile.n;
-        if constexpr (!kPingPong && requires { fusion.prologue_loads(tile); }) {
-          const int pre = fusion.prologue_loads(tile);
-          for (int i = 0; i < pre; ++i, ++it) {
+        // `count` stages of the policy's ring operands (load_epilogue), before or after the
+        // tile's k-blocks (f: the policy, a parameter so that only policies with them compile it).
+        auto load_ring_operands = [&](const auto& f, int count) {
+          for (int i = 0; i < count; ++i, ++it) {
             const int s = it % Cfg::kStages;
             dev::mbarrier_wait(&empty[s], ((it / Cfg::kStages) & 1) ^ 1);
-            fusion.load_epilogue(stage_a(s), &full[s], tile, i);
+            f.load_epilogue(stage_a(s), &full[s], tile, i);
           }
+        };
+        if constexpr (!kPingPong && requires { fusion.prologue_loads(tile); }) {
+          load_ring_operands(fusion, fusion.prologue_loads(tile));
         }
         for (int kb = 0; kb < k_iters; ++kb, ++it) {
           const int s = it % Cfg::kStages;
@@ -369,12 +373,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           }
         }
         if constexpr (!kPingPong && requires { fusion.epilogue_loads(tile); }) {
-          const int extra = fusion.epilogue_loads(tile);
-          for (int i = 0; i < extra; ++i, ++it) {
-            const int s = it % Cfg::kStages;
-            dev::mbarrier_wait(&empty[s], ((it / Cfg::kStages) & 1) ^ 1);
-            fusion.load_epilogue(stage_a(s), &full[s], tile, i);
-          }
+          load_ring_operands(fusion, fusion.epilogue_loads(tile));
         }
       }
     } else if (threadIdx.x >= 32) {

@@ -108,6 +108,13 @@ __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// This thread's bulk stores (TMA) have all landed in global memory, and are ordered before its
+// later generic accesses - a release (signal) that announces them to another thread or GPU.
+__device__ __forceinline__ void bulk_stores_landed() {
+  bulk_wait_group<0>();
+  fence_proxy_async_global();
+}
+
 // Orders this thread's shared-memory writes before later copy-engine (async proxy) reads.
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
