@@ -38,7 +38,9 @@ float time_gemm(const Shape& s, void* const* a, void* const* b, void* c, int ite
     f[i] = {gemm_engine::make_map(a[i], s.m, s.k, 128),
             gemm_engine::make_map(c, s.m, s.n, 64),
             {static_cast<int>((s.m + 127) / 128), static_cast<int>((s.n + kBlockN - 1) / kBlockN)},
-            static_cast<int>(s.n)};
+            static_cast<int>(s.n),
+            gemm_engine::make_map(a[i], s.m, s.k, gemm_engine::last_tile_rows(s.m)),
+            gemm_engine::last_tile_rows(s.m)};
     map_b[i] = gemm_engine::make_b_map(b[i], s.n, s.k, kBlockN, false);
   }
   const int tiles = f[0].raster.tiles_m * f[0].raster.tiles_n;

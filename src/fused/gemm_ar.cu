@@ -216,6 +216,8 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   const Topology& topo = comm.topology();
   fused::GemmArFusion<kBlockN> f{};
   f.a = gemm_engine::make_map(a, m, k, 128);
+  f.last_rows = gemm_engine::last_tile_rows(m);
+  f.a_last = gemm_engine::make_map(a, m, k, f.last_rows);
   f.out = gemm_engine::make_map(out, m, n, 64);
   for (int i = 0; i < topo.local_size; ++i) {
     f.out_peers[i] = reinterpret_cast<__nv_bfloat16*>(out_range.host_peers[i] + out_range.offset);

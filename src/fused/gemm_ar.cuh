@@ -52,6 +52,7 @@ struct GemmArFusion {
   static constexpr int kProducerRegs = 56;   // the outbox copy loop (partials.cuh), and
   static constexpr int kConsumerRegs = 224;  // 56 + 2 x 224 <= 3 x 168 (gemm_kernel.cuh)
   CUtensorMap a;                             // A_r [M, K_r], boxes 128 x 64
+  CUtensorMap a_last;  // A_r again, boxes of the last tile-row's rows (last_rows) x 64
   CUtensorMap out;                           // this rank's C [M, N] bf16, boxes 64 x 64
   CUtensorMap partials_c;                    // tma_partials: C as fp32 [M][N / 2], boxes 64 x 32
   CUtensorMap partials_ws;  // tma_partials: the accumulator as fp32 [..][kBlockN / 2], 64 x 32
@@ -65,6 +66,7 @@ struct GemmArFusion {
   int n;
   int tiles_m;
   int tiles_n;
+  int last_rows;  // rows of the last tile-row (1..128)
   bool single_peer;    // two ranks: partials are stored (one per slice), not added
   bool bf16_partials;  // (single_peer only) partials travel as bf16, into the owner's C
   bool tma_partials;   // (single_peer, fp32) whole own tiles' partials come through the ring
@@ -110,8 +112,12 @@ struct GemmArFusion {
 
   __device__ void wait_operands(const gemm_engine::Tile&) const {}
 
+  // (A box inside the matrix: decode's M < 128 loads its rows alone - gemm_kernel.cuh)
+  __device__ int a_rows(const gemm_engine::Tile& tile) const {
+    return tile.m == tiles_m - 1 ? last_rows : 128;
+  }
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
-    dev::tma_load_2d(dst, &a, bar, k0, tile.m * 128);
+    dev::tma_load_2d(dst, tile.m == tiles_m - 1 ? &a_last : &a, bar, k0, tile.m * 128);
   }
 
   // ---- The peer's partials of a whole own tile through the stage ring (tma_partials) ----

@@ -91,11 +91,14 @@ template <int kBlockN, bool kTransB, bool kPingPong = false>
 void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, int sms,
             cudaStream_t stream) {
   using Fusion = gemm_engine::PlainGemm<kBlockN>;
+  const int last_rows = gemm_engine::last_tile_rows(m);
   const Fusion fusion{
       make_map(a, m, k, 128),
       make_map(c, m, n, 64),
       {static_cast<int>((m + 127) / 128), static_cast<int>((n + kBlockN - 1) / kBlockN)},
-      static_cast<int>(n)};
+      static_cast<int>(n),
+      make_map(a, m, k, last_rows),
+      last_rows};
   const int tiles = fusion.raster.tiles_m * fusion.raster.tiles_n;
   gemm_engine::launch<kBlockN, kTransB, Fusion, kPingPong>(
       fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, std::min(tiles, sms), stream,

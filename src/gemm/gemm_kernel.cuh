@@ -14,6 +14,8 @@
 //   num_tiles(), tile(t)          scheduler: which output tile the t-th work item is
 //   wait_operands(tile)           producer, before the tile's first load (fused: "rows arrived")
 //   load_a(dst, bar, tile, k0)    TMA of the tile's A box (the policy knows where A lives)
+//   a_rows(tile)                  optional: rows that box has (default 128); a tile-row at the
+//                                 matrix edge loads only its rows (below)
 //   store(acc, tile, consumer, scratch, state)   epilogue: where a consumer's 64 x kBlockN slice
 //                                 goes (state: the policy's ConsumerState, kept across tiles)
 //   consumer_done(state)          each consumer warpgroup, after its last tile
@@ -37,7 +39,11 @@
 //   consumer: wait full[s] -> 4 x wgmma k16 -> commit; once the previous stage's group retired,
 //             arrive empty[prev]
 // Partial tiles: TMA reads out-of-bounds elements as zero (K, M and N tails), and the epilogue's
-// TMA stores clip at the matrix edge.
+// TMA stores clip at the matrix edge. A box that crosses the edge loads far more slowly than one
+// inside it (1 x 8192 x 8192 took 0.083 ms against 0.044 for 128 rows: bench_gemm, H200,
+// 2026-12-01), so a policy whose last tile-row is short loads it with a box of its rows alone
+// (a_rows): the rest of the stage's A keeps stale data, whose output rows lie below C and are
+// never stored.
 //
 // Ping-pong schedule (kPingPong, experimental, plain GEMM only so far): the same producer and
 // stages, but each consumer warpgroup owns whole tiles - the CTA's tiles alternate between them -
@@ -156,6 +162,21 @@ __device__ __forceinline__ int slice_half(const Tile& tile, int consumer) {
   return tile.half >= 0 ? tile.half : consumer;
 }
 
+// Rows of the last tile-row of an M-row matrix (1..128).
+__host__ __device__ constexpr int last_tile_rows(int64_t m) {
+  return static_cast<int>(m - (m - 1) / 128 * 128);
+}
+
+// Bytes of a stage's A box for a tile: a_rows(tile) rows, or the whole 128.
+template <class Cfg, class Fusion>
+__device__ __forceinline__ int a_stage_bytes(const Fusion& fusion, const Tile& tile) {
+  if constexpr (requires { fusion.a_rows(tile); }) {
+    return fusion.a_rows(tile) * Cfg::kBlockK * 2;
+  } else {
+    return Cfg::kABytes;
+  }
+}
+
 // Whether a policy's B is batched ([batches][...], the tile's `shard` picks the batch).
 template <class Fusion>
 constexpr bool batched_b() {
@@ -257,10 +278,12 @@ __device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0,
 // The plain GEMM: C[M, N] = A[M, K] B^T, the grouped raster, local TMA stores.
 template <int kBlockN>
 struct PlainGemm {
-  CUtensorMap a;  // A [M, K], boxes of 128 rows x 64
-  CUtensorMap c;  // C [M, N], boxes of 64 rows x 64 columns
+  CUtensorMap a;       // A [M, K], boxes of 128 rows x 64
+  CUtensorMap c;       // C [M, N], boxes of 64 rows x 64 columns
   GroupedRaster raster;
   int n;
+  CUtensorMap a_last;  // A again, boxes of the last tile-row's rows x 64
+  int last_rows;       // rows of the last tile-row (1..128)
 
   __device__ int num_tiles() const { return raster.num_tiles(); }
   __device__ Tile tile(int t) const {
@@ -271,8 +294,10 @@ struct PlainGemm {
   struct ConsumerState {};
 
   __device__ void wait_operands(const Tile&) const {}
+  __device__ bool last_row(const Tile& tile) const { return tile.m == raster.tiles_m - 1; }
+  __device__ int a_rows(const Tile& tile) const { return last_row(tile) ? last_rows : 128; }
   __device__ void load_a(void* dst, uint64_t* bar, const Tile& tile, int k0) const {
-    dev::tma_load_2d(dst, &a, bar, k0, tile.m * 128);
+    dev::tma_load_2d(dst, last_row(tile) ? &a_last : &a, bar, k0, tile.m * 128);
   }
   template <int kRegs>
   __device__ void store(const float (&acc)[kRegs], const Tile& tile, int consumer, uint8_t* scratch,
@@ -333,6 +358,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const Tile tile = fusion.tile(t);
         fusion.wait_operands(tile);
         const int tn = tile.n;
+        const int stage_bytes = a_stage_bytes<Cfg>(fusion, tile) + Cfg::kBBytes;
         // `count` stages of the policy's ring operands (load_epilogue), before or after the
         // tile's k-blocks (f: the policy, a parameter so that only policies with them compile it).
         auto load_ring_operands = [&](const auto& f, int count) {
@@ -349,7 +375,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           const int s = it % Cfg::kStages;
           const uint32_t phase = (it / Cfg::kStages) & 1;
           dev::mbarrier_wait(&empty[s], phase ^ 1);  // first lap passes at once
-          dev::mbarrier_arrive_expect_tx(&full[s], Cfg::kStageBytes);
+          dev::mbarrier_arrive_expect_tx(&full[s], stage_bytes);
           fusion.load_a(stage_a(s), &full[s], tile, kb * Cfg::kBlockK);
           if constexpr (batched_b<Fusion>()) {  // B [batches][...]: 3-D boxes, batch = shard
             if constexpr (kTransB) {
