@@ -158,6 +158,9 @@ void launch(Communicator& comm, const AgGemmPlan& p, const void* a_shard, const 
   f.a_local = gemm_engine::make_map(a_shard, p.shard_rows, k, 128);
   f.a_gathered = gemm_engine::make_map_3d(workspace, world, p.shard_rows, k, 128);
   f.c = gemm_engine::make_map_3d(c, world, p.shard_rows, n, 64);
+  const int last_rows = gemm_engine::last_tile_rows(p.shard_rows);
+  f.a_local_last = gemm_engine::make_map(a_shard, p.shard_rows, k, last_rows);
+  f.a_gathered_last = gemm_engine::make_map_3d(workspace, world, p.shard_rows, k, last_rows);
   f.comm = comm.device_comm();
   f.a_shard = static_cast<const uint8_t*>(a_shard);
   f.ws_peers = ws.device_peers;

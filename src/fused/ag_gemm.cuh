@@ -118,6 +118,8 @@ struct AgGemmFusion {
   CUtensorMap a_local;     // this rank's shard [S, K] (caller's memory), boxes 128 x 64
   CUtensorMap a_gathered;  // workspace [world][S][K], boxes 128 x 64 x 1 (rows clip per shard)
   CUtensorMap c;           // C as [world][S][N], boxes 64 x 64 x 1
+  CUtensorMap a_local_last;     // a_local and a_gathered again, boxes of the shard's last
+  CUtensorMap a_gathered_last;  // tile-row's rows (gemm_kernel.cuh: a_rows)
   DeviceComm comm;
   const uint8_t* a_shard;  // this rank's shard, source of the pushes
   void* const* ws_peers;   // device [local_size]: base of the workspace's buffer on each rank
@@ -179,11 +181,20 @@ struct AgGemmFusion {
     trace_mark(trace, kTraceProducer, kTraceOperandsIn, tile.shard);
   }
 
+  // A box inside the shard: its last tile-row (S not a multiple of 128) loads its rows alone.
+  __device__ bool last_row(const gemm_engine::Tile& tile) const {
+    return tile.m == raster.tiles_m - 1;
+  }
+  __device__ int a_rows(const gemm_engine::Tile& tile) const {
+    return last_row(tile) ? gemm_engine::last_tile_rows(shard_rows) : 128;
+  }
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
+    const bool last = last_row(tile);
     if (tile.shard == comm.rank) {
-      dev::tma_load_2d(dst, &a_local, bar, k0, tile.m * 128);
+      dev::tma_load_2d(dst, last ? &a_local_last : &a_local, bar, k0, tile.m * 128);
     } else {
-      dev::tma_load_3d(dst, &a_gathered, bar, k0, tile.m * 128, tile.shard);
+      dev::tma_load_3d(dst, last ? &a_gathered_last : &a_gathered, bar, k0, tile.m * 128,
+                       tile.shard);
     }
   }
 

@@ -53,6 +53,7 @@ struct GemmRsFusion {
   CUtensorMap partials;  // tma_partials: my_accum as [S * N / kBlockN][kBlockN] fp32, boxes 64 x 32
   CUtensorMap staging;   // tma_staging: the output's row pairs as fp32 (make_map_fp32_row_pairs)
   CUtensorMap peer_partials;  // tma_sends: the peer's accumulator, as `partials`
+  CUtensorMap a_last;  // `a` again, boxes of a shard's last tile-row's rows (gemm_kernel.cuh)
   float* accum_peers[kMaxLocalRanks];  // each local rank's accumulator [S][N] fp32, mapped here
   DeviceComm comm;
   float* my_accum;           // this rank's accumulator (local address)
@@ -116,8 +117,14 @@ struct GemmRsFusion {
     load_own_partials<kBlockN>(comm, slot(tile, 0), slot(tile, 1), dst, bar, i, load_box);
   }
 
+  __device__ bool last_row(const gemm_engine::Tile& tile) const {
+    return tile.m == raster.tiles_m - 1;
+  }
+  __device__ int a_rows(const gemm_engine::Tile& tile) const {
+    return last_row(tile) ? gemm_engine::last_tile_rows(shard_rows) : 128;
+  }
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
-    dev::tma_load_3d(dst, &a, bar, k0, tile.m * 128, tile.shard);
+    dev::tma_load_3d(dst, last_row(tile) ? &a_last : &a, bar, k0, tile.m * 128, tile.shard);
   }
 
   // Signal slot of a 64-row half of a tile, in the owner's numbering.
