@@ -1,9 +1,10 @@
 // The GEMM engine against cuBLAS, one GPU:
 //   bench_gemm [--json FILE] [--iters 30] [--check] [--sweep] [--shapes MxNxK,...]
-// Shapes of issue 3. Same random inputs for both; times are medians of CUDA-event-timed
-// iterations after warm-up, each iteration on one of two input sets (so operands do not stay in
-// L2 between iterations for the smaller shapes). Correct = |mkernel - cuBLAS| <= 2 bf16 ulps of
-// the largest output (the exact fp64 check lives in tests/gpu/test_gemm.cpp).
+// Shapes of issue 3, and decode's M < 128 plus a short last tile-row (M = 200). Same random
+// inputs for both; times are medians of CUDA-event-timed iterations after warm-up, each iteration
+// on one of two input sets (so operands do not stay in L2 between iterations for the smaller
+// shapes). Correct = |mkernel - cuBLAS| <= 2 bf16 ulps of the largest output (the exact fp64
+// check lives in tests/gpu/test_gemm.cpp).
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -96,7 +97,8 @@ int main(int argc, char** argv) {
   std::vector<Shape> shapes = {{4096, 4096, 4096},  {8192, 8192, 8192},  {16384, 8192, 8192},
                                {8192, 2048, 8192},  {8192, 28672, 8192}, {8192, 8192, 28672},
                                {4096, 14336, 4096}, {3000, 5120, 3584},  {128, 8192, 8192},
-                               {1024, 8192, 8192}};
+                               {1024, 8192, 8192},  {1, 8192, 8192},     {16, 8192, 8192},
+                               {64, 8192, 8192},    {200, 8192, 8192}};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc)
