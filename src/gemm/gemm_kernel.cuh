@@ -508,6 +508,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     } else if (threadIdx.x >= 32) {
       fusion.side_task(threadIdx.x - 32, 96);
     }
+    // Pairs: the producer's warp waits for it here, not at the cluster barrier at the end.
+    if (kPairs && threadIdx.x < 32) __syncwarp();
   } else if constexpr (kPingPong) {
     // ---- consumers, ping-pong: warpgroup c takes the CTA's tiles c, c + 2, ... whole ----
     dev::warpgroup_reg_alloc<consumer_regs<Cfg, Fusion>()>();

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "gemm/gemm_kernel.cuh"
@@ -113,6 +115,10 @@ void launch_pairs(const Fusion& fusion, const CUtensorMap& map_b, int64_t k, int
   }
   const int ctas = 2 * std::max(1, std::min(grid / 2, pairs));
   config.gridDim = dim3(ctas);
+  if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr) {
+    std::fprintf(stderr, "[mkernel] %s: %d CTAs in pairs (%d pairs resident at most)\n", op, ctas,
+                 pairs);
+  }
   const cudaError_t err =
       cudaLaunchKernelEx(&config, kernel, map_b, static_cast<int>(k), fusion);
   if (err != cudaSuccess) {
