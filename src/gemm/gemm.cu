@@ -98,7 +98,9 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
       {static_cast<int>((m + 127) / 128), static_cast<int>((n + kBlockN - 1) / kBlockN)},
       static_cast<int>(n),
       make_map(a, m, k, last_rows),
-      last_rows};
+      last_rows,
+      std::getenv("MKERNEL_GEMM_PAIRS_SHARE") == nullptr ||
+          std::string(std::getenv("MKERNEL_GEMM_PAIRS_SHARE")) != "0"};
   const int tiles = fusion.raster.tiles_m * fusion.raster.tiles_n;
   if constexpr (!kPingPong) {
     if (pairs) {

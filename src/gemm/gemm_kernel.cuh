@@ -284,6 +284,7 @@ struct PlainGemm {
   int n;
   CUtensorMap a_last;  // A again, boxes of the last tile-row's rows x 64
   int last_rows;       // rows of the last tile-row (1..128)
+  bool pairs_share = true;  // CTA pairs load shared operands once (false: a measurement)
 
   __device__ int num_tiles() const { return raster.num_tiles(); }
   __device__ Tile tile(int t) const {
@@ -376,6 +377,10 @@ __device__ __forceinline__ PairStep pair_step(const Fusion& fusion, int t0, uint
   const Tile partner = fusion.tile(pair_item(t0, rank ^ 1, tiles));
   step.share_a = step.tile.m == partner.m && step.tile.shard == partner.shard;
   step.share_b = step.tile.n == partner.n && step.tile.shard == partner.shard;
+  if constexpr (requires { fusion.pairs_share; }) {  // (a measurement: pairs that share nothing)
+    step.share_a = step.share_a && fusion.pairs_share;
+    step.share_b = step.share_b && fusion.pairs_share;
+  }
   return step;
 }
 
