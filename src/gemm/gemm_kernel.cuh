@@ -456,11 +456,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int kb = 0; kb < k_iters; ++kb, ++it) {
           const int s = it % Cfg::kStages;
           const uint32_t phase = (it / Cfg::kStages) & 1;
-          if constexpr (kPairs) {
-            dev::mbarrier_wait_cluster(&empty[s], phase ^ 1);  // (the partner's releases too)
-          } else {
-            dev::mbarrier_wait(&empty[s], phase ^ 1);  // first lap passes at once
-          }
+          dev::mbarrier_wait(&empty[s], phase ^ 1);  // first lap passes at once
           dev::mbarrier_arrive_expect_tx(&full[s], stage_bytes);
           if constexpr (kPairs) {
             // A shared operand: every other k-block is this CTA's to load for both.

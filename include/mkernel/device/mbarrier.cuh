@@ -70,27 +70,13 @@ __device__ __forceinline__ uint32_t cluster_rank() {
   return rank;
 }
 
-// One arrival on the barrier at the same shared-memory offset in CTA `cta` of the cluster,
-// releasing this thread's earlier accesses (e.g. its wgmma reads of a stage) at cluster scope.
+// One arrival on the barrier at the same shared-memory offset in CTA `cta` of the cluster (the
+// default .release.cta semantics, as a local arrival; with .release.cluster the engine's CTA
+// pairs ran ~3x slower than without pairs on small shapes, H200, 2026-12-01).
 __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t cta) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(cta));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote)
-               : "memory");
-}
-
-// mbarrier_wait, acquiring at cluster scope what the arrivals released (other CTAs' among them).
-__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t parity) {
-  const uint32_t addr = smem_addr(bar);
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "wait_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_%=;\n"
-      "}\n" ::"r"(addr),
-      "r"(parity)
-      : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
 // Every thread of every CTA of the cluster meets here (threads may arrive diverged).
