@@ -89,7 +89,7 @@ using gemm_engine::make_map;
 
 template <int kBlockN, bool kTransB, bool kPingPong = false>
 void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, int sms,
-            bool pairs, cudaStream_t stream) {
+            cudaStream_t stream) {
   using Fusion = gemm_engine::PlainGemm<kBlockN>;
   const int last_rows = gemm_engine::last_tile_rows(m);
   const Fusion fusion{
@@ -98,18 +98,8 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
       {static_cast<int>((m + 127) / 128), static_cast<int>((n + kBlockN - 1) / kBlockN)},
       static_cast<int>(n),
       make_map(a, m, k, last_rows),
-      last_rows,
-      std::getenv("MKERNEL_GEMM_PAIRS_SHARE") == nullptr ||
-          std::string(std::getenv("MKERNEL_GEMM_PAIRS_SHARE")) != "0"};
+      last_rows};
   const int tiles = fusion.raster.tiles_m * fusion.raster.tiles_n;
-  if constexpr (!kPingPong) {
-    if (pairs) {
-      gemm_engine::launch_pairs<kBlockN, kTransB>(
-          fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, std::min(tiles, sms),
-          stream, kOp);
-      return;
-    }
-  }
   gemm_engine::launch<kBlockN, kTransB, Fusion, kPingPong>(
       fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, std::min(tiles, sms), stream,
       kOp);
@@ -143,11 +133,6 @@ void gemm_engine::require_multiple_of_8(int64_t value, const char* op, const cha
                                                  std::to_string(value) +
                                                  "; expected a multiple of 8");
   }
-}
-
-bool gemm_engine::pairs_requested() {
-  const char* env = std::getenv("MKERNEL_GEMM_PAIRS");
-  return env != nullptr && std::string(env) == "1";
 }
 
 bool gemm_engine::pingpong_requested(int block_n) {
@@ -227,22 +212,21 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
             std::to_string(config.block_n) + " (expected 0 or 128)");
   }
   const int block_n = pingpong ? 128 : gemm_engine::pick_block_n(config.block_n, m, n, sms, kOp);
-  const bool pairs = !pingpong && gemm_engine::pairs_requested();
   if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr) {
     std::fprintf(stderr, "[mkernel] gemm %lldx%lldx%lld: block 128x%dx64, %d SMs%s\n",
                  static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
-                 block_n, sms, pingpong ? ", ping-pong" : pairs ? ", CTA pairs" : "");
+                 block_n, sms, pingpong ? ", ping-pong" : "");
   }
   if (pingpong) {
     if (b_layout == BLayout::kKN) {
-      launch<128, true, true>(a, b, c, m, n, k, sms, false, stream);
+      launch<128, true, true>(a, b, c, m, n, k, sms, stream);
     } else {
-      launch<128, false, true>(a, b, c, m, n, k, sms, false, stream);
+      launch<128, false, true>(a, b, c, m, n, k, sms, stream);
     }
     return;
   }
   gemm_engine::dispatch(block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
-    launch<kBlockN, kTransB>(a, b, c, m, n, k, sms, pairs, stream);
+    launch<kBlockN, kTransB>(a, b, c, m, n, k, sms, stream);
   });
 }
 

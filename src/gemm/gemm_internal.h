@@ -37,10 +37,6 @@ void require_multiple_of_8(int64_t value, const char* op, const char* what);
 // `block_n` wide (0: any width) - only 0 or 128 can have it.
 bool pingpong_requested(int block_n);
 
-// Whether MKERNEL_GEMM_PAIRS=1 asks the plain GEMM for CTA pairs (clusters of two CTAs sharing
-// an operand by TMA multicast; gemm_kernel.cuh, kPairs) - experimental.
-bool pairs_requested();
-
 // Tile width for an [m, n] output on `sms` CTAs: `requested` if not 0, else MKERNEL_GEMM_BLOCK_N,
 // else the width with the fewest estimated tile-waves. Throws (naming `op`) on a bad width.
 int pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op);

@@ -284,7 +284,6 @@ struct PlainGemm {
   int n;
   CUtensorMap a_last;  // A again, boxes of the last tile-row's rows x 64
   int last_rows;       // rows of the last tile-row (1..128)
-  bool pairs_share = true;  // CTA pairs load shared operands once (false: a measurement)
 
   __device__ int num_tiles() const { return raster.num_tiles(); }
   __device__ Tile tile(int t) const {
@@ -299,11 +298,6 @@ struct PlainGemm {
   __device__ int a_rows(const Tile& tile) const { return last_row(tile) ? last_rows : 128; }
   __device__ void load_a(void* dst, uint64_t* bar, const Tile& tile, int k0) const {
     dev::tma_load_2d(dst, last_row(tile) ? &a_last : &a, bar, k0, tile.m * 128);
-  }
-  __device__ void load_a_multicast(void* dst, uint64_t* bar, const Tile& tile, int k0,
-                                   uint16_t cta_mask) const {
-    dev::tma_load_2d_multicast(dst, last_row(tile) ? &a_last : &a, bar, k0, tile.m * 128,
-                               cta_mask);
   }
   template <int kRegs>
   __device__ void store(const float (&acc)[kRegs], const Tile& tile, int consumer, uint8_t* scratch,
@@ -321,80 +315,12 @@ struct PlainGemm {
 // B box of an N-major stage: 64 K rows x 64 N values (128 bytes a row).
 constexpr int kMnBoxBytes = 64 * 128;
 
-// A 2-D TMA load into this CTA's stage, or with a CTA mask into the same stage of those CTAs.
-__device__ __forceinline__ void load_2d_to(void* dst, const CUtensorMap* map, uint64_t* bar,
-                                           int32_t c0, int32_t c1, uint16_t cta_mask) {
-  if (cta_mask == 0) {
-    dev::tma_load_2d(dst, map, bar, c0, c1);
-  } else {
-    dev::tma_load_2d_multicast(dst, map, bar, c0, c1, cta_mask);
-  }
-}
-
-// CTA pairs (kPairs): the two CTAs of a cluster take the work items t0 = 2c + step x gridDim.x
-// and t0 + 1 together, k-block by k-block. An operand both tiles read (A when they share the
-// tile-row, B when they share the tile-column - the grouped raster puts t0 and t0 + 1 in one
-// column whenever a group has an even number of tile-rows, in one row when M has a single tile-row)
-// is loaded once from L2 and multicast into both CTAs' stages, each CTA issuing every other
-// k-block; the rest each loads for itself. A stage may be refilled only once both CTAs' consumers
-// have released it (each consumer arrives on both CTAs' empty barriers). The second CTA of a pair
-// past the last tile computes its partner's tile in its shadow (same loads, no store), so that
-// both walk the ring in lockstep.
-struct PairStep {
-  Tile tile;           // this CTA's tile (the partner's, in its shadow)
-  bool shadow = false;  // no tile of its own at this step: compute, do not store
-  bool share_a = false;
-  bool share_b = false;
-};
-// The work item a pair's CTA `rank` computes at the step of item t0: its own, or past the last
-// tile its partner's (the shadow).
-__device__ __forceinline__ int pair_item(int t0, uint32_t rank, int tiles) {
-  const int mine = t0 + static_cast<int>(rank);
-  return mine < tiles ? mine : t0;
-}
-
-// The first work item of this CTA (pairs: of its pair); the next ones follow gridDim.x apart.
-template <bool kPairs>
-__device__ __forceinline__ int first_item() {
-  return static_cast<int>(kPairs ? blockIdx.x & ~1u : blockIdx.x);
-}
-
-// A consumer done reading stage s: its producer (pairs: both CTAs' producers) may refill it.
-template <bool kPairs>
-__device__ __forceinline__ void release_stage(uint64_t* empty, int s, uint32_t pair_rank) {
-  dev::mbarrier_arrive(&empty[s]);
-  if constexpr (kPairs) dev::mbarrier_arrive_cluster(&empty[s], pair_rank ^ 1);
-}
-
-template <class Fusion>
-__device__ __forceinline__ PairStep pair_step(const Fusion& fusion, int t0, uint32_t rank) {
-  const int tiles = fusion.num_tiles();
-  const int mine = pair_item(t0, rank, tiles);
-  PairStep step;
-  step.shadow = mine != t0 + static_cast<int>(rank);
-  step.tile = fusion.tile(mine);
-  step.tile.position = mine;
-  const Tile partner = fusion.tile(pair_item(t0, rank ^ 1, tiles));
-  step.share_a = step.tile.m == partner.m && step.tile.shard == partner.shard;
-  step.share_b = step.tile.n == partner.n && step.tile.shard == partner.shard;
-  if constexpr (requires { fusion.pairs_share; }) {  // (a measurement: pairs that share nothing)
-    step.share_a = step.share_a && fusion.pairs_share;
-    step.share_b = step.share_b && fusion.pairs_share;
-  }
-  return step;
-}
-
-template <class Cfg, bool kTransB, class Fusion, bool kPingPong = false, bool kPairs = false>
+template <class Cfg, bool kTransB, class Fusion, bool kPingPong = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tma_b, int k,
                 const __grid_constant__ Fusion fusion) {
   static_assert(registers_fit<Cfg, Fusion>(), "setmaxnreg split beyond the CTA's registers");
   static_assert(!kPingPong || Cfg::kBlockN <= 128, "ping-pong: 128 x 128 tiles per warpgroup");
-  // CTA pairs: the cooperative schedule, 2-D B, no ring operands or mid-tile hook (PlainGemm).
-  static_assert(!kPairs || (!kPingPong && !batched_b<Fusion>() &&
-                            !requires(Fusion f, Tile t) { f.prologue_loads(t); } &&
-                            !requires(Fusion f, Tile t) { f.epilogue_loads(t); }),
-                "CTA pairs: a policy without ring operands");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -408,8 +334,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
       dev::mbarrier_init(&full[s], 1);
-      // ping-pong: one owner; pairs: both CTAs' consumers
-      dev::mbarrier_init(&empty[s], kPingPong ? 1 : Cfg::kConsumers * (kPairs ? 2 : 1));
+      dev::mbarrier_init(&empty[s], kPingPong ? 1 : Cfg::kConsumers);  // ping-pong: one owner
     }
     if constexpr (kPingPong) {
       dev::mbarrier_init(&turn[0], 1);
@@ -418,15 +343,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if constexpr (requires { fusion.init_shared(); }) fusion.init_shared();
     dev::mbarrier_init_fence();
   }
-  if constexpr (kPairs) {
-    dev::cluster_sync();  // both CTAs' barriers exist before either multicasts or arrives
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   const int k_iters = (k + Cfg::kBlockK - 1) / Cfg::kBlockK;
   const int warpgroup = threadIdx.x / 128;
-  const uint32_t pair_rank = kPairs ? dev::cluster_rank() : 0;
 
   if (warpgroup == 0) {
     // ---- producer ----
@@ -434,10 +354,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x == 0) {
       dev::tma_prefetch_descriptor(&tma_b);
       int it = 0;  // k-iterations issued by this CTA, across tiles: position in the stage ring
-      for (int t = first_item<kPairs>(); t < fusion.num_tiles(); t += gridDim.x) {
-        // (pairs: this CTA's tile or its shadow, and which operand the pair shares)
-        const PairStep step = kPairs ? pair_step(fusion, t, pair_rank) : PairStep{};
-        const Tile tile = kPairs ? step.tile : fusion.tile(t);
+      for (int t = blockIdx.x; t < fusion.num_tiles(); t += gridDim.x) {
+        const Tile tile = fusion.tile(t);
         fusion.wait_operands(tile);
         const int tn = tile.n;
         const int stage_bytes = a_stage_bytes<Cfg>(fusion, tile) + Cfg::kBBytes;
@@ -458,28 +376,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           const uint32_t phase = (it / Cfg::kStages) & 1;
           dev::mbarrier_wait(&empty[s], phase ^ 1);  // first lap passes at once
           dev::mbarrier_arrive_expect_tx(&full[s], stage_bytes);
-          if constexpr (kPairs) {
-            // A shared operand: every other k-block is this CTA's to load for both.
-            const bool mine = (kb & 1) == static_cast<int>(pair_rank);
-            constexpr uint16_t kBoth = 0b11;
-            if (!step.share_a) {
-              fusion.load_a(stage_a(s), &full[s], tile, kb * Cfg::kBlockK);
-            } else if (mine) {
-              fusion.load_a_multicast(stage_a(s), &full[s], tile, kb * Cfg::kBlockK, kBoth);
-            }
-            if (step.share_b && !mine) continue;
-            const uint16_t mask = step.share_b ? kBoth : 0;
-            if constexpr (kTransB) {
-#pragma unroll
-              for (int j = 0; j < Cfg::kBlockN / 64; ++j) {
-                load_2d_to(stage_b(s) + j * kMnBoxBytes, &tma_b, &full[s],
-                           tn * Cfg::kBlockN + j * 64, kb * Cfg::kBlockK, mask);
-              }
-            } else {
-              load_2d_to(stage_b(s), &tma_b, &full[s], kb * Cfg::kBlockK, tn * Cfg::kBlockN, mask);
-            }
-            continue;
-          }
           fusion.load_a(stage_a(s), &full[s], tile, kb * Cfg::kBlockK);
           if constexpr (batched_b<Fusion>()) {  // B [batches][...]: 3-D boxes, batch = shard
             if constexpr (kTransB) {
@@ -509,8 +405,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     } else if (threadIdx.x >= 32) {
       fusion.side_task(threadIdx.x - 32, 96);
     }
-    // Pairs: the producer's warp waits for it here, not at the cluster barrier at the end.
-    if (kPairs && threadIdx.x < 32) __syncwarp();
   } else if constexpr (kPingPong) {
     // ---- consumers, ping-pong: warpgroup c takes the CTA's tiles c, c + 2, ... whole ----
     dev::warpgroup_reg_alloc<consumer_regs<Cfg, Fusion>()>();
@@ -574,12 +468,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float acc[Cfg::kAccRegs];
     typename Fusion::ConsumerState state{};
     int it = 0;
-    for (int t = first_item<kPairs>(); t < fusion.num_tiles(); t += gridDim.x) {
-      // (pairs: this CTA's work item, or in its shadow its partner's - computed, not stored)
-      const int item = kPairs ? pair_item(t, pair_rank, fusion.num_tiles()) : t;
-      Tile tile = fusion.tile(item);
-      tile.position = item;
-      const int next = item + static_cast<int>(gridDim.x);
+    for (int t = blockIdx.x; t < fusion.num_tiles(); t += gridDim.x) {
+      Tile tile = fusion.tile(t);
+      tile.position = t;
+      const int next = t + static_cast<int>(gridDim.x);
       tile.next = next < fusion.num_tiles() ? next : -1;
       bool started = false;  // the accumulator holds the prologue's values: accumulate from k = 0
       if constexpr (requires { fusion.prologue_loads(tile); }) {
@@ -609,15 +501,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         dev::wgmma_fence_operands(acc);
         // The group of the previous stage has retired once at most this one is pending.
         dev::wgmma_wait<1>();
-        if (kb > 0 && leader) release_stage<kPairs>(empty, (it - 1) % Cfg::kStages, pair_rank);
+        if (kb > 0 && leader) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
         if constexpr (requires { fusion.mid_tile(state); }) {
           if (kb == k_iters / 2 && leader) fusion.mid_tile(state);
         }
       }
       dev::wgmma_wait<0>();
       dev::wgmma_fence_operands(acc);
-      if (leader && k_iters > 0) release_stage<kPairs>(empty, (it - 1) % Cfg::kStages, pair_rank);
-      if (kPairs && item != t + static_cast<int>(pair_rank)) continue;  // a shadow
+      if (leader && k_iters > 0) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
       uint8_t* scratch = epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers);
       if constexpr (requires { fusion.epilogue_loads(tile); }) {
         const EpilogueRing ring{
@@ -632,7 +523,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (leader) dev::bulk_wait_group<0>();  // the last stores have landed
   }
   fusion.finish();
-  if constexpr (kPairs) dev::cluster_sync();  // no multicast or arrival into an exited CTA
 }
 
 }  // namespace mk::gemm_engine

@@ -5,11 +5,8 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include "gemm/gemm_kernel.cuh"
@@ -44,10 +41,10 @@ void dispatch(int block_n, bool trans_b, Fn&& fn) {
 // gemm_kernel<..., Fusion> with its shared memory allowed on the current device (which also loads
 // the kernel now). The attribute is set once per device (bit d of `done`): every launch asks, and
 // the call costs the host half a microsecond.
-template <int kBlockN, bool kTransB, class Fusion, bool kPingPong = false, bool kPairs = false>
+template <int kBlockN, bool kTransB, class Fusion, bool kPingPong = false>
 auto prepared_kernel() {
   using Cfg = TileConfig<kBlockN>;
-  auto kernel = gemm_kernel<Cfg, kTransB, Fusion, kPingPong, kPairs>;
+  auto kernel = gemm_kernel<Cfg, kTransB, Fusion, kPingPong>;
   static std::atomic<uint64_t> done{0};
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
@@ -81,46 +78,6 @@ void launch(const Fusion& fusion, const CUtensorMap& map_b, int64_t k, int grid,
   auto kernel = prepared_kernel<kBlockN, kTransB, Fusion, kPingPong>();
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_b, static_cast<int>(k), fusion);
   const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw Error(ErrorCode::kCuda, std::string(op) + ": launch failed: " + cudaGetErrorString(err));
-  }
-}
-
-// The same kernel in CTA pairs (clusters of two; gemm_kernel.cuh, kPairs) on up to `grid` CTAs:
-// an even number (two for a single tile), at most as many as can be resident at once (an SM left
-// over in a GPC holds no pair). Throws naming `op` if the launch fails.
-template <int kBlockN, bool kTransB, class Fusion>
-void launch_pairs(const Fusion& fusion, const CUtensorMap& map_b, int64_t k, int grid,
-                  cudaStream_t stream, const char* op) {
-  using Cfg = TileConfig<kBlockN>;
-  auto kernel = prepared_kernel<kBlockN, kTransB, Fusion, false, true>();
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.blockDim = dim3(Cfg::kThreads);
-  config.dynamicSmemBytes = Cfg::kSmemBytes;
-  config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  static std::atomic<int> resident_pairs{0};  // (one GPU model per process)
-  int pairs = resident_pairs.load(std::memory_order_relaxed);
-  if (pairs == 0) {
-    config.gridDim = dim3(2);
-    MK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&pairs, kernel, &config));
-    pairs = pairs > 0 ? pairs : 1;
-    resident_pairs.store(pairs, std::memory_order_relaxed);
-  }
-  const int ctas = 2 * std::max(1, std::min(grid / 2, pairs));
-  config.gridDim = dim3(ctas);
-  if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr) {
-    std::fprintf(stderr, "[mkernel] %s: %d CTAs in pairs (%d pairs resident at most)\n", op, ctas,
-                 pairs);
-  }
-  const cudaError_t err =
-      cudaLaunchKernelEx(&config, kernel, map_b, static_cast<int>(k), fusion);
   if (err != cudaSuccess) {
     throw Error(ErrorCode::kCuda, std::string(op) + ": launch failed: " + cudaGetErrorString(err));
   }

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <random>
 
-#include "../cpu/cpu_test_util.h"  // ScopedEnv
 #include "gemm/gemm_internal.h"
 #include "gemm_reference.h"
 #include "gpu_test_util.h"
@@ -124,27 +123,6 @@ TEST(Gemm, PingPongSchedule) {
   expect_error([&] { gemm(p, p, p, 128, 128, 128, BLayout::kNK, nullptr, config); },
                ErrorCode::kInvalidArgument, "ping-pong schedule computes 128 x 128 tiles");
   cudaFree(p);
-}
-
-// CTA pairs (MKERNEL_GEMM_PAIRS=1, experimental): clusters of two CTAs sharing A (one tile-row)
-// or B (tile-rows of one column) by multicast; an odd number of tiles (the last pair's second CTA
-// in its partner's shadow), pairs that share nothing (three tile-rows in a group), partial tiles,
-// both layouts, every width, and a small grid (many tiles per pair).
-TEST(Gemm, CtaPairs) {
-  MKT_REQUIRE_GPU();
-  const ScopedEnv env("MKERNEL_GEMM_PAIRS", "1");
-  const std::vector<Shape> shapes = {{1, 8, 8},          {7, 24, 40},       {128, 8192, 8192},
-                                     {200, 8192, 8192},  {129, 264, 72},    {333, 4104, 8},
-                                     {1000, 1000, 1000}, {3000, 5120, 3584}, {4096, 4096, 4096}};
-  for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
-    for (int block_n : {64, 128, 192, 256}) {
-      GemmConfig config;
-      config.block_n = block_n;
-      for (const Shape& s : shapes) expect_gemm_matches(s, fresh_seed(), config, layout);
-      config.sms = 7;  // three pairs
-      expect_gemm_matches({1000, 2056, 520}, fresh_seed(), config, layout);
-    }
-  }
 }
 
 TEST(Gemm, RandomShapes) {

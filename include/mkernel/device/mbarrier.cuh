@@ -61,27 +61,4 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-// ---- Clusters of CTAs (the engine's CTA pairs) ----
-
-// This CTA's rank in its cluster.
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-  return rank;
-}
-
-// One arrival on the barrier at the same shared-memory offset in CTA `cta` of the cluster (the
-// default .release.cta semantics, as a local arrival; with .release.cluster the engine's CTA
-// pairs ran ~3x slower than without pairs on small shapes, H200, 2026-12-01).
-__device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t cta) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(cta));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-
-// Every thread of every CTA of the cluster meets here (threads may arrive diverged).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
 }  // namespace mk::dev
