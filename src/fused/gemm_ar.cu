@@ -276,6 +276,7 @@ void launch_across_nodes(Communicator& comm, const FusedGemmPlan& p, const void*
   const Topology& topo = comm.topology();
   fused::GemmArAcrossNodes<kBlockN> f{};
   f.a = gemm_engine::make_map(a, m, k, 128);
+  f.a_last = gemm_engine::make_map(a, m, k, gemm_engine::last_tile_rows(m));
   f.out = gemm_engine::make_map(out, m, n, 64);
   for (int i = 0; i < topo.local_size; ++i) {
     f.c_local[i] = reinterpret_cast<__nv_bfloat16*>(out_range.host_peers[i] + out_range.offset);

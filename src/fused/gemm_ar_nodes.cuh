@@ -37,6 +37,7 @@ struct GemmArAcrossNodes {
   static constexpr int kProducerRegs = 56;
   static constexpr int kConsumerRegs = 224;
   CUtensorMap a;    // A_r [M, K_r], boxes 128 x 64
+  CUtensorMap a_last;  // A_r again, boxes of the last tile-row's rows (gemm_kernel.cuh: a_rows)
   CUtensorMap out;  // this rank's C [M, N] bf16, boxes 64 x 64
   DeviceComm comm;
   __nv_bfloat16* c_local[8];  // each local rank's C, mapped here
@@ -78,8 +79,11 @@ struct GemmArAcrossNodes {
 
   __device__ void wait_operands(const gemm_engine::Tile&) const {}
 
+  __device__ int a_rows(const gemm_engine::Tile& tile) const {
+    return tile.m == tiles_m - 1 ? gemm_engine::last_tile_rows(m) : 128;
+  }
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
-    dev::tma_load_2d(dst, &a, bar, k0, tile.m * 128);
+    dev::tma_load_2d(dst, tile.m == tiles_m - 1 ? &a_last : &a, bar, k0, tile.m * 128);
   }
 
   // ---- workspace ----

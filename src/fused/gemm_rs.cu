@@ -187,6 +187,8 @@ void launch_across_nodes(Communicator& comm, const FusedGemmPlan& p, const void*
   const Topology& topo = comm.topology();
   Fusion f{};
   f.a = gemm_engine::make_map_3d(a, topo.world_size, p.shard_rows, k, 128);
+  f.a_last = gemm_engine::make_map_3d(a, topo.world_size, p.shard_rows, k,
+                                      gemm_engine::last_tile_rows(p.shard_rows));
   f.out = gemm_engine::make_map(out, p.shard_rows, n, 64);
   for (int i = 0; i < topo.local_size; ++i) {
     f.ws_local[i] = reinterpret_cast<float*>(ws.host_peers[i] + ws.offset);

@@ -36,6 +36,7 @@ struct GemmRsAcrossNodes {
   static constexpr int kProducerRegs = 56;
   static constexpr int kConsumerRegs = 224;
   CUtensorMap a;    // A_r as [world][S][K_r], boxes 128 x 64 x 1
+  CUtensorMap a_last;  // `a` again, boxes of a shard's last tile-row's rows (a_rows)
   CUtensorMap out;  // this rank's output [S][N] bf16, boxes 64 x 64
   DeviceComm comm;
   float* ws_local[8];  // each local rank's workspace (routes.regions() x S x N fp32), mapped here
@@ -58,8 +59,12 @@ struct GemmRsAcrossNodes {
 
   __device__ void wait_operands(const gemm_engine::Tile&) const {}
 
+  __device__ int a_rows(const gemm_engine::Tile& tile) const {
+    return tile.m == raster.tiles_m - 1 ? gemm_engine::last_tile_rows(shard_rows) : 128;
+  }
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
-    dev::tma_load_3d(dst, &a, bar, k0, tile.m * 128, tile.shard);
+    dev::tma_load_3d(dst, tile.m == raster.tiles_m - 1 ? &a_last : &a, bar, k0, tile.m * 128,
+                     tile.shard);
   }
 
   // ---- workspace ----
