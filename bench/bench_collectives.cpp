@@ -312,19 +312,13 @@ int main(int argc, char** argv) {
         if (ms < best_ms) best_ms = ms, best_channels = ch;
       }
       const double default_ms = bench.time_ms([&] { op.ours(CollectiveConfig{}); });
-      // reduce_scatter: also the threads' loads instead of the bulk copies (MKERNEL_COLL_RS_BULK,
-      // read at each call), default config, in the same run.
+      // reduce_scatter: also the threads' loads instead of the bulk copies (CollectiveConfig::
+      // bulk off), default config otherwise, in the same run.
       double loads_ms = -1;
       if (std::string(op.name) == "reduce_scatter") {
-        const char* saved = std::getenv("MKERNEL_COLL_RS_BULK");
-        const std::string restore = saved == nullptr ? "" : saved;
-        setenv("MKERNEL_COLL_RS_BULK", "0", 1);
-        loads_ms = bench.time_ms([&] { op.ours(CollectiveConfig{}); });
-        if (saved == nullptr) {
-          unsetenv("MKERNEL_COLL_RS_BULK");
-        } else {
-          setenv("MKERNEL_COLL_RS_BULK", restore.c_str(), 1);
-        }
+        CollectiveConfig loads;
+        loads.bulk = false;
+        loads_ms = bench.time_ms([&] { op.ours(loads); });
       }
       const double nccl_ms = bench.time_ms(op.theirs);
       const double bus = bytes * op.bus_factor * 1e-6;  // GB/s once divided by ms
@@ -337,7 +331,7 @@ int main(int argc, char** argv) {
                       bus / nccl_ms, peer_gbps, nccl_ms / best_ms, correct ? "ok" : "WRONG");
         std::printf("%s\n", line);
         if (loads_ms > 0) {
-          std::printf("  %s loads path (MKERNEL_COLL_RS_BULK=0): %.3f ms\n", op.name, loads_ms);
+          std::printf("  %s loads path (bulk = false): %.3f ms\n", op.name, loads_ms);
         }
         if (!correct) std::printf("  %s\n", why.c_str());
         summary.push_back(line);

@@ -117,11 +117,6 @@ def ag_gemm_case(comm, m, n, k, mode, iters, sweep=False):
                          ("16 pushers", {"comm_ctas": 16}), ("32 pushers", {"comm_ctas": 32}),
                          ("64 pushers", {"comm_ctas": 64}), ("all push", {"comm_ctas": 1000})):
             variants["sweep: " + name] = (lambda kw=kw: mkernel.ag_gemm(a_shard, b, comm, **kw))
-        # The engine's ping-pong schedule (experimental): the fused op and the GEMM alone.
-        variants["sweep: pingpong"] = with_switch(lambda: mkernel.ag_gemm(a_shard, b, comm),
-                                                  "MKERNEL_GEMM_SCHEDULE", "pingpong")
-        variants["sweep: engine pingpong"] = with_switch(lambda: mkernel.gemm(a_full, b),
-                                                         "MKERNEL_GEMM_SCHEDULE", "pingpong")
     return ok, diff, mag, variants
 
 
@@ -163,54 +158,18 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
         for name, kw in (("n128", {"block_n": 128}), ("n192", {"block_n": 192}),
                          ("n256", {"block_n": 256})):
             variants["sweep: " + name] = (lambda kw=kw: mkernel.gemm_rs(a, b, comm, **kw))
-        variants.update(reduce_switch_variants(variants["mkernel"]))
-        # The engine's ping-pong schedule (experimental). Two ranks only: there the accumulator
-        # needs no zeroing, so the two schedules' layouts may share one workspace.
         if world == 2:
-            variants["sweep: pingpong"] = with_switch(variants["mkernel"],
-                                                      "MKERNEL_GEMM_SCHEDULE", "pingpong")
             # The opt-in bf16 partials (one workspace for both formats: one partial per slice,
             # nothing to zero between them)
             variants["sweep: bf16 partials"] = (
                 lambda: mkernel.gemm_rs(a, b, comm, bf16_partials=True))
-            # The peer's partials loaded by the epilogue itself instead of through the ring
-            variants["sweep: tma_partials0"] = with_switch(variants["mkernel"],
-                                                           "MKERNEL_TMA_PARTIALS")
-        # The outbox slices staged by the epilogue's global stores instead of TMA stores
-        variants["sweep: tma_staging0"] = with_switch(variants["mkernel"], "MKERNEL_TMA_STAGING")
-        # A busy staging slot waited for, instead of the slice sent straight by TMA stores
-        variants["sweep: tma_sends0"] = with_switch(variants["mkernel"], "MKERNEL_TMA_SENDS")
-        # Experimental: own tiles' partials before their k-blocks (no add in the epilogue)
-        variants["sweep: partials first"] = with_switch(variants["mkernel"],
-                                                        "MKERNEL_PARTIALS_FIRST", "1")
+            # A busy staging slot waited for, instead of the slice sent straight by TMA stores
+            variants["sweep: tma_sends0"] = (lambda: mkernel.gemm_rs(a, b, comm, tma_sends=False))
     return ok, err, mag, variants
 
 
 _ASYNC_TP_NOTE = None
 _NUM_NODES = 1  # the communicator's (virtual) nodes, set in main()
-
-
-def with_switch(fn, variable, value="0"):
-    """fn with the environment variable `variable` set to `value` during the call (the library
-    reads MKERNEL_OUTBOX / MKERNEL_INTERLEAVE / MKERNEL_GEMM_SCHEDULE at each call), so that
-    --sweep times the op with a mechanism off (or another schedule) in the same run."""
-    def call():
-        saved = os.environ.get(variable)
-        os.environ[variable] = value
-        try:
-            return fn()
-        finally:
-            if saved is None:
-                del os.environ[variable]
-            else:
-                os.environ[variable] = saved
-    return call
-
-
-def reduce_switch_variants(fn):
-    """The reducing kernels' mechanisms, each switched off (src/fused/fused_common.h)."""
-    return {"sweep: interleave0": with_switch(fn, "MKERNEL_INTERLEAVE"),
-            "sweep: outbox0": with_switch(fn, "MKERNEL_OUTBOX")}
 
 
 def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
@@ -249,20 +208,12 @@ def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
         for name, kw in (("n64", {"block_n": 64}), ("n128", {"block_n": 128}),
                          ("n256", {"block_n": 256})):
             variants["sweep: " + name] = (lambda kw=kw: mkernel.gemm_ar(a, b, comm, out, **kw))
-        variants.update(reduce_switch_variants(variants["mkernel"]))
-        # The engine's ping-pong schedule (experimental). Two ranks only: there the accumulator
-        # needs no zeroing, so the two schedules' layouts may share one workspace.
         if world == 2:
-            variants["sweep: pingpong"] = with_switch(variants["mkernel"],
-                                                      "MKERNEL_GEMM_SCHEDULE", "pingpong")
             variants["sweep: bf16 partials"] = (
                 lambda: mkernel.gemm_ar(a, b, comm, out, bf16_partials=True))
-            variants["sweep: tma_partials0"] = with_switch(variants["mkernel"],
-                                                           "MKERNEL_TMA_PARTIALS")
             # The threads' stores (no outbox) or the side threads (outbox) instead of TMA sends
-            variants["sweep: tma_sends0"] = with_switch(variants["mkernel"], "MKERNEL_TMA_SENDS")
-            variants["sweep: partials first"] = with_switch(variants["mkernel"],
-                                                            "MKERNEL_PARTIALS_FIRST", "1")
+            variants["sweep: tma_sends0"] = (
+                lambda: mkernel.gemm_ar(a, b, comm, out, tma_sends=False))
     return ok, err, mag, variants
 
 
@@ -343,9 +294,9 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sweep", action="store_true",
-                    help="also time other configurations of the fused op - tile widths, and for "
-                         "gemm_rs / gemm_ar with MKERNEL_INTERLEAVE=0 and MKERNEL_OUTBOX=0 "
-                         "(printed, not saved)")
+                    help="also time other configurations of the fused op - tile widths; ag_gemm "
+                         "pieces and pushers; gemm_rs / gemm_ar with two ranks bf16 partials and "
+                         "tma_sends=False (printed, not saved)")
     args = ap.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

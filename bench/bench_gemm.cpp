@@ -114,8 +114,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: %s [--json FILE] [--iters N] [--check] [--sweep] [--shapes MxNxK,...]\n"
-                   "  --sweep: also time every tile width (64, 128, 192, 256) and the ping-pong\n"
-                   "           schedule per shape\n",
+                   "  --sweep: also time every tile width (64, 128, 192, 256) per shape\n",
                    argv[0]);
       return 2;
     }
@@ -196,17 +195,12 @@ int main(int argc, char** argv) {
           mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, mk::BLayout::kNK, s, config);
         });
       }
-      widths.push_back([&](int i) {  // the experimental ping-pong schedule (128 x 128)
-        mk::GemmConfig config;
-        config.pingpong = true;
-        mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, mk::BLayout::kNK, s, config);
-      });
       widths.push_back(theirs);
       const std::vector<double> t = median_ms(iters, s, widths);
       std::printf("  sweep %-14s", label.c_str());
       const int w[] = {64, 128, 192, 256};
       for (int i = 0; i < 4; ++i) std::printf("  n%d %.3f", w[i], t[i]);
-      std::printf("  pingpong %.3f  cuBLAS %.3f ms\n", t[4], t[5]);
+      std::printf("  cuBLAS %.3f ms\n", t[4]);
     }
     for (int i = 0; i < 2; ++i) cudaFree(a[i]), cudaFree(b[i]);
     cudaFree(c), cudaFree(c_blas);

@@ -287,7 +287,7 @@ void run_rank(const Args& args, std::unique_ptr<Bootstrap> boot) {
   }
   // The trace buffer is allocated before any launch: ranks sharing a GPU in one process must not
   // allocate while a peer's kernel may already run (mkernel/communicator.h).
-  trace_arm(plan.ctas, stream);
+  trace_arm(*comm, plan.ctas, stream);
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));

@@ -3,7 +3,7 @@
 // No NCCL inside and no NVLink multicast: each rank's CTAs load and store peer memory directly.
 // All are stream-ordered, never synchronise the host, and can be captured in CUDA graphs.
 // Errors in the arguments throw mk::Error before anything is launched or written.
-// Intra-node only for now (the communicator must have one node).
+// One node: the communicator's ranks must all share NVLink (the fused GEMMs run across nodes).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -16,8 +16,12 @@
 namespace mk {
 
 struct CollectiveConfig {
-  int channels = 0;   // CTAs per rank; 0 = heuristic (MKERNEL_COLL_CHANNELS overrides)
-  int threads = 512;  // per CTA; reduce_scatter's bulk path (MKERNEL_COLL_RS_BULK) runs 256
+  int channels = 0;   // CTAs per rank; 0 = heuristic (or MKERNEL_COLL_CHANNELS, when set)
+  int threads = 512;  // per CTA (reduce_scatter's bulk path runs 256)
+  // reduce_scatter: pull the peers' slices by bulk copies into a shared-memory ring where the
+  // slices are 16-byte aligned (else the threads' loads). On by default; a field until it is
+  // measured over NVLink against the loads (bench_collectives compares both).
+  bool bulk = true;
 };
 
 // output[r * count + i] = input_of_rank_r[i] for every rank r.

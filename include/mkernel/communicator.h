@@ -39,6 +39,7 @@ namespace detail {
 struct CommState;
 struct SymAllocation;
 class InterNode;
+struct Overrides;
 }  // namespace detail
 
 struct CommOptions {
@@ -94,6 +95,9 @@ class Communicator {
   int device() const;
   double timeout_seconds() const;
   Bootstrap& bootstrap();
+  // The MKERNEL_* overrides as parsed when this communicator was created (README's table); the
+  // ops fold them into their configs.
+  const detail::Overrides& overrides() const;
 
   // Collective: a symmetric buffer of `bytes` on every rank (all ranks must pass the same size).
   SymmetricBuffer alloc(std::size_t bytes);

@@ -1,9 +1,10 @@
 // mkernel/fused.h - GEMMs fused with the collective around them, in one persistent launch.
 //
-// Tensor-parallel linear layers: the collective's data moves over NVLink while the GEMM engine
-// (mkernel/gemm.h) computes, tile by tile, so that communication hides behind compute.
-// Stream-ordered, no host synchronisation, capturable in CUDA graphs; argument errors throw
-// mk::Error before anything is launched. Intra-node only for now (one node).
+// Tensor-parallel linear layers: the collective's data moves over NVLink inside a node, and
+// through the communicator's inter-node path between nodes, while the GEMM engine
+// (mkernel/gemm.h) computes, tile by tile, so that communication hides behind compute. Any world
+// size and any number of (virtual) nodes. Stream-ordered, no host synchronisation, capturable in
+// CUDA graphs; argument errors throw mk::Error before anything is launched.
 //
 // Workspace: symmetric memory the caller allocates once (Communicator::alloc) and passes to every
 // call, at the same offset on every rank; *_workspace_bytes says how much. Calls on one
@@ -22,11 +23,14 @@
 namespace mk {
 
 // Knobs of the fused GEMMs. 0 = picked by the library (the same on every rank: it depends only on
-// the shapes and the topology). MKERNEL_PRINT_CONFIG=1 prints the choice on rank 0.
+// the shapes and the topology), or the MKERNEL_* override of that knob when one is set (README).
+// MKERNEL_PRINT_CONFIG=1 prints the choice on rank 0.
 struct FusedGemmConfig {
-  int block_n = 0;     // GEMM tile width: 64, 128, 192 or 256 (MKERNEL_GEMM_BLOCK_N overrides)
-  int comm_ctas = 0;   // CTAs whose spare warps move data; 0 = as many as keep up with the GEMM
-  int piece_rows = 0;  // rows moved per signal (the unit the GEMM waits for); 0 = ~512 KiB pieces
+  int block_n = 0;     // GEMM tile width: 64, 128, 192 or 256 (MKERNEL_GEMM_BLOCK_N)
+  int comm_ctas = 0;   // ag_gemm: CTAs whose spare warps push the shard; 0 = as many as keep up
+                       // with the GEMM (MKERNEL_COMM_CTAS)
+  int piece_rows = 0;  // ag_gemm: rows moved per signal (the unit the GEMM waits for); 0 = pieces
+                       // of 128-512 KiB (MKERNEL_PIECE_ROWS)
   int sms = 0;         // persistent CTAs; 0 = the communicator's SM budget
   // gemm_rs / gemm_ar with two ranks: the peer's partial sums travel as bf16 - rounded once before
   // the fp32 add, as NCCL's reduce-scatter of bf16 partials rounds them - for half the staging,
@@ -35,6 +39,11 @@ struct FusedGemmConfig {
   // per node), and at two ranks per node the node's partials travel as bf16 too.
   // MKERNEL_BF16_PARTIALS=1 / =0 overrides it either way (benchmarks).
   bool bf16_partials = false;
+  // gemm_rs / gemm_ar with two ranks and fp32 partials: where the SM's copy engine can carry them,
+  // slices (and gemm_ar's results) leave by TMA stores straight into the peer's memory instead
+  // of the threads' stores (FusedGemmPlan::tma_sends says where). On by default; a field until
+  // it is measured over NVLink against the threads' stores (bench_fused --sweep 'tma_sends0').
+  bool tma_sends = true;
 };
 
 // What a fused GEMM call will do (the same on every rank), for printing and for tests.
@@ -52,25 +61,20 @@ struct FusedGemmPlan {
   int lag = -1;   // gemm_rs / gemm_ar: peers' tiles before own tiles start to interleave with
                   // them (-1: all peers' tiles first; src/fused/reduce_order.h)
   int nodes = 1;  // ag_gemm across nodes: shards also arrive over the rail
-  bool pingpong = false;         // the engine's ping-pong schedule (experimental, 128-wide
-                                 // tiles; MKERNEL_GEMM_SCHEDULE=pingpong)
   bool bf16_partials = false;    // the peer's partial sums travel as bf16 (requested in the config,
                                  // two ranks only; across nodes: node sums, FusedGemmConfig)
   bool tma_partials = false;     // gemm_rs / gemm_ar, two ranks, fp32: the producer TMA-loads
                                  // the peer's partials of whole own tiles into the stage ring
-                                 // for the epilogue (MKERNEL_TMA_PARTIALS=0 turns it off)
+                                 // for the epilogue
   bool tma_staging = false;      // gemm_rs with the outbox, fp32: a peer's slice is staged by
                                  // TMA stores from shared memory, not by the epilogue's global
-                                 // stores (MKERNEL_TMA_STAGING=0 turns it off)
+                                 // stores
   bool tma_sends = false;        // two ranks, by TMA stores from the epilogue into the peer:
                                  // gemm_ar's own tiles' results, and without an outbox (small M)
                                  // with fp32 partials (tma_partials) a peer's tile's partials;
                                  // gemm_rs's (fp32) whole slices whose outbox slot is busy or
                                  // that have none - instead of the threads' stores (the side
-                                 // threads' with an outbox) (MKERNEL_TMA_SENDS=0 turns it off)
-  bool partials_first = false;   // (tma_partials) the peer's partials of an own tile come through
-                                 // the ring before its k-blocks and start the accumulator - no add
-                                 // in the epilogue (experimental: MKERNEL_PARTIALS_FIRST=1)
+                                 // threads' with an outbox); FusedGemmConfig::tma_sends
   std::string describe() const;  // one line
 };
 

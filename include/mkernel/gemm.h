@@ -13,12 +13,9 @@ enum class BLayout {
 };
 
 struct GemmConfig {
-  int block_n = 0;  // 128 or 256; 0 = heuristic (MKERNEL_GEMM_BLOCK_N overrides)
+  int block_n = 0;  // tile width 64, 128, 192 or 256; 0 = the library's choice (or
+                    // MKERNEL_GEMM_BLOCK_N, when set)
   int sms = 0;      // persistent CTAs; 0 = every SM of the device
-  // Experimental: the ping-pong schedule (each consumer warpgroup computes whole 128 x 128 tiles,
-  // one's epilogue overlapping the other's mainloop); block_n must be 0 or 128.
-  // MKERNEL_GEMM_SCHEDULE=pingpong turns it on too.
-  bool pingpong = false;
 };
 
 // C[M, N] = A[M, K] @ op(B), bf16 in and out, fp32 accumulation, on `stream`.

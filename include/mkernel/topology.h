@@ -36,6 +36,9 @@ struct Topology {
   // sharing a GPU are co-resident; equal on all ranks, so grid sizes agree across ranks.
   int sm_budget() const { return min_sm_count / max_ranks_per_device; }
   bool is_local(int r) const { return node_of[r] == node; }
+  // The ranks with this rank's local index on the other nodes, ascending: the only ranks its
+  // inter-node path talks to (every byte crosses the network between two GPUs of one rail).
+  std::vector<int> rail_peers() const;
 };
 
 // Identifies this machine: a hash of the host name and the kernel's boot id (equal <=> same host).

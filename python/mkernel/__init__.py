@@ -640,7 +640,7 @@ if torch is not None:
                              f"{comm.world_size}")
         return m, n, k
 
-    def _gemm_rs_impl(a, b, b_layout, comm, block_n, bf16_partials):
+    def _gemm_rs_impl(a, b, b_layout, comm, block_n, bf16_partials, tma_sends):
         c = _communicator(comm, "gemm_rs")
         m, n, k = _gemm_rs_shapes(c, a, b, b_layout)
         for name, x in (("a", a), ("b", b)):
@@ -652,23 +652,23 @@ if torch is not None:
         ws = c._workspace(_C.gemm_rs_workspace_bytes(c._impl, m, n), "gemm_rs", "accumulate")
         # (the C++ entry makes c._device current for the launch)
         _C.gemm_rs(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
-                   ws.data_ptr(), c._stream(), block_n, bf16_partials)
+                   ws.data_ptr(), c._stream(), block_n, bf16_partials, tma_sends)
         return out
 
     _gemm_rs_op = torch.library.custom_op(
         "mkernel::gemm_rs", mutates_args=(),
-        schema="(Tensor a, Tensor b, str b_layout, int comm, int block_n, bool bf16_partials) "
-               "-> Tensor")(_gemm_rs_impl)
+        schema="(Tensor a, Tensor b, str b_layout, int comm, int block_n, bool bf16_partials, "
+               "bool tma_sends) -> Tensor")(_gemm_rs_impl)
 
     @_gemm_rs_op.register_fake
-    def _gemm_rs_fake(a, b, b_layout, comm, block_n, bf16_partials):
+    def _gemm_rs_fake(a, b, b_layout, comm, block_n, bf16_partials, tma_sends):
         c = _communicator(comm, "gemm_rs")
         m, n, _ = _gemm_rs_shapes(c, a, b, b_layout)
         return a.new_empty((m // c.world_size, n))
 
     def gemm_rs(a: "torch.Tensor", b: "torch.Tensor", comm: "Communicator", *,
-                b_layout: str = "nk", block_n: int = 0,
-                bf16_partials: bool = False) -> "torch.Tensor":
+                b_layout: str = "nk", block_n: int = 0, bf16_partials: bool = False,
+                tma_sends: bool = True) -> "torch.Tensor":
         """GEMM + ReduceScatter in one launch: this rank's rows of sum over ranks of a @ op(b).
 
         a: this rank's A_r, [M, K / world] bf16 (the row-parallel layer's input slice).
@@ -682,10 +682,12 @@ if torch is not None:
         before the fp32 add, as a bf16 NCCL reduce-scatter rounds them - for half the bytes;
         across nodes (any world size) the node sums cross the network as bf16, and at two
         ranks per node the node's partials travel as bf16 too.
+        tma_sends=False (two ranks, fp32 partials): slices leave by the threads' stores instead of
+        the SM's copy engine (FusedGemmConfig::tma_sends: kept for measuring the two over NVLink).
         """
         op = _gemm_rs_impl if _direct(a, b) else _gemm_rs_op
-        return op(a, b, b_layout, comm._id, block_n, bf16_partials)
-    def _gemm_ar_impl(a, b, out, b_layout, comm, block_n, bf16_partials):
+        return op(a, b, b_layout, comm._id, block_n, bf16_partials, tma_sends)
+    def _gemm_ar_impl(a, b, out, b_layout, comm, block_n, bf16_partials, tma_sends):
         c = _communicator(comm, "gemm_ar")
         if a.dim() != 2:
             raise ValueError(f"mkernel.gemm_ar: a must be 2-D [M, K / world]; got {tuple(a.shape)}")
@@ -702,20 +704,20 @@ if torch is not None:
                           "accumulate")
         # (the C++ entry makes c._device current for the launch)
         _C.gemm_ar(c._impl, a2.data_ptr(), b2.data_ptr(), out.data_ptr(), m, n, k, b_layout,
-                   ws.data_ptr(), c._stream(), block_n, bf16_partials)
+                   ws.data_ptr(), c._stream(), block_n, bf16_partials, tma_sends)
 
     _gemm_ar_op = torch.library.custom_op(
         "mkernel::gemm_ar", mutates_args=("out",),
         schema="(Tensor a, Tensor b, Tensor(a!) out, str b_layout, int comm, int block_n, "
-               "bool bf16_partials) -> ()")(_gemm_ar_impl)
+               "bool bf16_partials, bool tma_sends) -> ()")(_gemm_ar_impl)
 
     @_gemm_ar_op.register_fake
-    def _gemm_ar_fake(a, b, out, b_layout, comm, block_n, bf16_partials):
+    def _gemm_ar_fake(a, b, out, b_layout, comm, block_n, bf16_partials, tma_sends):
         return None
 
     def gemm_ar(a: "torch.Tensor", b: "torch.Tensor", comm: "Communicator",
                 out: "torch.Tensor", *, b_layout: str = "nk", block_n: int = 0,
-                bf16_partials: bool = False) -> "torch.Tensor":
+                bf16_partials: bool = False, tma_sends: bool = True) -> "torch.Tensor":
         """GEMM + AllReduce in one launch: out = sum over ranks of a @ op(b), on every rank.
 
         a: this rank's A_r, [M, K / world] bf16 (any M >= 1; the row-parallel layer's input).
@@ -729,9 +731,11 @@ if torch is not None:
         bf16_partials=True (two ranks): the peer's partial sums travel as bf16 - rounded once
         before the fp32 add, as a bf16 NCCL all-reduce rounds them - for half the bytes; across
         nodes as in gemm_rs (bf16 node sums at any world size).
+        tma_sends=False (two ranks): the results and slices leave by the threads' stores instead
+        of the SM's copy engine (as gemm_rs).
         """
         op = _gemm_ar_impl if _direct(a, b, out) else _gemm_ar_op
-        op(a, b, out, b_layout, comm._id, block_n, bf16_partials)
+        op(a, b, out, b_layout, comm._id, block_n, bf16_partials, tma_sends)
         return out
 else:  # pragma: no cover - without torch there is no tensor to multiply
     def gemm_ar(a, b, comm, out, **kwargs):

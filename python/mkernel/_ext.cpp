@@ -103,9 +103,10 @@ mk::BLayout parse_layout(std::string_view name, const char* op) {
 }
 
 mk::FusedGemmConfig fused_config(int block_n, int comm_ctas, int piece_rows,
-                                 bool bf16_partials = false) {
+                                 bool bf16_partials = false, bool tma_sends = true) {
   mk::FusedGemmConfig config;
   config.bf16_partials = bf16_partials;
+  config.tma_sends = tma_sends;
   config.block_n = block_n;
   config.comm_ctas = comm_ctas;
   config.piece_rows = piece_rows;
@@ -392,15 +393,16 @@ NB_MODULE(_C, m) {
       "gemm_rs",
       [](mk::Communicator& comm, std::uintptr_t a, std::uintptr_t b, std::uintptr_t out,
          int64_t m_rows, int64_t n, int64_t k_local, std::string_view b_layout,
-         std::uintptr_t workspace, std::uintptr_t stream, int block_n, bool bf16_partials) {
+         std::uintptr_t workspace, std::uintptr_t stream, int block_n, bool bf16_partials,
+         bool tma_sends) {
         const mk::BLayout layout = parse_layout(b_layout, "gemm_rs");
-        const mk::FusedGemmConfig config = fused_config(block_n, 0, 0, bf16_partials);
+        const mk::FusedGemmConfig config = fused_config(block_n, 0, 0, bf16_partials, tma_sends);
         nb::gil_scoped_release nogil;
         mk::gemm_rs(comm, as_pointer<const void>(a), as_pointer<const void>(b), as_pointer(out),
                     m_rows, n, k_local, layout, as_pointer(workspace), as_stream(stream), config);
       },
       "comm"_a, "a"_a, "b"_a, "out"_a, "m"_a, "n"_a, "k_local"_a, "b_layout"_a, "workspace"_a,
-      "stream"_a, "block_n"_a = 0, "bf16_partials"_a = false,
+      "stream"_a, "block_n"_a = 0, "bf16_partials"_a = false, "tma_sends"_a = true,
       "out[M / world, N] = this rank's rows of sum over ranks of A_r @ op(B_r); workspace: "
       "gemm_rs_workspace_bytes(comm, M, N) zeroed bytes in a symmetric buffer. "
       "Stream-ordered; no host synchronisation.");
@@ -414,15 +416,16 @@ NB_MODULE(_C, m) {
       "gemm_ar",
       [](mk::Communicator& comm, std::uintptr_t a, std::uintptr_t b, std::uintptr_t out,
          int64_t m_rows, int64_t n, int64_t k_local, std::string_view b_layout,
-         std::uintptr_t workspace, std::uintptr_t stream, int block_n, bool bf16_partials) {
+         std::uintptr_t workspace, std::uintptr_t stream, int block_n, bool bf16_partials,
+         bool tma_sends) {
         const mk::BLayout layout = parse_layout(b_layout, "gemm_ar");
-        const mk::FusedGemmConfig config = fused_config(block_n, 0, 0, bf16_partials);
+        const mk::FusedGemmConfig config = fused_config(block_n, 0, 0, bf16_partials, tma_sends);
         nb::gil_scoped_release nogil;
         mk::gemm_ar(comm, as_pointer<const void>(a), as_pointer<const void>(b), as_pointer(out),
                     m_rows, n, k_local, layout, as_pointer(workspace), as_stream(stream), config);
       },
       "comm"_a, "a"_a, "b"_a, "out"_a, "m"_a, "n"_a, "k_local"_a, "b_layout"_a, "workspace"_a,
-      "stream"_a, "block_n"_a = 0, "bf16_partials"_a = false,
+      "stream"_a, "block_n"_a = 0, "bf16_partials"_a = false, "tma_sends"_a = true,
       "out[M, N] (symmetric) = sum over ranks of A_r @ op(B_r), the same bits on every rank; "
       "workspace: gemm_ar_workspace_bytes zeroed bytes in a symmetric buffer (left zero). "
       "Stream-ordered; no host synchronisation.");

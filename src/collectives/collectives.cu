@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include "collectives/kernels.cuh"
@@ -12,6 +11,8 @@
 #include "mkernel/error.h"
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
+#include "runtime/kernel_preload.h"
+#include "runtime/overrides.h"
 #include "runtime/validate.h"
 
 namespace mk {
@@ -25,10 +26,7 @@ using detail::require_symmetric;
 // every rank: it depends only on the byte count (equal on all ranks) and the topology.
 int pick_channels(const Communicator& comm, const CollectiveConfig& config, std::size_t bytes,
                   const char* op) {
-  int channels = config.channels;
-  if (channels <= 0) {
-    if (const char* env = std::getenv("MKERNEL_COLL_CHANNELS")) channels = std::atoi(env);
-  }
+  int channels = config.channels > 0 ? config.channels : comm.overrides().channels;
   if (channels <= 0) {
     // ~64 KiB per channel, at most 128: on the H200 NV18 host 128 channels were fastest at every
     // size from 8 to 512 MiB for all three ops (docs/PERFORMANCE.md).
@@ -41,21 +39,19 @@ int pick_channels(const Communicator& comm, const CollectiveConfig& config, std:
                                                  ": threads = " + std::to_string(config.threads) +
                                                  "; expected a multiple of 32 in [64, 512]");
   }
-  if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr && comm.rank() == 0) {
+  if (comm.overrides().print_config && comm.rank() == 0) {
     std::fprintf(stderr, "[mkernel] %s: %zu bytes, %d channels x %d threads\n", op, bytes, channels,
                  config.threads);
   }
   return channels;
 }
 
-// Whether reduce_scatter takes the bulk path (reduce_scatter_bulk_kernel): by default wherever it
-// can, which needs 16-byte aligned slices (vector width 16) and a ring that holds a chunk of every
-// local rank; MKERNEL_COLL_RS_BULK=0 forces the loads of reduce_scatter_kernel (read per call, so
-// that one run can compare both).
-bool use_rs_bulk(const Communicator& comm, int vector_bytes) {
-  const char* env = std::getenv("MKERNEL_COLL_RS_BULK");
-  if (env != nullptr && std::atoi(env) == 0) return false;
-  return vector_bytes == 16 && coll::bulk_chunk_bytes(comm.topology().local_size) > 0;
+// Whether reduce_scatter takes the bulk path (reduce_scatter_bulk_kernel): when the config allows
+// it (CollectiveConfig::bulk), wherever it can - 16-byte aligned slices (vector width 16) and a
+// ring that holds a chunk of every local rank; else the loads of reduce_scatter_kernel.
+bool use_rs_bulk(const Communicator& comm, const CollectiveConfig& config, int vector_bytes) {
+  return config.bulk && vector_bytes == 16 &&
+         coll::bulk_chunk_bytes(comm.topology().local_size) > 0;
 }
 
 // Largest power-of-two vector width (<= 16 bytes) dividing every address and size in `values`.
@@ -111,11 +107,10 @@ void common_checks(Communicator& comm, DType dtype, cudaStream_t stream, const c
 
 namespace detail {
 
-// Loads every collective kernel into the current context now. Under CUDA's lazy loading a kernel's
-// first launch loads it, and loading waits for the GPU's running kernels: with several ranks on one
-// GPU in one process, a rank's first launch of a kernel would then wait behind a peer's kernel that
-// waits for it. Called by Communicator::create.
-void preload_collective_kernels() {
+namespace {
+
+// Every collective kernel, loaded into the current context (runtime/kernel_preload.h).
+void preload_collective_kernels(bool) {
   auto load = [](const void* fn) {
     cudaFuncAttributes attr{};
     MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, fn));
@@ -142,6 +137,9 @@ void preload_collective_kernels() {
   }
 }
 
+const bool kPreloadRegistered = register_kernel_preload(&preload_collective_kernels);
+
+}  // namespace
 }  // namespace detail
 
 void all_gather(Communicator& comm, const void* input, void* output, std::size_t count, DType dtype,
@@ -213,10 +211,10 @@ void reduce_scatter(Communicator& comm, const void* input, void* output, std::si
   const std::size_t begin_bytes = chunk * comm.rank();
   const int vb = vector_bytes({in.offset, begin_bytes, reinterpret_cast<uintptr_t>(output)});
   const DeviceComm dc = comm.device_comm();
-  if (use_rs_bulk(comm, vb)) {
+  if (use_rs_bulk(comm, config, vb)) {
     // config.threads is the loads' block size; the ring's sums are sized for kBulkThreads.
     const int local_size = comm.topology().local_size;
-    if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr && comm.rank() == 0) {
+    if (comm.overrides().print_config && comm.rank() == 0) {
       std::fprintf(stderr, "[mkernel] %s: bulk path, %d threads, %d stages x %d ranks x %u bytes\n",
                    op, coll::kBulkThreads, coll::kBulkStages, local_size,
                    coll::bulk_chunk_bytes(local_size));

@@ -1,10 +1,12 @@
 // What the reducing fused GEMMs share across nodes (gemm_rs_nodes.cuh, gemm_ar_nodes.cuh): the
-// links to the other nodes (routes, the inter-node rings, the registered workspace), the
-// consumers' record of who entered, and the two epilogue steps both make - a partial sent over
-// NVLink into a node peer's region, and a relay's node sum put to its owner. The steps take the
-// policy, which says where a slice lives: at(ws, region, offset) for the node's regions (below
-// routes.nodes), region_words() for the transfer regions (what crosses the network: staging and
-// inbound; NodeLinks::xfer_at / xfer_byte), my_ws, ws_local[] and comm.
+// links to the other nodes (routes, the inter-node rings, the registered workspace), the three
+// epilogue steps both make - a partial sent over NVLink into a node peer's region, a relay's
+// node sum put to its owner, an owner's sum of everything - and NodeReducingFusion, their common
+// part as a base (CRTP): the epilogue's route switch, the consumers' bookkeeping (ReduceState,
+// fused/reducing.cuh), the hooks written once. The steps take the policy, which says where a
+// slice lives: at(ws, region, offset) for the node's regions (below routes.nodes),
+// region_words() for the transfer regions (what crosses the network: staging and inbound;
+// NodeLinks::xfer_at / xfer_byte), my_ws, ws_local[] and comm.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -13,6 +15,9 @@
 
 #include "fused/partials.cuh"
 #include "fused/reduce_routes.h"
+#include "fused/reducing.cuh"
+#include "fused/trace.cuh"
+#include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
 #include "mkernel/device_comm.h"
 #include "mkernel/transport/command.h"
@@ -94,32 +99,6 @@ struct NodeLinks {
   }
 };
 
-// A consumer's thread 0: a send whose signal is still owed, and who has entered this launch.
-struct NodePeersState {
-  int owner_local = -1;  // the local rank owed a signal, or -1
-  uint32_t signal = 0;
-  uint32_t entered_local = 0;  // bit i: local rank i entered
-  uint64_t entered_rail = 0;   // bit q: rank q (another node) entered
-
-  // The previous send has landed -> raise its signal at the target (after send_slice's barrier).
-  __device__ void flush(const dev::Launch& launch) {
-    if (owner_local < 0) return;
-    dev::fence_acq_rel_sys();
-    launch.signal(owner_local, signal, 1);
-    owner_local = -1;
-  }
-  __device__ void ensure_local(const DeviceComm& comm, const dev::Launch& launch, int i) {
-    if ((entered_local >> i) & 1) return;
-    launch.wait(comm.node_ranks[i], dev::signal_index(SignalId::kEntry, 0), 1);
-    entered_local |= 1u << i;
-  }
-  __device__ void ensure_rail(const dev::Launch& launch, int q) {
-    if ((entered_rail >> q) & 1) return;
-    launch.wait_remote(q, kReduceEntrySignal, 1);
-    entered_rail |= uint64_t{1} << q;
-  }
-};
-
 // A slice of `width` columns at `p` for add_and_clear: fp32 [rows][width], or with `bf16` bf16
 // [rows][width] read as pairs (add_and_clear's bf16 mode).
 __device__ __forceinline__ PartialAt slice_at(float* p, int width, bool bf16) {
@@ -132,13 +111,13 @@ __device__ __forceinline__ PartialAt slice_at(float* p, int width, bool bf16) {
 template <class Policy, int kRegs>
 __device__ __forceinline__ void send_to_node_peer(const Policy& p, float (&acc)[kRegs],
                                                   int consumer, uint8_t* scratch,
-                                                  NodePeersState& state, const dev::Launch& launch,
+                                                  ReduceState& state, const dev::Launch& launch,
                                                   int owner, int64_t offset, int rows, int width,
                                                   int slice, int slices) {
   const ReduceRoutes& routes = p.links.routes;
   const int dest = routes.target_local(owner);
   const int region = routes.target_region(owner);
-  if (threadIdx.x % 128 == 0) state.ensure_local(p.comm, launch, dest);
+  if (threadIdx.x % 128 == 0) state.ensure_entered(launch, dest, p.comm.node_ranks[dest]);
   float* block = p.at(p.ws_local[dest], region, offset);
   if (p.links.bf16_local) {
     send_slice_bf16(acc, consumer, scratch, reinterpret_cast<__nv_bfloat16*>(block), width, rows,
@@ -149,9 +128,8 @@ __device__ __forceinline__ void send_to_node_peer(const Policy& p, float (&acc)[
         /*add=*/routes.per_node > 2);
   }
   if (threadIdx.x % 128 == 0) {
-    state.owner_local = dest;
-    state.signal =
-        dev::signal_index(SignalId::kOp, ReduceRoutes::device_signal(region, slices, slice));
+    state.owe(dest,
+              dev::signal_index(SignalId::kOp, ReduceRoutes::device_signal(region, slices, slice)));
   }
 }
 
@@ -161,7 +139,7 @@ __device__ __forceinline__ void send_to_node_peer(const Policy& p, float (&acc)[
 // once the owner entered.
 template <class Policy, int kRegs>
 __device__ __forceinline__ void relay_node_sum(const Policy& p, float (&acc)[kRegs], int consumer,
-                                               uint8_t* scratch, NodePeersState& state,
+                                               uint8_t* scratch, ReduceState& state,
                                                const dev::Launch& launch, int owner, int64_t offset,
                                                int rows, int width, int slice, int slices) {
   const ReduceRoutes& routes = p.links.routes;
@@ -235,5 +213,72 @@ __device__ __forceinline__ void add_node_sums(const Policy& p, float (&acc)[kReg
                   rows, width, nullptr, barrier, p.links.bf16_sums);
   }
 }
+
+// The across-node reducing policies' common part. A policy derives from
+// NodeReducingFusion<Policy, kBlockN> and provides, besides the engine's scheduler hooks
+// (num_tiles, tile, wait_operands, a_rows, load_a), side_task() and finish():
+//   rows()                 rows of the output a tile-row indexes (S, or M)
+//   slice_width(tile), slice(tile, half), slices(), slice_offset(tile, half), region_words()
+//                          its slices' numbering and place in a region
+//   finish_own(acc, tile, consumer, scratch, state, launch, offset, rows, width, slice)
+//                          an own slice once every partial and node sum is in `acc`: store it
+template <class Policy, int kBlockN>
+struct NodeReducingFusion {
+  static constexpr gemm_engine::FusionTraits kTraits{
+      .a_rows = true, .init_shared = true, .producer_regs = 56, .consumer_regs = 224};
+  using ConsumerState = ReduceState;
+
+  DeviceComm comm;
+  float* ws_local[8];  // each local rank's workspace, mapped here
+  float* my_ws;        // this rank's (local address)
+  NodeLinks links;     // routes, inter-node rings, the registered workspace
+  uint64_t* trace;     // timeline records (fused/trace.cuh), or null
+
+  __device__ const Policy& self() const { return static_cast<const Policy&>(*this); }
+
+  __device__ void init_shared() const { trace_init(); }
+
+  // The node's regions (below routes.nodes) in a workspace (the transfer regions: NodeLinks).
+  __device__ float* at(float* ws, int region, int64_t offset) const {
+    return ws + region * self().region_words() + offset;
+  }
+
+  // A slice by its route (reduce_routes.h): to a node peer's region, a relay's node sum over the
+  // network, or an own slice's sum of everything.
+  template <int kRegs>
+  __device__ void store(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
+                        uint8_t* scratch, ReduceState& state) const {
+    const dev::Launch launch = dev::Launch::begin(comm);
+    if (threadIdx.x % 128 == 0) state.flush(launch);
+    const int rows = max(0, min(64, self().rows() - (tile.m * 128 + consumer * 64)));
+    if (rows == 0) return;  // below the output: nothing to send, wait for or store
+    const int width = self().slice_width(tile);
+    const int s = self().slice(tile, consumer);
+    const int64_t offset = self().slice_offset(tile, consumer);
+    switch (links.routes.kind(tile.shard)) {
+      case ReduceKind::kLocalPeer:
+      case ReduceKind::kViaRelay:
+        send_to_node_peer(self(), acc, consumer, scratch, state, launch, tile.shard, offset, rows,
+                          width, s, self().slices());
+        return;
+      case ReduceKind::kRelayed:
+        relay_node_sum(self(), acc, consumer, scratch, state, launch, tile.shard, offset, rows,
+                       width, s, self().slices());
+        return;
+      case ReduceKind::kOwn:
+        break;
+    }
+    add_node_sums(self(), acc, consumer, launch, offset, rows, width, s, self().slices());
+    if (threadIdx.x % 128 == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
+    self().finish_own(acc, tile, consumer, scratch, state, launch, offset, rows, width, s);
+  }
+
+  __device__ void consumer_done(ReduceState& state) const {
+    if (threadIdx.x % 128 == 0) {
+      state.flush(dev::Launch::begin(comm));
+      trace_mark(trace, kTraceConsumer0 + threadIdx.x / 128 - 1, kTraceDone);
+    }
+  }
+};
 
 }  // namespace mk::fused

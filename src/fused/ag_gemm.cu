@@ -17,6 +17,7 @@
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
 #include "runtime/inter_node_rings.h"
+#include "runtime/kernel_preload.h"
 #include "runtime/validate.h"
 
 namespace mk {
@@ -40,10 +41,7 @@ FusedGemmPlan fused::plan_ag_gemm(const fused::PlanContext& comm, int64_t m, int
   p.shard_rows = m / world;
   const int64_t tiles_m = (p.shard_rows + 127) / 128;
   const int budget = fused::sm_budget(comm, config.sms, kOp);
-  p.pingpong = comm.nodes == 1 && gemm_engine::pingpong_requested(config.block_n);
-  p.block_n =
-      p.pingpong ? 128
-                 : gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);
+  p.block_n = gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);
   const int64_t tiles = world * tiles_m * ((n + p.block_n - 1) / p.block_n);
   p.ctas = static_cast<int>(std::min<int64_t>(tiles, budget));
   if (config.comm_ctas < 0) invalid("comm_ctas = " + std::to_string(config.comm_ctas));
@@ -175,14 +173,8 @@ void launch(Communicator& comm, const AgGemmPlan& p, const void* a_shard, const 
   f.comm_ctas = p.comm_ctas;
   f.routes = gather_routes(comm, p, ws, static_cast<uint64_t>(p.shard_rows) * k * 2);
   f.comm = comm.device_comm();  // (again: the inter-node path may have just been created)
-  f.trace = fused::trace_arm(p.ctas, stream);
+  f.trace = fused::trace_arm(comm, p.ctas, stream);
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
-  if constexpr (kBlockN == 128 && !kAcrossNodes) {
-    if (p.pingpong) {
-      gemm_engine::launch<kBlockN, kTransB, Fusion, true>(f, map_b, k, p.ctas, stream, kOp);
-      return;
-    }
-  }
   gemm_engine::launch<kBlockN, kTransB, Fusion>(f, map_b, k, p.ctas, stream, kOp);
 }
 
@@ -195,7 +187,8 @@ std::size_t ag_gemm_workspace_bytes(int64_t m, int64_t k) {
 
 FusedGemmPlan ag_gemm_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k,
                            const FusedGemmConfig& config) {
-  return fused::plan_ag_gemm(fused::plan_context(comm), m, n, k, config);
+  return fused::plan_ag_gemm(fused::plan_context(comm), m, n, k,
+                             fused::with_overrides(config, comm.overrides()));
 }
 
 std::string FusedGemmPlan::describe() const {
@@ -203,12 +196,11 @@ std::string FusedGemmPlan::describe() const {
   std::snprintf(line, sizeof(line),
                 "shards of %lld rows, tiles 128x%d, %d CTAs (%d moving data), pieces of %d rows "
                 "(%d per shard), workspace %zu bytes (staging %zu: %d outbox slots per consumer), "
-                "lag %d%s%s%s%s%s%s%s",
+                "lag %d%s%s%s%s%s",
                 static_cast<long long>(shard_rows), block_n, ctas, comm_ctas, piece_rows, pieces,
-                workspace_bytes, staging_bytes, outbox_slots, lag, pingpong ? ", ping-pong" : "",
+                workspace_bytes, staging_bytes, outbox_slots, lag,
                 bf16_partials ? ", bf16 partials" : "", tma_partials ? ", TMA partials" : "",
                 tma_staging ? ", TMA staging" : "", tma_sends ? ", TMA sends" : "",
-                partials_first ? ", partials first" : "",
                 nodes > 1 ? (", across " + std::to_string(nodes) + " nodes").c_str() : "");
   return line;
 }
@@ -218,7 +210,8 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
              const FusedGemmConfig& config, void* gathered_a) {
   detail::DeviceGuard guard(comm.device());
   fused::check_call(comm, stream, b_layout, kOp, /*across_nodes=*/true);
-  const AgGemmPlan p = fused::plan_ag_gemm(fused::plan_context(comm), m, n, k, config);
+  const AgGemmPlan p = fused::plan_ag_gemm(fused::plan_context(comm), m, n, k,
+                                           fused::with_overrides(config, comm.overrides()));
   const std::size_t shard_bytes = static_cast<std::size_t>(p.shard_rows) * k * 2;
   const std::size_t ws_bytes = ag_gemm_workspace_bytes(m, k);
   detail::require_device_pointer(comm, a_shard, 16, kOp, "a_shard");
@@ -240,10 +233,7 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
       invalid("gathered_a must not overlap the workspace");
     }
   }
-  if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr && comm.rank() == 0) {
-    std::fprintf(stderr, "[mkernel] ag_gemm %lldx%lldx%lld: %s\n", static_cast<long long>(m),
-                 static_cast<long long>(n), static_cast<long long>(k), p.describe().c_str());
-  }
+  fused::print_plan(comm, kOp, m, n, k, p);
   gemm_engine::dispatch(p.block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     if (p.nodes > 1) {
       launch<kBlockN, kTransB, true>(comm, p, a_shard, b, c, n, k, ws, workspace, stream);
@@ -269,12 +259,17 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
 }
 
 namespace detail {
+namespace {
+
+// Every ag_gemm kernel the plans can pick (runtime/kernel_preload.h).
 void preload_ag_gemm_kernels(bool across_nodes) {
   gemm_engine::preload_all<fused::AgGemmFusion>();
   if (across_nodes) gemm_engine::preload_all<fused::AgGemmAcrossNodes>();
-  gemm_engine::prepared_kernel<128, false, fused::AgGemmFusion<128>, true>();  // ping-pong
-  gemm_engine::prepared_kernel<128, true, fused::AgGemmFusion<128>, true>();
 }
+
+const bool kPreloadRegistered = register_kernel_preload(&preload_ag_gemm_kernels);
+
+}  // namespace
 }  // namespace detail
 
 }  // namespace mk

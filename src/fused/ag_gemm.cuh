@@ -37,7 +37,7 @@
 
 #include <cstdint>
 
-#include "fused/across_nodes.cuh"  // load_l2
+#include "fused/across_nodes.cuh"  // load_l2, announce_entry
 #include "fused/trace.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
@@ -111,13 +111,13 @@ __device__ __forceinline__ void copy_bytes(const uint8_t* src, uint8_t* dst, uin
 template <int kBlockN, bool kAcrossNodes = false>
 struct AgGemmFusion {
   // Producer warpgroup: the pushes (four 16-byte loads in flight per thread) and waits with
-  // their timeline marks, across nodes also the rail's commands and relays: 56 + 2 x 224 <= 504
-  // (48 spilled 8 bytes). Consumers: fewer spilled 40 bytes.
-  static constexpr int kProducerRegs = 56;
-  static constexpr int kConsumerRegs = 224;
-  CUtensorMap a_local;     // this rank's shard [S, K] (caller's memory), boxes 128 x 64
-  CUtensorMap a_gathered;  // workspace [world][S][K], boxes 128 x 64 x 1 (rows clip per shard)
-  CUtensorMap c;           // C as [world][S][N], boxes 64 x 64 x 1
+  // their timeline marks, across nodes also the rail's commands and relays - 48 registers
+  // spilled; the consumers' 224 are what is left.
+  static constexpr gemm_engine::FusionTraits kTraits{
+      .a_rows = true, .init_shared = true, .producer_regs = 56, .consumer_regs = 224};
+  CUtensorMap a_local;          // this rank's shard [S, K] (caller's memory), boxes 128 x 64
+  CUtensorMap a_gathered;       // workspace [world][S][K], boxes 128 x 64 x 1 (rows clip per shard)
+  CUtensorMap c;                // C as [world][S][N], boxes 64 x 64 x 1
   CUtensorMap a_local_last;     // a_local and a_gathered again, boxes of the shard's last
   CUtensorMap a_gathered_last;  // tile-row's rows (gemm_kernel.cuh: a_rows)
   DeviceComm comm;
@@ -209,7 +209,7 @@ struct AgGemmFusion {
     if (leader) {
       trace_mark(trace, kTraceConsumer0 + consumer, kTraceStoreBegin, tile.shard != comm.rank);
     }
-    const int row0 = tile.m * 128 + gemm_engine::slice_half(tile, consumer) * 64;
+    const int row0 = tile.m * 128 + consumer * 64;
     const int col0 = tile.n * kBlockN;
     gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
       dev::tma_store_3d(&c, buf, col0 + 64 * j, row0, tile.shard);
@@ -228,11 +228,7 @@ struct AgGemmFusion {
     const dev::Launch launch = dev::Launch::begin(comm);
     const int world = comm.world_size;
     if (thread == 0) trace_mark(trace, kTraceSide, kTraceSideStart);
-    if (blockIdx.x == 0) {
-      for (int peer = thread; peer < comm.local_size; peer += threads) {
-        if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
-      }
-    }
+    if (blockIdx.x == 0) announce_entry(comm, launch, thread, threads);
     if (static_cast<int>(blockIdx.x) >= comm_ctas) return;
     constexpr int kBarrier = 3;  // named barrier of the 96 pushing threads
     int ready_dest = -1;
@@ -315,9 +311,7 @@ struct AgGemmFusion {
     };
     if (thread == 0) trace_mark(trace, kTraceSide, kTraceSideStart);
     if (blockIdx.x == 0) {
-      for (int peer = thread; peer < g; peer += threads) {
-        if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
-      }
+      announce_entry(comm, launch, thread, threads);
       for (int i = thread; i < routes.rails; i += threads) {  // "entered", over the rail
         push(i, transport::make_signal(routes.rail[i], 0, kHostEntrySignal, entry_value));
       }
@@ -406,5 +400,7 @@ struct AgGemmFusion {
 
 template <int kBlockN>
 using AgGemmAcrossNodes = AgGemmFusion<kBlockN, true>;
+static_assert(gemm_engine::check_fusion_widths<AgGemmFusion>() &&
+              gemm_engine::check_fusion_widths<AgGemmAcrossNodes>());
 
 }  // namespace mk::fused

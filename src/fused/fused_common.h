@@ -4,7 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <cstdlib>
+#include <cstdio>
 #include <string>
 #include <utility>
 
@@ -13,6 +13,7 @@
 #include "mkernel/error.h"
 #include "mkernel/fused.h"
 #include "mkernel/gemm.h"
+#include "runtime/overrides.h"
 #include "runtime/validate.h"
 
 namespace mk::fused {
@@ -42,32 +43,23 @@ inline int sm_budget(const PlanContext& ctx, int requested, const char* op) {
   return requested > 0 ? std::min(requested, budget) : budget;
 }
 
-// Switches for measuring what a mechanism buys: on unless the variable is "0".
-//   MKERNEL_OUTBOX      partials leave through the producer's side threads (partials.cuh)
-//   MKERNEL_INTERLEAVE  reducing kernels interleave peers' and own tiles (reduce_order.h)
-//   MKERNEL_TMA_PARTIALS  gemm_rs's producer loads the peer's partials for the epilogue
-//   MKERNEL_TMA_STAGING   gemm_rs stages outbox slices by TMA stores (partials.cuh, stage_chunks)
-//   MKERNEL_TMA_SENDS     sends by TMA stores into the peer: gemm_ar's results and (no outbox)
-//                         partials, gemm_rs's slices whose staging slot is busy (two ranks)
-inline bool switch_on(const char* variable) {
-  const char* v = std::getenv(variable);
-  return v == nullptr || std::string(v) != "0";
+// The call's config with the communicator's overrides folded in (runtime/overrides.h): a knob the
+// caller left at 0 takes its MKERNEL_* value; MKERNEL_BF16_PARTIALS overrides either way. The
+// plans see only the result.
+inline FusedGemmConfig with_overrides(FusedGemmConfig config, const detail::Overrides& o) {
+  if (config.block_n == 0) config.block_n = o.block_n;
+  if (config.comm_ctas == 0) config.comm_ctas = o.comm_ctas;
+  if (config.piece_rows == 0) config.piece_rows = o.piece_rows;
+  if (o.bf16_partials >= 0) config.bf16_partials = o.bf16_partials == 1;
+  return config;
 }
-inline bool outbox_enabled() { return switch_on("MKERNEL_OUTBOX"); }
-inline bool interleave_enabled() { return switch_on("MKERNEL_INTERLEAVE"); }
-inline bool tma_partials_enabled() { return switch_on("MKERNEL_TMA_PARTIALS"); }
-inline bool tma_staging_enabled() { return switch_on("MKERNEL_TMA_STAGING"); }
-inline bool tma_sends_enabled() { return switch_on("MKERNEL_TMA_SENDS"); }
-// Experimental, off unless "1": the own tiles' partials before their k-blocks (gemm_kernel.cuh,
-// prologue_loads).
-inline bool partials_first_requested() {
-  const char* v = std::getenv("MKERNEL_PARTIALS_FIRST");
-  return v != nullptr && std::string(v) == "1";
-}
-// FusedGemmConfig::bf16_partials, unless MKERNEL_BF16_PARTIALS says "1" (on) or "0" (off).
-inline bool bf16_partials_requested(const FusedGemmConfig& config) {
-  const char* v = std::getenv("MKERNEL_BF16_PARTIALS");
-  return v == nullptr ? config.bf16_partials : std::string(v) == "1";
+
+// MKERNEL_PRINT_CONFIG: one line per launch on rank 0, "[mkernel] op MxNxK: <plan>".
+inline void print_plan(const Communicator& comm, const char* op, int64_t m, int64_t n, int64_t k,
+                       const FusedGemmPlan& plan) {
+  if (!comm.overrides().print_config || comm.rank() != 0) return;
+  std::fprintf(stderr, "[mkernel] %s %lldx%lldx%lld: %s\n", op, static_cast<long long>(m),
+               static_cast<long long>(n), static_cast<long long>(k), plan.describe().c_str());
 }
 
 // The first checks of every fused GEMM call: the communicator usable, one node (unless the op

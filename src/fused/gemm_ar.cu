@@ -15,6 +15,7 @@
 #include "mkernel/error.h"
 #include "mkernel/fused.h"
 #include "runtime/device_guard.h"
+#include "runtime/kernel_preload.h"
 #include "runtime/validate.h"
 
 namespace mk {
@@ -95,16 +96,11 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
                         static_cast<std::size_t>(m * max_owned(p.block_n)) * 4;
     p.lag = -1;
     // bf16 on the wire when asked, as gemm_rs across nodes (NodeLinks::bf16_sums / bf16_local).
-    p.bf16_partials = fused::bf16_partials_requested(config);
+    p.bf16_partials = config.bf16_partials;
     return p;
   }
-  // The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong, experimental): 128-wide
-  // tiles, each consumer warpgroup whole tiles, one's epilogue under the other's mainloop.
-  p.pingpong = world > 1 && gemm_engine::pingpong_requested(config.block_n) &&
-               max_owned(128) * word_bytes <= 2 * n;
-  p.block_n = p.pingpong ? 128 : gemm_engine::pick_block_n(config.block_n, m, n, budget, kOp);
-  if (!p.pingpong && world > 2 && config.block_n == 0 &&
-      std::getenv("MKERNEL_GEMM_BLOCK_N") == nullptr && max_owned(p.block_n) * word_bytes > 2 * n) {
+  p.block_n = gemm_engine::pick_block_n(config.block_n, m, n, budget, kOp);
+  if (world > 2 && config.block_n == 0 && max_owned(p.block_n) * word_bytes > 2 * n) {
     for (int w : {256, 192, 128, 64}) {
       if (max_owned(w) * word_bytes <= 2 * n) {
         p.block_n = w;
@@ -143,7 +139,7 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
     // budget, else with up to 1/8 of the CTAs given up for them (the epilogue's own sends cost
     // far more); else the epilogue sends the partials itself (small M, tiny N).
     const auto bound = static_cast<std::size_t>(m * n * 2);
-    if (world > 1 && fused::outbox_enabled() && q.workspace_bytes < bound) {
+    if (world > 1 && q.workspace_bytes < bound) {
       const auto slot_bytes = static_cast<std::size_t>(std::min<int64_t>(64, m) * block_n * 4);
       const std::size_t room = bound - q.workspace_bytes;
       for (const int min_ctas : {q.ctas, q.ctas - q.ctas / 8}) {
@@ -168,7 +164,7 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
     // waves each); from eight waves interleaving wins (8192^3 1.02 against 1.12).
     constexpr int kInterleaveWaves = 4;
     q.lag = -1;
-    if (q.outbox_slots > 0 && fused::interleave_enabled() && tiles_n % world == 0 &&
+    if (q.outbox_slots > 0 && tiles_n % world == 0 &&
         tiles_m * (tiles_n / world) >= kInterleaveWaves * static_cast<int64_t>(q.ctas)) {
       const std::size_t per_cta = q.staging_bytes / q.ctas;
       q.workspace_bytes -= q.staging_bytes;
@@ -182,28 +178,26 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
   p = with_width(p.block_n);
   // Narrower tiles when only they let the outbox's staging fit (M around 1024: the slots are
   // half as large at 128 wide; the epilogue's own sends cost far more than the narrower tile).
-  if (p.outbox_slots == 0 && world > 1 && fused::outbox_enabled() && config.block_n == 0 &&
-      std::getenv("MKERNEL_GEMM_BLOCK_N") == nullptr && p.block_n > 128 && signals_fit(128) &&
-      static_cast<int64_t>(max_owned(128)) * word_bytes <= 2 * n) {
+  if (p.outbox_slots == 0 && world > 1 && config.block_n == 0 && p.block_n > 128 &&
+      signals_fit(128) && static_cast<int64_t>(max_owned(128)) * word_bytes <= 2 * n) {
     const FusedGemmPlan narrow = with_width(128);
     if (narrow.outbox_slots > 0) p = narrow;
   }
   // Two ranks, when asked: the one peer partial of a slice travels as bf16, into its footprint in
   // the owner's C (gemm_ar.cuh); the workspace's accumulator part then goes unused.
-  p.bf16_partials = world == 2 && fused::bf16_partials_requested(config);
-  // Two ranks, fp32 partials, the cooperative schedule: the peer's partials of whole own tiles
-  // reach the epilogue through the stage ring (gemm_ar.cuh). Their workspace halves must start at
-  // multiples of half the tile width (64 N % block_n == 0: always but at 192 wide), and a whole
-  // tile must exist (M >= 128, N >= block_n) for the tensor maps to have their 64-row boxes.
-  p.tma_partials = world == 2 && !p.bf16_partials && !p.pingpong && fused::tma_partials_enabled() &&
-                   (64 * n) % p.block_n == 0 && m >= 128 && n >= p.block_n;
+  p.bf16_partials = world == 2 && config.bf16_partials;
+  // Two ranks, fp32 partials: the peer's partials of whole own tiles reach the epilogue through
+  // the stage ring (gemm_ar.cuh). Their workspace halves must start at multiples of half the tile
+  // width (64 N % block_n == 0: always but at 192 wide), and a whole tile must exist (M >= 128,
+  // N >= block_n) for the tensor maps to have their 64-row boxes.
+  p.tma_partials =
+      world == 2 && !p.bf16_partials && (64 * n) % p.block_n == 0 && m >= 128 && n >= p.block_n;
   // Two ranks: an own tile's bf16 result leaves for the peer's C by a TMA store beside its local
   // one (not through the outbox's side threads), and without an outbox (small M) a peer's
   // tile's fp32 slice too, through tensor maps of the peer's C and accumulator laid out as the
   // ring's (tma_partials) - a CTA's copy engine pushes ~42 GB/s over NVLink where its threads'
-  // stores managed ~1 GB/s from the epilogue (bench_p2p, H200 x2, 2026-12-01).
-  p.tma_sends = world == 2 && !p.pingpong && fused::tma_sends_enabled();
-  p.partials_first = p.tma_partials && fused::partials_first_requested();
+  // stores managed a few GB/s from the epilogue (bench_p2p, docs/PERFORMANCE.md).
+  p.tma_sends = world == 2 && config.tma_sends;
   return p;
 }
 
@@ -216,8 +210,7 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   const Topology& topo = comm.topology();
   fused::GemmArFusion<kBlockN> f{};
   f.a = gemm_engine::make_map(a, m, k, 128);
-  f.last_rows = gemm_engine::last_tile_rows(m);
-  f.a_last = gemm_engine::make_map(a, m, k, f.last_rows);
+  f.a_last = gemm_engine::make_map(a, m, k, gemm_engine::last_tile_rows(m));
   f.out = gemm_engine::make_map(out, m, n, 64);
   for (int i = 0; i < topo.local_size; ++i) {
     f.out_peers[i] = reinterpret_cast<__nv_bfloat16*>(out_range.host_peers[i] + out_range.offset);
@@ -231,7 +224,6 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.single_peer = topo.world_size == 2;
   f.bf16_partials = p.bf16_partials && f.single_peer;
   f.tma_partials = p.tma_partials;
-  f.partials_first = p.partials_first;
   if (p.tma_partials) {
     f.partials_c = gemm_engine::make_map_fp32(out, m, n / 2, 64);
     const std::size_t accum_floats = (p.workspace_bytes - p.staging_bytes) / 4;
@@ -248,21 +240,14 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.tma_sends = p.tma_sends;
   if (p.tma_sends) f.peer_out = gemm_engine::make_map(f.out_peers[1 - topo.local_rank], m, n, 64);
   f.slot_floats = std::min<int64_t>(64, m) * kBlockN;
-  f.outbox_slots = p.outbox_slots;
-  f.trace = fused::trace_arm(p.ctas, stream);
+  f.slots = p.outbox_slots;
+  f.trace = fused::trace_arm(comm, p.ctas, stream);
   f.order = {topo.world_size, static_cast<int>(f.tiles_m * (f.tiles_n / topo.world_size)), p.lag};
   f.staging = p.staging_bytes == 0
                   ? nullptr
                   : reinterpret_cast<float*>(ws.host_peers[topo.local_rank] + ws.offset +
                                              (p.workspace_bytes - p.staging_bytes));
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
-  if constexpr (kBlockN == 128) {
-    if (p.pingpong) {
-      gemm_engine::launch<kBlockN, kTransB, fused::GemmArFusion<kBlockN>, true>(f, map_b, k, p.ctas,
-                                                                                stream, kOp);
-      return;
-    }
-  }
   gemm_engine::launch<kBlockN, kTransB>(f, map_b, k, p.ctas, stream, kOp);
 }
 
@@ -294,13 +279,13 @@ void launch_across_nodes(Communicator& comm, const FusedGemmPlan& p, const void*
     max_col_tiles = std::max(max_col_tiles, last - first);
     f.max_cols = std::max<int>(f.max_cols, std::min<int64_t>(last * kBlockN, n) - first * kBlockN);
   }
-  f.slices = 2 * f.tiles_m * max_col_tiles;
+  f.num_slices = 2 * f.tiles_m * max_col_tiles;
   f.links = fused::node_links(comm, ws, static_cast<uint64_t>(m) * f.max_cols * 4,
                               4 * topo.num_nodes - 2);  // reduce_routes.h's and the final ones
   f.links.bf16_sums = p.bf16_partials;
   f.links.bf16_local = p.bf16_partials && topo.local_size == 2;
   f.comm = comm.device_comm();  // (after the inter-node path exists: its host pad)
-  f.trace = fused::trace_arm(p.ctas, stream);
+  f.trace = fused::trace_arm(comm, p.ctas, stream);
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
   gemm_engine::launch<kBlockN, kTransB, fused::GemmArAcrossNodes<kBlockN>>(f, map_b, k, p.ctas,
                                                                            stream, kOp);
@@ -310,12 +295,15 @@ void launch_across_nodes(Communicator& comm, const FusedGemmPlan& p, const void*
 
 std::size_t gemm_ar_workspace_bytes(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
                                     const FusedGemmConfig& config) {
-  return fused::plan_gemm_ar(fused::plan_context(comm), m, n, k_local, config).workspace_bytes;
+  return fused::plan_gemm_ar(fused::plan_context(comm), m, n, k_local,
+                             fused::with_overrides(config, comm.overrides()))
+      .workspace_bytes;
 }
 
 FusedGemmPlan gemm_ar_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
                            const FusedGemmConfig& config) {
-  return fused::plan_gemm_ar(fused::plan_context(comm), m, n, k_local, config);
+  return fused::plan_gemm_ar(fused::plan_context(comm), m, n, k_local,
+                             fused::with_overrides(config, comm.overrides()));
 }
 
 void gemm_ar(Communicator& comm, const void* a, const void* b, void* out, int64_t m, int64_t n,
@@ -323,15 +311,13 @@ void gemm_ar(Communicator& comm, const void* a, const void* b, void* out, int64_
              const FusedGemmConfig& config) {
   detail::DeviceGuard guard(comm.device());
   fused::check_call(comm, stream, b_layout, kOp, /*across_nodes=*/true);
-  const FusedGemmPlan p = fused::plan_gemm_ar(fused::plan_context(comm), m, n, k, config);
+  const FusedGemmPlan p = fused::plan_gemm_ar(fused::plan_context(comm), m, n, k,
+                                              fused::with_overrides(config, comm.overrides()));
   detail::require_device_pointer(comm, a, 16, kOp, "A");
   detail::require_device_pointer(comm, b, 16, kOp, "B");
   detail::require_device_pointer(comm, out, 16, kOp, "out");
   const std::size_t out_bytes = static_cast<std::size_t>(m) * n * 2;
-  if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr && comm.rank() == 0) {
-    std::fprintf(stderr, "[mkernel] gemm_ar %lldx%lldx%lld: %s\n", static_cast<long long>(m),
-                 static_cast<long long>(n), static_cast<long long>(k), p.describe().c_str());
-  }
+  fused::print_plan(comm, kOp, m, n, k, p);
   if (comm.world_size() == 1) {  // nothing to reduce: the GEMM alone
     GemmConfig plain;
     plain.block_n = p.block_n;
@@ -364,6 +350,9 @@ void gemm_ar(Communicator& comm, const void* a, const void* b, void* out, int64_
 }
 
 namespace detail {
+namespace {
+
+// Every gemm_ar kernel the plans can pick (runtime/kernel_preload.h).
 void preload_gemm_ar_kernels(bool across_nodes) {
   gemm_engine::preload_all<fused::GemmArFusion>();
   if (across_nodes) {  // the widths the plan allows across nodes
@@ -372,9 +361,11 @@ void preload_gemm_ar_kernels(bool across_nodes) {
     gemm_engine::prepared_kernel<128, false, fused::GemmArAcrossNodes<128>>();
     gemm_engine::prepared_kernel<128, true, fused::GemmArAcrossNodes<128>>();
   }
-  gemm_engine::prepared_kernel<128, false, fused::GemmArFusion<128>, true>();  // ping-pong
-  gemm_engine::prepared_kernel<128, true, fused::GemmArFusion<128>, true>();
 }
+
+const bool kPreloadRegistered = register_kernel_preload(&preload_gemm_ar_kernels);
+
+}  // namespace
 }  // namespace detail
 
 }  // namespace mk

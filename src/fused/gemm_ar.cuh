@@ -1,4 +1,7 @@
-// GEMM + AllReduce as a Fusion policy of the GEMM engine (src/gemm/gemm_kernel.cuh).
+// GEMM + AllReduce as a Fusion policy of the GEMM engine (src/gemm/gemm_kernel.cuh), on the
+// reducing kernels' common part (fused/reducing.cuh): this file is its layout - column tiles
+// owned by ranks, the two-rank accumulator half in C, the outbox behind the accumulator - and
+// its own tiles' finish (the result into every rank's C).
 //
 // Every rank holds A_r [M, K_r] and B_r; every rank ends with C = sum_r A_r B_r^T, [M, N] bf16,
 // bitwise identical everywhere. The output's tile columns are split among the ranks: rank o owns
@@ -37,47 +40,41 @@
 
 #include <cstdint>
 
-#include "fused/gemm_rs.cuh"  // kMaxLocalRanks
 #include "fused/partials.cuh"
-#include "fused/reduce_order.h"
-#include "fused/trace.cuh"
+#include "fused/reducing.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
-#include "mkernel/device_comm.h"
 
 namespace mk::fused {
 
 template <int kBlockN>
-struct GemmArFusion {
-  static constexpr int kProducerRegs = 56;   // the outbox copy loop (partials.cuh), and
-  static constexpr int kConsumerRegs = 224;  // 56 + 2 x 224 <= 3 x 168 (gemm_kernel.cuh)
-  CUtensorMap a;                             // A_r [M, K_r], boxes 128 x 64
-  CUtensorMap a_last;  // A_r again, boxes of the last tile-row's rows (last_rows) x 64
-  CUtensorMap out;                           // this rank's C [M, N] bf16, boxes 64 x 64
-  CUtensorMap partials_c;                    // tma_partials: C as fp32 [M][N / 2], boxes 64 x 32
-  CUtensorMap partials_ws;  // tma_partials: the accumulator as fp32 [..][kBlockN / 2], 64 x 32
+struct GemmArFusion : ReducingFusion<GemmArFusion<kBlockN>, kBlockN> {
+  using Base = ReducingFusion<GemmArFusion<kBlockN>, kBlockN>;
+  using Base::accum_peers;
+  using Base::bf16_partials;
+  using Base::comm;
+  using Base::order;
+  using Base::single_peer;
+  using Base::tma_partials;
+  using Base::tma_sends;
+  CUtensorMap a;                 // A_r [M, K_r], boxes 128 x 64
+  CUtensorMap a_last;            // A_r again, boxes of the last tile-row's rows x 64 (a_rows)
+  CUtensorMap out;               // this rank's C [M, N] bf16, boxes 64 x 64
+  CUtensorMap partials_c;        // tma_partials: C as fp32 [M][N / 2], boxes 64 x 32
+  CUtensorMap partials_ws;       // tma_partials: the accumulator as fp32 [..][kBlockN / 2], 64 x 32
   CUtensorMap peer_out;          // tma_sends: the peer's C, as `out`
   CUtensorMap peer_partials_c;   // tma_sends and tma_partials: the peer's C as fp32 (partials_c)
   CUtensorMap peer_partials_ws;  // tma_sends and tma_partials: its accumulator (partials_ws)
   __nv_bfloat16* out_peers[kMaxLocalRanks];  // each local rank's C, mapped here
-  float* accum_peers[kMaxLocalRanks];        // each local rank's accumulator, mapped here
-  DeviceComm comm;
   int m;
   int n;
   int tiles_m;
   int tiles_n;
-  int last_rows;  // rows of the last tile-row (1..128)
-  bool single_peer;    // two ranks: partials are stored (one per slice), not added
-  bool bf16_partials;  // (single_peer only) partials travel as bf16, into the owner's C
-  bool tma_partials;   // (single_peer, fp32) whole own tiles' partials come through the ring
-  bool tma_sends;      // (single_peer) the epilogue sends by TMA stores (above)
-  bool partials_first;  // (tma_partials) those partials come before the tile's k-blocks
-  float* staging;      // this rank's outbox slots, [CTA][consumer][slot][slot_floats]; or null
+  float* staging;  // this rank's outbox slots, [CTA][consumer][slot][slot_floats]; or null
   int64_t slot_floats;
-  int outbox_slots;   // per consumer, when staging is set
-  ReduceOrder order;  // lag >= 0: interleaved (reduce_order.h); else owners r + 1, ..., r
-  uint64_t* trace;    // timeline records (fused/trace.cuh), or null
+  int slots;  // outbox slots per consumer, when staging is set
 
+  // ---- scheduler and operands ----
   __device__ int first_col_tile(int owner) const { return owner * tiles_n / comm.world_size; }
   __device__ int owned_cols(int owner) const {  // in elements
     return min(first_col_tile(owner + 1) * kBlockN, n) - first_col_tile(owner) * kBlockN;
@@ -113,53 +110,16 @@ struct GemmArFusion {
   __device__ void wait_operands(const gemm_engine::Tile&) const {}
 
   // (A box inside the matrix: decode's M < 128 loads its rows alone - gemm_kernel.cuh)
+  __device__ bool last_row(const gemm_engine::Tile& tile) const { return tile.m == tiles_m - 1; }
   __device__ int a_rows(const gemm_engine::Tile& tile) const {
-    return tile.m == tiles_m - 1 ? last_rows : 128;
+    return last_row(tile) ? gemm_engine::last_tile_rows(m) : 128;
   }
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
-    dev::tma_load_2d(dst, tile.m == tiles_m - 1 ? &a_last : &a, bar, k0, tile.m * 128);
+    dev::tma_load_2d(dst, last_row(tile) ? &a_last : &a, bar, k0, tile.m * 128);
   }
 
-  // ---- The peer's partials of a whole own tile through the stage ring (tma_partials) ----
-  // A two-rank slice's first kBlockN / 2 columns lie in C (boxes of the `partials_c` view), the
-  // rest in a half-width slice of the workspace that starts at a multiple of kBlockN / 2 floats
-  // (the plan checks 64 N % kBlockN == 0): 64 rows of the `partials_ws` view.
-  using Ring = RingPartials<kBlockN>;
-
-  __device__ int ring_partials(const gemm_engine::Tile& tile) const {
-    const bool whole = tile.m * 128 + 128 <= m && (tile.n + 1) * kBlockN <= n;
-    return tma_partials && tile.shard == comm.rank && whole ? Ring::kStages : 0;
-  }
-  __device__ int epilogue_loads(const gemm_engine::Tile& tile) const {
-    return partials_first ? 0 : ring_partials(tile);
-  }
-  // partials_first: the same stages before the k-blocks; start() sets the accumulator from them.
-  __device__ int prologue_loads(const gemm_engine::Tile& tile) const {
-    return partials_first ? ring_partials(tile) : 0;
-  }
-  template <int kRegs>
-  __device__ void start(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
-                        const gemm_engine::EpilogueRing& ring) const {
-    start_from_ring<Ring::kPerStage>(acc, ring, gemm_engine::slice_half(tile, consumer), consumer);
-  }
-
-  // The producer thread: stage i of the tile's partials (partials.cuh, load_own_partials).
-  __device__ void load_epilogue(void* dst, uint64_t* bar, const gemm_engine::Tile& tile,
-                                int i) const {
-    auto load_box = [&](void* box_dst, int half, int box) {
-      const int row0 = tile.m * 128 + half * 64;
-      constexpr int kInC = kBlockN / 64;  // boxes of the slice's first half (in C)
-      if (box < kInC) {
-        dev::tma_load_2d(box_dst, &partials_c, bar, tile.n * (kBlockN / 2) + 32 * box, row0);
-      } else {
-        const PartialAt at = slice_at(tile, half);
-        const int row =
-            static_cast<int>((at.second - accum_peers[comm.local_rank]) / (kBlockN / 2));
-        dev::tma_load_2d(box_dst, &partials_ws, bar, 32 * (box - kInC), row);
-      }
-    };
-    load_own_partials<kBlockN>(comm, slot(tile, 0), slot(tile, 1), dst, bar, i, load_box);
-  }
+  // ---- layout ----
+  __device__ int rows() const { return m; }
 
   // The accumulator of owner o, slice by slice. Three or more ranks: fp32 in o's workspace, bands
   // of 64 rows (the last may be shorter) of its columns, each band its tiles' slices one after the
@@ -200,33 +160,6 @@ struct GemmArFusion {
     return dev::signal_index(SignalId::kOp, 2 * index + half);
   }
 
-  struct ConsumerState {
-    int owner = -1;  // a partial whose signal is still owed, or -1
-    uint32_t signal = 0;
-    bool by_tma = false;  // that partial left by TMA stores of this thread (tma_sends)
-    uint32_t entered = 0;  // bit p: rank p is known to have entered this launch
-    OutboxCursor outbox;
-  };
-
-  // This consumer's staging slots (the outbox), or null: partials are sent by the epilogue.
-  __device__ float* my_staging(int consumer) const {
-    return staging == nullptr ? nullptr
-                              : staging + (static_cast<int64_t>(blockIdx.x) * 2 + consumer) *
-                                              outbox_slots * slot_floats;
-  }
-
-  __device__ void init_shared() const {
-    if (staging != nullptr) outbox_init();
-    trace_init();
-  }
-
-  // Thread 0: peer p may be written to (its previous launch is over).
-  __device__ void ensure_entered(ConsumerState& state, int peer, const dev::Launch& launch) const {
-    if (state.entered & (1u << peer)) return;
-    launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1);
-    state.entered |= 1u << peer;
-  }
-
   // This rank's accumulator slice of an own tile (rows 0: below C).
   __device__ PartialAt own_slice(const gemm_engine::Tile& tile, int half, int& rows,
                                  int& width) const {
@@ -235,104 +168,98 @@ struct GemmArFusion {
     return slice_at(tile, half);
   }
 
-  template <int kRegs>
-  __device__ void store(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
-                        uint8_t* scratch, ConsumerState& state,
-                        const gemm_engine::EpilogueRing& ring = {}) const {
-    reducing_store(*this, acc, tile, consumer, scratch, state, ring);
+  // The views of a two-rank slice for the ring and the TMA sends: its first kBlockN / 2 columns
+  // lie in C (boxes of the `partials_c` view), the rest in a half-width slice of the workspace
+  // that starts at a multiple of kBlockN / 2 floats (the plan checks 64 N % kBlockN == 0): 64
+  // rows of the `partials_ws` view, from `ws_row`.
+  static constexpr int kBoxesInC = kBlockN / 64;
+  __device__ int ws_row(const gemm_engine::Tile& tile, int half) const {
+    return static_cast<int>((slice_at(tile, half).second - accum_peers[tile.shard]) /
+                            (kBlockN / 2));
+  }
+  __device__ void load_partial_box(void* dst, uint64_t* bar, const gemm_engine::Tile& tile,
+                                   int half, int box) const {
+    if (box < kBoxesInC) {
+      dev::tma_load_2d(dst, &partials_c, bar, tile.n * (kBlockN / 2) + 32 * box,
+                       tile.m * 128 + half * 64);
+    } else {
+      dev::tma_load_2d(dst, &partials_ws, bar, 32 * (box - kBoxesInC), ws_row(tile, half));
+    }
+  }
+  __device__ bool tma_sends_slices() const { return tma_sends && tma_partials; }
+  __device__ void store_tma_chunk(const gemm_engine::Tile& tile, int half, const uint8_t* buf,
+                                  int j) const {
+    if (j < kBoxesInC) {
+      dev::tma_store_2d(&peer_partials_c, buf, tile.n * (kBlockN / 2) + 32 * j,
+                        tile.m * 128 + half * 64);
+    } else {
+      dev::tma_store_2d(&peer_partials_ws, buf, 32 * (j - kBoxesInC), ws_row(tile, half));
+    }
   }
 
+  // ---- Outbox: slots behind the accumulator ----
+  __device__ void prepare_shared() const {}
+  __device__ int outbox_slots() const { return staging == nullptr ? 0 : slots; }
+  // This consumer's staging slots.
+  __device__ float* my_staging(int consumer) const {
+    return staging + (static_cast<int64_t>(blockIdx.x) * 2 + consumer) * slots * slot_floats;
+  }
+  // Broadcast items: local rank peer's C minus this rank's (same offset, other mapping), floats.
+  __device__ int64_t peer_shift(int peer) const {
+    return static_cast<int64_t>(reinterpret_cast<uintptr_t>(out_peers[peer]) -
+                                reinterpret_cast<uintptr_t>(out_peers[comm.local_rank])) /
+           4;
+  }
+
+  // ---- A peer's tile ----
+  // Staged in the consumer's next slot (plain stores: its slots are contiguous blocks) and posted.
   template <int kRegs>
-  __device__ void store_tile(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
-                             uint8_t* scratch, ConsumerState& state,
-                             const gemm_engine::EpilogueRing& ring) const {
-    const dev::Launch launch = dev::Launch::begin(comm);
-    const int t = threadIdx.x % 128;
-    if (t == 0) flush(state, launch);
-    if (staging != nullptr) state.outbox.slots = outbox_slots;
-    // The slice (rows of the tile) and the warpgroup (barriers, staging, scratch) are the same
-    // under the cooperative schedule and differ under ping-pong (gemm_kernel.cuh).
-    const int half = gemm_engine::slice_half(tile, consumer);
-    const int row0 = tile.m * 128 + half * 64, col0 = tile.n * kBlockN;
-    const int rows = min(64, m - row0), width = slice_width(tile);
-    const int owner = tile.shard;                    // one node: global rank = local rank
-    // A whole slice by TMA stores (the views' boxes) when there is no outbox or its slot is busy.
-    if (owner != comm.rank && tma_sends && tma_partials && rows == 64 && width == kBlockN &&
-        (staging == nullptr || !outbox_slot_free(consumer, state.outbox))) {
-      if (t == 0) {
-        ensure_entered(state, owner, launch);
-        state.owner = owner;  // (set before the chunks: nothing of the tile stays live across them)
-        state.signal = slot(tile, half);
-        state.by_tma = true;
-      }
-      const int ws_row =
-          static_cast<int>((slice_at(tile, half).second - accum_peers[owner]) / (kBlockN / 2));
-      const int c0 = tile.n * (kBlockN / 2);
-      stage_chunks(acc, consumer, scratch, width, [&](const uint8_t* buf, int j) {
-        constexpr int kInC = kBlockN / 64;  // chunks of the slice's first half (in C)
-        if (j < kInC) {
-          dev::tma_store_2d(&peer_partials_c, buf, c0 + 32 * j, row0);
-        } else {
-          dev::tma_store_2d(&peer_partials_ws, buf, 32 * (j - kInC), ws_row);
-        }
-      });
-      return;
-    }
-    if (owner != comm.rank && staging != nullptr) {  // one item per remote tile, even if empty
-      OutboxItem item{};
-      item.src =
-          PartialAt::block(my_staging(consumer) + state.outbox.slot() * slot_floats, words(width));
-      item.at = slice_at(tile, half);
-      item.rows = max(rows, 0);
-      item.width = words(width);
-      item.owner = owner;
-      item.signal = slot(tile, half);
-      // (Staged with plain stores: its slots are contiguous blocks, which these write in ~2 us
-      // per 64 KiB beside the GEMM; TMA staging, as gemm_rs's, took ~3: trace, H200, 2026-12-01.)
-      outbox_post(acc, consumer, state.outbox, item, bf16_partials, trace);
-      return;
-    }
-    if (row0 >= m) return;  // the slice lies below C (the last tile-row is partial)
-    if (owner != comm.rank) {
-      if (t == 0) ensure_entered(state, owner, launch);
-      if (bf16_partials) {
-        send_slice_bf16(acc, consumer, scratch,
-                        out_peers[owner] + static_cast<int64_t>(row0) * n + col0, n, rows, width);
-      } else {
-        send_slice(acc, consumer, scratch, slice_at(tile, half), rows, width, !single_peer);
-      }
-      if (t == 0) {
-        state.owner = owner;
-        state.signal = slot(tile, half);
-      }
-      return;
-    }
-    // Own slice: the peers' sums, one rounding, then C here and in every peer.
-    const bool started = prologue_loads(tile) > 0;  // the accumulator started from them: start()
-    if (t == 0) {
-      if (ring.count == 0 && !started) {  // (in the ring: the producer waited)
-        wait_for_partials(comm, launch, slot(tile, half));
-        trace_mark(trace, kTraceConsumer0 + consumer, kTraceWaited);
-      }
-      // (with the outbox and without TMA sends its side threads make sure)
-      for (int p = 0; p < comm.local_size && (staging == nullptr || tma_sends); ++p) {
-        if (p != comm.local_rank) ensure_entered(state, p, launch);
-      }
-    }
-    if (started) {
-      // (the TMA loads read the words in C before the k-blocks: the result may overwrite them)
-    } else if (ring.count > 0) {  // the words in C were read by the TMA loads: the result may
-      add_from_ring<Ring::kPerStage>(acc, ring, half, consumer);  // overwrite them (ends with a
-                                                                  // barrier)
+  __device__ void post_to_outbox(float (&acc)[kRegs], const gemm_engine::Tile& tile, int half,
+                                 uint8_t*, ReduceState& state) const {
+    const int width = slice_width(tile);
+    OutboxItem item{};
+    item.src = PartialAt::block(my_staging(half) + state.outbox.slot() * slot_floats, words(width));
+    item.at = slice_at(tile, half);
+    item.rows = max(0, min(64, m - (tile.m * 128 + half * 64)));
+    item.width = words(width);
+    item.owner = tile.shard;
+    item.signal = slot(tile, half);
+    outbox_post(acc, half, state.outbox, item, bf16_partials, this->trace);
+  }
+  // The epilogue's own stores (no outbox): bf16 into the slice's footprint in the owner's C, or
+  // fp32 stored (two ranks) or added where slice_at says.
+  template <int kRegs>
+  __device__ void send_direct(float (&acc)[kRegs], const gemm_engine::Tile& tile, int half,
+                              uint8_t* scratch, int rows) const {
+    const int width = slice_width(tile);
+    if (bf16_partials) {
+      send_slice_bf16(acc, half, scratch,
+                      out_peers[tile.shard] + static_cast<int64_t>(tile.m * 128 + half * 64) * n +
+                          tile.n * kBlockN,
+                      n, rows, width);
     } else {
-      dev::named_barrier_sync(1 + consumer, 128);
-      // Every thread has read its words of the slice (in C too) before store_slice's first
-      // barrier; the result overwrites them only after it.
-      const PartialAt sums = slice_at(tile, half);  // three or more ranks: one block, cleared
-      add_and_clear(acc, sums, rows, width, single_peer ? nullptr : sums.second, 1 + consumer,
-                    bf16_partials);
+      send_slice(acc, half, scratch, slice_at(tile, half), rows, width, !single_peer);
     }
-    if (t == 0) trace_mark(trace, kTraceConsumer0 + consumer, kTraceAdded);
+  }
+
+  // ---- An own tile: the peers' sums, one rounding, then C here and in every peer ----
+  template <int kRegs>
+  __device__ void finish_own(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
+                             uint8_t* scratch, ReduceState& state,
+                             const gemm_engine::EpilogueRing& ring,
+                             const dev::Launch& launch) const {
+    const int t = threadIdx.x % 128;
+    const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
+    const int rows = min(64, m - row0);
+    if (rows <= 0) return;  // the slice lies below C (the last tile-row is partial)
+    // (The peers' words in C are read before store_slice's first barrier - by the TMA loads of
+    // the ring, or by every thread's adds - and the result overwrites them only after it.)
+    this->add_peer_sums(acc, tile, consumer, ring, launch);
+    if (t == 0 && (staging == nullptr || tma_sends)) {  // we write into the peers' C ourselves
+      for (int p = 0; p < comm.local_size; ++p) {       // (else the side threads make sure)
+        if (p != comm.local_rank) state.ensure_entered(launch, p, p);
+      }
+    }
     if (tma_sends) {  // each chunk to C here and to the peer's C (waited for at the end)
       gemm_engine::store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
         dev::tma_store_2d(&out, buf, col0 + 64 * j, row0);
@@ -352,7 +279,7 @@ struct GemmArFusion {
         item.src = {here, n / 2, here, n / 2, 1 << 30};  // rows of C, two bf16 values a word
         item.at = item.src;
         item.rows = rows;
-        item.width = width / 2;
+        item.width = slice_width(tile) / 2;
         item.owner = -1;  // to every peer
         outbox_post_ready(consumer, item);
       }
@@ -381,60 +308,6 @@ struct GemmArFusion {
         });
   }
 
-  // Thread 0 of a consumer, halfway through a tile's k-blocks (gemm_kernel.cuh): the previous
-  // epilogue's partials, sent by TMA stores, have long landed - tell the owner now rather than
-  // at the next epilogue, a whole mainloop later.
-  __device__ void mid_tile(ConsumerState& state) const {
-    if (state.by_tma) flush(state, dev::Launch::begin(comm));
-  }
-
-  __device__ void flush(ConsumerState& state, const dev::Launch& launch) const {
-    if (state.owner < 0) return;
-    if (state.by_tma) {  // this thread's stores, before its release
-      dev::bulk_stores_landed();
-      state.by_tma = false;
-    }
-    dev::fence_acq_rel_sys();  // after the warpgroup's writes (send_slice ends with a barrier)
-    launch.signal(state.owner, state.signal, 1);
-    state.owner = -1;
-  }
-
-  __device__ void consumer_done(ConsumerState& state) const {
-    if (tma_sends && threadIdx.x % 128 == 0) {  // every TMA store into the peer (results too)
-      dev::bulk_stores_landed();                // before the exit barrier's release (finish)
-    }
-    if (staging != nullptr) {
-      state.outbox.slots = outbox_slots;  // (a consumer without remote tiles never set it)
-      outbox_close(state.outbox);
-    }
-    if (threadIdx.x % 128 == 0) flush(state, dev::Launch::begin(comm));  // (TMA sends too)
-    if (threadIdx.x % 128 == 0)
-      trace_mark(trace, kTraceConsumer0 + threadIdx.x / 128 - 1, kTraceDone);
-  }
-
-  // Producer warps 1..3: CTA 0 announces this launch to the peers; then every CTA's three
-  // warps serve its outbox.
-  __device__ void side_task(int thread, int threads) const {
-    const dev::Launch launch = dev::Launch::begin(comm);
-    if (thread == 0) trace_mark(trace, kTraceSide, kTraceSideStart);
-    if (blockIdx.x == 0) {
-      for (int peer = thread; peer < comm.local_size; peer += threads) {
-        if (peer != comm.local_rank) launch.signal(peer, dev::signal_index(SignalId::kEntry, 0), 1);
-      }
-    }
-    if (staging == nullptr) return;
-    EnteredPeers entered;  // thread 0's
-    outbox_serve(
-        comm, !single_peer, [&](int peer) { return entered.ensure(launch, peer); },
-        [&](int peer) {  // in floats: peer's C minus this rank's (same offset, other mapping)
-          return static_cast<int64_t>(reinterpret_cast<uintptr_t>(out_peers[peer]) -
-                                      reinterpret_cast<uintptr_t>(out_peers[comm.local_rank])) /
-                 4;
-        },
-        trace);
-    if (thread == 0) trace_mark(trace, kTraceSide, kTraceSideEnd);
-  }
-
   // Every thread: meet the same CTA of every rank (all pushes into C have landed), then end.
   __device__ void finish() const {
     const dev::Launch launch = dev::Launch::begin(comm);
@@ -442,5 +315,6 @@ struct GemmArFusion {
     launch.end();
   }
 };
+static_assert(gemm_engine::check_fusion_widths<GemmArFusion>());
 
 }  // namespace mk::fused

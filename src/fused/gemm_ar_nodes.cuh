@@ -1,7 +1,8 @@
-// GEMM + AllReduce across nodes, as a Fusion policy of the GEMM engine (issue 8,
-// docs/design/multinode.md section 3). Ownership as in the one-node kernel (gemm_ar.cuh): rank o
-// owns column tiles [o * T / w, (o + 1) * T / w) of all M rows, so any M works. The reduce is
-// gemm_rs_nodes.cuh's, per owner's column block instead of per owner's rows (reduce_routes.h):
+// GEMM + AllReduce across nodes, as a Fusion policy of the GEMM engine (docs/design/multinode.md
+// section 3), on the across-node reducing kernels' common part (fused/across_nodes.cuh). Ownership
+// as in the one-node kernel (gemm_ar.cuh): rank o owns column tiles [o * T / w, (o + 1) * T / w) of
+// all M rows, so any M works. The reduce is gemm_rs_nodes.cuh's, per owner's column block instead
+// of per owner's rows (reduce_routes.h):
 //   kLocalPeer / kViaRelay: the fp32 partial over NVLink into the target's region;
 //   kRelayed: the node's partials added to its own, the node sum put into the owner's inbound;
 //   kOwn: the node's partials and every node's sum added, rounded to bf16 once, stored into C
@@ -23,34 +24,26 @@
 #include <cstdint>
 
 #include "fused/across_nodes.cuh"
-#include "fused/partials.cuh"
 #include "fused/reduce_routes.h"
-#include "fused/trace.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
-#include "mkernel/device_comm.h"
 
 namespace mk::fused {
 
 template <int kBlockN>
-struct GemmArAcrossNodes {
-  static constexpr int kProducerRegs = 56;
-  static constexpr int kConsumerRegs = 224;
-  CUtensorMap a;    // A_r [M, K_r], boxes 128 x 64
-  CUtensorMap a_last;  // A_r again, boxes of the last tile-row's rows (gemm_kernel.cuh: a_rows)
-  CUtensorMap out;  // this rank's C [M, N] bf16, boxes 64 x 64
-  DeviceComm comm;
+struct GemmArAcrossNodes : NodeReducingFusion<GemmArAcrossNodes<kBlockN>, kBlockN> {
+  using NodeReducingFusion<GemmArAcrossNodes<kBlockN>, kBlockN>::comm;
+  using NodeReducingFusion<GemmArAcrossNodes<kBlockN>, kBlockN>::links;
   __nv_bfloat16* c_local[8];  // each local rank's C, mapped here
-  float* ws_local[8];         // each local rank's workspace, mapped here
-  float* my_ws;
-  NodeLinks links;  // routes, inter-node rings, the registered workspace
   int m;
   int n;
   int tiles_m;
   int tiles_n;
-  int max_cols;  // elements: the widest owner's columns (the regions' row length)
-  int slices;    // 2 x tiles_m x the most column tiles an owner has (signal numbering)
-  uint64_t* trace;
+  int max_cols;        // elements: the widest owner's columns (the regions' row length)
+  int num_slices;      // 2 x tiles_m x the most column tiles an owner has (signal numbering)
+  CUtensorMap a;       // A_r [M, K_r], boxes 128 x 64
+  CUtensorMap a_last;  // A_r again, boxes of the last tile-row's rows (a_rows)
+  CUtensorMap out;     // this rank's C [M, N] bf16, boxes 64 x 64
 
   // ---- ownership and order ----
   __device__ int first_col_tile(int owner) const { return owner * tiles_n / links.routes.world; }
@@ -87,6 +80,8 @@ struct GemmArAcrossNodes {
   }
 
   // ---- workspace ----
+  __device__ int rows() const { return m; }
+  __device__ int slices() const { return num_slices; }
   __device__ int slice(const gemm_engine::Tile& tile, int half) const {
     return 2 * (tile.m * col_tiles(tile.shard) + (tile.n - first_col_tile(tile.shard))) + half;
   }
@@ -102,53 +97,28 @@ struct GemmArAcrossNodes {
   __device__ int slice_width(const gemm_engine::Tile& tile) const {
     return min(kBlockN, n - tile.n * kBlockN);
   }
-  // The node's regions (below routes.nodes) in a workspace (the transfer regions: NodeLinks).
-  __device__ float* at(float* ws, int region, int64_t offset) const {
-    return ws + region * region_words() + offset;
-  }
   __device__ int final_staging_region() const { return links.routes.regions(); }
   // The final-inbound region, at a rank of node `at_node`, for slices from node `from_node`.
   __device__ int final_inbound_region(int at_node, int from_node) const {
     return links.routes.regions() + 1 + links.routes.rel(at_node, from_node);
   }
-  __device__ uint32_t final_signal(int s) const { return ReduceRoutes::host_signal(slices + s); }
+  __device__ uint32_t final_signal(int s) const {
+    return ReduceRoutes::host_signal(num_slices + s);
+  }
 
-  using ConsumerState = NodePeersState;
-
-  __device__ void init_shared() const { trace_init(); }
-
+  // An own slice once every partial and node sum is in: one rounding, then C here (TMA), in the
+  // node's other ranks (NVLink stores) and, contiguous, in the final-staging region, from where one
+  // put+signal per other node carries it into that node's rail peer's final-inbound region.
   template <int kRegs>
-  __device__ void store(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
-                        uint8_t* scratch, ConsumerState& state) const {
-    const dev::Launch launch = dev::Launch::begin(comm);
+  __device__ void finish_own(float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
+                             uint8_t* scratch, ReduceState& state, const dev::Launch& launch,
+                             int64_t offset, int rows, int width, int s) const {
     const ReduceRoutes& routes = links.routes;
     const int t = threadIdx.x % 128;
-    if (t == 0) state.flush(launch);
-    const int half = gemm_engine::slice_half(tile, consumer);
-    const int row0 = tile.m * 128 + half * 64, col0 = tile.n * kBlockN;
-    const int rows = max(0, min(64, m - row0));
-    if (rows == 0) return;  // the slice lies below C: nothing to send, wait for or store
-    const int width = slice_width(tile);
-    const int s = slice(tile, half);
-    const int64_t offset = slice_offset(tile, half);
-    switch (routes.kind(tile.shard)) {
-      case ReduceKind::kLocalPeer:
-      case ReduceKind::kViaRelay:
-        send_to_node_peer(*this, acc, consumer, scratch, state, launch, tile.shard, offset, rows,
-                          width, s, slices);
-        return;
-      case ReduceKind::kRelayed:
-        relay_node_sum(*this, acc, consumer, scratch, state, launch, tile.shard, offset, rows,
-                       width, s, slices);
-        return;
-      case ReduceKind::kOwn:
-        break;
-    }
-    // Own slice: every partial and node sum, one rounding, then C everywhere.
-    add_node_sums(*this, acc, consumer, launch, offset, rows, width, s, slices);
+    const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
     if (t == 0) {  // the node's C and the rail peers' final-inbound regions may be written
       for (int i = 0; i < routes.per_node; ++i) {
-        if (i != routes.local()) state.ensure_local(comm, launch, i);
+        if (i != routes.local()) state.ensure_entered(launch, i, comm.node_ranks[i]);
       }
       for (int mm = 0; mm < routes.nodes; ++mm) {
         if (mm != routes.node()) state.ensure_rail(launch, routes.rail_peer(mm));
@@ -197,13 +167,6 @@ struct GemmArAcrossNodes {
     }
   }
 
-  __device__ void consumer_done(ConsumerState& state) const {
-    if (threadIdx.x % 128 == 0) {
-      state.flush(dev::Launch::begin(comm));
-      trace_mark(trace, kTraceConsumer0 + threadIdx.x / 128 - 1, kTraceDone);
-    }
-  }
-
   // Producer warps 1..3: CTA 0 announces the launch; then every CTA relays its share of the
   // finished slices that arrive from the other nodes' owners with this rank's local index into C
   // here and in the node's other ranks.
@@ -212,8 +175,8 @@ struct GemmArAcrossNodes {
     const ReduceRoutes& routes = links.routes;
     if (blockIdx.x == 0) links.announce(comm, launch, thread, threads);
     constexpr int kSideBarrier = 3;
-    NodePeersState entered;  // thread 0's
-    int unit = 0;            // (other node, owner's tile, half), in the owners' tile order
+    ReduceState entered;  // thread 0's
+    int unit = 0;         // (other node, owner's tile, half), in the owners' tile order
     for (int mm = 0; mm < routes.nodes; ++mm) {
       if (mm == routes.node()) continue;
       const int owner = routes.rail_peer(mm);
@@ -230,7 +193,7 @@ struct GemmArAcrossNodes {
         if (thread == 0) {
           failed = !launch.wait_remote(owner, final_signal(slice(tile, half)), 1);
           for (int i = 0; i < routes.per_node; ++i) {
-            if (i != routes.local()) entered.ensure_local(comm, launch, i);
+            if (i != routes.local()) entered.ensure_entered(launch, i, comm.node_ranks[i]);
           }
           dev::fence_acq_rel_sys();
         }
@@ -258,5 +221,7 @@ struct GemmArAcrossNodes {
     launch.end();
   }
 };
+static_assert(gemm_engine::check_fusion<gemm_engine::TileConfig<64>, GemmArAcrossNodes<64>>() &&
+              gemm_engine::check_fusion<gemm_engine::TileConfig<128>, GemmArAcrossNodes<128>>());
 
 }  // namespace mk::fused

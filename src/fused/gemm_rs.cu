@@ -16,6 +16,7 @@
 #include "mkernel/fused.h"
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
+#include "runtime/kernel_preload.h"
 #include "runtime/validate.h"
 
 namespace mk {
@@ -41,13 +42,8 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
   p.shard_rows = m / world;
   const int64_t tiles_m = (p.shard_rows + 127) / 128;
   const int budget = fused::sm_budget(comm, config.sms, kOp);
-  // The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong, experimental): 128-wide
-  // tiles, each consumer warpgroup whole tiles, one's epilogue under the other's mainloop.
   p.nodes = comm.nodes;
-  p.pingpong = world > 1 && p.nodes == 1 && gemm_engine::pingpong_requested(config.block_n);
-  p.block_n =
-      p.pingpong ? 128
-                 : gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);
+  p.block_n = gemm_engine::pick_block_n(config.block_n, world * tiles_m * 128, n, budget, kOp);
   if (p.nodes > 1) {
     // Across nodes the relay's and the owner's epilogues (several partial sums, a command) do
     // not fit next to a 128 x 192 or 128 x 256 accumulator (they spilled 64 and 580 bytes).
@@ -89,38 +85,33 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
     p.workspace_bytes *= static_cast<std::size_t>(3 * p.nodes - 2);
     // bf16 on the wire when asked: the node sums, and the node's partials at two ranks per node
     // (one sender per region; more are added in fp32) - NodeLinks::bf16_sums / bf16_local.
-    p.bf16_partials = fused::bf16_partials_requested(config);
+    p.bf16_partials = config.bf16_partials;
     p.lag = -1;  // blocked order along the rail routes, no outbox
     return p;
   }
-  // Peers' tiles and own tiles interleaved (reduce_order.h) when every CTA still gets two own
-  // tiles after the last remote one for its outbox staging (four with ping-pong, where each
-  // warpgroup posts both halves of a tile and wants two slots): lag = two (four) waves of remote
-  // tiles, on a grid coprime to the world size (every CTA then sends its share).
-  p.bf16_partials = world == 2 && fused::bf16_partials_requested(config);
-  // Two ranks, fp32 partials, the cooperative schedule, and the accumulator seen as 64-row views
-  // of whole slices (the `partials` tensor maps): the slices must start at a multiple of the tile
-  // width (64 N % block_n == 0: always but at 192 wide), and a whole tile must exist (S >= 128,
+  p.bf16_partials = world == 2 && config.bf16_partials;
+  // Two ranks, fp32 partials, and the accumulator seen as 64-row views of whole slices (the
+  // `partials` tensor maps): the slices must start at a multiple of the tile width
+  // (64 N % block_n == 0: always but at 192 wide), and a whole tile must exist (S >= 128,
   // N >= block_n) for the maps to have their 64-row boxes.
-  const bool slice_views = world == 2 && !p.bf16_partials && !p.pingpong &&
-                           (64 * n) % p.block_n == 0 && p.shard_rows >= 128 && n >= p.block_n;
+  const bool slice_views = world == 2 && !p.bf16_partials && (64 * n) % p.block_n == 0 &&
+                           p.shard_rows >= 128 && n >= p.block_n;
   // Through those views the peer's partials of whole own tiles reach the epilogue by the stage
   // ring (gemm_rs.cuh).
-  p.tma_partials = slice_views && fused::tma_partials_enabled();
+  p.tma_partials = slice_views;
   // fp32 partials through the outbox: staged by TMA stores into the output footprints of whole
   // own tiles (gemm_rs.cuh, store_staged_chunk) - the outbox needs such tiles anyway.
-  p.tma_staging = world > 1 && !p.bf16_partials && fused::outbox_enabled() &&
-                  fused::tma_staging_enabled() && p.shard_rows >= 128 && n >= p.block_n;
-  p.partials_first = p.tma_partials && fused::partials_first_requested();
+  p.tma_staging = world > 1 && !p.bf16_partials && p.shard_rows >= 128 && n >= p.block_n;
   // And a whole slice whose staging slot is busy (or that has none) goes straight into the peer's
   // accumulator by TMA stores (gemm_rs.cuh), through the same view of the peer's.
-  p.tma_sends = slice_views && fused::tma_sends_enabled();
+  p.tma_sends = slice_views && config.tma_sends;
+  // Peers' tiles and own tiles interleaved (reduce_order.h) when every CTA still gets two own
+  // tiles after the last remote one for its outbox staging: lag = two waves of remote tiles, on
+  // a grid coprime to the world size (every CTA then sends its share).
   p.lag = -1;
-  const int waves = p.pingpong ? 4 : 2;
-  if (world > 1 && fused::outbox_enabled() && fused::interleave_enabled() &&
-      tiles_m * tiles_n >= waves * static_cast<int64_t>(p.ctas)) {
+  if (world > 1 && tiles_m * tiles_n >= 2 * static_cast<int64_t>(p.ctas)) {
     p.ctas = fused::ReduceOrder::interleave_grid(p.ctas, world);
-    p.lag = waves * (world - 1) * p.ctas;
+    p.lag = 2 * (world - 1) * p.ctas;
   }
   return p;
 }
@@ -147,7 +138,6 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   f.single_peer = topo.world_size == 2;
   f.bf16_partials = p.bf16_partials && f.single_peer;
   f.tma_partials = p.tma_partials;
-  f.partials_first = p.partials_first;
   if (p.tma_partials) {
     f.partials = gemm_engine::make_map_fp32(workspace, p.shard_rows * n / kBlockN, kBlockN, 64);
   }
@@ -159,21 +149,13 @@ void launch(const Communicator& comm, const FusedGemmPlan& p, const void* a, con
   }
   if (p.tma_staging) f.staging = gemm_engine::make_map_fp32_row_pairs(out, p.shard_rows, n);
   f.out_local = static_cast<__nv_bfloat16*>(out);
-  f.outbox = fused::outbox_enabled();
   f.shard_rows = static_cast<int>(p.shard_rows);
   f.n = static_cast<int>(n);
   f.raster = {static_cast<int>((p.shard_rows + 127) / 128),
               static_cast<int>((n + kBlockN - 1) / kBlockN)};
   f.order = {topo.world_size, f.raster.tiles_m * f.raster.tiles_n, p.lag};
-  f.trace = fused::trace_arm(p.ctas, stream);
+  f.trace = fused::trace_arm(comm, p.ctas, stream);
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
-  if constexpr (kBlockN == 128) {
-    if (p.pingpong) {
-      gemm_engine::launch<kBlockN, kTransB, fused::GemmRsFusion<kBlockN>, true>(f, map_b, k, p.ctas,
-                                                                                stream, kOp);
-      return;
-    }
-  }
   gemm_engine::launch<kBlockN, kTransB>(f, map_b, k, p.ctas, stream, kOp);
 }
 
@@ -203,7 +185,7 @@ void launch_across_nodes(Communicator& comm, const FusedGemmPlan& p, const void*
   f.n = static_cast<int>(n);
   f.raster = {static_cast<int>((p.shard_rows + 127) / 128),
               static_cast<int>((n + kBlockN - 1) / kBlockN)};
-  f.trace = fused::trace_arm(p.ctas, stream);
+  f.trace = fused::trace_arm(comm, p.ctas, stream);
   const CUtensorMap map_b = gemm_engine::make_b_map(b, n, k, kBlockN, kTransB);
   gemm_engine::launch<kBlockN, kTransB, Fusion>(f, map_b, k, p.ctas, stream, kOp);
 }
@@ -224,7 +206,8 @@ std::size_t gemm_rs_workspace_bytes(int64_t m, int64_t n, int world_size) {
 
 FusedGemmPlan gemm_rs_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
                            const FusedGemmConfig& config) {
-  return fused::plan_gemm_rs(fused::plan_context(comm), m, n, k_local, config);
+  return fused::plan_gemm_rs(fused::plan_context(comm), m, n, k_local,
+                             fused::with_overrides(config, comm.overrides()));
 }
 
 void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_t m, int64_t n,
@@ -232,7 +215,8 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
              const FusedGemmConfig& config) {
   detail::DeviceGuard guard(comm.device());
   fused::check_call(comm, stream, b_layout, kOp, /*across_nodes=*/true);
-  const FusedGemmPlan p = fused::plan_gemm_rs(fused::plan_context(comm), m, n, k, config);
+  const FusedGemmPlan p = fused::plan_gemm_rs(fused::plan_context(comm), m, n, k,
+                                              fused::with_overrides(config, comm.overrides()));
   detail::require_device_pointer(comm, a, 16, kOp, "A");
   detail::require_device_pointer(comm, b, 16, kOp, "B");
   detail::require_device_pointer(comm, out, 16, kOp, "out");
@@ -240,10 +224,7 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
   if (detail::overlaps(out, out_bytes, a, static_cast<std::size_t>(m) * k * 2)) {
     invalid("out overlaps A");
   }
-  if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr && comm.rank() == 0) {
-    std::fprintf(stderr, "[mkernel] gemm_rs %lldx%lldx%lld: %s\n", static_cast<long long>(m),
-                 static_cast<long long>(n), static_cast<long long>(k), p.describe().c_str());
-  }
+  fused::print_plan(comm, kOp, m, n, k, p);
   if (comm.world_size() == 1) {  // nothing to reduce or scatter
     GemmConfig plain;
     plain.block_n = p.block_n;
@@ -274,6 +255,9 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
 }
 
 namespace detail {
+namespace {
+
+// Every gemm_rs kernel the plans can pick (runtime/kernel_preload.h).
 void preload_gemm_rs_kernels(bool across_nodes) {
   gemm_engine::preload_all<fused::GemmRsFusion>();
   if (across_nodes) {  // the widths the plan allows across nodes
@@ -282,9 +266,11 @@ void preload_gemm_rs_kernels(bool across_nodes) {
     gemm_engine::prepared_kernel<128, false, fused::GemmRsAcrossNodes<128>>();
     gemm_engine::prepared_kernel<128, true, fused::GemmRsAcrossNodes<128>>();
   }
-  gemm_engine::prepared_kernel<128, false, fused::GemmRsFusion<128>, true>();  // ping-pong
-  gemm_engine::prepared_kernel<128, true, fused::GemmRsFusion<128>, true>();
 }
+
+const bool kPreloadRegistered = register_kernel_preload(&preload_gemm_rs_kernels);
+
+}  // namespace
 }  // namespace detail
 
 }  // namespace mk

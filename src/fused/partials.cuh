@@ -166,17 +166,6 @@ __device__ __forceinline__ void add_from_ring(float (&acc)[kRegs],
   }
 }
 
-// The partials-first path (gemm_kernel.cuh, prologue_loads / start): the accumulator set to this
-// consumer's slice of the partials in the ring before the tile's k-blocks; releases every stage.
-template <int kPerStage, int kRegs>
-__device__ __forceinline__ void start_from_ring(float (&acc)[kRegs],
-                                                const gemm_engine::EpilogueRing& ring, int half,
-                                                int consumer) {
-#pragma unroll
-  for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
-  add_from_ring<kPerStage>(acc, ring, half, consumer);
-}
-
 // Sends the slice (rows < `rows`, columns < `width`) to an owner's accumulator, usually over
 // NVLink; `at(row, col)` is the 16-byte aligned address of the four fp32 words (row, col..col + 3)
 // there (col a multiple of 4). 32-column chunks are transposed through a 128-byte-swizzled
@@ -293,79 +282,6 @@ __device__ __forceinline__ void prefetch_slice_l2(const PartialAt& at, int rows,
     prefetch_l2(at.first + t * at.first_stride, static_cast<uint32_t>(split * 4));
   }
 }
-
-// The reducing policies' store() (gemm_rs, gemm_ar): the epilogue's begin and end in the
-// timeline, and - when the CTA's next tile is one of this rank's own - that tile's partial sums
-// started on their way into L2 first. The policy provides num_tiles(), tile(t), comm, trace,
-// own_slice(tile, consumer, rows, width) (where this rank's accumulator keeps the slice; rows 0:
-// below the matrix) and store_tile(); the engine says which tile comes next (tile.next).
-template <class Policy, int kRegs, class State, class... Ring>
-__device__ __forceinline__ void reducing_store(const Policy& policy, float (&acc)[kRegs],
-                                               const gemm_engine::Tile& tile, int consumer,
-                                               uint8_t* scratch, State& state,
-                                               const Ring&... ring) {
-  const bool leader = threadIdx.x % 128 == 0;
-  if (leader) {
-    trace_mark(policy.trace, kTraceConsumer0 + consumer, kTraceStoreBegin,
-               tile.shard != policy.comm.rank);
-  }
-  if (tile.next >= 0) {
-    const gemm_engine::Tile own = policy.tile(tile.next);
-    int rows = 0, width = 0;
-    if (own.shard == policy.comm.rank) {
-      // the same half of the next tile (the slice; `consumer` is the warpgroup)
-      const PartialAt at =
-          policy.own_slice(own, gemm_engine::slice_half(tile, consumer), rows, width);
-      if (rows > 0) prefetch_slice_l2(at, rows, width);
-    }
-  }
-  policy.store_tile(acc, tile, consumer, scratch, state, ring...);
-  if (leader) trace_mark(policy.trace, kTraceConsumer0 + consumer, kTraceStoreEnd);
-}
-
-// Thread 0 of a consumer, before it reads an own slice's partials: every peer has raised
-// `signal` in this launch (each wait bounded by the time limit; after a time-out it stops
-// waiting - the launch is failing and says so), each seen with an acquire load.
-__device__ __forceinline__ void wait_for_partials(const DeviceComm& comm, const dev::Launch& launch,
-                                                  uint32_t signal) {
-  // launch.wait reads with acquire loads: no fence afterwards. (A relaxed check plus a
-  // fence.acq_rel.sys here cost ~3.7 us per own tile inside gemm_rs, signals long since raised,
-  // trace at 94ea99f - to be measured again without it.)
-  for (int src = 0; src < comm.world_size; ++src) {
-    if (src == comm.rank) continue;
-    if (!launch.wait(src, signal, 1)) break;
-  }
-}
-
-// The producer thread, stage i of a whole own tile's partials through the ring (gemm_rs,
-// gemm_ar: load_epilogue): before the first stage, the peer's signals of both slices (bounded
-// waits; after a time-out it loads anyway - the launch fails and says so) and a proxy fence, so
-// that the TMA reads what the acquired signals announced; then RingPartials::load.
-template <int kBlockN, class LoadBox>
-__device__ __forceinline__ void load_own_partials(const DeviceComm& comm, uint32_t signal0,
-                                                  uint32_t signal1, void* dst, uint64_t* bar, int i,
-                                                  const LoadBox& load_box) {
-  if (i == 0) {
-    const dev::Launch launch = dev::Launch::begin(comm);
-    wait_for_partials(comm, launch, signal0);
-    wait_for_partials(comm, launch, signal1);
-    dev::fence_proxy_async_global();
-  }
-  RingPartials<kBlockN>::load(dst, bar, i, load_box);
-}
-
-// Thread 0's record of the peers known to have entered this launch (their previous launch is
-// over, so their buffers may be written); ensure() waits for a peer's entry signal once. False:
-// the wait timed out (recorded).
-struct EnteredPeers {
-  uint32_t bits = 0;
-  __device__ bool ensure(const dev::Launch& launch, int peer) {
-    if (bits & (1u << peer)) return true;
-    if (!launch.wait(peer, dev::signal_index(SignalId::kEntry, 0), 1)) return false;
-    bits |= 1u << peer;
-    return true;
-  }
-};
 
 // ---- Outbox: partial slices leave through the producer warpgroup's spare warps -----------------
 // Sending a slice from the consumer's epilogue stalls its tensor cores for the whole NVLink
@@ -498,9 +414,9 @@ __device__ __forceinline__ void stage_chunks(const float (&acc)[kRegs], int cons
 // All 128 threads of a consumer: whether its staging slot cursor.slot() is free now (thread 0's
 // look, the same answer on every thread; no wait).
 __device__ __forceinline__ bool outbox_slot_free(int consumer, const OutboxCursor& cursor) {
-  const bool free = threadIdx.x % 128 == 0 &&
-                    dev::mbarrier_test(&outbox_shared().staged[consumer][cursor.slot()],
-                                       cursor.parity() ^ 1);
+  const bool free =
+      threadIdx.x % 128 == 0 &&
+      dev::mbarrier_test(&outbox_shared().staged[consumer][cursor.slot()], cursor.parity() ^ 1);
   return dev::named_barrier_or(1 + consumer, 128, free);
 }
 

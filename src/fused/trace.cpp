@@ -1,12 +1,11 @@
 // Host side of the fused kernels' timelines (fused/trace_layout.h).
 #include <cuda_runtime_api.h>
 
-#include <cstdlib>
 #include <mutex>
-#include <string>
 
 #include "fused/trace_layout.h"
 #include "runtime/cuda_check.h"
+#include "runtime/overrides.h"
 
 namespace mk::fused {
 namespace {
@@ -30,9 +29,8 @@ TraceState& state() {
 
 }  // namespace
 
-uint64_t* trace_arm(int ctas, cudaStream_t stream) {
-  const char* v = std::getenv("MKERNEL_TRACE");
-  if (v == nullptr || std::string(v) == "0") return nullptr;
+uint64_t* trace_arm(const Communicator& comm, int ctas, cudaStream_t stream) {
+  if (!comm.overrides().trace) return nullptr;
   TraceState& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   const std::size_t words = static_cast<std::size_t>(ctas) * kTraceLanes * kTraceWordsPerLane;

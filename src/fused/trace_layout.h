@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "mkernel/communicator.h"
+
 namespace mk::fused {
 
 constexpr int kTraceSide = 0;       // the producer warpgroup's side threads (thread 32)
@@ -37,9 +39,9 @@ enum TraceEvent : uint32_t {
 };
 
 // Host: the buffer for the next launch of a fused kernel on `stream` with `ctas` CTAs, zeroed on
-// that stream; nullptr unless the environment has MKERNEL_TRACE (not "0"). One buffer per host
-// thread (grown as needed): a trace holds the thread's last armed launch only.
-uint64_t* trace_arm(int ctas, cudaStream_t stream);
+// that stream; nullptr unless the communicator was created with MKERNEL_TRACE=1. One buffer per
+// host thread (grown as needed): a trace holds the thread's last armed launch only.
+uint64_t* trace_arm(const Communicator& comm, int ctas, cudaStream_t stream);
 
 // Host: the last armed launch's records (synchronises the device); `ctas` receives its CTA count.
 std::vector<uint64_t> trace_read(int& ctas);

@@ -15,6 +15,7 @@
 #include "mkernel/gemm.h"
 #include "runtime/cuda_check.h"
 #include "runtime/cuda_driver.h"
+#include "runtime/overrides.h"
 
 namespace mk {
 namespace {
@@ -87,7 +88,7 @@ namespace {
 
 using gemm_engine::make_map;
 
-template <int kBlockN, bool kTransB, bool kPingPong = false>
+template <int kBlockN, bool kTransB>
 void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, int sms,
             cudaStream_t stream) {
   using Fusion = gemm_engine::PlainGemm<kBlockN>;
@@ -100,9 +101,9 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
       make_map(a, m, k, last_rows),
       last_rows};
   const int tiles = fusion.raster.tiles_m * fusion.raster.tiles_n;
-  gemm_engine::launch<kBlockN, kTransB, Fusion, kPingPong>(
-      fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, std::min(tiles, sms), stream,
-      kOp);
+  gemm_engine::launch<kBlockN, kTransB, Fusion>(fusion,
+                                                gemm_engine::make_b_map(b, n, k, kBlockN, kTransB),
+                                                k, std::min(tiles, sms), stream, kOp);
 }
 
 }  // namespace
@@ -135,21 +136,12 @@ void gemm_engine::require_multiple_of_8(int64_t value, const char* op, const cha
   }
 }
 
-bool gemm_engine::pingpong_requested(int block_n) {
-  const char* schedule = std::getenv("MKERNEL_GEMM_SCHEDULE");
-  return schedule != nullptr && std::string(schedule) == "pingpong" &&
-         (block_n == 0 || block_n == 128);
-}
-
 // Tile width: the one with the least estimated time, waves x per-tile cost. A tile's cost grows
 // with its width but wide tiles use the tensor cores better (each wgmma re-reads the A slice from
 // shared memory whatever its width); the efficiencies are from the H200 sweep in
 // docs/PERFORMANCE.md.
 int gemm_engine::pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op) {
   int block_n = requested;
-  if (block_n == 0) {
-    if (const char* env = std::getenv("MKERNEL_GEMM_BLOCK_N")) block_n = std::atoi(env);
-  }
   if (block_n == 0) {
     struct Option {
       int width;
@@ -174,10 +166,9 @@ int gemm_engine::pick_block_n(int requested, int64_t m, int64_t n, int sms, cons
 
 namespace {
 
-template <int kBlockN, bool kTransB, template <int> class Fusion = gemm_engine::PlainGemm,
-          bool kPingPong = false>
+template <int kBlockN, bool kTransB, template <int> class Fusion = gemm_engine::PlainGemm>
 void add_resources(std::vector<GemmKernelResources>& out, const char* what = "gemm") {
-  auto kernel = gemm_engine::prepared_kernel<kBlockN, kTransB, Fusion<kBlockN>, kPingPong>();
+  auto kernel = gemm_engine::prepared_kernel<kBlockN, kTransB, Fusion<kBlockN>>();
   cudaFuncAttributes attr{};
   MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
   out.push_back(
@@ -201,29 +192,15 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   gemm_engine::require_device_pointer(a, kOp, "A", device);
   gemm_engine::require_device_pointer(b, kOp, "B", device);
   gemm_engine::require_device_pointer(c, kOp, "C", device);
+  const detail::Overrides& overrides = detail::process_overrides();
   int sms = config.sms;
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // The switch in the environment takes the schedule wherever the width allows it (as the fused
-  // GEMMs do); asking for it in the config with another width is an error.
-  const bool width_fits = config.block_n == 0 || config.block_n == 128;
-  const bool pingpong = config.pingpong || gemm_engine::pingpong_requested(config.block_n);
-  if (pingpong && !width_fits) {
-    invalid("the ping-pong schedule computes 128 x 128 tiles; block_n = " +
-            std::to_string(config.block_n) + " (expected 0 or 128)");
-  }
-  const int block_n = pingpong ? 128 : gemm_engine::pick_block_n(config.block_n, m, n, sms, kOp);
-  if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr) {
-    std::fprintf(stderr, "[mkernel] gemm %lldx%lldx%lld: block 128x%dx64, %d SMs%s\n",
+  const int block_n = gemm_engine::pick_block_n(
+      config.block_n != 0 ? config.block_n : overrides.block_n, m, n, sms, kOp);
+  if (overrides.print_config) {
+    std::fprintf(stderr, "[mkernel] gemm %lldx%lldx%lld: block 128x%dx64, %d SMs\n",
                  static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
-                 block_n, sms, pingpong ? ", ping-pong" : "");
-  }
-  if (pingpong) {
-    if (b_layout == BLayout::kKN) {
-      launch<128, true, true>(a, b, c, m, n, k, sms, stream);
-    } else {
-      launch<128, false, true>(a, b, c, m, n, k, sms, stream);
-    }
-    return;
+                 block_n, sms);
   }
   gemm_engine::dispatch(block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     launch<kBlockN, kTransB>(a, b, c, m, n, k, sms, stream);
@@ -240,8 +217,6 @@ std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
   add_resources<128, true>(out);
   add_resources<192, true>(out);
   add_resources<256, true>(out);
-  add_resources<128, false, gemm_engine::PlainGemm, true>(out, "gemm ping-pong");
-  add_resources<128, true, gemm_engine::PlainGemm, true>(out, "gemm ping-pong");
   add_resources<64, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<128, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<192, false, gemm_engine::GroupedGemm>(out, "grouped");

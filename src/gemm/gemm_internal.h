@@ -32,13 +32,9 @@ void require_device_pointer(const void* p, const char* op, const char* name, int
 // Throws kInvalidArgument "op: N = 12; expected a multiple of 8" (what = "N") unless 8 | value.
 void require_multiple_of_8(int64_t value, const char* op, const char* what);
 
-// Whether MKERNEL_GEMM_SCHEDULE=pingpong asks for the engine's ping-pong schedule (experimental,
-// 128-wide tiles; the plain GEMM and the fused GEMMs take it) for a call that asks for tiles
-// `block_n` wide (0: any width) - only 0 or 128 can have it.
-bool pingpong_requested(int block_n);
-
-// Tile width for an [m, n] output on `sms` CTAs: `requested` if not 0, else MKERNEL_GEMM_BLOCK_N,
-// else the width with the fewest estimated tile-waves. Throws (naming `op`) on a bad width.
+// Tile width for an [m, n] output on `sms` CTAs: `requested` if not 0 (the caller's config, or
+// MKERNEL_GEMM_BLOCK_N folded into it), else the width with the fewest estimated tile-waves.
+// Throws (naming `op`) on a bad width.
 int pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op);
 }  // namespace gemm_engine
 

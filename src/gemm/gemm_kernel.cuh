@@ -10,55 +10,46 @@
 // owning 64 rows of the 128-row tile and issuing wgmma on them.
 //
 // The kernel is the mainloop; a Fusion policy supplies everything else, so that the plain GEMM and
-// the fused kernels share it (see PlainGemm below for the trivial one):
+// the fused kernels share it (see PlainGemm below for the trivial one). Every policy has
 //   num_tiles(), tile(t)          scheduler: which output tile the t-th work item is
 //   wait_operands(tile)           producer, before the tile's first load (fused: "rows arrived")
 //   load_a(dst, bar, tile, k0)    TMA of the tile's A box (the policy knows where A lives)
-//   a_rows(tile)                  optional: rows that box has (default 128); a tile-row at the
-//                                 matrix edge loads only its rows (below)
 //   store(acc, tile, consumer, scratch, state)   epilogue: where a consumer's 64 x kBlockN slice
 //                                 goes (state: the policy's ConsumerState, kept across tiles)
 //   consumer_done(state)          each consumer warpgroup, after its last tile
 //   side_task(thread, threads)    producer warps 1..3 (96 threads): communication, or nothing
 //   finish()                      every thread, last (fused: end of the launch's bookkeeping)
-//   init_shared()                 optional: thread 0, before the first __syncthreads (mbarriers)
-//   mid_tile(state)               optional (cooperative schedule): a consumer's thread 0 halfway
-//                                 through each tile's k-blocks (e.g. to signal what its previous
-//                                 epilogue sent, once landed, without waiting for the next one)
-//   prologue_loads(tile)          optional (cooperative schedule): stages of the ring before the
-//   start(acc, tile, consumer, ring)  tile's k-blocks, filled by load_epilogue (below); start()
-//                                 sets the accumulator from them (then every wgmma accumulates)
-//   epilogue_loads(tile)          optional (cooperative schedule): stages of the ring the tile's
-//   load_epilogue(dst, bar, tile, i)  epilogue reads after its k-blocks - the producer fills stage
-//                                 i (arms `bar` and issues its TMA loads, e.g. a peer's partial
-//                                 sums), and store() gets them as an EpilogueRing (below)
+// and declares in `static constexpr FusionTraits kTraits` which of these it also provides:
+//   a_rows(tile)                  rows of the tile's A box (default 128); a tile-row at the
+//                                 matrix edge loads only its rows (below)
+//   init_shared()                 thread 0, before the first __syncthreads (mbarriers)
+//   mid_tile(state)               a consumer's thread 0 halfway through each tile's k-blocks
+//                                 (e.g. to signal what its previous epilogue sent, once landed,
+//                                 without waiting for the next one)
+//   epilogue_loads(tile)          stages of the ring the tile's epilogue reads after its
+//   load_epilogue(dst, bar, tile, i)  k-blocks - the producer fills stage i (arms `bar` and
+//                                 issues its TMA loads, e.g. a peer's partial sums) - and
+//                                 store(..., ring) gets them as an EpilogueRing (below)
+// with its batched B and register split. check_fusion<Cfg, Fusion>() holds the declaration
+// against the members: a misspelt or missing hook, or one present but not declared, fails to
+// compile (each policy static_asserts it for its widths; the kernel once more).
 //
-//   smem:     [ stage 0 | ... | stage S-1 | epilogue buffers | full[S] | empty[S] | turn[2] ]
+//   smem:     [ stage 0 | ... | stage S-1 | epilogue buffers | full[S] | empty[S] ]
 //   stage s:  [ A tile (128 x 64) | B tile (kBlockN x 64) ]   both 128-byte swizzled
 //   producer: wait empty[s] -> arm full[s] with the stage's bytes -> TMA A, TMA B
 //   consumer: wait full[s] -> 4 x wgmma k16 -> commit; once the previous stage's group retired,
 //             arrive empty[prev]
 // Partial tiles: TMA reads out-of-bounds elements as zero (K, M and N tails), and the epilogue's
 // TMA stores clip at the matrix edge. A box that crosses the edge loads far more slowly than one
-// inside it (1 x 8192 x 8192 took 0.083 ms against 0.044 for 128 rows: bench_gemm, H200,
-// 2026-12-01), so a policy whose last tile-row is short loads it with a box of its rows alone
-// (a_rows): the rest of the stage's A keeps stale data, whose output rows lie below C and are
-// never stored.
-//
-// Ping-pong schedule (kPingPong, experimental, plain GEMM only so far): the same producer and
-// stages, but each consumer warpgroup owns whole tiles - the CTA's tiles alternate between them -
-// and computes all 128 rows (two m64 accumulators). The stage ring hands the tiles' k-blocks out in
-// order, so the two mainloops alternate, and one warpgroup's epilogue runs while the other's
-// wgmma keep the tensor cores busy (the cooperative schedule idles them for every epilogue).
-// A warpgroup starts waiting for its tile's k-blocks only once the other has taken all of the
-// tile before (mbarrier turn[c]): a wait more than one lap of the ring ahead would be answered by
-// an earlier phase of the same parity and read another tile's data.
-// store() is called once per 64-row half with tile.half = 0 / 1 and `consumer` = the warpgroup.
+// inside it (docs/PERFORMANCE.md, 2026-12-01), so a policy whose last tile-row is short loads it
+// with a box of its rows alone (a_rows): the rest of the stage's A keeps stale data, whose output
+// rows lie below C and are never stored.
 #pragma once
 
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include <concepts>
 #include <cstdint>
 
 #include "mkernel/device/mbarrier.cuh"
@@ -88,12 +79,9 @@ struct TileConfig {
       (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes < kMaxStages
           ? (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes
           : kMaxStages;
-  // Barriers: full[kStages], empty[kStages] and the ping-pong schedule's turn[2].
-  static constexpr int kSmemBytes =
-      1024 + kStages * kStageBytes + kEpilogueBytes + (2 * kStages + 2) * 8;
+  // Barriers: full[kStages], empty[kStages].
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kEpilogueBytes + 2 * kStages * 8;
   static constexpr int kAccRegs = kBlockN / 2;  // fp32 accumulators per consumer thread
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
   static_assert(kStages >= 3, "too few pipeline stages fit");
   static_assert(kSmemBytes <= kSmemLimit, "shared memory per CTA on sm_90");
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "tile widths of wgmma_ops.cuh");
@@ -126,15 +114,13 @@ struct Tile {
   int shard;      // or, for a grouped GEMM, the group (B's third coordinate)
   int row = 0;    // grouped GEMM: the tile's first row in A and C
   int rows = 0;   // grouped GEMM: rows of the tile inside its group (<= 128 means a partial tile)
-  int half = -1;  // ping-pong epilogue: the 64-row half being stored (-1: the consumer's own)
   int next = -1;  // epilogue: the position (work item t) of this consumer's next tile, or -1
   int position = -1;  // epilogue: this tile's position (work item t)
 };
 
 // The stages of the ring that follow a tile's k-blocks for its epilogue (Fusion::epilogue_loads):
 // `count` of them from ring position `first`. Both consumers wait for each stage, read what they
-// need and release it (the stage's empty barrier counts both). count 0: none (the ping-pong
-// schedule never has any).
+// need and release it (the stage's empty barrier counts both). count 0: none.
 struct EpilogueRing {
   uint8_t* stages = nullptr;
   uint64_t* full = nullptr;
@@ -157,62 +143,117 @@ struct EpilogueRing {
   }
 };
 
-// First row (within the tile) of the 64-row slice a store() call gets.
-__device__ __forceinline__ int slice_half(const Tile& tile, int consumer) {
-  return tile.half >= 0 ? tile.half : consumer;
-}
-
 // Rows of the last tile-row of an M-row matrix (1..128).
 __host__ __device__ constexpr int last_tile_rows(int64_t m) {
   return static_cast<int>(m - (m - 1) / 128 * 128);
 }
 
+// What a Fusion policy declares about itself (`static constexpr FusionTraits kTraits`): the
+// optional hooks it provides (signatures in the header above), whether its B is batched
+// ([batches][...], the tile's `shard` picks the batch: 3-D boxes), and the registers per thread
+// of the producer and the consumer warpgroups (side work may need more than the defaults).
+// setmaxnreg moves registers within what the CTA was launched with - 168 per thread (64 K / 384,
+// in steps of 8) - so producer + 2 x consumer must stay within 3 x 168 = 504, or the consumers'
+// allocation waits forever.
+struct FusionTraits {
+  bool a_rows = false;
+  bool init_shared = false;
+  bool mid_tile = false;
+  bool epilogue_loads = false;
+  bool batched_b = false;
+  int producer_regs = 40;
+  int consumer_regs = 232;
+};
+
+// The hooks every policy has, with their signatures (kRegs: a consumer's accumulator registers).
+template <class F, int kRegs>
+concept FusionBase = requires(const F f, const Tile& tile, int i, void* dst, uint64_t* bar,
+                              float (&acc)[kRegs], uint8_t* scratch,
+                              typename F::ConsumerState& state) {
+  { F::kTraits } -> std::convertible_to<FusionTraits>;
+  { f.num_tiles() } -> std::same_as<int>;
+  { f.tile(i) } -> std::same_as<Tile>;
+  { f.wait_operands(tile) } -> std::same_as<void>;
+  { f.load_a(dst, bar, tile, i) } -> std::same_as<void>;
+  { f.consumer_done(state) } -> std::same_as<void>;
+  { f.side_task(i, i) } -> std::same_as<void>;
+  { f.finish() } -> std::same_as<void>;
+};
+
+// Whether F provides each optional hook, as the engine calls it.
+template <class F>
+concept HasARows = requires(const F f, const Tile& tile) {
+  { f.a_rows(tile) } -> std::same_as<int>;
+};
+template <class F>
+concept HasInitShared = requires(const F f) {
+  { f.init_shared() } -> std::same_as<void>;
+};
+template <class F>
+concept HasMidTile = requires(const F f, typename F::ConsumerState& state) {
+  { f.mid_tile(state) } -> std::same_as<void>;
+};
+template <class F>
+concept HasEpilogueLoads = requires(const F f, const Tile& tile, void* dst, uint64_t* bar, int i) {
+  { f.epilogue_loads(tile) } -> std::same_as<int>;
+  { f.load_epilogue(dst, bar, tile, i) } -> std::same_as<void>;
+};
+// store() without ring operands, or with them (an EpilogueRing last).
+template <class F, int kRegs>
+concept HasStore = requires(const F f, float (&acc)[kRegs], const Tile& tile, int consumer,
+                            uint8_t* scratch, typename F::ConsumerState& state) {
+  { f.store(acc, tile, consumer, scratch, state) } -> std::same_as<void>;
+};
+template <class F, int kRegs>
+concept HasRingStore = requires(const F f, float (&acc)[kRegs], const Tile& tile, int consumer,
+                                uint8_t* scratch, typename F::ConsumerState& state,
+                                const EpilogueRing& ring) {
+  { f.store(acc, tile, consumer, scratch, state, ring) } -> std::same_as<void>;
+};
+
+// The policy against its declaration, for tiles of Cfg (true, or a compile error naming the
+// mismatch). Each policy static_asserts it; the kernel does again.
+template <class Cfg, class F>
+constexpr bool check_fusion() {
+  constexpr int kRegs = Cfg::kAccRegs;
+  static_assert(FusionBase<F, kRegs>,
+                "a Fusion policy needs kTraits, num_tiles, tile, wait_operands, load_a, "
+                "consumer_done, side_task and finish with the engine's signatures");
+  constexpr FusionTraits traits = F::kTraits;
+  static_assert(traits.a_rows == HasARows<F>, "kTraits.a_rows does not match an a_rows(tile)");
+  static_assert(traits.init_shared == HasInitShared<F>,
+                "kTraits.init_shared does not match an init_shared()");
+  static_assert(traits.mid_tile == HasMidTile<F>,
+                "kTraits.mid_tile does not match a mid_tile(state)");
+  static_assert(traits.epilogue_loads == HasEpilogueLoads<F>,
+                "kTraits.epilogue_loads does not match epilogue_loads(tile) + load_epilogue(...)");
+  static_assert(traits.epilogue_loads ? HasRingStore<F, kRegs> : HasStore<F, kRegs>,
+                "store(acc, tile, consumer, scratch, state[, ring]): with epilogue_loads it "
+                "takes the EpilogueRing");
+  static_assert(traits.producer_regs % 8 == 0 && traits.consumer_regs % 8 == 0 &&
+                    traits.producer_regs + Cfg::kConsumers * traits.consumer_regs <=
+                        (1 + Cfg::kConsumers) * 168,
+                "setmaxnreg split beyond the CTA's registers");
+  return true;
+}
+
+// check_fusion for every tile width of a policy template.
+template <template <int> class Policy>
+constexpr bool check_fusion_widths() {
+  return check_fusion<TileConfig<64>, Policy<64>>() &&
+         check_fusion<TileConfig<128>, Policy<128>>() &&
+         check_fusion<TileConfig<192>, Policy<192>>() &&
+         check_fusion<TileConfig<256>, Policy<256>>();
+}
+
 // Bytes of a stage's A box for a tile: a_rows(tile) rows, or the whole 128.
 template <class Cfg, class Fusion>
 __device__ __forceinline__ int a_stage_bytes(const Fusion& fusion, const Tile& tile) {
-  if constexpr (requires { fusion.a_rows(tile); }) {
+  if constexpr (Fusion::kTraits.a_rows) {
     return fusion.a_rows(tile) * Cfg::kBlockK * 2;
   } else {
     return Cfg::kABytes;
   }
-}
-
-// Whether a policy's B is batched ([batches][...], the tile's `shard` picks the batch).
-template <class Fusion>
-constexpr bool batched_b() {
-  if constexpr (requires { Fusion::kBatchedB; }) {
-    return Fusion::kBatchedB;
-  } else {
-    return false;
-  }
-}
-
-// Registers per thread of the producer and the consumer warpgroups: TileConfig's 40 and 232, or a
-// Fusion's kProducerRegs / kConsumerRegs (side work that needs more). setmaxnreg moves registers
-// within what the CTA was launched with - 168 per thread (64 K / 384, in steps of 8) - so
-// producer + 2 x consumer must stay within 3 x 168 = 504, or the consumers' allocation waits
-// forever.
-template <class Cfg, class Fusion>
-constexpr int producer_regs() {
-  if constexpr (requires { Fusion::kProducerRegs; }) {
-    return Fusion::kProducerRegs;
-  } else {
-    return Cfg::kProducerRegs;
-  }
-}
-template <class Cfg, class Fusion>
-constexpr int consumer_regs() {
-  if constexpr (requires { Fusion::kConsumerRegs; }) {
-    return Fusion::kConsumerRegs;
-  } else {
-    return Cfg::kConsumerRegs;
-  }
-}
-template <class Cfg, class Fusion>
-constexpr bool registers_fit() {
-  return producer_regs<Cfg, Fusion>() % 8 == 0 && consumer_regs<Cfg, Fusion>() % 8 == 0 &&
-         producer_regs<Cfg, Fusion>() + Cfg::kConsumers * consumer_regs<Cfg, Fusion>() <=
-             (1 + Cfg::kConsumers) * 168;
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -278,8 +319,9 @@ __device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0,
 // The plain GEMM: C[M, N] = A[M, K] B^T, the grouped raster, local TMA stores.
 template <int kBlockN>
 struct PlainGemm {
-  CUtensorMap a;       // A [M, K], boxes of 128 rows x 64
-  CUtensorMap c;       // C [M, N], boxes of 64 rows x 64 columns
+  static constexpr FusionTraits kTraits{.a_rows = true};
+  CUtensorMap a;  // A [M, K], boxes of 128 rows x 64
+  CUtensorMap c;  // C [M, N], boxes of 64 rows x 64 columns
   GroupedRaster raster;
   int n;
   CUtensorMap a_last;  // A again, boxes of the last tile-row's rows x 64
@@ -302,7 +344,7 @@ struct PlainGemm {
   template <int kRegs>
   __device__ void store(const float (&acc)[kRegs], const Tile& tile, int consumer, uint8_t* scratch,
                         ConsumerState&) const {
-    const int row0 = tile.m * 128 + slice_half(tile, consumer) * 64, col0 = tile.n * kBlockN;
+    const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
     store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
       dev::tma_store_2d(&c, buf, col0 + 64 * j, row0);
     });
@@ -311,36 +353,32 @@ struct PlainGemm {
   __device__ void side_task(int, int) const {}
   __device__ void finish() const {}
 };
+static_assert(check_fusion_widths<PlainGemm>());
 
 // B box of an N-major stage: 64 K rows x 64 N values (128 bytes a row).
 constexpr int kMnBoxBytes = 64 * 128;
 
-template <class Cfg, bool kTransB, class Fusion, bool kPingPong = false>
+template <class Cfg, bool kTransB, class Fusion>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tma_b, int k,
                 const __grid_constant__ Fusion fusion) {
-  static_assert(registers_fit<Cfg, Fusion>(), "setmaxnreg split beyond the CTA's registers");
-  static_assert(!kPingPong || Cfg::kBlockN <= 128, "ping-pong: 128 x 128 tiles per warpgroup");
+  static_assert(check_fusion<Cfg, Fusion>());
+  constexpr FusionTraits kTraits = Fusion::kTraits;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* epilogue_smem = smem + Cfg::kStages * Cfg::kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(epilogue_smem + Cfg::kEpilogueBytes);
   uint64_t* empty = full + Cfg::kStages;
-  uint64_t* turn = empty + Cfg::kStages;  // ping-pong: turn[c] = "warpgroup c may take k-blocks"
   auto stage_a = [&](int s) { return smem + s * Cfg::kStageBytes; };
   auto stage_b = [&](int s) { return smem + s * Cfg::kStageBytes + Cfg::kABytes; };
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
       dev::mbarrier_init(&full[s], 1);
-      dev::mbarrier_init(&empty[s], kPingPong ? 1 : Cfg::kConsumers);  // ping-pong: one owner
+      dev::mbarrier_init(&empty[s], Cfg::kConsumers);
     }
-    if constexpr (kPingPong) {
-      dev::mbarrier_init(&turn[0], 1);
-      dev::mbarrier_init(&turn[1], 1);
-    }
-    if constexpr (requires { fusion.init_shared(); }) fusion.init_shared();
+    if constexpr (kTraits.init_shared) fusion.init_shared();
     dev::mbarrier_init_fence();
   }
   __syncthreads();
@@ -350,7 +388,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   if (warpgroup == 0) {
     // ---- producer ----
-    dev::warpgroup_reg_dealloc<producer_regs<Cfg, Fusion>()>();
+    dev::warpgroup_reg_dealloc<kTraits.producer_regs>();
     if (threadIdx.x == 0) {
       dev::tma_prefetch_descriptor(&tma_b);
       int it = 0;  // k-iterations issued by this CTA, across tiles: position in the stage ring
@@ -359,25 +397,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         fusion.wait_operands(tile);
         const int tn = tile.n;
         const int stage_bytes = a_stage_bytes<Cfg>(fusion, tile) + Cfg::kBBytes;
-        // `count` stages of the policy's ring operands (load_epilogue), before or after the
-        // tile's k-blocks (f: the policy, a parameter so that only policies with them compile it).
-        auto load_ring_operands = [&](const auto& f, int count) {
-          for (int i = 0; i < count; ++i, ++it) {
-            const int s = it % Cfg::kStages;
-            dev::mbarrier_wait(&empty[s], ((it / Cfg::kStages) & 1) ^ 1);
-            f.load_epilogue(stage_a(s), &full[s], tile, i);
-          }
-        };
-        if constexpr (!kPingPong && requires { fusion.prologue_loads(tile); }) {
-          load_ring_operands(fusion, fusion.prologue_loads(tile));
-        }
         for (int kb = 0; kb < k_iters; ++kb, ++it) {
           const int s = it % Cfg::kStages;
           const uint32_t phase = (it / Cfg::kStages) & 1;
           dev::mbarrier_wait(&empty[s], phase ^ 1);  // first lap passes at once
           dev::mbarrier_arrive_expect_tx(&full[s], stage_bytes);
           fusion.load_a(stage_a(s), &full[s], tile, kb * Cfg::kBlockK);
-          if constexpr (batched_b<Fusion>()) {  // B [batches][...]: 3-D boxes, batch = shard
+          if constexpr (kTraits.batched_b) {  // B [batches][...]: 3-D boxes, batch = shard
             if constexpr (kTransB) {
 #pragma unroll
               for (int j = 0; j < Cfg::kBlockN / 64; ++j) {
@@ -398,71 +424,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             dev::tma_load_2d(stage_b(s), &tma_b, &full[s], kb * Cfg::kBlockK, tn * Cfg::kBlockN);
           }
         }
-        if constexpr (!kPingPong && requires { fusion.epilogue_loads(tile); }) {
-          load_ring_operands(fusion, fusion.epilogue_loads(tile));
+        if constexpr (kTraits.epilogue_loads) {  // the policy's stages behind the k-blocks
+          const int count = fusion.epilogue_loads(tile);
+          for (int i = 0; i < count; ++i, ++it) {
+            const int s = it % Cfg::kStages;
+            dev::mbarrier_wait(&empty[s], ((it / Cfg::kStages) & 1) ^ 1);
+            fusion.load_epilogue(stage_a(s), &full[s], tile, i);
+          }
         }
       }
     } else if (threadIdx.x >= 32) {
       fusion.side_task(threadIdx.x - 32, 96);
     }
-  } else if constexpr (kPingPong) {
-    // ---- consumers, ping-pong: warpgroup c takes the CTA's tiles c, c + 2, ... whole ----
-    dev::warpgroup_reg_alloc<consumer_regs<Cfg, Fusion>()>();
-    const int consumer = warpgroup - 1;
-    const bool leader = threadIdx.x % 128 == 0;
-    float acc0[Cfg::kAccRegs], acc1[Cfg::kAccRegs];  // rows 0-63 and 64-127 of the tile
-    typename Fusion::ConsumerState state{};
-    uint8_t* scratch = epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers);
-    // i: the tile's place among this CTA's tiles; j: among this warpgroup's.
-    for (int i = consumer, j = 0;; i += 2, ++j) {
-      const int t = static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
-      if (t >= fusion.num_tiles()) break;
-      Tile tile = fusion.tile(t);
-      tile.position = t;
-      const int next = t + 2 * static_cast<int>(gridDim.x);
-      tile.next = next < fusion.num_tiles() ? next : -1;
-      // Tile i - 1 (the other warpgroup's) has taken its k-blocks: the j-th arrival on turn[1]
-      // (warpgroup 0's tiles 0, 2, ...), the (j - 1)-th on turn[0].
-      if (i > 0) dev::mbarrier_wait(&turn[consumer], (consumer == 0 ? j - 1 : j) & 1);
-      int it = i * k_iters;  // the tile's k-blocks sit at ring positions it, it + 1, ...
-      for (int kb = 0; kb < k_iters; ++kb, ++it) {
-        const int s = it % Cfg::kStages;
-        const uint32_t phase = (it / Cfg::kStages) & 1;
-        dev::mbarrier_wait(&full[s], phase);
-        dev::wgmma_fence_operands(acc0);
-        dev::wgmma_fence_operands(acc1);
-        dev::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < Cfg::kBlockK / 16; ++kk) {
-          const uint64_t da0 = dev::wgmma_desc_sw128(stage_a(s) + kk * 32);
-          const uint64_t da1 = dev::wgmma_desc_sw128(stage_a(s) + 64 * 128 + kk * 32);
-          const uint64_t db =
-              kTransB ? dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes)
-                      : dev::wgmma_desc_sw128(stage_b(s) + kk * 32);
-          dev::wgmma_bf16<Cfg::kBlockN, kTransB>(acc0, da0, db, kb > 0 || kk > 0);
-          dev::wgmma_bf16<Cfg::kBlockN, kTransB>(acc1, da1, db, kb > 0 || kk > 0);
-        }
-        dev::wgmma_commit();
-        dev::wgmma_fence_operands(acc0);
-        dev::wgmma_fence_operands(acc1);
-        dev::wgmma_wait<1>();  // the previous stage's group has retired
-        if (kb > 0 && leader) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
-      }
-      if (leader) dev::mbarrier_arrive(&turn[1 - consumer]);  // the next tile's k-blocks
-      dev::wgmma_wait<0>();
-      dev::wgmma_fence_operands(acc0);
-      dev::wgmma_fence_operands(acc1);
-      if (leader && k_iters > 0) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
-      tile.half = 0;
-      fusion.store(acc0, tile, consumer, scratch, state);
-      tile.half = 1;
-      fusion.store(acc1, tile, consumer, scratch, state);
-    }
-    fusion.consumer_done(state);
-    if (leader) dev::bulk_wait_group<0>();  // the last stores have landed
   } else {
     // ---- consumers ----
-    dev::warpgroup_reg_alloc<consumer_regs<Cfg, Fusion>()>();
+    dev::warpgroup_reg_alloc<kTraits.consumer_regs>();
     const int consumer = warpgroup - 1;  // rows [64 * consumer, 64 * consumer + 64) of the tile
     const bool leader = threadIdx.x % 128 == 0;
     float acc[Cfg::kAccRegs];
@@ -473,16 +449,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       tile.position = t;
       const int next = t + static_cast<int>(gridDim.x);
       tile.next = next < fusion.num_tiles() ? next : -1;
-      bool started = false;  // the accumulator holds the prologue's values: accumulate from k = 0
-      if constexpr (requires { fusion.prologue_loads(tile); }) {
-        const int pre = fusion.prologue_loads(tile);
-        if (pre > 0) {
-          const EpilogueRing ring{smem, full, empty, Cfg::kStageBytes, Cfg::kStages, it, pre};
-          fusion.start(acc, tile, consumer, ring);
-          it += pre;
-          started = true;
-        }
-      }
       for (int kb = 0; kb < k_iters; ++kb, ++it) {
         const int s = it % Cfg::kStages;
         const uint32_t phase = (it / Cfg::kStages) & 1;
@@ -495,14 +461,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           const uint64_t db =
               kTransB ? dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes)
                       : dev::wgmma_desc_sw128(stage_b(s) + kk * 32);
-          dev::wgmma_bf16<Cfg::kBlockN, kTransB>(acc, da, db, started || kb > 0 || kk > 0);
+          dev::wgmma_bf16<Cfg::kBlockN, kTransB>(acc, da, db, kb > 0 || kk > 0);
         }
         dev::wgmma_commit();
         dev::wgmma_fence_operands(acc);
         // The group of the previous stage has retired once at most this one is pending.
         dev::wgmma_wait<1>();
         if (kb > 0 && leader) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
-        if constexpr (requires { fusion.mid_tile(state); }) {
+        if constexpr (kTraits.mid_tile) {
           if (kb == k_iters / 2 && leader) fusion.mid_tile(state);
         }
       }
@@ -510,7 +476,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       dev::wgmma_fence_operands(acc);
       if (leader && k_iters > 0) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
       uint8_t* scratch = epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers);
-      if constexpr (requires { fusion.epilogue_loads(tile); }) {
+      if constexpr (kTraits.epilogue_loads) {
         const EpilogueRing ring{
             smem, full, empty, Cfg::kStageBytes, Cfg::kStages, it, fusion.epilogue_loads(tile)};
         fusion.store(acc, tile, consumer, scratch, state, ring);

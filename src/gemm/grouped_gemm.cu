@@ -13,6 +13,7 @@
 #include "mkernel/gemm.h"
 #include "runtime/cuda_check.h"
 #include "runtime/cuda_driver.h"
+#include "runtime/overrides.h"
 
 namespace mk {
 
@@ -83,11 +84,13 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
   gemm_engine::require_device_pointer(b, kOp, "B", device);
   gemm_engine::require_device_pointer(c, kOp, "C", device);
   gemm_engine::require_device_pointer(group_rows, kOp, "group_rows", device, 4);
+  const detail::Overrides& overrides = detail::process_overrides();
   int sms = config.sms;
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   // The rows per group are unknown here: widths are chosen for max_rows spread over the groups.
-  const int block_n = gemm_engine::pick_block_n(config.block_n, max_rows, n, sms, kOp);
-  if (std::getenv("MKERNEL_PRINT_CONFIG") != nullptr) {
+  const int block_n = gemm_engine::pick_block_n(
+      config.block_n != 0 ? config.block_n : overrides.block_n, max_rows, n, sms, kOp);
+  if (overrides.print_config) {
     std::fprintf(stderr,
                  "[mkernel] grouped_gemm %d groups, <= %lld rows x %lld x %lld: "
                  "block 128x%dx64, %d CTAs\n",

@@ -27,12 +27,13 @@ __global__ void grouped_prep_kernel(const int32_t* group_rows, int groups, int64
 
 template <int kBlockN>
 struct GroupedGemm {
-  static constexpr bool kBatchedB = true;  // B [G][...]: a tile's group is its third coordinate
-  CUtensorMap a;                           // A [max_rows, K], boxes of 128 rows x 64
-  CUtensorMap c;                           // C [max_rows, N], boxes of 64 rows x 64 columns
-  __nv_bfloat16* c_ptr;                    // C, for the masked stores at a group's end
-  const int32_t* row_offset;               // device [G + 1] (prep kernel)
-  const int32_t* tile_prefix;              // device [G + 1] (prep kernel)
+  // B [G][...]: a tile's group is its third coordinate.
+  static constexpr FusionTraits kTraits{.batched_b = true};
+  CUtensorMap a;               // A [max_rows, K], boxes of 128 rows x 64
+  CUtensorMap c;               // C [max_rows, N], boxes of 64 rows x 64 columns
+  __nv_bfloat16* c_ptr;        // C, for the masked stores at a group's end
+  const int32_t* row_offset;   // device [G + 1] (prep kernel)
+  const int32_t* tile_prefix;  // device [G + 1] (prep kernel)
   int groups;
   int tiles_n;
   int n;
@@ -105,5 +106,6 @@ struct GroupedGemm {
   __device__ void side_task(int, int) const {}
   __device__ void finish() const {}
 };
+static_assert(check_fusion_widths<GroupedGemm>());
 
 }  // namespace mk::gemm_engine

@@ -41,10 +41,10 @@ void dispatch(int block_n, bool trans_b, Fn&& fn) {
 // gemm_kernel<..., Fusion> with its shared memory allowed on the current device (which also loads
 // the kernel now). The attribute is set once per device (bit d of `done`): every launch asks, and
 // the call costs the host half a microsecond.
-template <int kBlockN, bool kTransB, class Fusion, bool kPingPong = false>
+template <int kBlockN, bool kTransB, class Fusion>
 auto prepared_kernel() {
   using Cfg = TileConfig<kBlockN>;
-  auto kernel = gemm_kernel<Cfg, kTransB, Fusion, kPingPong>;
+  auto kernel = gemm_kernel<Cfg, kTransB, Fusion>;
   static std::atomic<uint64_t> done{0};
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
@@ -71,11 +71,11 @@ void preload_all() {
 }
 
 // Launches gemm_kernel<..., Fusion> on `grid` persistent CTAs; throws naming `op` if it fails.
-template <int kBlockN, bool kTransB, class Fusion, bool kPingPong = false>
+template <int kBlockN, bool kTransB, class Fusion>
 void launch(const Fusion& fusion, const CUtensorMap& map_b, int64_t k, int grid,
             cudaStream_t stream, const char* op) {
   using Cfg = TileConfig<kBlockN>;
-  auto kernel = prepared_kernel<kBlockN, kTransB, Fusion, kPingPong>();
+  auto kernel = prepared_kernel<kBlockN, kTransB, Fusion>();
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_b, static_cast<int>(k), fusion);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {

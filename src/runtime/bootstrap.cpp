@@ -19,6 +19,7 @@
 
 #include "mkernel/error.h"
 #include "runtime/launcher_protocol.h"
+#include "runtime/overrides.h"
 #include "runtime/socket_util.h"
 #include "runtime/text_util.h"
 
@@ -30,16 +31,8 @@ constexpr double kDefaultTimeoutSeconds = 300;
 
 // Time limit of one allgather of the in-process and launcher bootstraps.
 double bootstrap_timeout_seconds() {
-  const char* text = std::getenv(kTimeoutEnv);
-  if (text == nullptr || *text == '\0') return kDefaultTimeoutSeconds;
-  double seconds = 0;
-  if (!detail::parse_seconds(text, &seconds) || seconds <= 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(kTimeoutEnv) + "='" + text +
-                    "' is not valid: expected a positive number of seconds (default " +
-                    detail::format_seconds(kDefaultTimeoutSeconds) + ")");
-  }
-  return seconds;
+  return detail::env_seconds(detail::process_environment(), kTimeoutEnv, kDefaultTimeoutSeconds,
+                             /*positive=*/true);
 }
 
 std::string rank_prefix(int rank) { return "rank " + std::to_string(rank) + ": "; }

@@ -15,6 +15,7 @@
 #include "mkernel/topology.h"
 #include "runtime/fd_exchange.h"
 #include "runtime/inter_node.h"
+#include "runtime/overrides.h"
 
 namespace mk::detail {
 
@@ -40,6 +41,7 @@ struct CommState {
   Topology topo;
   int device = -1;
   double timeout_seconds = 60.0;
+  Overrides overrides;  // the environment's, parsed once at creation
   std::unique_ptr<FdExchange> fd_exchange;
   uint64_t next_tag = 1;
 
@@ -60,12 +62,6 @@ struct CommState {
 
   std::string broken;  // non-empty once an error broke the communicator
 };
-
-// Loads the collectives' kernels into the current context (collectives.cu).
-void preload_collective_kernels();
-void preload_ag_gemm_kernels(bool across_nodes);  // also the multi-node ones
-void preload_gemm_rs_kernels(bool across_nodes);  // also the multi-node ones
-void preload_gemm_ar_kernels(bool across_nodes);  // also the multi-node ones
 
 // Collective: allocate and map a symmetric buffer (symmetric.cpp).
 std::shared_ptr<SymAllocation> create_symmetric(CommState& comm, std::size_t bytes);

@@ -15,21 +15,10 @@
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
 #include "runtime/inter_node_rings.h"
+#include "runtime/kernel_preload.h"
 
 namespace mk {
 namespace {
-
-double env_double(const char* name, double fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  double d = std::strtod(v, &end);
-  if (end == v || *end != '\0' || d < 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(name) + "='" + v + "' is not a non-negative number");
-  }
-  return d;
-}
 
 std::string describe_value(uint64_t v) {
   return "launch " + std::to_string(v >> 32) + " step " + std::to_string(v & 0xffffffffu);
@@ -126,10 +115,12 @@ std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
   s.device = device;
   detail::DeviceGuard guard(device);
 
+  s.overrides = detail::parse_overrides();
   s.timeout_seconds = options.timeout_seconds >= 0 ? options.timeout_seconds
-                                                   : env_double("MKERNEL_TIMEOUT_S", 60.0);
+                      : s.overrides.timeout_s >= 0 ? s.overrides.timeout_s
+                                                   : 60.0;
   int ranks_per_node = options.ranks_per_node;
-  if (ranks_per_node < 0) ranks_per_node = static_cast<int>(env_double("MKERNEL_GPUS_PER_NODE", 0));
+  if (ranks_per_node < 0) ranks_per_node = std::max(s.overrides.gpus_per_node, 0);
 
   // Who is where.
   cudaDeviceProp prop{};
@@ -168,16 +159,14 @@ std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
   std::memset(s.error_host, 0, sizeof(DeviceErrorRecord));
   MK_CUDA_CHECK(
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.error_device), s.error_host, 0));
-  detail::preload_collective_kernels();  // no lazy loading behind a peer's waiting kernel
-  detail::preload_ag_gemm_kernels(s.topo.num_nodes > 1);
-  detail::preload_gemm_rs_kernels(s.topo.num_nodes > 1);
-  detail::preload_gemm_ar_kernels(s.topo.num_nodes > 1);
+  detail::preload_kernels(s.topo.num_nodes > 1);  // no lazy loading behind a peer's kernel
   MK_CUDA_CHECK(cudaDeviceSynchronize());
   s.bootstrap->barrier();  // nobody signals into a pad before its owner has zeroed it
   return comm;
 }
 
 const Topology& Communicator::topology() const { return state_->topo; }
+const detail::Overrides& Communicator::overrides() const { return state_->overrides; }
 int Communicator::device() const { return state_->device; }
 double Communicator::timeout_seconds() const { return state_->timeout_seconds; }
 Bootstrap& Communicator::bootstrap() { return *state_->bootstrap; }
@@ -257,7 +246,10 @@ detail::InterNode& Communicator::inter_node() {
     if (!stream) MK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   }
   detail::InterNodeConfig c;
-  c.channels = static_cast<int>(env_double("MKERNEL_INTER_NODE_CHANNELS", 4));
+  c.channels = s.overrides.inter_node_channels > 0 ? s.overrides.inter_node_channels : 4;
+  c.staging = s.overrides.inter_node_staging;
+  c.backend = s.overrides.transport;
+  c.socket_ifname = s.overrides.socket_ifname;
   c.ring_capacity = 4096;
   c.num_signals = kHostPadSignals;
   c.timeout_seconds = s.timeout_seconds > 0 ? s.timeout_seconds : 300.0;

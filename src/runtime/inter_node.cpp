@@ -1,10 +1,8 @@
 #include "runtime/inter_node.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <utility>
 
-#include "fused/rail_routes.h"
 #include "runtime/text_util.h"
 
 namespace mk::detail {
@@ -24,18 +22,12 @@ InterNode::InterNode(Bootstrap& bootstrap, const Topology& topo, InterNodeConfig
   if (config_.num_signals < 1) {
     throw Error(ErrorCode::kInvalidArgument, who + "num_signals must be at least 1");
   }
-  std::string staging = config_.staging;
-  if (staging.empty()) {
-    const char* env = std::getenv("MKERNEL_INTER_NODE_STAGING");
-    if (env != nullptr) staging = env;
-  }
+  const std::string& staging = config_.staging;
   if (!staging.empty() && staging != "host" && staging != "device") {
     throw Error(ErrorCode::kInvalidArgument,
-                who + "staging \"" + staging +
-                    "\" (MKERNEL_INTER_NODE_STAGING); expected \"host\" or \"device\"");
+                who + "staging \"" + staging + "\"; expected \"host\" or \"device\"");
   }
-  peers_ = fused::RailRoutes(topo.node_of, topo.local_rank_of).rail_peers(topo.rank);
-  std::sort(peers_.begin(), peers_.end());
+  peers_ = topo.rail_peers();
 
   pad_ = std::make_unique<transport::HostSignalPad>(topo.world_size, config_.num_signals,
                                                     config_.host_memory);

@@ -1,7 +1,7 @@
 // Internal: a communicator's path between nodes (issue 8, docs/design/multinode.md section 1).
 //
 // One transport whose peers are this rank's rail peers (the same local index on every other node:
-// the hierarchical kernels send nothing else over the network, fused/rail_routes.h), one proxy
+// the hierarchical kernels send nothing else over the network: Topology::rail_peers), one proxy
 // with a command ring per channel, and the host signal pad the arrivals raise. Kernels push
 // commands into the rings and poll the pad; both live in the memory `host_memory` gives (the
 // communicator passes pinned, device-mapped memory; CPU tests the heap).
@@ -29,8 +29,7 @@
 namespace mk::detail {
 
 struct InterNodeConfig {
-  std::string backend;            // "socket", "cx7", "efa"; empty: MKERNEL_TRANSPORT, else the
-                                  // build's default (transport::default_backend())
+  std::string backend;            // "socket", "cx7", "efa"; empty: transport::default_backend()
   int channels = 1;               // command rings, one proxy thread each
   uint64_t ring_capacity = 1024;  // commands per ring (a power of two)
   uint32_t num_signals = 64;      // signal ids 0 .. num_signals - 1 per source rank
@@ -39,7 +38,8 @@ struct InterNodeConfig {
   transport::CopyFn copy_to_device;      // socket backend, kDevice buffers (TransportConfig)
   transport::CopyFn copy_from_device;
   // Where the kernels stage what crosses the network (InterNode::host_staging): "host", "device",
-  // or empty: MKERNEL_INTER_NODE_STAGING, else "host" for the socket backend, "device" for RDMA.
+  // or empty: "host" for the socket backend, "device" for RDMA (the communicator passes
+  // MKERNEL_INTER_NODE_STAGING).
   std::string staging;
   std::string gpu_pci_bus_id;  // picks the NIC (cx7 / efa)
   std::string socket_ifname;   // socket: the interface to listen on (empty: the environment's)

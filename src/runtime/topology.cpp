@@ -110,6 +110,14 @@ GpuKey gpu_of(const RankInfo& info) {
 
 }  // namespace
 
+std::vector<int> Topology::rail_peers() const {
+  std::vector<int> peers;
+  for (int r = 0; r < world_size; ++r) {
+    if (node_of[r] != node && local_rank_of[r] == local_rank) peers.push_back(r);
+  }
+  return peers;
+}
+
 Topology compute_topology(int rank, const std::vector<RankInfo>& infos) {
   const int world = static_cast<int>(infos.size());
   if (world < 1) fail(ErrorCode::kInvalidArgument, "no ranks; expected at least one RankInfo");

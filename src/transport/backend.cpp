@@ -1,6 +1,5 @@
 // Run-time choice of the transport backend (MKERNEL_TRANSPORT, else MKERNEL_DEFAULT_BACKEND).
-#include <cstdlib>
-
+#include "runtime/overrides.h"
 #include "transport/backends.h"
 #include "transport/socket_transport.h"
 
@@ -11,9 +10,8 @@
 namespace mk::transport {
 
 std::string default_backend() {
-  const char* env = std::getenv("MKERNEL_TRANSPORT");
-  if (env != nullptr && *env != '\0') return env;
-  return MKERNEL_DEFAULT_BACKEND;
+  return mk::detail::env_choice(mk::detail::process_environment(), "MKERNEL_TRANSPORT",
+                                {"socket", "cx7", "efa"}, MKERNEL_DEFAULT_BACKEND);
 }
 
 std::unique_ptr<Transport> make_transport(Bootstrap& bootstrap, const TransportConfig& config,
@@ -22,9 +20,7 @@ std::unique_ptr<Transport> make_transport(Bootstrap& bootstrap, const TransportC
   if (name == "socket") return std::make_unique<detail::SocketTransport>(bootstrap, config);
   if (name == "cx7") return detail::make_cx7_transport(bootstrap, config);
   if (name == "efa") return detail::make_efa_transport(bootstrap, config);
-  const std::string source = !backend.empty()                   ? "argument"
-                             : std::getenv("MKERNEL_TRANSPORT") ? "MKERNEL_TRANSPORT"
-                                                                : "MKERNEL_DEFAULT_BACKEND";
+  const std::string source = !backend.empty() ? "argument" : "MKERNEL_DEFAULT_BACKEND";
   throw Error(ErrorCode::kInvalidArgument, "transport backend '" + name + "' (" + source +
                                                ") is not known; expected socket, cx7 or efa");
 }

@@ -18,6 +18,7 @@
 #include <set>
 
 #include "mkernel/topology.h"
+#include "runtime/overrides.h"
 #include "runtime/text_util.h"
 #include "transport/socket_transport.h"
 #include "transport/wire.h"
@@ -196,8 +197,8 @@ SocketTransport::SocketTransport(Bootstrap& bootstrap, const TransportConfig& co
   try {
     std::string ifname = config.socket_ifname;
     if (ifname.empty()) {
-      const char* env = std::getenv("MKERNEL_SOCKET_IFNAME");
-      if (env != nullptr) ifname = env;
+      ifname =
+          mk::detail::env_string(mk::detail::process_environment(), "MKERNEL_SOCKET_IFNAME", "");
     }
     me_ = interface_address(ifname);
     listener_.reset(socket(me_.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));

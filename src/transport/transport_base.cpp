@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "runtime/overrides.h"
 #include "runtime/text_util.h"
 
 namespace mk::transport::detail {
@@ -42,13 +43,7 @@ void copy_status(char (&out)[kStatusBytes], const std::string& text) {
 double resolve_timeout(double configured) {
   double seconds = configured;
   if (seconds < 0) {
-    seconds = 60;
-    const char* text = std::getenv("MKERNEL_TIMEOUT_S");
-    if (text != nullptr && *text != '\0' && !mk::detail::parse_seconds(text, &seconds)) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  std::string("MKERNEL_TIMEOUT_S='") + text +
-                      "' is not valid: expected a non-negative number of seconds (0 = none)");
-    }
+    seconds = mk::detail::env_seconds(mk::detail::process_environment(), "MKERNEL_TIMEOUT_S", 60);
   }
   return seconds == 0 ? 1e9 : seconds;  // 0 = no limit (Deadline treats 1e9 s as never)
 }

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "runtime/cuda_driver.h"
+#include "runtime/overrides.h"
 #include "runtime/text_util.h"
 #include "transport/nic_affinity.h"
 
@@ -20,11 +21,6 @@ namespace {
 constexpr int kRemoteAccess =
     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
 
-std::string env_or(const char* name, const std::string& fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? std::string(v) : fallback;
-}
-
 }  // namespace
 
 // ---- device -----------------------------------------------------------------------------------
@@ -32,13 +28,10 @@ std::string env_or(const char* name, const std::string& fallback) {
 std::unique_ptr<VerbsDevice> open_verbs_device(const VerbsApi& api, const std::string& backend,
                                                const std::string& wanted_in, int recv_cq_depth,
                                                const std::string& gpu_bus_id, int spread) {
-  const std::string wanted = wanted_in.empty() ? env_or("MKERNEL_IB_HCA", "") : wanted_in;
-  long long gid_index = 0;
-  const std::string gid_text = env_or("MKERNEL_IB_GID_INDEX", "0");
-  if (!mk::detail::parse_int(gid_text.c_str(), 0, 255, &gid_index)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "MKERNEL_IB_GID_INDEX='" + gid_text + "' is not valid; expected 0 .. 255");
-  }
+  const mk::detail::EnvLookup env = mk::detail::process_environment();
+  const std::string wanted =
+      wanted_in.empty() ? mk::detail::env_string(env, "MKERNEL_IB_HCA", "") : wanted_in;
+  const long long gid_index = mk::detail::env_int(env, "MKERNEL_IB_GID_INDEX", 0, 255, 0);
   int count = 0;
   ibv_device** list = api.get_device_list(&count);
   if (list == nullptr || count == 0) {

@@ -221,7 +221,6 @@ TEST(FusedPlans, GemmRsAcrossNodes) {
   EXPECT_EQ(p.nodes, 2);
   EXPECT_LE(p.block_n, 128) << p.describe();
   EXPECT_EQ(p.lag, -1);
-  EXPECT_FALSE(p.pingpong);
   EXPECT_FALSE(p.bf16_partials);
   EXPECT_EQ(p.workspace_bytes, std::size_t{4} * 2048 * 8192 * 4) << p.describe();
   EXPECT_NE(p.describe().find("across 2 nodes"), std::string::npos) << p.describe();
@@ -256,7 +255,6 @@ TEST(FusedPlans, GemmArAcrossNodes) {
     EXPECT_EQ(p.nodes, 2);
     EXPECT_LE(p.block_n, 128) << p.describe();
     EXPECT_EQ(p.lag, -1);
-    EXPECT_FALSE(p.pingpong);
     EXPECT_FALSE(p.bf16_partials);
     EXPECT_EQ(p.outbox_slots, 0);
     const int64_t tiles_n = (8192 + p.block_n - 1) / p.block_n;
@@ -274,10 +272,11 @@ TEST(FusedPlans, GemmArAcrossNodes) {
   EXPECT_THROW(plan_gemm_ar(two_nodes, 8192, 8192, 2048, {}), Error);
 }
 
-TEST(FusedPlans, SwitchesTurnMechanismsOff) {
+// bf16 partials: only when asked, and only with two ranks (one partial per slice); across
+// nodes the node sums at any world size (GemmRsAcrossNodes above). MKERNEL_BF16_PARTIALS reaches
+// the plans folded into the config (with_overrides), either way.
+TEST(FusedPlans, Bf16PartialsOnlyWhenAsked) {
   const PlanContext ctx = h200(2);
-  // bf16 partials: only when asked, and only with two ranks (one partial per slice); the
-  // variable overrides the config either way
   FusedGemmConfig bf16;
   bf16.bf16_partials = true;
   EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).bf16_partials);
@@ -288,41 +287,38 @@ TEST(FusedPlans, SwitchesTurnMechanismsOff) {
   EXPECT_FALSE(plan_gemm_ar(h200(4), 8192, 8192, 4096, bf16).bf16_partials);
   EXPECT_NE(plan_gemm_rs(ctx, 8192, 8192, 4096, bf16).describe().find("bf16 partials"),
             std::string::npos);
-  setenv("MKERNEL_BF16_PARTIALS", "0", 1);
-  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, bf16).bf16_partials);
-  EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, bf16).bf16_partials);
-  setenv("MKERNEL_BF16_PARTIALS", "1", 1);
-  EXPECT_TRUE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).bf16_partials);
-  EXPECT_TRUE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).bf16_partials);
-  unsetenv("MKERNEL_BF16_PARTIALS");
-  setenv("MKERNEL_INTERLEAVE", "0", 1);
-  EXPECT_EQ(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).lag, -1);
-  EXPECT_EQ(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).ctas, 132);
-  unsetenv("MKERNEL_INTERLEAVE");
-  setenv("MKERNEL_OUTBOX", "0", 1);
-  const FusedGemmPlan ar = plan_gemm_ar(ctx, 8192, 8192, 4096, {});
-  EXPECT_EQ(ar.outbox_slots, 0) << ar.describe();
-  EXPECT_EQ(ar.staging_bytes, 0u) << ar.describe();
-  EXPECT_EQ(ar.lag, -1) << ar.describe();
-  unsetenv("MKERNEL_OUTBOX");
-  setenv("MKERNEL_GEMM_SCHEDULE", "pingpong", 1);
-  const FusedGemmPlan ag = plan_ag_gemm(ctx, 8192, 8192, 8192, {});
-  EXPECT_TRUE(ag.pingpong) << ag.describe();
-  EXPECT_EQ(ag.block_n, 128) << ag.describe();
-  const FusedGemmPlan ar_pp = plan_gemm_ar(ctx, 8192, 8192, 4096, {});
-  EXPECT_TRUE(ar_pp.pingpong) << ar_pp.describe();
-  EXPECT_EQ(ar_pp.block_n, 128) << ar_pp.describe();
-  EXPECT_EQ(ar_pp.outbox_slots, 2) << ar_pp.describe();  // both halves of a tile in flight
-  const FusedGemmPlan rs_pp = plan_gemm_rs(ctx, 8192, 8192, 4096, {});
-  EXPECT_TRUE(rs_pp.pingpong) << rs_pp.describe();
-  EXPECT_EQ(rs_pp.block_n, 128) << rs_pp.describe();
-  EXPECT_EQ(rs_pp.lag, 4 * rs_pp.ctas) << rs_pp.describe();  // four own tiles per CTA at the end
-  EXPECT_FALSE(rs_pp.tma_partials) << rs_pp.describe();      // cooperative schedule only
-  unsetenv("MKERNEL_GEMM_SCHEDULE");
 }
 
-// gemm_rs's and gemm_ar's partials through the stage ring: two ranks, fp32, the cooperative
-// schedule, slices at multiples of the tile width, and at least one whole tile.
+// The overrides fold into the config: a knob the caller left at 0 takes the variable's value,
+// one the caller set keeps it; bf16 partials follow the variable either way.
+TEST(FusedPlans, OverridesFoldIntoTheConfig) {
+  mk::detail::Overrides o;
+  o.block_n = 128;
+  o.comm_ctas = 24;
+  o.piece_rows = 64;
+  o.bf16_partials = 0;
+  FusedGemmConfig asked;
+  asked.block_n = 256;
+  asked.bf16_partials = true;
+  const FusedGemmConfig c = with_overrides(asked, o);
+  EXPECT_EQ(c.block_n, 256);
+  EXPECT_EQ(c.comm_ctas, 24);
+  EXPECT_EQ(c.piece_rows, 64);
+  EXPECT_FALSE(c.bf16_partials);
+  EXPECT_EQ(with_overrides({}, o).block_n, 128);
+  o.bf16_partials = 1;
+  EXPECT_TRUE(with_overrides({}, o).bf16_partials);
+  o.bf16_partials = -1;
+  EXPECT_TRUE(with_overrides(asked, o).bf16_partials);
+  EXPECT_FALSE(with_overrides({}, o).bf16_partials);
+  const FusedGemmPlan ag = plan_ag_gemm(h200(2), 8192, 8192, 8192, with_overrides({}, o));
+  EXPECT_EQ(ag.block_n, 128) << ag.describe();
+  EXPECT_EQ(ag.comm_ctas, 24) << ag.describe();
+  EXPECT_EQ(ag.piece_rows, 64) << ag.describe();
+}
+
+// gemm_rs's and gemm_ar's partials through the stage ring: two ranks, fp32, slices at multiples
+// of the tile width, and at least one whole tile.
 TEST(FusedPlans, GemmRsTmaPartials) {
   const PlanContext ctx = h200(2);
   const FusedGemmPlan p = plan_gemm_rs(ctx, 8192, 8192, 4096, {});
@@ -343,10 +339,6 @@ TEST(FusedPlans, GemmRsTmaPartials) {
   EXPECT_FALSE(plan_gemm_ar(ctx, 127, 8192, 4096, {}).tma_partials);
   EXPECT_FALSE(plan_gemm_ar(h200(4), 8192, 8192, 2048, {}).tma_partials);
   EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, bf16).tma_partials);
-  setenv("MKERNEL_TMA_PARTIALS", "0", 1);
-  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).tma_partials);
-  EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).tma_partials);
-  unsetenv("MKERNEL_TMA_PARTIALS");
 }
 
 // gemm_rs's fp32 outbox staging by TMA stores: whenever fp32 partials go through the outbox and a
@@ -364,15 +356,9 @@ TEST(FusedPlans, TmaStaging) {
   const FusedGemmPlan ar = plan_gemm_ar(ctx, 8192, 8192, 4096, {});
   EXPECT_GT(ar.outbox_slots, 0) << ar.describe();
   EXPECT_FALSE(ar.tma_staging) << ar.describe();
-  setenv("MKERNEL_TMA_STAGING", "0", 1);
-  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).tma_staging);
-  unsetenv("MKERNEL_TMA_STAGING");
-  setenv("MKERNEL_OUTBOX", "0", 1);
-  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).tma_staging);
-  unsetenv("MKERNEL_OUTBOX");
 }
 
-// TMA sends, two ranks, one node, the cooperative schedule: gemm_ar's results always, and the
+// TMA sends, two ranks, one node: gemm_ar's results always, and the
 // partials of the decode shapes (no outbox) through the ring's views; gemm_rs's fp32 slices whose
 // staging slot is busy (or that have none), where a whole slice exists.
 TEST(FusedPlans, TmaSends) {
@@ -393,26 +379,10 @@ TEST(FusedPlans, TmaSends) {
   EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, bf16).tma_sends);
   EXPECT_FALSE(plan_gemm_rs(h200(4), 8192, 8192, 2048, {}).tma_sends);
   EXPECT_FALSE(plan_gemm_rs(ctx, 2 * 100, 8192, 4096, {}).tma_sends);  // no whole slice
-  setenv("MKERNEL_TMA_SENDS", "0", 1);
-  EXPECT_FALSE(plan_gemm_ar(ctx, 128, 8192, 4096, {}).tma_sends);
-  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).tma_sends);
-  unsetenv("MKERNEL_TMA_SENDS");
-}
-
-// The experimental partials-first path: only when asked (MKERNEL_PARTIALS_FIRST=1), only where the
-// ring carries partials (tma_partials).
-TEST(FusedPlans, PartialsFirstOnlyWhenAsked) {
-  const PlanContext ctx = h200(2);
-  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, {}).partials_first);
-  EXPECT_FALSE(plan_gemm_ar(ctx, 8192, 8192, 4096, {}).partials_first);
-  setenv("MKERNEL_PARTIALS_FIRST", "1", 1);
-  const FusedGemmPlan rs = plan_gemm_rs(ctx, 8192, 8192, 4096, {});
-  EXPECT_TRUE(rs.partials_first) << rs.describe();
-  EXPECT_NE(rs.describe().find("partials first"), std::string::npos) << rs.describe();
-  EXPECT_TRUE(plan_gemm_ar(ctx, 128, 8192, 4096, {}).partials_first);
-  EXPECT_FALSE(plan_gemm_ar(ctx, 64, 8192, 4096, {}).partials_first);  // no ring partials
-  EXPECT_FALSE(plan_gemm_rs(h200(4), 8192, 8192, 2048, {}).partials_first);
-  unsetenv("MKERNEL_PARTIALS_FIRST");
+  FusedGemmConfig off;  // the config's field (until measured over NVLink)
+  off.tma_sends = false;
+  EXPECT_FALSE(plan_gemm_ar(ctx, 128, 8192, 4096, off).tma_sends);
+  EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, off).tma_sends);
 }
 
 TEST(FusedPlans, RejectWhatTheyCannotDo) {

@@ -32,15 +32,12 @@ TEST(GemmPlan, BadWidthNamesOpAndValue) {
   }
 }
 
-TEST(GemmPlan, EnvironmentOverride) {
-  ::setenv("MKERNEL_GEMM_BLOCK_N", "128", 1);
-  EXPECT_EQ(pick(0, 8192, 8192), 128);
-  EXPECT_EQ(pick(256, 8192, 8192), 256);  // an explicit width wins
-  ::unsetenv("MKERNEL_GEMM_BLOCK_N");
+TEST(GemmPlan, RequestedWidthWins) {
+  EXPECT_EQ(pick(128, 8192, 8192), 128);
+  EXPECT_EQ(pick(256, 128, 8192), 256);
 }
 
 TEST(GemmPlan, HeuristicMatchesTheSweep) {
-  ::unsetenv("MKERNEL_GEMM_BLOCK_N");
   EXPECT_EQ(pick(0, 128, 8192), 64);    // 128 CTAs instead of 32 or 64
   EXPECT_EQ(pick(0, 3000, 5120), 192);  // 5 full waves instead of 4 partial ones
   EXPECT_EQ(pick(0, 4096, 4096), 256);

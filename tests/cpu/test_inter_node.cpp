@@ -266,7 +266,8 @@ TEST(InterNode, ExpiredOwnersFreeTheirIds) {
 }
 
 // Where the kernels stage what crosses the network: in host memory over the socket backend
-// unless the config or MKERNEL_INTER_NODE_STAGING says "device"; anything else is refused.
+// unless the config says "device" (the communicator passes MKERNEL_INTER_NODE_STAGING there);
+// anything else is refused.
 TEST(InterNode, StagingIsHostForSocketsUnlessToldOtherwise) {
   for (const char* asked : {"", "host", "device"}) {
     expect_all_ok(mk::test::run_group(2, [&](Bootstrap& b) {
@@ -288,15 +289,11 @@ TEST(InterNode, StagingIsHostForSocketsUnlessToldOtherwise) {
       }
     }));
   }
-  ::setenv("MKERNEL_INTER_NODE_STAGING", "device", 1);
-  expect_all_ok(mk::test::run_group(2, [&](Bootstrap& b) {
-    InterNode path(b, virtual_topology(b.rank(), 2, 1), test_config());
-    EXPECT_FALSE(path.host_staging());
-  }));
-  ::setenv("MKERNEL_INTER_NODE_STAGING", "nvme", 1);
-  const auto outcomes = mk::test::run_group(
-      2, [&](Bootstrap& b) { InterNode path(b, virtual_topology(b.rank(), 2, 1), test_config()); });
-  ::unsetenv("MKERNEL_INTER_NODE_STAGING");
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    InterNodeConfig c = test_config();
+    c.staging = "nvme";
+    InterNode path(b, virtual_topology(b.rank(), 2, 1), c);
+  });
   for (const Outcome& o : outcomes) {
     ASSERT_TRUE(o.threw);
     EXPECT_EQ(o.code, ErrorCode::kInvalidArgument) << o.message;

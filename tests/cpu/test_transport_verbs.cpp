@@ -154,8 +154,18 @@ TEST(TransportBackend, UnknownNameIsRefused) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
     EXPECT_TRUE(contains(e.what(),
-                         "transport backend 'carrier-pigeon' (MKERNEL_TRANSPORT) is not "
-                         "known; expected socket, cx7 or efa"))
+                         "MKERNEL_TRANSPORT='carrier-pigeon' is not valid; expected one "
+                         "of socket, cx7, efa"))
+        << e.what();
+  }
+  try {  // the same from the argument
+    make_transport(*b, c, "carrier-pigeon");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_TRUE(contains(e.what(),
+                         "transport backend 'carrier-pigeon' (argument) is not known; "
+                         "expected socket, cx7 or efa"))
         << e.what();
   }
   c.signals = nullptr;

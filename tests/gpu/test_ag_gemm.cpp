@@ -166,19 +166,6 @@ TEST(InProcessAgGemm, LargeWorld2) {
   });
 }
 
-// The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong: 128-wide tiles, each consumer
-// warpgroup whole tiles): the same cases, bitwise equal to the plain GEMM on the gathered A.
-TEST(InProcessAgGemm, PingPongWorld2) {
-  MKT_REQUIRE_GPU();
-  setenv("MKERNEL_GEMM_SCHEDULE", "pingpong", 1);
-  run_in_process(2, [](Communicator& comm) {
-    EXPECT_TRUE(ag_gemm_plan(comm, 4096, 4096, 4096).pingpong);
-    expect_ag_gemm_cases(comm);
-    expect_ag_gemm(comm, {4096, 4096, 4096, BLayout::kNK, 0}, shared_seed(comm) + 7);
-  });
-  unsetenv("MKERNEL_GEMM_SCHEDULE");
-}
-
 TEST(LaunchedAgGemm, MatchesReference) {
   MKT_REQUIRE_MKRUN();
   auto comm = launched_comm();

@@ -35,7 +35,7 @@ TEST(SanitizeCollectives, SmallWorld2) {
   });
 }
 
-// reduce_scatter's bulk path (MKERNEL_COLL_RS_BULK=1) against its loads (=0), bitwise: the same
+// reduce_scatter's bulk path (CollectiveConfig::bulk) against its loads, bitwise: the same
 // inputs and order of adds must give the same bits. Two channels make each CTA reuse its ring
 // stages (the first case: 11 chunks per CTA at 2 ranks, 43 at 8); 16-byte multiple slices (every
 // rank on the bulk path) end in a short chunk; odd counts put rank 0 (and rank 4 of 8 for f32 + 5)
@@ -54,26 +54,18 @@ TEST_P(BulkReduceScatter, MatchesLoadsBitwise) {
       {{(1 << 16) + 4, DType::kF32}, 2},     {{(1 << 16) + 5, DType::kF32}, 2}};
   const int world = GetParam();
   const uint64_t seed = std::random_device{}() * 0x100000001ull + std::random_device{}();
-  const char* env = "MKERNEL_COLL_RS_BULK";
-  const char* saved = std::getenv(env);
-  const std::string previous = saved != nullptr ? saved : "";
   std::vector<std::vector<unsigned char>> got[2];  // [bulk][rank * cases + case]
   for (int bulk : {0, 1}) {
-    setenv(env, bulk ? "1" : "0", 1);  // read by every reduce_scatter call
     got[bulk].resize(world * cases.size());
     run_in_process(world, [&](Communicator& comm) {
       for (std::size_t k = 0; k < cases.size(); ++k) {
         CollectiveConfig config;
         config.channels = cases[k].channels;
+        config.bulk = bulk == 1;
         expect_reduce_scatter(comm, cases[k].c, seed + k, config,
                               &got[bulk][comm.rank() * cases.size() + k]);
       }
     });
-  }
-  if (saved != nullptr) {
-    setenv(env, previous.c_str(), 1);
-  } else {
-    unsetenv(env);
   }
   for (std::size_t i = 0; i < got[0].size(); ++i) {
     const BulkCase& bc = cases[i % cases.size()];

@@ -25,7 +25,6 @@ std::string name(const Shape& s) {
 void expect_gemm_matches(const Shape& s, uint64_t seed, GemmConfig config = {},
                          BLayout layout = BLayout::kNK) {
   SCOPED_TRACE(name(s) + " block_n " + std::to_string(config.block_n) +
-               (config.pingpong ? " ping-pong" : "") +
                (layout == BLayout::kKN ? " B [K, N]" : " B [N, K]"));
   const bool kn = layout == BLayout::kKN;
   cudaStream_t stream;
@@ -103,28 +102,6 @@ TEST(Gemm, BLayoutKN) {
   }
 }
 
-// The ping-pong schedule (each consumer warpgroup whole 128 x 128 tiles): both layouts, partial
-// tiles, fewer tiles than CTAs (one warpgroup idle), odd tile counts per CTA, and a given grid.
-TEST(Gemm, PingPongSchedule) {
-  MKT_REQUIRE_GPU();
-  const std::vector<Shape> shapes = {{1, 8, 8},          {7, 24, 40},        {129, 264, 72},
-                                     {1000, 1000, 1000}, {4096, 4096, 4096}, {8192, 8192, 8192},
-                                     {3000, 5120, 3584}, {333, 4104, 8}};
-  GemmConfig config;
-  config.pingpong = true;
-  for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
-    for (const Shape& s : shapes) expect_gemm_matches(s, fresh_seed(), config, layout);
-  }
-  config.sms = 7;  // every CTA many tiles, odd counts
-  expect_gemm_matches({1000, 2056, 520}, fresh_seed(), config);
-  void* p;
-  ASSERT_EQ(cudaMalloc(&p, 1 << 20), cudaSuccess);
-  config.block_n = 256;
-  expect_error([&] { gemm(p, p, p, 128, 128, 128, BLayout::kNK, nullptr, config); },
-               ErrorCode::kInvalidArgument, "ping-pong schedule computes 128 x 128 tiles");
-  cudaFree(p);
-}
-
 TEST(Gemm, RandomShapes) {
   MKT_REQUIRE_GPU();
   std::mt19937_64 gen(fresh_seed());
@@ -169,7 +146,7 @@ TEST(Gemm, RejectsBadArgumentsBeforeLaunch) {
 TEST(Gemm, KernelsDoNotSpill) {
   MKT_REQUIRE_GPU();
   const std::vector<GemmKernelResources> kernels = detail::gemm_kernel_resources();
-  ASSERT_EQ(kernels.size(), 18u);  // plain and grouped, 4 widths x 2 B layouts; ping-pong x 2
+  ASSERT_EQ(kernels.size(), 16u);  // plain and grouped, 4 widths x 2 B layouts
   for (const GemmKernelResources& k : kernels) {
     SCOPED_TRACE(k.name);
     EXPECT_EQ(k.local_bytes, 0) << "local memory (register spills or a stack frame)";

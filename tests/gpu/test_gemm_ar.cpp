@@ -6,7 +6,6 @@
 // left zero (3+ ranks), CUDA-graph replay with new inputs, the time limit, argument errors.
 #include <chrono>
 
-#include "../cpu/cpu_test_util.h"  // ScopedEnv
 #include "across_nodes_checks.h"
 #include "collective_checks.h"
 #include "gemm_reference.h"
@@ -176,30 +175,17 @@ TEST(InProcessGemmAr, LargeWorld2) {
   });
 }
 
-// MKERNEL_TMA_SENDS=0: the epilogue's threads send with global stores again (no outbox), and
-// the side threads copy an own tile's result to the peer (outbox).
+// FusedGemmConfig::tma_sends off: the epilogue's threads send with global stores (no outbox),
+// and the side threads copy an own tile's result to the peer (outbox).
 TEST(InProcessGemmAr, ThreadSendsWorld2) {
   MKT_REQUIRE_GPU();
-  const ScopedEnv env("MKERNEL_TMA_SENDS", "0");  // before the ranks start: both plan alike
   run_in_process(2, [](Communicator& comm) {
-    EXPECT_FALSE(gemm_ar_plan(comm, 128, 8192, 4096).tma_sends);
-    expect_gemm_ar(comm, {128, 8192, 4096, BLayout::kNK, 0}, shared_seed(comm));
-    expect_gemm_ar(comm, {1000, 1024, 256, BLayout::kNK, 192}, shared_seed(comm) + 1);
-    expect_gemm_ar(comm, {8192, 8192, 256, BLayout::kKN, 0}, shared_seed(comm) + 2);  // outbox
-  });
-}
-
-// MKERNEL_PARTIALS_FIRST=1 (experimental): an own tile's partials come through the ring before its
-// k-blocks and start the accumulator.
-TEST(InProcessGemmAr, PartialsFirstWorld2) {
-  MKT_REQUIRE_GPU();
-  const ScopedEnv env("MKERNEL_PARTIALS_FIRST", "1");  // before the ranks start: both plan alike
-  run_in_process(2, [](Communicator& comm) {
-    EXPECT_TRUE(gemm_ar_plan(comm, 128, 8192, 4096).partials_first);
+    const FusedGemmConfig threads{.tma_sends = false};
+    EXPECT_FALSE(gemm_ar_plan(comm, 128, 8192, 4096, threads).tma_sends);
     const uint64_t seed = shared_seed(comm);
-    expect_gemm_ar(comm, {128, 8192, 4096, BLayout::kNK, 0}, seed);
-    expect_gemm_ar(comm, {1000, 1024, 256, BLayout::kNK, 192}, seed + 1);
-    expect_gemm_ar(comm, {8192, 8192, 256, BLayout::kKN, 0}, seed + 2);  // through the outbox
+    expect_gemm_ar(comm, {128, 8192, 4096, BLayout::kNK, 0}, seed, threads);
+    expect_gemm_ar(comm, {1000, 1024, 256, BLayout::kNK, 192}, seed + 1, threads);
+    expect_gemm_ar(comm, {8192, 8192, 256, BLayout::kKN, 0}, seed + 2, threads);  // outbox
   });
 }
 
@@ -216,28 +202,6 @@ TEST(InProcessGemmAr, PartialsBf16World2) {
     expect_gemm_ar_cases(comm, bf16);
     expect_gemm_ar(comm, {8192, 8192, 256, BLayout::kKN, 0}, shared_seed(comm) + 9, bf16);
   });
-}
-
-// The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong: 128-wide tiles, each consumer
-// warpgroup whole tiles, their items in one outbox ring): the cases, at two and four ranks.
-TEST(InProcessGemmAr, PingPong) {
-  MKT_REQUIRE_GPU();
-  setenv("MKERNEL_GEMM_SCHEDULE", "pingpong", 1);
-  for (int world : {2, 4}) {
-    run_in_process(world, [](Communicator& comm) {
-      const FusedGemmPlan plan = gemm_ar_plan(comm, 8192, 8192, 256);
-      EXPECT_TRUE(plan.pingpong) << plan.describe();
-      EXPECT_EQ(plan.block_n, 128) << plan.describe();
-      expect_gemm_ar_cases(comm);
-      expect_gemm_ar(comm, {8192, 8192, 256, BLayout::kKN, 0}, shared_seed(comm) + 9);
-      if (comm.world_size() == 2) {
-        FusedGemmConfig bf16;
-        bf16.bf16_partials = true;
-        expect_gemm_ar_cases(comm, bf16);
-      }
-    });
-  }
-  unsetenv("MKERNEL_GEMM_SCHEDULE");
 }
 
 TEST(LaunchedGemmAr, MatchesReference) {

@@ -7,7 +7,6 @@
 // after every call, CUDA-graph replay with new inputs, the time limit, and argument errors.
 #include <chrono>
 
-#include "../cpu/cpu_test_util.h"  // ScopedEnv
 #include "across_nodes_checks.h"
 #include "collective_checks.h"
 #include "gemm_reference.h"
@@ -166,30 +165,16 @@ TEST(InProcessGemmRs, LargeWorld2) {
   });
 }
 
-// MKERNEL_TMA_SENDS=0: every peer's slice through the outbox (or the epilogue's own stores
-// without one) - the two-rank paths before TMA sends, kept for the comparison.
+// FusedGemmConfig::tma_sends off: every peer's slice through the outbox (or the epilogue's own
+// stores without one) - the two-rank paths TMA sends are measured against.
 TEST(InProcessGemmRs, ThreadSendsWorld2) {
   MKT_REQUIRE_GPU();
-  const ScopedEnv env("MKERNEL_TMA_SENDS", "0");  // before the ranks start: both plan alike
   run_in_process(2, [](Communicator& comm) {
-    EXPECT_FALSE(gemm_rs_plan(comm, 2048, 4096, 1024).tma_sends);
+    const FusedGemmConfig threads{.tma_sends = false};
+    EXPECT_FALSE(gemm_rs_plan(comm, 2048, 4096, 1024, threads).tma_sends);
     const uint64_t seed = shared_seed(comm);
-    expect_gemm_rs(comm, {1000, 1024, 512, BLayout::kKN, 0}, seed);
-    expect_gemm_rs(comm, {2048, 4096, 2048, BLayout::kNK, 0}, seed + 1);
-  });
-}
-
-// MKERNEL_PARTIALS_FIRST=1 (experimental): an own tile's partials come through the ring before its
-// k-blocks and start the accumulator.
-TEST(InProcessGemmRs, PartialsFirstWorld2) {
-  MKT_REQUIRE_GPU();
-  const ScopedEnv env("MKERNEL_PARTIALS_FIRST", "1");  // before the ranks start: both plan alike
-  run_in_process(2, [](Communicator& comm) {
-    EXPECT_TRUE(gemm_rs_plan(comm, 2048, 4096, 1024).partials_first);
-    const uint64_t seed = shared_seed(comm);
-    expect_gemm_rs(comm, {1000, 1024, 512, BLayout::kKN, 0}, seed);
-    expect_gemm_rs(comm, {2048, 4096, 2048, BLayout::kNK, 0}, seed + 1);
-    expect_gemm_rs(comm, {512, 512, 64, BLayout::kNK, 128}, seed + 2, {.sms = 4});
+    expect_gemm_rs(comm, {1000, 1024, 512, BLayout::kKN, 0}, seed, threads);
+    expect_gemm_rs(comm, {2048, 4096, 2048, BLayout::kNK, 0}, seed + 1, threads);
   });
 }
 
@@ -234,29 +219,6 @@ TEST(InProcessGemmRs, PartialsBf16World2) {
     expect_gemm_rs_cases(comm, bf16);
     expect_gemm_rs(comm, {4096, 8192, 256, BLayout::kNK, 0}, shared_seed(comm) + 9, bf16);
   });
-}
-
-// The engine's ping-pong schedule (MKERNEL_GEMM_SCHEDULE=pingpong: 128-wide tiles, each consumer
-// warpgroup whole tiles, four staging footprints per CTA): the cases, at two and four ranks.
-TEST(InProcessGemmRs, PingPong) {
-  MKT_REQUIRE_GPU();
-  setenv("MKERNEL_GEMM_SCHEDULE", "pingpong", 1);
-  for (int world : {2, 4}) {
-    run_in_process(world, [](Communicator& comm) {
-      const int world_size = comm.world_size();
-      const FusedGemmPlan plan = gemm_rs_plan(comm, world_size * 4096, 8192, 256);
-      EXPECT_TRUE(plan.pingpong) << plan.describe();
-      EXPECT_EQ(plan.block_n, 128) << plan.describe();
-      expect_gemm_rs_cases(comm);
-      expect_gemm_rs(comm, {4096, 8192, 256, BLayout::kNK, 0}, shared_seed(comm) + 9);
-      if (world_size == 2) {  // bf16 partials: a CTA of one tile has no outbox (it once hung)
-        FusedGemmConfig bf16;
-        bf16.bf16_partials = true;
-        expect_gemm_rs_cases(comm, bf16);
-      }
-    });
-  }
-  unsetenv("MKERNEL_GEMM_SCHEDULE");
 }
 
 TEST(InProcessGemmRs, InterleavedWorld4) {
