@@ -211,6 +211,25 @@ concept HasRingStore = requires(const F f, float (&acc)[kRegs], const Tile& tile
   { f.store(acc, tile, consumer, scratch, state, ring) } -> std::same_as<void>;
 };
 
+// Whether the policy matches its declaration, for tiles of Cfg (no error: what check_fusion
+// asserts, part by part; tests/gpu/test_fusion_traits.cu holds it against policies that do not).
+template <class Cfg, class F>
+constexpr bool fusion_matches() {
+  if constexpr (!FusionBase<F, Cfg::kAccRegs>) {
+    return false;
+  } else {
+    constexpr FusionTraits t = F::kTraits;
+    return t.a_rows == HasARows<F> && t.init_shared == HasInitShared<F> &&
+           t.mid_tile == HasMidTile<F> && t.epilogue_loads == HasEpilogueLoads<F> &&
+           (t.epilogue_loads ? HasRingStore<F, Cfg::kAccRegs>
+                             : HasStore<F, Cfg::kAccRegs>)&&t.producer_regs %
+                   8 ==
+               0 &&
+           t.consumer_regs % 8 == 0 &&
+           t.producer_regs + Cfg::kConsumers * t.consumer_regs <= (1 + Cfg::kConsumers) * 168;
+  }
+}
+
 // The policy against its declaration, for tiles of Cfg (true, or a compile error naming the
 // mismatch). Each policy static_asserts it; the kernel does again.
 template <class Cfg, class F>
@@ -234,6 +253,7 @@ constexpr bool check_fusion() {
                     traits.producer_regs + Cfg::kConsumers * traits.consumer_regs <=
                         (1 + Cfg::kConsumers) * 168,
                 "setmaxnreg split beyond the CTA's registers");
+  static_assert(fusion_matches<Cfg, F>());
   return true;
 }
 

@@ -1,0 +1,83 @@
+// The engine's Fusion contract (gemm_kernel.cuh): a policy declares its optional hooks in kTraits
+// and check_fusion holds the declaration against its members - a hook misspelt, missing, present
+// but undeclared, or with another signature does not compile. Checked here at compile time on
+// small policies (the static_asserts below are the test; the TEST reports that they compiled).
+#include <gtest/gtest.h>
+
+#include "gemm/gemm_kernel.cuh"
+
+namespace mk::gemm_engine {
+namespace {
+
+using Cfg = TileConfig<128>;
+
+// The required hooks and store(), without a declaration: each policy below adds its kTraits.
+struct Required {
+  struct ConsumerState {};
+  __device__ int num_tiles() const { return 0; }
+  __device__ Tile tile(int) const { return {}; }
+  __device__ void wait_operands(const Tile&) const {}
+  __device__ void load_a(void*, uint64_t*, const Tile&, int) const {}
+  __device__ void consumer_done(ConsumerState&) const {}
+  __device__ void side_task(int, int) const {}
+  __device__ void finish() const {}
+};
+struct Plain : Required {
+  template <int kRegs>
+  __device__ void store(const float (&)[kRegs], const Tile&, int, uint8_t*, ConsumerState&) const {}
+};
+
+struct Minimal : Plain {
+  static constexpr FusionTraits kTraits{};
+};
+// mid_tile declared and spelt right; declared and misspelt; spelt right and not declared.
+struct MidTile : Plain {
+  static constexpr FusionTraits kTraits{.mid_tile = true};
+  __device__ void mid_tile(ConsumerState&) const {}
+};
+struct MidTileMisspelt : Plain {
+  static constexpr FusionTraits kTraits{.mid_tile = true};
+  __device__ void mid_tiel(ConsumerState&) const {}
+};
+struct MidTileUndeclared : Plain {
+  static constexpr FusionTraits kTraits{};
+  __device__ void mid_tile(ConsumerState&) const {}
+};
+// a_rows with another return type.
+struct ARowsWrongSignature : Plain {
+  static constexpr FusionTraits kTraits{.a_rows = true};
+  __device__ bool a_rows(const Tile&) const { return true; }
+};
+// Ring operands declared, but store() without the ring.
+struct RingWithoutRingStore : Plain {
+  static constexpr FusionTraits kTraits{.epilogue_loads = true};
+  __device__ int epilogue_loads(const Tile&) const { return 0; }
+  __device__ void load_epilogue(void*, uint64_t*, const Tile&, int) const {}
+};
+// A register split the CTA cannot give.
+struct TooManyRegisters : Plain {
+  static constexpr FusionTraits kTraits{.producer_regs = 64, .consumer_regs = 232};
+};
+// No store() at all.
+struct NoStore : Required {
+  static constexpr FusionTraits kTraits{};
+};
+// No declaration at all.
+struct Undeclared : Plain {};
+
+static_assert(fusion_matches<Cfg, Minimal>());
+static_assert(fusion_matches<Cfg, MidTile>());
+static_assert(!fusion_matches<Cfg, MidTileMisspelt>());
+static_assert(!fusion_matches<Cfg, MidTileUndeclared>());
+static_assert(!fusion_matches<Cfg, ARowsWrongSignature>());
+static_assert(!fusion_matches<Cfg, RingWithoutRingStore>());
+static_assert(!fusion_matches<Cfg, TooManyRegisters>());
+static_assert(!fusion_matches<Cfg, NoStore>());
+static_assert(!fusion_matches<Cfg, Undeclared>());
+
+TEST(FusionTraits, DeclarationsAreCheckedAtCompileTime) {
+  SUCCEED() << "the static_asserts of tests/gpu/test_fusion_traits.cu compiled";
+}
+
+}  // namespace
+}  // namespace mk::gemm_engine
