@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script sent to the GPU machine (see /work/.library/device/README.md).
 #
-#   bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|nodes|host|all]...
+#   bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|ab|nodes|host|all]...
 #   (default: all)
 #
 # Steps run in the order given; `all` = build test sanitize python bench (`host`: the host time
@@ -22,7 +22,9 @@
 # transport": bench/run.sh kernels; all = collectives, gemm and the fused kernels),
 # PYTHON_TESTS=0 (python step installs only), PYTEST_ARGS (added to its pytest command, e.g.
 # "-v -k test_torch_dist"), COMPARE_KERNELS / COMPARE_SHAPES / COMPARE_P2P=0 (compare step:
-# which kernels and shapes, without the bench_p2p table), TRACE_CASES.
+# which kernels and shapes, without the bench_p2p table), TRACE_CASES, AB_OLD / AB_ROUNDS /
+# AB_CASES (ab step: the directory of the other build's bench_gemm and trace_fused, rounds, the
+# traced cases).
 
 # NVLink multicast (NVLS) must stay off on the shared hosts: it can take their GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -252,6 +254,72 @@ step_trace() {
   return "$rc"
 }
 
+# ---- ab ---------------------------------------------------------------------------------------
+# Before / after in one run: another build's bench_gemm and trace_fused (AB_OLD, e.g. a carried
+# .device/old made from an earlier commit) against this build's, in alternating rounds (old, new,
+# old, new, ...), so that drift hits both alike. bench_gemm: its default shapes, mkernel and cuBLAS
+# in each run; trace_fused: two ranks (threads of one process on one GPU), the CUDA-event time of
+# each rank's traced launch. The medians per case go to stdout (the table last) and $OUT/ab.log.
+step_ab() {
+  local old="${AB_OLD:-$REPO/.device/old}" rounds="${AB_ROUNDS:-3}" dir=/tmp/mk-ab rc=0 r c
+  [[ -x "$old/bench_gemm" && -x "$old/trace_fused" ]] || { log "no bench_gemm / trace_fused in $old"; return 1; }
+  rm -rf "$dir" && mkdir -p "$dir"
+  local gpus
+  gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
+  for ((r = 0; r < rounds; ++r)); do
+    for side in old new; do
+      local bin="$old"
+      [[ "$side" == new ]] && bin="$BUILD/bench"
+      limited 300 "$bin/bench_gemm" --iters 30 >"$dir/gemm-$side-$r.txt" 2>&1 || rc=1
+      for c in ${AB_CASES:-ag_gemm:4096x4096x4096 ag_gemm:8192x8192x8192 gemm_rs:4096x4096x4096 gemm_rs:8192x8192x8192 gemm_ar:4096x4096x4096 gemm_ar:8192x8192x8192}; do
+        local kernel="${c%%:*}" shape="${c#*:}"
+        if ((gpus >= 2)); then
+          limited 120 "$BUILD/mkrun" -n 2 -- "$bin/trace_fused" --kernel "$kernel" --shape "$shape" \
+            --iters 10 >"$dir/trace-$side-$r-$kernel-$shape.txt" 2>&1 || rc=1
+        else
+          limited 120 "$bin/trace_fused" --ranks 2 --kernel "$kernel" --shape "$shape" \
+            --iters 10 >"$dir/trace-$side-$r-$kernel-$shape.txt" 2>&1 || rc=1
+        fi
+      done
+    done
+  done
+  python3 - "$dir" "$rounds" <<'PY' 2>&1 | tee "$OUT/ab.log"
+import glob, re, statistics, sys
+d, rounds = sys.argv[1], int(sys.argv[2])
+def gemm(side):
+    per = {}
+    for f in sorted(glob.glob(f"{d}/gemm-{side}-*.txt")):
+        for line in open(f):
+            m = re.match(r"(\d+x\d+x\d+)\s+([\d.]+)\s+([\d.]+)", line)
+            if m:
+                per.setdefault(m.group(1), []).append((float(m.group(2)), float(m.group(3))))
+    return per
+def trace(side):
+    per = {}
+    for f in sorted(glob.glob(f"{d}/trace-{side}-*.txt")):
+        case = re.match(r".*/trace-\w+-\d+-(.*)\.txt", f).group(1)
+        ranks = [float(x) for x in re.findall(r"\(([\d.]+) us by CUDA events\)", open(f).read())]
+        if ranks:
+            per.setdefault(case, []).append(max(ranks))
+    return per
+go, gn = gemm("old"), gemm("new")
+print("plain GEMM (ms, median over rounds; cuBLAS of the same runs)")
+print(f"{'shape':>20} {'old':>8} {'new':>8} {'new/old':>8} {'cuBLAS old':>11} {'cuBLAS new':>11}")
+for shape in go:
+    o = statistics.median(x for x, _ in go[shape]); n = statistics.median(x for x, _ in gn.get(shape, [(0, 0)]))
+    bo = statistics.median(y for _, y in go[shape]); bn = statistics.median(y for _, y in gn.get(shape, [(0, 0)]))
+    print(f"{shape:>20} {o:8.3f} {n:8.3f} {n / o:8.3f} {bo:11.3f} {bn:11.3f}")
+to, tn = trace("old"), trace("new")
+print("fused, two ranks in one process (us, the slower rank's traced launch by CUDA events; median, spread)")
+print(f"{'case':>28} {'old':>9} {'new':>9} {'new/old':>8}   old runs / new runs")
+for case in to:
+    o, n = statistics.median(to[case]), statistics.median(tn.get(case, [0]))
+    print(f"{case:>28} {o:9.1f} {n:9.1f} {n / o:8.3f}   {' '.join(f'{x:.0f}' for x in to[case])} / {' '.join(f'{x:.0f}' for x in tn.get(case, []))}")
+PY
+  tar -czf "$OUT/ab.tar.gz" -C "$dir" .
+  return "$rc"
+}
+
 # ---- host -----------------------------------------------------------------------------------
 # The host's share of an op (bench/bench_launch.cu, then bench/bench_host.py with the python
 # step's package): microseconds per call of the C++ entry's pieces and of each Python layer, two
@@ -318,8 +386,8 @@ plan=()
 for s in "${steps[@]}"; do
   case "$s" in
     all) plan+=(build test sanitize python bench) ;;
-    build | test | sanitize | python | bench | compare | trace | nodes | host) plan+=("$s") ;;
-    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|nodes|host|all]..." >&2; exit 2 ;;
+    build | test | sanitize | python | bench | compare | trace | ab | nodes | host) plan+=("$s") ;;
+    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|ab|nodes|host|all]..." >&2; exit 2 ;;
   esac
 done
 
@@ -339,6 +407,7 @@ for s in "${plan[@]}"; do
     bench) step_bench ;;
     compare) step_compare ;;
     trace) step_trace ;;
+    ab) step_ab ;;
     nodes) step_nodes ;;
     host) step_host ;;
   esac
