@@ -113,7 +113,7 @@ FusedGemmPlan ag_gemm_plan(const Communicator& comm, int64_t m, int64_t n, int64
 // Each rank computes the peers' rows first, reducing each tile into its owner's accumulator as
 // it is produced, and its own rows last, adding the peers' sums in its epilogue.
 std::size_t gemm_rs_workspace_bytes(int64_t m, int64_t n, int world_size);
-// The same for this communicator: across nodes (issue 8) the workspace also holds, per other
+// The same for this communicator: across nodes the workspace also holds, per other
 // node, a relay accumulator, the staging of the node sum sent there and the sum received from
 // there - 3 x nodes - 2 times the one-node size.
 std::size_t gemm_rs_workspace_bytes(const Communicator& comm, int64_t m, int64_t n);

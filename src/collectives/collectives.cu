@@ -28,8 +28,8 @@ int pick_channels(const Communicator& comm, const CollectiveConfig& config, std:
                   const char* op) {
   int channels = config.channels > 0 ? config.channels : comm.overrides().channels;
   if (channels <= 0) {
-    // ~64 KiB per channel, at most 128: on the H200 NV18 host 128 channels were fastest at every
-    // size from 8 to 512 MiB for all three ops (docs/PERFORMANCE.md).
+    // ~64 KiB per channel, at most 128: 128 channels were the fastest at every size from 8 to
+    // 512 MiB for all three ops on the H200 NV18 host (docs/PERFORMANCE.md, 2026-11-30).
     channels = static_cast<int>(std::clamp<std::size_t>(bytes >> 16, 1, 128));
   }
   const int budget = std::max(1, std::min(comm.topology().sm_budget(), kMaxChannels));

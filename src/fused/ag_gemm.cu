@@ -50,12 +50,11 @@ FusedGemmPlan fused::plan_ag_gemm(const fused::PlanContext& comm, int64_t m, int
     p.comm_ctas = std::min(config.comm_ctas, p.ctas);
   } else {
     // Push no faster than needed: pushing saturates HBM and NVLink and slows the GEMM's own loads
-    // (H200 sweep, docs/PERFORMANCE.md: 16-48 pushers beat 132 wherever the GEMM is long).
+    // (a few dozen pushers beat all of them wherever the GEMM is long: docs/PERFORMANCE.md).
     // Peer r - d reads this shard after d shards of its own work, so the pushes keep up when
     // they run at shard * world / T_gemm. Each pushing CTA moves about kPushRate; take twice the
     // CTAs that rate asks for, at least kMinPushers, and no more than the link carries: beyond
-    // that they only contend (8192x2048x8192 on the H200 x2, session 13: 127 pushers 0.461 ms,
-    // 64 pushers 0.385, the engine alone 0.382).
+    // that they only contend (docs/PERFORMANCE.md, 2026-12-01, at 9f2f94f).
     constexpr double kGemmFlops = 650e12;  // what the engine sustains on large shapes (H200)
     constexpr double kPushRate = 5e9;      // bytes/s of one CTA's three pushing warps
     constexpr double kLinkRate = 360e9;    // bytes/s one way over NVLink (H200, NV18)
@@ -70,9 +69,9 @@ FusedGemmPlan fused::plan_ag_gemm(const fused::PlanContext& comm, int64_t m, int
   if (piece_rows < 0) invalid("piece_rows = " + std::to_string(piece_rows));
   if (piece_rows == 0) {
     // Pushing CTA c takes pieces c, c + comm_ctas, ...: the shard arrives in rounds of comm_ctas
-    // pieces, so its front rows come early only if it spans several rounds (one round of 512 KiB
-    // pieces landed all at once, after ~110 us on the H200: docs/PERFORMANCE.md, session 13).
-    // About kRounds rounds, of pieces of 128-512 KiB (a piece's fence and signal cost ~2-3 us).
+    // pieces, so its front rows come early only if it spans several rounds (one round of large
+    // pieces lands all at once: docs/PERFORMANCE.md, 2026-12-01, at f51f0fb). About kRounds
+    // rounds, of pieces of 128-512 KiB (a piece's fence and signal cost a few microseconds).
     constexpr int64_t kRounds = 4, kMinPiece = int64_t{128} << 10, kMaxPiece = int64_t{512} << 10;
     const int64_t want = p.shard_rows * row_bytes / (int64_t{p.comm_ctas} * kRounds);
     piece_rows = std::max<int64_t>(1, std::clamp(want, kMinPiece, kMaxPiece) / row_bytes);

@@ -17,7 +17,7 @@
 // the start, and the pushers wait for it from their destination before the first piece.
 // Signals carry the launch epoch, so no flag is ever reset.
 //
-// Across nodes (issue 8, docs/design/multinode.md section 2) shards follow the rail routes of
+// Across nodes (docs/design/multinode.md section 2) shards follow the rail routes of
 // fused/rail_routes.h: rank r = (node n, local l) sends its shard over its NIC to its rail peers
 // (n', l) only - piece by piece, one put+signal command each into the communicator's inter-node
 // rings, from a copy of A_r in its own workspace slot (commands name registered buffers) - and

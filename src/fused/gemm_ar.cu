@@ -159,9 +159,8 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
     // carries the traffic, the column tiles split evenly (the same count for every owner) and
     // each rank owns at least kInterleaveWaves waves of tiles; on a grid coprime to the world
     // size, so that every CTA sends its share (fewer staging slots). With fewer own tiles the
-    // blocked order (all peers' tiles first) was faster on the H200: 4096^3 0.214 against
-    // 0.242 ms, 8192x2048x8192 0.28 against 0.33, 1024x8192x8192 0.16 against 0.19 (two own
-    // waves each); from eight waves interleaving wins (8192^3 1.02 against 1.12).
+    // blocked order (all peers' tiles first) measured faster, from eight waves the interleaved
+    // one (docs/PERFORMANCE.md, 2026-11-30).
     constexpr int kInterleaveWaves = 4;
     q.lag = -1;
     if (q.outbox_slots > 0 && tiles_n % world == 0 &&
@@ -195,8 +194,8 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
   // Two ranks: an own tile's bf16 result leaves for the peer's C by a TMA store beside its local
   // one (not through the outbox's side threads), and without an outbox (small M) a peer's
   // tile's fp32 slice too, through tensor maps of the peer's C and accumulator laid out as the
-  // ring's (tma_partials) - a CTA's copy engine pushes ~42 GB/s over NVLink where its threads'
-  // stores managed a few GB/s from the epilogue (bench_p2p, docs/PERFORMANCE.md).
+  // ring's (tma_partials) - a CTA's copy engine pushes an order of magnitude more over NVLink
+  // than its threads' stores from the epilogue (bench_p2p; docs/PERFORMANCE.md, 2026-12-01).
   p.tma_sends = world == 2 && config.tma_sends;
   return p;
 }

@@ -1,5 +1,5 @@
-// GEMM + ReduceScatter across nodes, as a Fusion policy of the GEMM engine (issue 8,
-// docs/design/multinode.md section 3), on the across-node reducing kernels' common part
+// GEMM + ReduceScatter across nodes, as a Fusion policy of the GEMM engine
+// (docs/design/multinode.md section 3), on the across-node reducing kernels' common part
 // (fused/across_nodes.cuh). The routes, regions and signals are those of fused/reduce_routes.h;
 // a consumer warpgroup does with each slice:
 //   kLocalPeer / kViaRelay: send the fp32 partial over NVLink into the target's region (vector

@@ -31,13 +31,13 @@ __device__ __forceinline__ void st_shared_f32x2(void* p, float x, float y) {
 // (row, col), (row, col + 1) of the slice (col even). `clear_block` (or null): the slice as one
 // contiguous [rows][width] fp32 block, zeroed afterwards for the next launch (an accumulator that
 // peers add into) - by the whole warpgroup in a separate, coalesced pass once every thread's loads
-// are back (`barrier`: the warpgroup's named barrier). 8-byte zero stores into the lines just read,
-// interleaved with the loads, took 42 us per 64 KiB slice from HBM on an idle GPU
-// (bench_epilogue, "add+clear cold"). Four column blocks at a time (two at 192 wide,
-// where four spill): their loads are issued before any add or store, so they are in flight
-// together (a plain load-add-store loop waits for each load in turn: the compiler cannot prove
-// rows r and r + 8 apart from the words it stores). The slice is read while the GEMM loads L2
-// heavily: with two blocks in flight the own tiles' epilogues took ~16 us at 128 x 256 (trace).
+// are back (`barrier`: the warpgroup's named barrier); 8-byte zero stores into the lines just read,
+// interleaved with the loads, are many times slower (bench_epilogue, "add+clear cold"). Four
+// column blocks at a time (two at 192 wide, where four spill): their loads are issued before any
+// add or store, so they are in flight together (a plain load-add-store loop waits for each load
+// in turn: the compiler cannot prove rows r and r + 8 apart from the words it stores); the slice
+// is read while the GEMM loads L2 heavily, and with two blocks in flight the own tiles'
+// epilogues were far slower (docs/PERFORMANCE.md, 2026-11-30).
 // `bf16`: the slice holds bf16 partials packed two to a 32-bit word - `at(row, word)` addresses
 // the word of columns 2 word and 2 word + 1 - at half the bytes (the two-rank gemm_rs, whose one
 // peer partial is rounded to bf16 once, as the sequential baseline's NCCL rounds it); no clear.
@@ -94,9 +94,9 @@ __device__ __forceinline__ float2 ld_shared_f32x2(const void* p) {
 
 // The peer's partial sums of a whole own tile, brought by the producer's TMA loads through the
 // stage ring behind the tile's k-blocks (gemm_rs with two ranks, GemmRsFusion::load_epilogue):
-// the epilogue reads them from shared memory instead of waiting on global loads - adding a 64 KiB
-// slice from global memory took ~10 us inside the GEMM (journal, session 4), held up by the
-// SM's own TMA traffic. Stage i holds, for slice (half) h of the tile, its 32-column boxes
+// the epilogue reads them from shared memory instead of waiting on global loads - a 64 KiB slice
+// from global memory is slow to add inside the GEMM, held up by the SM's own TMA traffic
+// (docs/PERFORMANCE.md, 2026-11-30 and 2026-12-01). Stage i holds, for slice (half) h of the tile, its 32-column boxes
 // [i * kPerStage, i * kPerStage + kPerStage) - 64 x 32 fp32 each, 128-byte swizzled - at
 // (h * kPerStage + q) * kPartialBoxBytes.
 constexpr int kPartialBoxBytes = 64 * 32 * 4;
@@ -172,10 +172,9 @@ __device__ __forceinline__ void add_from_ring(float (&acc)[kRegs],
 // 64 x 32 buffer in shared memory (two alternating, in `scratch`), then every thread writes whole
 // 16-byte pieces of rows - coalesced, posted writes; `add`: vector reductions (red.add.v4.f32),
 // else plain stores (an accumulator that receives one partial). Ends with a barrier of the
-// warpgroup, so that thread 0's release afterwards covers every thread's writes. (TMA stores and
-// reduces to the peer, tried first in session 2, were no faster while other costs dominated; two
-// ranks with fp32 partials now send by TMA stores where the policies' views allow - their
-// tma_sends.) All 128 threads of the warpgroup call.
+// warpgroup, so that thread 0's release afterwards covers every thread's writes. (Two ranks with
+// fp32 partials send by TMA stores instead where the policies' views allow - their tma_sends.)
+// All 128 threads of the warpgroup call.
 template <int kRegs, typename At>
 __device__ __forceinline__ void send_slice(const float (&acc)[kRegs], int consumer,
                                            uint8_t* scratch, const At& at, int rows, int width,
@@ -285,7 +284,7 @@ __device__ __forceinline__ void prefetch_slice_l2(const PartialAt& at, int rows,
 
 // ---- Outbox: partial slices leave through the producer warpgroup's spare warps -----------------
 // Sending a slice from the consumer's epilogue stalls its tensor cores for the whole NVLink
-// transfer (from an epilogue a CTA moves only ~1 GB/s over NVLink, journal 2026-11-30 session 3).
+// transfer (an epilogue's stores move little over NVLink: docs/PERFORMANCE.md, 2026-11-30).
 // Instead a consumer writes its slice into a staging slot in local memory (fast), hands it to the
 // 96 side threads and goes on to its next tile; the side threads copy the slot into the owner's
 // accumulator (stores, or red.add with more than two ranks), release, raise the owner's signal and
@@ -369,9 +368,9 @@ __device__ __forceinline__ void outbox_enqueue(const OutboxItem& item) {
 // The fp32 slice (columns < width) staged by TMA: 32-column chunks are transposed through the
 // consumer's two 64 x 32 fp32 scratch buffers (128-byte swizzle, as send_slice's), and thread 0
 // stores chunk j with store_chunk(buf, j) - a TMA store of the box into the staging slot, issued
-// and committed as one bulk group. The epilogue's own 8-byte global stores of a 64 KiB slice
-// took ~9 us at 128 x 256 beside the GEMM (trace, H200, 2026-12-01); these are shared-memory
-// stores and an asynchronous copy. All 128 threads of the consumer call; the stores are in flight
+// and committed as one bulk group - shared-memory stores and an asynchronous copy, where the
+// epilogue's own 8-byte global stores of a slice cost it several microseconds beside the GEMM
+// (docs/PERFORMANCE.md, 2026-12-01). All 128 threads of the consumer call; the stores are in flight
 // on return (thread 0's bulk groups).
 template <int kRegs, class StoreChunk>
 __device__ __forceinline__ void stage_chunks(const float (&acc)[kRegs], int consumer,
@@ -552,7 +551,7 @@ __device__ __forceinline__ void outbox_serve(const DeviceComm& comm, bool add,
   auto copy = [&](const OutboxItem& item, int64_t shift, bool add_words) {
     const int units_per_row = item.width / 4, units = item.rows * units_per_row;
     // Four 16-byte loads in flight per thread (6 KiB per CTA): the staging slot is read while the
-    // GEMM loads the memory system, and with two the copy ran at ~1.7 GB/s per CTA (trace).
+    // GEMM loads the memory system, and two in flight left the copy slow (docs/PERFORMANCE.md).
     constexpr int kBatch = 4;
     for (int u0 = t; u0 < units; u0 += 96 * kBatch) {
       float4 v[kBatch];

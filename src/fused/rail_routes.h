@@ -1,7 +1,7 @@
 // The rail-aligned routes of the hierarchical (multi-node) GEMM kernels - which link carries
 // which shard, and the order a rank computes its tiles in - as host logic, tested on the CPU
-// (tests/cpu/test_rail_routes.cpp). No kernel uses it yet: it is the schedule the multi-node
-// AG+GEMM and GEMM+RS of issue 8 are to follow (docs/MULTINODE_MODEL.md, "How the data moves").
+// (tests/cpu/test_rail_routes.cpp): the schedule ag_gemm, gemm_rs and gemm_ar follow across
+// nodes (docs/design/multinode.md).
 //
 // Ranks form N nodes of G ranks each (Topology: equal node sizes, virtual nodes included). Rank
 // (node n, local l) talks to other nodes only through its rail peers (n', l): every shard crosses

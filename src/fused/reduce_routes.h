@@ -1,4 +1,4 @@
-// GEMM + ReduceScatter across nodes (issue 8, docs/design/multinode.md section 3): for rank r
+// GEMM + ReduceScatter across nodes (docs/design/multinode.md section 3): for rank r
 // and a slice of owner o's rows, what r does with its partial, where it adds up, and which signal
 // says so - arithmetic shared by the kernel (gemm_rs_nodes.cuh) and by the CPU test that plays
 // every rank's raises against every rank's waits (tests/cpu/test_rail_routes.cpp).

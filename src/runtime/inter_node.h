@@ -1,4 +1,4 @@
-// Internal: a communicator's path between nodes (issue 8, docs/design/multinode.md section 1).
+// Internal: a communicator's path between nodes (docs/design/multinode.md section 1).
 //
 // One transport whose peers are this rank's rail peers (the same local index on every other node:
 // the hierarchical kernels send nothing else over the network: Topology::rail_peers), one proxy

@@ -30,7 +30,7 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* smem) {
 // N-major (transposed) B with 128-byte swizzling: the tile is stored as [N / 64][K][64 N values],
 // each K row 128 bytes. Stride-dimension offset: 1024 B between groups of 8 K rows; leading-
 // dimension offset: `chunk_bytes` between 64-wide N chunks. A k16 slice starts 16 rows (2 KiB)
-// further. (Checked on the H200 by tests/gpu/test_gemm.cpp, Gemm.BLayoutKN.)
+// further. (Checked by tests/gpu/test_gemm.cpp, Gemm.BLayoutKN.)
 __device__ __forceinline__ uint64_t wgmma_desc_sw128_mn(const void* smem, uint32_t chunk_bytes) {
   const uint64_t addr = smem_addr(smem);
   return ((addr & 0x3FFFF) >> 4) | (uint64_t{(chunk_bytes >> 4) & 0x3FFF} << 16) |
