@@ -133,6 +133,14 @@ std::string now_utc() {
   return buf;
 }
 
+// Without NCCL (ranks sharing a GPU): half a bf16 ulp of the largest possible sum - `world`
+// inputs in [-1, 1) - as the bar's "NCCL error", so that ours may be off by one ulp there.
+double no_nccl_bar(int world) {
+  double ulp = 1.0 / 128;  // bf16 ulp of values in [1, 2)
+  for (int w = world; w >= 2; w /= 2) ulp *= 2;
+  return ulp / 2;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -144,15 +152,31 @@ int main(int argc, char** argv) {
   const int rank = comm->rank(), world = comm->world_size();
   const bool root = rank == 0;
 
-  const bench::Nccl& nccl = bench::Nccl::get();
+  // Ranks sharing a GPU: NCCL refuses them ("invalid usage") and their timings say nothing, so
+  // only the check runs, against references rebuilt here (bitwise for all_gather, the fp64 sum
+  // within one bf16 ulp of the largest sum for the reductions).
+  const bool shared_gpu = comm->topology().max_ranks_per_device > 1;
+  if (shared_gpu && !args.check_only) {
+    if (root) {
+      std::fprintf(stderr,
+                   "bench_collectives: %d ranks share a GPU: timings need one GPU per rank (run "
+                   "--check, or fewer ranks)\n",
+                   comm->topology().max_ranks_per_device);
+    }
+    return 2;
+  }
+  const bench::Nccl* nccl_lib = shared_gpu ? nullptr : &bench::Nccl::get();
   int nccl_version = 0;
-  nccl.GetVersion(&nccl_version);
-  ncclUniqueId id{};
-  if (root) nccl.check(nccl.GetUniqueId(&id), "ncclGetUniqueId");
-  std::vector<ncclUniqueId> ids(world);
-  bootstrap.allgather(&id, ids.data(), sizeof(id));
-  ncclComm_t nc;
-  nccl.check(nccl.CommInitRank(&nc, world, ids[0], rank), "ncclCommInitRank");
+  ncclComm_t nc = nullptr;
+  if (nccl_lib != nullptr) {
+    nccl_lib->GetVersion(&nccl_version);
+    ncclUniqueId id{};
+    if (root) nccl_lib->check(nccl_lib->GetUniqueId(&id), "ncclGetUniqueId");
+    std::vector<ncclUniqueId> ids(world);
+    bootstrap.allgather(&id, ids.data(), sizeof(id));
+    nccl_lib->check(nccl_lib->CommInitRank(&nc, world, ids[0], rank), "ncclCommInitRank");
+  }
+  const bench::Nccl& nccl = nccl_lib != nullptr ? *nccl_lib : bench::Nccl::none();
 
   const std::size_t max_bytes = *std::max_element(args.sizes_mib.begin(), args.sizes_mib.end())
                                 << 20;
@@ -171,9 +195,14 @@ int main(int argc, char** argv) {
   cudaStream_t s = bench.stream();
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, comm->device()));
-  if (root) {
+  if (root && nccl_lib != nullptr) {
     std::printf("mkernel collectives vs NCCL %d (%s), world %d, %s\n", nccl_version,
                 nccl.path.c_str(), world, prop.name);
+  } else if (root) {
+    std::printf(
+        "mkernel collectives, world %d with %d ranks per GPU (%s): checked against "
+        "references rebuilt here, without NCCL\n",
+        world, comm->topology().max_ranks_per_device, prop.name);
   }
 
   std::ostringstream rows;
@@ -230,42 +259,54 @@ int main(int argc, char** argv) {
            [&](std::string* why) {
              fill(plain_in, count, seed + mib);
              all_gather(*comm, plain_in, sym_big.data(), count, DType::kBF16, s);
-             nccl.check(nccl.AllGather(plain_in, plain_big, count, ncclBfloat16, nc, s),
-                        "ncclAllGather");
+             if (nc != nullptr) {
+               nccl.check(nccl.AllGather(plain_in, plain_big, count, ncclBfloat16, nc, s),
+                          "ncclAllGather");
+             } else {  // every rank's input, rebuilt: what the gather must hold bitwise
+               for (int r = 0; r < world; ++r) {
+                 launch_fill(static_cast<char*>(plain_big) + r * bytes, count, seed + mib, r, s);
+               }
+             }
              CK(cudaMemsetAsync(d_stat, 0, sizeof(*d_stat), s));
              launch_count_diff(sym_big.data(), plain_big, bytes * world / 16, d_stat, s);
              unsigned long long diffs = 0;
              CK(cudaMemcpyAsync(&diffs, d_stat, sizeof(diffs), cudaMemcpyDeviceToHost, s));
              comm->synchronize(s);
-             *why = std::to_string(diffs) + " vectors differ from NCCL";
+             *why = std::to_string(diffs) + " vectors differ from " +
+                    (nc != nullptr ? "NCCL" : "the inputs");
              unsigned long long all_diffs[64] = {};
              comm->bootstrap().allgather(&diffs, all_diffs, sizeof(diffs));
              for (int r = 0; r < world; ++r)
                if (all_diffs[r]) return false;
              return true;
            }});
-    ops.push_back(
-        Op{"reduce_scatter", f_ag,
-           [&](const CollectiveConfig& c) {
-             reduce_scatter(*comm, sym_big.data(), plain_small, count, DType::kBF16, s, c);
-           },
-           [&] {
-             nccl.check(nccl.ReduceScatter(plain_big, scratch, count, ncclBfloat16, ncclSum, nc, s),
-                        "ncclReduceScatter");
-           },
-           [&](std::string* why) {
-             fill(sym_big.data(), count * world, seed + 7 * mib);
-             CK(cudaMemcpyAsync(plain_big, sym_big.data(), bytes * world, cudaMemcpyDeviceToDevice,
-                                s));
-             reduce_scatter(*comm, sym_big.data(), plain_small, count, DType::kBF16, s);
-             nccl.check(nccl.ReduceScatter(plain_big, scratch, count, ncclBfloat16, ncclSum, nc, s),
-                        "ncclReduceScatter");
-             comm->synchronize(s);
-             const double ours = max_error(plain_small, count, rank * count, seed + 7 * mib);
-             const double theirs = max_error(scratch, count, rank * count, seed + 7 * mib);
-             *why = "max error " + std::to_string(ours) + " vs NCCL " + std::to_string(theirs);
-             return ours <= 2 * theirs + 1e-6;
-           }});
+    ops.push_back(Op{
+        "reduce_scatter", f_ag,
+        [&](const CollectiveConfig& c) {
+          reduce_scatter(*comm, sym_big.data(), plain_small, count, DType::kBF16, s, c);
+        },
+        [&] {
+          nccl.check(nccl.ReduceScatter(plain_big, scratch, count, ncclBfloat16, ncclSum, nc, s),
+                     "ncclReduceScatter");
+        },
+        [&](std::string* why) {
+          fill(sym_big.data(), count * world, seed + 7 * mib);
+          CK(cudaMemcpyAsync(plain_big, sym_big.data(), bytes * world, cudaMemcpyDeviceToDevice,
+                             s));
+          reduce_scatter(*comm, sym_big.data(), plain_small, count, DType::kBF16, s);
+          if (nc != nullptr) {
+            nccl.check(nccl.ReduceScatter(plain_big, scratch, count, ncclBfloat16, ncclSum, nc, s),
+                       "ncclReduceScatter");
+          }
+          comm->synchronize(s);
+          const double ours = max_error(plain_small, count, rank * count, seed + 7 * mib);
+          const double theirs = nc != nullptr
+                                    ? max_error(scratch, count, rank * count, seed + 7 * mib)
+                                    : no_nccl_bar(world);
+          *why = "max error " + std::to_string(ours) + (nc != nullptr ? " vs NCCL " : " bar ") +
+                 std::to_string(theirs);
+          return ours <= 2 * theirs + 1e-6;
+        }});
     ops.push_back(Op{
         "all_reduce", 2.0 * (world - 1) / world,
         [&](const CollectiveConfig& c) {
@@ -279,12 +320,17 @@ int main(int argc, char** argv) {
           fill(sym_ar.data(), count, seed + 13 * mib);
           CK(cudaMemcpyAsync(plain_small, sym_ar.data(), bytes, cudaMemcpyDeviceToDevice, s));
           all_reduce(*comm, sym_ar.data(), sym_ar.data(), count, DType::kBF16, s);
-          nccl.check(nccl.AllReduce(plain_small, plain_small, count, ncclBfloat16, ncclSum, nc, s),
-                     "ncclAllReduce");
+          if (nc != nullptr) {
+            nccl.check(
+                nccl.AllReduce(plain_small, plain_small, count, ncclBfloat16, ncclSum, nc, s),
+                "ncclAllReduce");
+          }
           comm->synchronize(s);
           const double ours = max_error(sym_ar.data(), count, 0, seed + 13 * mib);
-          const double theirs = max_error(plain_small, count, 0, seed + 13 * mib);
-          *why = "max error " + std::to_string(ours) + " vs NCCL " + std::to_string(theirs);
+          const double theirs = nc != nullptr ? max_error(plain_small, count, 0, seed + 13 * mib)
+                                              : no_nccl_bar(world);
+          *why = "max error " + std::to_string(ours) + (nc != nullptr ? " vs NCCL " : " bar ") +
+                 std::to_string(theirs);
           return ours <= 2 * theirs + 1e-6;
         }});
 
@@ -363,6 +409,6 @@ int main(int argc, char** argv) {
     std::fclose(f);
     std::printf("wrote %s\n", args.json.c_str());
   }
-  nccl.CommDestroy(nc);
+  if (nc != nullptr) nccl.CommDestroy(nc);
   return all_correct ? 0 : 1;
 }

@@ -27,6 +27,7 @@ import argparse
 import datetime
 import json
 import os
+import random
 import sys
 
 import torch
@@ -77,6 +78,29 @@ def time_variants(variants, iters, rounds):
     return dict(zip(times, values[:n])), dict(zip(times, values[n:]))
 
 
+_RUN_SEED = 0  # drawn by rank 0 in main(): fresh inputs every run
+
+
+def _rand(seed, shape):
+    """A uniform [-0.5, 0.5) bf16 tensor on this GPU from `seed` (any rank can rebuild any
+    rank's inputs: check mode's references need no collective)."""
+    g = torch.Generator(device="cuda").manual_seed(seed % (1 << 62))
+    return torch.rand(shape, device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
+
+
+def _operands(base, rank, m, n, k, a_shape, b_shape):
+    seed = (_RUN_SEED * 1000003 + base + 17 * rank + m + n + k)
+    return _rand(seed, a_shape), _rand(seed + 1, b_shape)
+
+
+def _reduced_reference(a_of, b_of, world, rows):
+    """(fp32 sum over ranks of a_r @ b_r^T, and the sequential baseline: each rank's bf16 cuBLAS
+    partial, summed in fp32 and rounded once, as NCCL sums them), rows `rows`, built here."""
+    exact = sum(a_of(r).float()[rows] @ b_of(r).float().T for r in range(world))
+    seq = sum((a_of(r)[rows] @ b_of(r).T).float() for r in range(world)).to(torch.bfloat16)
+    return exact, seq
+
+
 def close(got, want):
     """|got - want| <= 2 bf16 ulps of max |want| (both bf16 results of fp32-accumulated GEMMs)."""
     diff = (got.float() - want.float()).abs().max().item()
@@ -87,9 +111,7 @@ def close(got, want):
 def ag_gemm_case(comm, m, n, k, mode, iters, sweep=False):
     rank, world = dist.get_rank(), dist.get_world_size()
     shard = m // world
-    g = torch.Generator(device="cuda").manual_seed(1234 + 17 * rank + m + n + k)
-    a_shard = torch.rand((shard, k), device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
-    b = torch.rand((n, k), device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
+    a_shard, b = _operands(1234, rank, m, n, k, (shard, k), (n, k))
     a_full = torch.empty((m, k), device="cuda", dtype=torch.bfloat16)
 
     def sequential():
@@ -98,10 +120,13 @@ def ag_gemm_case(comm, m, n, k, mode, iters, sweep=False):
 
     log(f"  {m}x{n}x{k}: {mkernel._C.ag_gemm_plan(comm._impl, m, n, k)}")
     ours, gathered = mkernel.ag_gemm(a_shard, b, comm, return_gathered=True)
-    ref = sequential()
-    ok, diff, mag = close(ours, ref)
-    if mode == "check":
-        ok = ok and torch.equal(gathered.view(torch.int16), a_full.view(torch.int16))
+    if mode == "check":  # the gathered A rebuilt here, bitwise; the product within 2 ulps
+        a_ref = torch.cat([_operands(1234, r, m, n, k, (shard, k), (n, k))[0]
+                           for r in range(world)])
+        ok, diff, mag = close(ours, a_ref @ b.T)
+        ok = ok and torch.equal(gathered.view(torch.int16), a_ref.view(torch.int16))
+    else:
+        ok, diff, mag = close(ours, sequential())
     variants = {
         "mkernel": lambda: mkernel.ag_gemm(a_shard, b, comm),
         "gemm_alone": lambda: a_full @ b.T,
@@ -109,7 +134,7 @@ def ag_gemm_case(comm, m, n, k, mode, iters, sweep=False):
         "sequential": sequential,
         "mkernel_gemm": lambda: mkernel.gemm(a_full, b),
     }
-    async_tp = torch_async_tp_ag(a_shard, b)
+    async_tp = torch_async_tp_ag(a_shard, b) if mode == "bench" else None
     if async_tp is not None:
         variants["torch_async_tp"] = async_tp
     if sweep:  # configurations of the fused op, printed only
@@ -125,9 +150,7 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
     rank, world = dist.get_rank(), dist.get_world_size()
     kl = k // world
     log(f"  {m}x{n}x{k}: {mkernel._C.gemm_rs_plan(comm._impl, m, n, kl)}")
-    g = torch.Generator(device="cuda").manual_seed(4321 + 17 * rank + m + n + k)
-    a = torch.rand((m, kl), device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
-    b = torch.rand((n, kl), device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
+    a, b = _operands(4321, rank, m, n, k, (m, kl), (n, kl))
     out = torch.empty((m // world, n), device="cuda", dtype=torch.bfloat16)
 
     def sequential():
@@ -135,10 +158,15 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
         return out
 
     ours = mkernel.gemm_rs(a, b, comm)
-    seq = sequential().clone()
-    # fp32 reference: fp32 partial products reduce-scattered in fp32.
-    ref = torch.empty((m // world, n), device="cuda", dtype=torch.float32)
-    dist.reduce_scatter_tensor(ref, a.float() @ b.float().T)
+    if mode == "check":  # references built here from every rank's operands, no collective
+        rows = slice(rank * (m // world), (rank + 1) * (m // world))
+        ops = [_operands(4321, r, m, n, k, (m, kl), (n, kl)) for r in range(world)]
+        ref, seq = _reduced_reference(lambda r: ops[r][0], lambda r: ops[r][1], world, rows)
+    else:
+        seq = sequential().clone()
+        # fp32 reference: fp32 partial products reduce-scattered in fp32.
+        ref = torch.empty((m // world, n), device="cuda", dtype=torch.float32)
+        dist.reduce_scatter_tensor(ref, a.float() @ b.float().T)
     err = (ours.float() - ref).abs().max().item()
     err_seq = (seq.float() - ref).abs().max().item()
     mag = ref.abs().max().item()
@@ -151,7 +179,7 @@ def gemm_rs_case(comm, m, n, k, mode, iters, sweep=False):
         "sequential": sequential,
         "mkernel_gemm": lambda: mkernel.gemm(a, b),
     }
-    async_tp = torch_async_tp_rs(a, b)
+    async_tp = torch_async_tp_rs(a, b) if mode == "bench" else None
     if async_tp is not None:
         variants["torch_async_tp"] = async_tp
     if sweep:
@@ -178,9 +206,7 @@ def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
     rank, world = dist.get_rank(), dist.get_world_size()
     kl = k // world
     log(f"  {m}x{n}x{k}: {mkernel._C.gemm_ar_plan(comm._impl, m, n, kl)}")
-    g = torch.Generator(device="cuda").manual_seed(5555 + 17 * rank + m + n + k)
-    a = torch.rand((m, kl), device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
-    b = torch.rand((n, kl), device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
+    a, b = _operands(5555, rank, m, n, k, (m, kl), (n, kl))
     out = comm.alloc_tensor((m, n), torch.bfloat16)
     partial = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
 
@@ -190,9 +216,14 @@ def gemm_ar_case(comm, m, n, k, mode, iters, sweep=False):
         return partial
 
     mkernel.gemm_ar(a, b, comm, out)
-    seq = sequential().clone()
-    ref = a.float() @ b.float().T
-    dist.all_reduce(ref)
+    if mode == "check":  # references built here from every rank's operands, no collective
+        ops = [_operands(5555, r, m, n, k, (m, kl), (n, kl)) for r in range(world)]
+        ref, seq = _reduced_reference(lambda r: ops[r][0], lambda r: ops[r][1], world,
+                                      slice(0, m))
+    else:
+        seq = sequential().clone()
+        ref = a.float() @ b.float().T
+        dist.all_reduce(ref)
     err = (out.float() - ref).abs().max().item()
     err_seq = (seq.float() - ref).abs().max().item()
     mag = ref.abs().max().item()
@@ -300,8 +331,22 @@ def main():
     args = ap.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local_rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count()
+    shared = local_world > gpus  # ranks share GPUs: NCCL refuses them, timings say nothing
+    device = local_rank % gpus
+    torch.cuda.set_device(device)
+    if shared and args.mode == "bench":
+        sys.exit(f"bench_fused.py: {local_world} ranks on {gpus} GPU(s): timings need one GPU "
+                 "per rank (check mode runs with ranks sharing GPUs)")
+    if shared:  # check mode: its references are built without collectives
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", device))
+    global _RUN_SEED
+    seed = [random.randrange(1 << 31)]
+    dist.broadcast_object_list(seed, src=0)
+    _RUN_SEED = seed[0]
     comm = mkernel.init()
     world = dist.get_world_size()
     global _NUM_NODES
@@ -309,8 +354,9 @@ def main():
     shapes = parse_shapes(args.shapes) if args.shapes else SHAPES[args.kernel]
     if args.mode == "check":
         shapes = [(max(world, m // 8 // world * world), n // 4, k // 4) for m, n, k in shapes]
-    log(f"{args.kernel} {args.mode}: world {world} ({comm.num_nodes} node(s)), "
-        f"{torch.cuda.get_device_name()}, "
+    log(f"{args.kernel} {args.mode}: world {world} ({comm.num_nodes} node(s)"
+        f"{f', {local_world} ranks on {gpus} GPU(s)' if shared else ''}), "
+        f"{torch.cuda.get_device_name()}, seed {_RUN_SEED}, "
         f"mkernel {mkernel.__version__}, torch {torch.__version__}")
     rows, all_ok = [], True
     header = (f"{'shape (MxNxK)':<20} {'mkernel':>8} {'gemm':>8} {'comm':>8} {'seq':>8} "

@@ -27,6 +27,11 @@ struct Nccl {
     static const Nccl nccl = load();
     return nccl;
   }
+  // No NCCL at all (a run that never calls it: ranks sharing a GPU).
+  static const Nccl& none() {
+    static const Nccl nothing;
+    return nothing;
+  }
 
   void check(ncclResult_t r, const char* what) const {
     if (r != ncclSuccess) throw std::runtime_error(std::string(what) + ": " + GetErrorString(r));

@@ -12,7 +12,8 @@
 #         (../shared/BENCH_SCHEMA.md). sizes: collectives: MiB per rank, comma-separated (bench:
 #         8,64,512); gemm and fused kernels: MxNxK,... (default: the shape list).
 # The fused kernels run through PyTorch (torchrun + the mkernel package: `pip install .` first).
-# One rank per GPU of this machine (MKERNEL_RANKS overrides; ranks may share GPUs).
+# One rank per GPU of this machine (MKERNEL_RANKS overrides; ranks may share GPUs in check mode,
+# whose references then need no NCCL; on a machine with one GPU check mode runs two ranks on it).
 # Environment: BUILD_DIR (build), MKERNEL_NCCL_LIB (NCCL to compare with; default: PyTorch's).
 # num_nodes > 1 (the fused kernels; results ...-w<world>-n<nodes>.json), as in the original: this
 # machine is node 0 and starts torchrun on node i >= 1 over ssh. NODE0_IP (the address the others
@@ -143,6 +144,17 @@ if [[ "$gpus" -eq 0 ]]; then
   exit 3
 fi
 ranks="${MKERNEL_RANKS:-$gpus}"
+if [[ -z "${MKERNEL_RANKS:-}" && "$mode" == check && "$gpus" -eq 1 && "$kernel" != gemm ]]; then
+  # One GPU: the multi-rank kernels are still checked, with two ranks sharing it.
+  ranks=2
+  [[ "$kernel" == all ]] ||
+    echo "bench/run.sh: one GPU here: $kernel check runs two ranks sharing it (MKERNEL_RANKS overrides)"
+fi
+if [[ "$mode" == bench && "$ranks" -gt "$gpus" && "$kernel" != all ]]; then
+  echo "bench/run.sh: $ranks ranks on $gpus GPU(s): timings need one GPU per rank (check mode" \
+       "runs with ranks sharing GPUs)" >&2
+  exit 2
+fi
 if [[ ! -x "$build/bench/bench_collectives" || ! -x "$build/mkrun" ]]; then
   echo "bench/run.sh: $build/bench/bench_collectives is missing: run 'make' first" >&2
   exit 2

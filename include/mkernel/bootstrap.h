@@ -6,11 +6,21 @@
 //   - InProcessGroup: several ranks driven by threads of one process (tests, examples; several
 //     ranks may share one GPU).
 //   - bootstrap_from_launcher(): the processes started by tools/mkrun (see mkrun --help).
+//
+// Time limits: a communicator runs every host-side collective step (creation, symmetric
+// allocation, the inter-node setup) through allgather_within() with its time limit, so a rank
+// that never arrives, or dies, is an mk::Error(kTimeout) on the others within the limit - naming
+// the step, this rank and, where the bootstrap can tell (InProcessGroup, a timed callback, the
+// Python package's store), the ranks that did not arrive.
 #pragma once
 
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <string>
+#include <vector>
+
+#include "mkernel/error.h"
 
 namespace mk {
 
@@ -24,14 +34,36 @@ class Bootstrap {
   // Throws mk::Error(kBootstrap) when the exchange fails or times out.
   virtual void allgather(const void* send, void* recv, std::size_t bytes) = 0;
 
+  // Collective, bounded: allgather, giving up after `seconds` (<= 0: no limit) with
+  // mk::Error(kTimeout) that names this rank and, where this bootstrap can tell, the ranks that
+  // did not arrive. After a time-out the bootstrap may be out of step with its peers: use it no
+  // more. The default runs allgather() on a helper thread and, when the limit passes, leaves it
+  // there (holding copies of the buffers) - a bootstrap that can stop on its own overrides it.
+  virtual void allgather_within(const void* send, void* recv, std::size_t bytes, double seconds);
+
   // Collective barrier built on allgather.
   void barrier();
 };
 
-// Signature of a user-supplied allgather; same contract as Bootstrap::allgather.
+// Signature of a user-supplied allgather; same contract as Bootstrap::allgather. A bootstrap made
+// from one runs it on a helper thread when the exchange is bounded (allgather_within): an MPI
+// program that calls MPI from one thread only wants the timed form below.
 using AllgatherFn = std::function<void(const void* send, void* recv, std::size_t bytes)>;
+// A timed allgather: the same, but it returns within `seconds` (<= 0: no limit) or throws -
+// mk::Error(kTimeout) naming the ranks that did not arrive, if it can tell (an MPI program can
+// poll MPI_Iallgather with MPI_Test until the deadline; a key-value store can see whose keys are
+// missing: bootstrap_timeout() builds the error). It runs on the calling thread.
+using TimedAllgatherFn =
+    std::function<void(const void* send, void* recv, std::size_t bytes, double seconds)>;
 
 std::unique_ptr<Bootstrap> make_callback_bootstrap(int rank, int size, AllgatherFn allgather);
+std::unique_ptr<Bootstrap> make_callback_bootstrap(int rank, int size, TimedAllgatherFn allgather);
+
+// The error a bounded allgather of `rank` throws when `missing` (ascending; empty: not known) had
+// not arrived after `seconds`: "rank 0: allgather gave up after 2 s; ranks [1, 3] did not
+// arrive". `what` names the exchange ("in-process allgather", ...).
+Error bootstrap_timeout(int rank, const std::string& what, double seconds,
+                        const std::vector<int>& missing);
 
 // A group of `size` ranks inside this process. bootstrap(r) may be called once per rank, and
 // each returned Bootstrap is then used by one thread. The group must outlive its bootstraps.

@@ -68,11 +68,13 @@ def dtype_name(dtype) -> str:
 # ---- bootstrap over a c10d store ---------------------------------------------------------------
 
 class _StoreAllgather:
-    """allgather(bytes) -> bytes over a c10d Store, for the C++ bootstrap.
+    """allgather(bytes, timeout) -> bytes over a c10d Store, for the C++ bootstrap.
 
-    Round n: every rank sets `{prefix}/{n}/{rank}`, reads all ranks' keys (Store.get blocks until
-    a key exists, up to the store's own timeout), then adds 1 to `{prefix}/{n}/done`; the rank
-    that brings it to world_size has seen everyone done reading and deletes the round's keys.
+    Round n: every rank sets `{prefix}/{n}/{rank}`, waits at most `timeout` seconds for all ranks'
+    keys (0: the store's own timeout) - past it, TimeoutError naming the ranks whose keys are
+    missing, which the C++ layer raises as MkernelError(code="timeout") naming the step - reads
+    them, then adds 1 to `{prefix}/{n}/done`; the rank that brings it to world_size has seen
+    everyone done reading and deletes the round's keys.
     Stores without delete_key (FileStore) keep them: a few hundred bytes per communicator and per
     symmetric allocation. Rounds happen at creation and at every alloc, in the same order on
     every rank (the ops' contract), so `n` agrees across ranks.
@@ -86,14 +88,29 @@ class _StoreAllgather:
         self._rounds = itertools.count()
         self._can_delete = True
 
-    def __call__(self, data: bytes) -> bytes:
+    def __call__(self, data: bytes, timeout: float = 0.0) -> bytes:
         base = f"{self._prefix}/{next(self._rounds)}"
         keys = [f"{base}/{r}" for r in range(self._world)]
         self._store.set(keys[self._rank], data)
+        if timeout > 0:
+            self._wait(keys, timeout)
         parts = [self._store.get(k) for k in keys]
         if self._store.add(f"{base}/done", 1) == self._world:
             self._delete(keys + [f"{base}/done"])
         return b"".join(parts)
+
+    def _wait(self, keys, timeout: float):
+        import datetime
+        try:
+            self._store.wait(keys, datetime.timedelta(seconds=timeout))
+        except Exception:  # noqa: BLE001 - c10d raises its own error types on a time-out
+            missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+            if not missing:
+                raise
+            who = (f"rank {missing[0]}" if len(missing) == 1
+                   else "ranks [" + ", ".join(map(str, missing)) + "]")
+            raise TimeoutError(f"rank {self._rank}: store allgather gave up after {timeout:g} s; "
+                               f"{who} did not arrive") from None
 
     def _delete(self, keys):
         if not self._can_delete:

@@ -83,9 +83,9 @@ mk::DType parse_dtype(std::string_view name) {
   if (name == "bf16") return mk::DType::kBF16;
   if (name == "f16") return mk::DType::kF16;
   if (name == "f32") return mk::DType::kF32;
-  throw nb::value_error(("dtype '" + std::string(name) +
-                         "' is not supported; expected one of 'bf16', 'f16', 'f32'")
-                            .c_str());
+  throw nb::value_error(
+      ("dtype '" + std::string(name) + "' is not supported; expected one of 'bf16', 'f16', 'f32'")
+          .c_str());
 }
 
 template <typename T = void>
@@ -115,22 +115,25 @@ mk::FusedGemmConfig fused_config(int block_n, int comm_ctas, int piece_rows,
 
 // ---- bootstrap through a Python callable ----------------------------------------------------
 
-// allgather(bytes) -> bytes: receives this rank's bytes, returns every rank's in rank order.
-// Python exceptions and wrong results become mk::Error(kBootstrap), which every rank sees as a
-// failed create()/alloc() rather than a hang.
-mk::AllgatherFn python_allgather(nb::callable fn, int rank, int world_size) {
+// allgather(data: bytes, timeout: float) -> bytes: receives this rank's bytes and the time limit
+// (0: none), returns every rank's bytes in rank order. A TimeoutError (naming the ranks that did
+// not arrive) becomes mk::Error(kTimeout); other Python exceptions and wrong results become
+// mk::Error(kBootstrap) - on every rank a failed create() / alloc(), never a hang.
+mk::TimedAllgatherFn python_allgather(nb::callable fn, int rank, int world_size) {
   // The callable is released with the GIL held, wherever the last copy of the std::function dies.
   std::shared_ptr<nb::object> holder(new nb::object(std::move(fn)), [](nb::object* p) {
     nb::gil_scoped_acquire gil;
     delete p;
   });
-  return [holder, rank, world_size](const void* send, void* recv, std::size_t bytes) {
+  return [holder, rank, world_size](const void* send, void* recv, std::size_t bytes,
+                                    double seconds) {
     const std::size_t expected = bytes * static_cast<std::size_t>(world_size);
-    std::string problem;
+    std::string problem, timed_out;
     {
       nb::gil_scoped_acquire gil;
       try {
-        nb::object result = (*holder)(nb::bytes(static_cast<const char*>(send), bytes));
+        nb::object result = (*holder)(nb::bytes(static_cast<const char*>(send), bytes),
+                                      seconds > 0 ? seconds : 0.0);
         if (!nb::isinstance<nb::bytes>(result)) {
           problem = "returned a " + std::string(nb::type_name(result.type()).c_str()) +
                     "; expected bytes";
@@ -138,19 +141,24 @@ mk::AllgatherFn python_allgather(nb::callable fn, int rank, int world_size) {
           nb::bytes all = nb::borrow<nb::bytes>(result);
           if (all.size() != expected) {
             problem = "returned " + std::to_string(all.size()) + " bytes; expected " +
-                      std::to_string(expected) + " (" + std::to_string(world_size) +
-                      " ranks x " + std::to_string(bytes) + " bytes, in rank order)";
+                      std::to_string(expected) + " (" + std::to_string(world_size) + " ranks x " +
+                      std::to_string(bytes) + " bytes, in rank order)";
           } else if (expected > 0) {
             std::memcpy(recv, all.c_str(), expected);
           }
         }
       } catch (nb::python_error& e) {
-        problem = std::string("raised ") + e.what();
+        if (e.matches(PyExc_TimeoutError)) {
+          timed_out = nb::cast<std::string>(nb::str(e.value()));
+        } else {
+          problem = std::string("raised ") + e.what();
+        }
       }
     }
+    if (!timed_out.empty()) throw mk::Error(mk::ErrorCode::kTimeout, timed_out);
     if (!problem.empty()) {
-      throw mk::Error(mk::ErrorCode::kBootstrap,
-                      "rank " + std::to_string(rank) + ": the Python allgather callback " + problem);
+      throw mk::Error(mk::ErrorCode::kBootstrap, "rank " + std::to_string(rank) +
+                                                     ": the Python allgather callback " + problem);
     }
   };
 }
@@ -172,8 +180,8 @@ ByteView dlpack_bytes(nb::handle owner) {
   const PyBuffer& b = nb::cast<const PyBuffer&>(owner);
   if (!b.buffer) throw nb::value_error("SymmetricBuffer.dlpack_bytes: the buffer is empty");
   const std::size_t shape[1] = {b.buffer.size()};
-  return ByteView(b.buffer.data(), 1, shape, owner, /*strides=*/nullptr,
-                  nb::dtype<std::uint8_t>(), nb::device::cuda::value, b.device);
+  return ByteView(b.buffer.data(), 1, shape, owner, /*strides=*/nullptr, nb::dtype<std::uint8_t>(),
+                  nb::device::cuda::value, b.device);
 }
 
 }  // namespace
@@ -217,19 +225,20 @@ NB_MODULE(_C, m) {
 
   m.def(
       "_callback_allgather",
-      [](int rank, int world_size, nb::callable allgather, nb::bytes data) {
+      [](int rank, int world_size, nb::callable allgather, nb::bytes data, double timeout) {
         auto bootstrap = mk::make_callback_bootstrap(
             rank, world_size, python_allgather(std::move(allgather), rank, world_size));
         std::string send(data.c_str(), data.size());
         std::string recv(send.size() * static_cast<std::size_t>(world_size), '\0');
         {
           nb::gil_scoped_release nogil;  // as inside an op: the wrapper must take the GIL back
-          bootstrap->allgather(send.data(), recv.data(), send.size());
+          bootstrap->allgather_within(send.data(), recv.data(), send.size(), timeout);
         }
         return nb::bytes(recv.data(), recv.size());
       },
-      "rank"_a, "world_size"_a, "allgather"_a, "data"_a,
-      "Test hook: one allgather of `data` through the callback bootstrap, GIL released.");
+      "rank"_a, "world_size"_a, "allgather"_a, "data"_a, "timeout"_a = 0.0,
+      "Test hook: one allgather of `data` through the callback bootstrap (bounded by `timeout` "
+      "seconds, 0: none), GIL released.");
 
   // ---- dtypes ----
   m.attr("DTYPES") = nb::make_tuple("bf16", "f16", "f32");
@@ -242,12 +251,14 @@ NB_MODULE(_C, m) {
                        "A buffer of the same size on every rank, mapped into every rank of the "
                        "node. Released when the last reference (this object or a DLPack view) "
                        "goes away.")
-      .def_prop_ro("data_ptr",
-                   [](const PyBuffer& b) { return reinterpret_cast<std::uintptr_t>(b.buffer.data()); },
-                   "This rank's copy (device pointer, int).")
-      .def_prop_ro("size", [](const PyBuffer& b) { return b.buffer.size(); },
-                   "Bytes, equal on every rank.")
-      .def_prop_ro("device", [](const PyBuffer& b) { return b.device; }, "CUDA device ordinal.")
+      .def_prop_ro(
+          "data_ptr",
+          [](const PyBuffer& b) { return reinterpret_cast<std::uintptr_t>(b.buffer.data()); },
+          "This rank's copy (device pointer, int).")
+      .def_prop_ro(
+          "size", [](const PyBuffer& b) { return b.buffer.size(); }, "Bytes, equal on every rank.")
+      .def_prop_ro(
+          "device", [](const PyBuffer& b) { return b.device; }, "CUDA device ordinal.")
       .def(
           "peer",
           [](const PyBuffer& b, int local_rank) {
@@ -277,8 +288,10 @@ NB_MODULE(_C, m) {
           },
           "rank"_a, "world_size"_a, "allgather"_a, "device"_a, "timeout_seconds"_a = -1.0,
           "ranks_per_node"_a = -1,
-          "Collective over all ranks. allgather(data: bytes) -> bytes must return every rank's "
-          "data concatenated in rank order (it is also called later, by alloc()). timeout_seconds: limit of every wait on a peer (-1: "
+          "Collective over all ranks. allgather(data: bytes, timeout: float) -> bytes must return "
+          "every rank's data concatenated in rank order within `timeout` seconds (0: no limit), "
+          "or raise TimeoutError naming the ranks that did not arrive (it is also called later, "
+          "by alloc()). timeout_seconds: limit of every wait on a peer (-1: "
           "MKERNEL_TIMEOUT_S or 60 s; 0: none). ranks_per_node: virtual nodes (-1: "
           "MKERNEL_GPUS_PER_NODE or by host).")
       .def_prop_ro("rank", &mk::Communicator::rank)
@@ -312,8 +325,8 @@ NB_MODULE(_C, m) {
   auto bind_collective = [&m](const char* name, Collective op, const char* doc) {
     m.def(
         name,
-        [op](mk::Communicator& comm, std::uintptr_t input, std::uintptr_t output,
-             std::size_t count, std::string_view dtype, std::uintptr_t stream, int channels) {
+        [op](mk::Communicator& comm, std::uintptr_t input, std::uintptr_t output, std::size_t count,
+             std::string_view dtype, std::uintptr_t stream, int channels) {
           const mk::DType t = parse_dtype(dtype);
           mk::CollectiveConfig config;
           config.channels = channels;
@@ -338,8 +351,8 @@ NB_MODULE(_C, m) {
   // ---- GEMM engine ----
   m.def(
       "gemm",
-      [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, int64_t m_rows, int64_t n,
-         int64_t k, std::string_view b_layout, std::uintptr_t stream, int block_n) {
+      [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, int64_t m_rows, int64_t n, int64_t k,
+         std::string_view b_layout, std::uintptr_t stream, int block_n) {
         const mk::BLayout layout = parse_layout(b_layout, "gemm");
         mk::GemmConfig config;
         config.block_n = block_n;
@@ -364,8 +377,8 @@ NB_MODULE(_C, m) {
                          as_pointer<const int32_t>(group_rows), groups, max_rows, n, k, layout,
                          as_stream(stream), config);
       },
-      "a"_a, "b"_a, "c"_a, "group_rows"_a, "groups"_a, "max_rows"_a, "n"_a, "k"_a,
-      "b_layout"_a, "stream"_a, "block_n"_a = 0,
+      "a"_a, "b"_a, "c"_a, "group_rows"_a, "groups"_a, "max_rows"_a, "n"_a, "k"_a, "b_layout"_a,
+      "stream"_a, "block_n"_a = 0,
       "C_g = A_g @ op(B_g) for every group g; the groups' rows back to back in A and C, their "
       "counts (int32) in device memory. Stream-ordered; no host synchronisation.");
 
@@ -379,9 +392,9 @@ NB_MODULE(_C, m) {
         const mk::BLayout layout = parse_layout(b_layout, "ag_gemm");
         const mk::FusedGemmConfig config = fused_config(block_n, comm_ctas, piece_rows);
         nb::gil_scoped_release nogil;
-        mk::ag_gemm(comm, as_pointer<const void>(a_shard), as_pointer<const void>(b),
-                    as_pointer(c), m_rows, n, k, layout, as_pointer(workspace), as_stream(stream),
-                    config, as_pointer(gathered));
+        mk::ag_gemm(comm, as_pointer<const void>(a_shard), as_pointer<const void>(b), as_pointer(c),
+                    m_rows, n, k, layout, as_pointer(workspace), as_stream(stream), config,
+                    as_pointer(gathered));
       },
       "comm"_a, "a_shard"_a, "b"_a, "c"_a, "m"_a, "n"_a, "k"_a, "b_layout"_a, "workspace"_a,
       "stream"_a, "gathered"_a = 0, "block_n"_a = 0, "comm_ctas"_a = 0, "piece_rows"_a = 0,
@@ -411,7 +424,8 @@ NB_MODULE(_C, m) {
         "world_size"_a);
   m.def("gemm_rs_workspace_bytes",
         nb::overload_cast<const mk::Communicator&, int64_t, int64_t>(&mk::gemm_rs_workspace_bytes),
-        "comm"_a, "m"_a, "n"_a, "bytes for this communicator (across nodes: 3 x nodes - 2 times more)");
+        "comm"_a, "m"_a, "n"_a,
+        "bytes for this communicator (across nodes: 3 x nodes - 2 times more)");
   m.def(
       "gemm_ar",
       [](mk::Communicator& comm, std::uintptr_t a, std::uintptr_t b, std::uintptr_t out,
@@ -432,15 +446,15 @@ NB_MODULE(_C, m) {
   m.def(
       "gemm_ar_workspace_bytes",
       [](const mk::Communicator& comm, int64_t m_rows, int64_t n, int64_t k_local, int block_n) {
-        return mk::gemm_ar_workspace_bytes(comm, m_rows, n, k_local,
-                                           fused_config(block_n, 0, 0));
+        return mk::gemm_ar_workspace_bytes(comm, m_rows, n, k_local, fused_config(block_n, 0, 0));
       },
       "comm"_a, "m"_a, "n"_a, "k_local"_a, "block_n"_a = 0);
   m.def(
       "gemm_ar_plan",
       [](const mk::Communicator& comm, int64_t m_rows, int64_t n, int64_t k_local, int block_n,
          bool bf16_partials) {
-        return mk::gemm_ar_plan(comm, m_rows, n, k_local, fused_config(block_n, 0, 0, bf16_partials))
+        return mk::gemm_ar_plan(comm, m_rows, n, k_local,
+                                fused_config(block_n, 0, 0, bf16_partials))
             .describe();
       },
       "comm"_a, "m"_a, "n"_a, "k_local"_a, "block_n"_a = 0, "bf16_partials"_a = false,
@@ -449,7 +463,8 @@ NB_MODULE(_C, m) {
       "gemm_rs_plan",
       [](const mk::Communicator& comm, int64_t m_rows, int64_t n, int64_t k_local, int block_n,
          bool bf16_partials) {
-        return mk::gemm_rs_plan(comm, m_rows, n, k_local, fused_config(block_n, 0, 0, bf16_partials))
+        return mk::gemm_rs_plan(comm, m_rows, n, k_local,
+                                fused_config(block_n, 0, 0, bf16_partials))
             .describe();
       },
       "comm"_a, "m"_a, "n"_a, "k_local"_a, "block_n"_a = 0, "bf16_partials"_a = false,

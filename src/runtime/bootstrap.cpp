@@ -11,9 +11,12 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -52,13 +55,33 @@ class CallbackBootstrap final : public Bootstrap {
  public:
   CallbackBootstrap(int rank, int size, AllgatherFn fn)
       : rank_(rank), size_(size), fn_(std::move(fn)) {}
+  CallbackBootstrap(int rank, int size, TimedAllgatherFn fn)
+      : rank_(rank), size_(size), timed_(std::move(fn)) {}
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
+  // Unbounded (a timed callback gets no limit).
   void allgather(const void* send, void* recv, std::size_t bytes) override {
+    call(send, recv, bytes, 0);
+  }
+
+  void allgather_within(const void* send, void* recv, std::size_t bytes, double seconds) override {
+    if (!timed_ && seconds > 0) {  // a plain callback: bounded on a helper thread (allgather())
+      Bootstrap::allgather_within(send, recv, bytes, seconds);
+    } else {
+      call(send, recv, bytes, seconds);
+    }
+  }
+
+ private:
+  void call(const void* send, void* recv, std::size_t bytes, double seconds) {
     check_buffers(rank_, send, recv, bytes);
     try {
-      fn_(send, recv, bytes);
+      if (timed_) {
+        timed_(send, recv, bytes, seconds);
+      } else {
+        fn_(send, recv, bytes);
+      }
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -67,13 +90,78 @@ class CallbackBootstrap final : public Bootstrap {
     }
   }
 
- private:
   int rank_;
   int size_;
   AllgatherFn fn_;
+  TimedAllgatherFn timed_;
+};
+
+// One exchange on a helper thread (Bootstrap::allgather_within's default): the buffers are the
+// shared state's own copies, so that a thread left behind by a time-out writes into memory that
+// lives as long as it does.
+struct HelperExchange {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+  std::vector<char> send;
+  std::vector<char> recv;
 };
 
 }  // namespace
+
+void Bootstrap::allgather_within(const void* send, void* recv, std::size_t bytes, double seconds) {
+  if (!(seconds > 0)) {
+    allgather(send, recv, bytes);
+    return;
+  }
+  check_buffers(rank(), send, recv, bytes);
+  auto x = std::make_shared<HelperExchange>();
+  x->send.assign(static_cast<const char*>(send), static_cast<const char*>(send) + bytes);
+  x->recv.resize(bytes * static_cast<std::size_t>(size()));
+  // The thread holds the shared state; `this` must outlive it, which a time-out cannot promise:
+  // after one the bootstrap is not to be used (nor, then, destroyed while a peer may still
+  // complete the exchange - the communicator keeps a timed-out bootstrap alive until exit).
+  std::thread([this, x] {
+    std::exception_ptr error;
+    try {
+      allgather(x->send.data(), x->recv.data(), x->send.size());
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(x->mutex);
+    x->done = true;
+    x->error = error;
+    x->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(x->mutex);
+  if (!x->cv.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return x->done; })) {
+    throw bootstrap_timeout(rank(), "allgather", seconds, {});
+  }
+  if (x->error) {
+    try {
+      std::rethrow_exception(x->error);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw Error(ErrorCode::kBootstrap,
+                  rank_prefix(rank()) + "the user-supplied allgather failed: " + e.what());
+    }
+  }
+  if (bytes > 0) std::memcpy(recv, x->recv.data(), x->recv.size());
+}
+
+Error bootstrap_timeout(int rank, const std::string& what, double seconds,
+                        const std::vector<int>& missing) {
+  std::string text =
+      rank_prefix(rank) + what + " gave up after " + detail::format_seconds(seconds) + " s; ";
+  if (missing.empty()) {
+    text += "which ranks did not arrive is not known to this bootstrap";
+  } else {
+    text += detail::format_rank_list(missing) + " did not arrive";
+  }
+  return Error(ErrorCode::kTimeout, text);
+}
 
 void Bootstrap::barrier() {
   const char token = 1;
@@ -82,6 +170,20 @@ void Bootstrap::barrier() {
 }
 
 std::unique_ptr<Bootstrap> make_callback_bootstrap(int rank, int size, AllgatherFn allgather) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "make_callback_bootstrap: rank " + std::to_string(rank) + " and size " +
+                    std::to_string(size) +
+                    " are not valid; expected size >= 1 and 0 <= rank < size");
+  }
+  if (!allgather) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "make_callback_bootstrap: the allgather function is empty; pass a callable");
+  }
+  return std::make_unique<CallbackBootstrap>(rank, size, std::move(allgather));
+}
+
+std::unique_ptr<Bootstrap> make_callback_bootstrap(int rank, int size, TimedAllgatherFn allgather) {
   if (size < 1 || rank < 0 || rank >= size) {
     throw Error(ErrorCode::kInvalidArgument,
                 "make_callback_bootstrap: rank " + std::to_string(rank) + " and size " +
@@ -122,11 +224,12 @@ struct InProcessGroup::State {
   uint64_t generation = 0;  // allgathers completed so far; the one in progress has this number
   std::vector<Slot> slots;  // [size] the allgather in progress
   int arrived = 0;
-  std::string last_error;        // why allgather `generation - 1` failed; empty if it succeeded
-  std::string broken;            // non-empty once no allgather can complete any more
-  std::vector<char> staging;     // [size * bytes] all contributions, so that buffers may overlap
-  std::vector<bool> handed_out;  // [size] bootstrap(r) was called
-  std::vector<bool> left;        // [size] rank r's Bootstrap was destroyed
+  std::string last_error;          // why allgather `generation - 1` failed; empty if it succeeded
+  std::string broken;              // non-empty once no allgather can complete any more
+  bool broken_by_timeout = false;  // ... because a rank gave up waiting
+  std::vector<char> staging;       // [size * bytes] all contributions, so that buffers may overlap
+  std::vector<bool> handed_out;    // [size] bootstrap(r) was called
+  std::vector<bool> left;          // [size] rank r's Bootstrap was destroyed
 
   std::vector<int> missing_ranks() const {
     std::vector<int> missing;
@@ -188,6 +291,12 @@ class InProcessBootstrap final : public Bootstrap {
   int size() const override { return state_->size; }
 
   void allgather(const void* send, void* recv, std::size_t bytes) override {
+    allgather_within(send, recv, bytes, 0);
+  }
+
+  // Waits at most `seconds` (<= 0: the group's MKERNEL_BOOTSTRAP_TIMEOUT_S), and at most the
+  // group's limit either way.
+  void allgather_within(const void* send, void* recv, std::size_t bytes, double seconds) override {
     check_buffers(rank_, send, recv, bytes);
     InProcessGroup::State& s = *state_;
     std::unique_lock<std::mutex> lock(s.mutex);
@@ -205,20 +314,23 @@ class InProcessBootstrap final : public Bootstrap {
     if (++s.arrived == s.size) {
       s.complete();
     } else {
-      const auto limit = std::chrono::duration<double>(s.timeout_seconds);
-      const bool woken = s.cv.wait_for(
-          lock, limit, [&] { return s.generation != generation || !s.broken.empty(); });
+      const bool own_limit = seconds > 0 && seconds < s.timeout_seconds;
+      const double limit = own_limit ? seconds : s.timeout_seconds;
+      const bool woken = s.cv.wait_for(lock, std::chrono::duration<double>(limit), [&] {
+        return s.generation != generation || !s.broken.empty();
+      });
       if (s.generation == generation) {  // not completed: timed out, or the group broke
         if (!woken) {
-          s.break_group("rank " + std::to_string(rank_) +
-                        ": in-process allgather timed out after " +
-                        detail::format_seconds(s.timeout_seconds) + " s waiting for ranks " +
-                        detail::format_ranks(s.missing_ranks()) + " (" + kTimeoutEnv + ")");
-          throw Error(ErrorCode::kBootstrap, s.broken);
+          const Error e =
+              bootstrap_timeout(rank_, "in-process allgather", limit, s.missing_ranks());
+          if (s.broken.empty()) s.broken_by_timeout = true;
+          s.break_group(std::string(e.what()).substr(std::string("timeout: ").size()) +
+                        (own_limit ? "" : std::string(" (") + kTimeoutEnv + ")"));
+          throw Error(ErrorCode::kTimeout, s.broken);
         }
-        throw Error(ErrorCode::kBootstrap, rank_prefix(rank_) + "allgather #" +
-                                               std::to_string(generation) +
-                                               " cannot complete: " + s.broken);
+        throw Error(s.broken_by_timeout ? ErrorCode::kTimeout : ErrorCode::kBootstrap,
+                    rank_prefix(rank_) + "allgather #" + std::to_string(generation) +
+                        " cannot complete: " + s.broken);
       }
     }
     if (!s.last_error.empty()) {
@@ -280,7 +392,15 @@ class LauncherBootstrap final : public Bootstrap {
   int size() const override { return size_; }
 
   void allgather(const void* send, void* recv, std::size_t bytes) override {
+    allgather_within(send, recv, bytes, 0);
+  }
+
+  // Waits at most `seconds` (<= 0: MKERNEL_BOOTSTRAP_TIMEOUT_S), and at most that either way. On
+  // a time-out this rank shuts its connection: mkrun then fails the others' allgathers at once,
+  // naming this rank (it alone knows who had joined).
+  void allgather_within(const void* send, void* recv, std::size_t bytes, double seconds) override {
     check_buffers(rank_, send, recv, bytes);
+    limit_ = seconds > 0 && seconds < timeout_seconds_ ? seconds : timeout_seconds_;
     if (!broken_.empty()) {
       throw Error(ErrorCode::kBootstrap,
                   rank_prefix(rank_) +
@@ -311,7 +431,7 @@ class LauncherBootstrap final : public Bootstrap {
  private:
   // One round trip (see launcher_protocol.h). Returns mkrun's reason when it refused the allgather.
   std::optional<std::string> exchange(const void* send, void* recv, std::size_t bytes) {
-    const detail::Deadline deadline = detail::Deadline::after(timeout_seconds_);
+    const detail::Deadline deadline = detail::Deadline::after(limit_);
     const launcher::Header request{launcher::kMagic, launcher::MessageKind::kAllgather, bytes};
     expect(detail::send_all(fd_, &request, sizeof(request), deadline, what()));
     expect(detail::send_all(fd_, send, bytes, deadline, what()));
@@ -346,10 +466,11 @@ class LauncherBootstrap final : public Bootstrap {
                   rank_prefix(rank_) + "mkrun launcher closed the connection (did mkrun exit?)");
     }
     if (status == detail::IoStatus::kTimedOut) {
-      throw Error(ErrorCode::kBootstrap, rank_prefix(rank_) +
-                                             "allgather through mkrun timed out after " +
-                                             detail::format_seconds(timeout_seconds_) +
-                                             " s; some rank did not join it (" + kTimeoutEnv + ")");
+      throw Error(
+          ErrorCode::kTimeout,
+          rank_prefix(rank_) + "allgather through mkrun gave up after " +
+              detail::format_seconds(limit_) + " s; some rank did not join it" +
+              (limit_ < timeout_seconds_ ? std::string() : std::string(" (") + kTimeoutEnv + ")"));
     }
   }
 
@@ -357,6 +478,7 @@ class LauncherBootstrap final : public Bootstrap {
   int size_;
   int fd_;
   double timeout_seconds_;
+  double limit_ = 0;    // this exchange's
   std::string broken_;  // why the connection became unusable; empty while it is fine
 };
 
@@ -424,6 +546,9 @@ class BorrowedBootstrap final : public Bootstrap {
   int size() const override { return inner_.size(); }
   void allgather(const void* send, void* recv, std::size_t bytes) override {
     inner_.allgather(send, recv, bytes);
+  }
+  void allgather_within(const void* send, void* recv, std::size_t bytes, double seconds) override {
+    inner_.allgather_within(send, recv, bytes, seconds);
   }
 
  private:

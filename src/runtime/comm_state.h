@@ -16,6 +16,7 @@
 #include "runtime/fd_exchange.h"
 #include "runtime/inter_node.h"
 #include "runtime/overrides.h"
+#include "runtime/step_bootstrap.h"
 
 namespace mk::detail {
 
@@ -37,7 +38,7 @@ struct SymAllocation {
 };
 
 struct CommState {
-  std::unique_ptr<Bootstrap> bootstrap;
+  std::unique_ptr<StepBootstrap> bootstrap;  // the caller's, bounded by the time limit
   Topology topo;
   int device = -1;
   double timeout_seconds = 60.0;

@@ -101,7 +101,6 @@ std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
   }
   std::shared_ptr<Communicator> comm(new Communicator());
   detail::CommState& s = *comm->state_;
-  s.bootstrap = std::move(bootstrap);
 
   int device = options.device;
   if (device < 0) MK_CUDA_CHECK(cudaGetDevice(&device));
@@ -119,6 +118,9 @@ std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
   s.timeout_seconds = options.timeout_seconds >= 0 ? options.timeout_seconds
                       : s.overrides.timeout_s >= 0 ? s.overrides.timeout_s
                                                    : 60.0;
+  // From here on every exchange is bounded by the time limit and names its step.
+  s.bootstrap = std::make_unique<detail::StepBootstrap>(std::move(bootstrap), s.timeout_seconds);
+  using Step = detail::StepBootstrap::Step;
   int ranks_per_node = options.ranks_per_node;
   if (ranks_per_node < 0) ranks_per_node = std::max(s.overrides.gpus_per_node, 0);
 
@@ -133,7 +135,10 @@ std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
   mine.sm_count = prop.multiProcessorCount;
   mine.ranks_per_node = ranks_per_node;
   std::vector<RankInfo> infos(s.bootstrap->size());
-  s.bootstrap->allgather(&mine, infos.data(), sizeof(RankInfo));
+  {
+    const Step step(*s.bootstrap, "Communicator::create (exchanging the ranks' GPUs and hosts)");
+    s.bootstrap->allgather(&mine, infos.data(), sizeof(RankInfo));
+  }
   s.topo = compute_topology(s.bootstrap->rank(), infos);
   if (prop.major < 9) {
     throw Error(ErrorCode::kUnsupported,
@@ -142,11 +147,17 @@ std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
                     std::to_string(prop.minor) + "; mkernel needs Hopper (9.0)");
   }
 
-  s.fd_exchange = std::make_unique<detail::FdExchange>(
-      *s.bootstrap, s.timeout_seconds > 0 ? s.timeout_seconds : 300.0);
+  {
+    const Step step(*s.bootstrap, "Communicator::create (setting up the fd exchange)");
+    s.fd_exchange = std::make_unique<detail::FdExchange>(
+        *s.bootstrap, s.timeout_seconds > 0 ? s.timeout_seconds : 300.0);
+  }
 
   // Signal pad, launch state, error record.
-  s.signal_pad = detail::create_symmetric(s, sizeof(uint64_t) * kNumSignals * s.topo.world_size);
+  {
+    const Step step(*s.bootstrap, "Communicator::create (allocating the signal pad)");
+    s.signal_pad = detail::create_symmetric(s, sizeof(uint64_t) * kNumSignals * s.topo.world_size);
+  }
   MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&s.launch_state), sizeof(DeviceLaunchState)));
   MK_CUDA_CHECK(cudaMemset(s.launch_state, 0, sizeof(DeviceLaunchState)));
   MK_CUDA_CHECK(
@@ -161,6 +172,7 @@ std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.error_device), s.error_host, 0));
   detail::preload_kernels(s.topo.num_nodes > 1);  // no lazy loading behind a peer's kernel
   MK_CUDA_CHECK(cudaDeviceSynchronize());
+  const Step step(*s.bootstrap, "Communicator::create (the last meeting)");
   s.bootstrap->barrier();  // nobody signals into a pad before its owner has zeroed it
   return comm;
 }
@@ -174,7 +186,16 @@ Bootstrap& Communicator::bootstrap() { return *state_->bootstrap; }
 SymmetricBuffer Communicator::alloc(std::size_t bytes) {
   ensure_usable("alloc");
   detail::DeviceGuard guard(state_->device);
-  return SymmetricBuffer(detail::create_symmetric(*state_, bytes));
+  const detail::StepBootstrap::Step step(
+      *state_->bootstrap,
+      "Communicator::alloc (symmetric allocation of " + std::to_string(bytes) + " bytes)");
+  try {
+    return SymmetricBuffer(detail::create_symmetric(*state_, bytes));
+  } catch (const Error&) {
+    // An exchange that failed leaves the ranks out of step: the communicator refuses new work.
+    if (!state_->bootstrap->broken().empty()) state_->broken = state_->bootstrap->broken();
+    throw;
+  }
 }
 
 SymmetricRange Communicator::find_symmetric(const void* ptr, std::size_t bytes) const {
@@ -295,7 +316,13 @@ detail::InterNode& Communicator::inter_node() {
   c.on_error = [abort = s.host_abort](const Error&) {
     __atomic_store_n(abort, 1, __ATOMIC_RELEASE);
   };
-  s.inter_node = std::make_unique<detail::InterNode>(*s.bootstrap, s.topo, std::move(c));
+  const detail::StepBootstrap::Step step(*s.bootstrap, "setting up the inter-node path");
+  try {
+    s.inter_node = std::make_unique<detail::InterNode>(*s.bootstrap, s.topo, std::move(c));
+  } catch (const Error&) {
+    if (!s.bootstrap->broken().empty()) s.broken = s.bootstrap->broken();
+    throw;
+  }
   return *s.inter_node;
 }
 
@@ -383,6 +410,9 @@ InterNodeRings inter_node_rings(Communicator& comm, void* base, uint64_t bytes) 
   r.count = std::min(path.proxy().num_rings(), kMaxKernelRings);
   for (int i = 0; i < r.count; ++i) r.ring[i] = path.proxy().ring(i);
   if (base != nullptr) {
+    const StepBootstrap::Step step(
+        static_cast<StepBootstrap&>(comm.bootstrap()),
+        "registering a buffer of " + std::to_string(bytes) + " bytes with the inter-node path");
     r.buffer =
         path.buffer_id(base, bytes, transport::MemoryKind::kDevice, comm.symmetric_owner(base));
   }
@@ -393,6 +423,9 @@ InterNodeStaging inter_node_staging(Communicator& comm, uint64_t bytes) {
   RelaxedCapture relaxed;  // allocating and registering a larger staging, possibly under capture
   InterNode& path = comm.inter_node();
   if (!path.host_staging()) return {};
+  const StepBootstrap::Step step(
+      static_cast<StepBootstrap&>(comm.bootstrap()),
+      "growing the inter-node staging to " + std::to_string(bytes) + " bytes");
   const InterNode::Staging s = path.staging(bytes);
   return {s.base, s.buffer};
 }

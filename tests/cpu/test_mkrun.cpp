@@ -149,7 +149,7 @@ TEST(MkrunTest, HangingRankIsTerminatedAfterGrace) {
       mkrun({"-n", "3", "--grace", "0.2"}, {"hang", "1"}, {{"MKERNEL_BOOTSTRAP_TIMEOUT_S", "0.3"}});
   EXPECT_LT(r.seconds, kFastSeconds) << r.output;
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_OUTPUT_HAS(r, "allgather through mkrun timed out after 0.3 s");
+  EXPECT_OUTPUT_HAS(r, "allgather through mkrun gave up after 0.3 s");
   EXPECT_OUTPUT_HAS(r, "left allgather #0 while waiting in it; not joined: rank 1");
   EXPECT_OUTPUT_HAS(r, "(--grace); sending SIGTERM to ranks [1]");
   EXPECT_OUTPUT_HAS(r, "rank 1 (killed by SIGTERM from mkrun)");

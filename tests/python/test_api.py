@@ -6,6 +6,7 @@ torch.
 """
 
 import threading
+import time
 
 import pytest
 
@@ -70,7 +71,7 @@ def test_create_rejects_a_callback_that_is_not_callable():
 def test_callback_allgather_returns_every_rank_in_order():
     seen = []
 
-    def allgather(data):  # rank 1 of 2: rank 0 contributed b"AB"
+    def allgather(data, timeout):  # rank 1 of 2: rank 0 contributed b"AB"
         seen.append(data)
         return b"AB" + data
 
@@ -79,11 +80,11 @@ def test_callback_allgather_returns_every_rank_in_order():
 
 
 def test_callback_allgather_copies_the_result():
-    assert _C._callback_allgather(0, 3, lambda d: d + b"BB" + b"CC", b"AA") == b"AABBCC"
+    assert _C._callback_allgather(0, 3, lambda d, t: d + b"BB" + b"CC", b"AA") == b"AABBCC"
 
 
 def test_callback_exception_becomes_bootstrap_error():
-    def allgather(data):
+    def allgather(data, timeout):
         raise KeyError("store went away")
 
     with pytest.raises(mkernel.MkernelError) as info:
@@ -94,11 +95,25 @@ def test_callback_exception_becomes_bootstrap_error():
 
 def test_callback_wrong_length_or_type_is_bootstrap_error():
     with pytest.raises(mkernel.MkernelError, match="returned 3 bytes; expected 4") as info:
-        _C._callback_allgather(0, 2, lambda d: d + b"x", b"ab")
+        _C._callback_allgather(0, 2, lambda d, t: d + b"x", b"ab")
     assert info.value.code == "bootstrap"
     with pytest.raises(mkernel.MkernelError, match="expected bytes") as info:
-        _C._callback_allgather(0, 2, lambda d: "text", b"ab")
+        _C._callback_allgather(0, 2, lambda d, t: "text", b"ab")
     assert info.value.code == "bootstrap"
+
+
+def test_callback_time_out_becomes_timeout_error_naming_the_ranks():
+    seen = []
+
+    def allgather(data, timeout):
+        seen.append(timeout)
+        raise TimeoutError("rank 0: store allgather gave up after 1.5 s; rank 1 did not arrive")
+
+    with pytest.raises(mkernel.MkernelError) as info:
+        _C._callback_allgather(0, 2, allgather, b"ab", 1.5)
+    assert info.value.code == "timeout"
+    assert "rank 1 did not arrive" in str(info.value)
+    assert seen == [1.5]  # the limit reaches the callback
 
 
 # ---- torch: dtypes, store bootstrap, validation ----------------------------------------------
@@ -156,6 +171,18 @@ def test_store_allgather_over_file_store(tmp_path):
     gathers = [mkernel._StoreAllgather(store, "mkernel/test/0", r, 2) for r in range(2)]
     out = _run_ranks(2, lambda r: [gathers[r](b"a%d" % r), gathers[r](b"b%d" % r)])
     assert out == [[b"a0a1", b"b0b1"]] * 2
+
+
+@needs_torch
+def test_store_allgather_names_the_ranks_that_do_not_arrive():
+    store = dist.HashStore()
+    world = 3
+    gathers = [mkernel._StoreAllgather(store, "mkernel/test/late", r, world) for r in range(world)]
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank 0: store allgather gave up after 0.5 s; "
+                                           r"ranks \[1, 2\] did not arrive"):
+        gathers[0](b"x", 0.5)
+    assert time.monotonic() - start < 5
 
 
 @needs_torch

@@ -325,6 +325,50 @@ def _timeout(rank, world, seed, use_nccl):
     dist.barrier()  # rank 1 stays until rank 0 has seen the time-out
 
 
+HOST_LIMIT_S = 2.0  # the host-step tests' time limit: each ends well inside twice it
+
+
+def _expect_host_timeout(info, step, start):
+    text = str(info.value)
+    assert info.value.code == "timeout", text
+    assert step in text and "rank 0: " in text and "rank 1 did not arrive" in text, text
+    elapsed = time.monotonic() - start
+    assert elapsed < 2 * HOST_LIMIT_S, f"the time-out came after {elapsed:.1f} s ({text})"
+
+
+def _host_step(rank, world, seed, use_nccl, step):
+    """Rank 1 stays away from (or dies before) one host-side collective step; rank 0 must get
+    MkernelError(code="timeout") naming the step and rank 1 within the limit, and exit cleanly."""
+    if step == "init":
+        if rank == 1:
+            time.sleep(1.3 * HOST_LIMIT_S)
+            return
+        start = time.monotonic()
+        with pytest.raises(mkernel.MkernelError) as info:
+            mkernel.init(timeout_seconds=HOST_LIMIT_S)
+        _expect_host_timeout(info, "Communicator::create", start)
+        return
+    comm = mkernel.init(timeout_seconds=HOST_LIMIT_S)
+    dist.barrier()
+    if rank == 1:
+        if step == "alloc-killed":
+            os._exit(0)  # dies before the allocation
+        time.sleep(1.3 * HOST_LIMIT_S)
+        return
+    start = time.monotonic()
+    with pytest.raises(mkernel.MkernelError) as info:
+        if step in ("alloc", "alloc-killed"):
+            comm.alloc_tensor((1024,), torch.bfloat16)
+        else:  # the first gemm_rs grows the package's workspace (a symmetric allocation)
+            a = torch.randn(256, 128, device="cuda").to(torch.bfloat16)
+            b = torch.randn(256, 128, device="cuda").to(torch.bfloat16)
+            mkernel.gemm_rs(a, b, comm)
+    _expect_host_timeout(info, "symmetric allocation", start)
+    with pytest.raises(mkernel.MkernelError) as again:  # broken for good
+        comm.alloc_tensor((16,), torch.bfloat16)
+    assert again.value.code == "not_initialized", str(again.value)
+
+
 # `bench/run.sh ag_gemm check`'s shapes (M, N, K): each a new largest, so each call grows the
 # package's workspace (a new symmetric buffer, registered with the inter-node path across nodes).
 BENCH_CHECK_SHAPES = [(512, 1024, 1024), (1024, 2048, 2048), (2048, 2048, 2048), (1024, 512, 2048),
@@ -557,3 +601,8 @@ def test_subgroups_and_repeated_init():
 
 def test_timeout_names_the_missing_rank():
     _spawn(_timeout)
+
+
+@pytest.mark.parametrize("step", ["init", "alloc", "alloc-killed", "workspace"])
+def test_host_step_gives_up_within_the_limit_naming_the_missing_rank(step):
+    _spawn(_host_step, step=step)

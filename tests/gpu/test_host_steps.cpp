@@ -1,0 +1,172 @@
+// Host-side collective steps under the communicator's time limit: creation, symmetric allocation
+// and the inter-node setup give up within the limit when a rank never arrives - an
+// mk::Error(kTimeout) naming the step, this rank and the ranks that did not arrive - or at once
+// when a rank dies in the step (mkrun sees its connection close); the communicator then refuses
+// new work, and the survivors' destructors return.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../cpu/cpu_test_util.h"
+#include "gpu_test_util.h"
+
+namespace mk::test {
+namespace {
+
+constexpr double kLimit = 1.5;  // seconds: every test below ends well inside twice this
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+CommOptions limited(int ranks_per_node = -1) {
+  CommOptions options;
+  options.timeout_seconds = kLimit;
+  options.ranks_per_node = ranks_per_node;
+  return options;
+}
+
+// Rank 0 runs `survivor` (which must fail within the limit); rank 1 runs `late` and then stays
+// away a little longer than the limit. Both ranks' threads are joined.
+void two_ranks(const std::function<void(std::unique_ptr<Bootstrap>)>& survivor,
+               const std::function<void(std::unique_ptr<Bootstrap>)>& late) {
+  InProcessGroup group(2);
+  std::thread away([&] {
+    cudaSetDevice(1 % test_devices());
+    late(group.bootstrap(1));
+  });
+  cudaSetDevice(0);
+  survivor(group.bootstrap(0));
+  away.join();
+}
+
+void expect_timeout(const Error& e, const std::string& step,
+                    std::chrono::steady_clock::time_point start) {
+  EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+  for (const std::string& part : {step + ": rank 0: ", std::string("rank 1 did not arrive"),
+                                  std::string("time limit 1.5 s")}) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+  EXPECT_LT(seconds_since(start), 2 * kLimit) << e.what();
+}
+
+void stay_away() { std::this_thread::sleep_for(std::chrono::duration<double>(1.3 * kLimit)); }
+
+TEST(InProcessHostSteps, CreateGivesUpOnAMissingRank) {
+  MKT_REQUIRE_GPU();
+  const auto start = std::chrono::steady_clock::now();
+  two_ranks(
+      [&](std::unique_ptr<Bootstrap> b) {
+        try {
+          Communicator::create(std::move(b), limited());
+          ADD_FAILURE() << "created without rank 1";
+        } catch (const Error& e) {
+          expect_timeout(e, "Communicator::create (exchanging the ranks' GPUs and hosts)", start);
+        }
+      },
+      [](std::unique_ptr<Bootstrap> b) { stay_away(); });
+  EXPECT_LT(seconds_since(start), 2 * kLimit);
+}
+
+TEST(InProcessHostSteps, AllocGivesUpOnAMissingRankAndTheCommunicatorRefusesNewWork) {
+  MKT_REQUIRE_GPU();
+  InProcessGroup group(2);
+  std::chrono::steady_clock::time_point start;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      cudaSetDevice(r % test_devices());
+      auto comm = Communicator::create(group.bootstrap(r), limited());
+      comm->bootstrap().barrier();  // both created
+      if (r == 1) {
+        stay_away();
+        return;
+      }
+      start = std::chrono::steady_clock::now();
+      try {
+        comm->alloc(4096);
+        ADD_FAILURE() << "allocated without rank 1";
+      } catch (const Error& e) {
+        expect_timeout(e, "Communicator::alloc (symmetric allocation of 4096 bytes)", start);
+      }
+      expect_error([&] { comm->alloc(64); }, ErrorCode::kNotInitialized, "broken");
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+TEST(InProcessHostSteps, InterNodeSetupGivesUpOnAMissingRank) {
+  MKT_REQUIRE_GPU();
+  InProcessGroup group(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      cudaSetDevice(r % test_devices());
+      auto comm = Communicator::create(group.bootstrap(r), limited(/*ranks_per_node=*/1));
+      comm->bootstrap().barrier();
+      if (r == 1) {
+        stay_away();
+        return;
+      }
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        comm->inter_node();
+        ADD_FAILURE() << "set up the inter-node path without rank 1";
+      } catch (const Error& e) {
+        expect_timeout(e, "setting up the inter-node path", start);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// ---- a rank that dies in a step, one process per rank ----
+
+constexpr const char kStepEnv[] = "MKERNEL_TEST_HOST_STEP";
+
+TEST(HostStepsProcessHelper, Run) {
+  MKT_REQUIRE_GPU();
+  const char* step = std::getenv(kStepEnv);
+  if (step == nullptr || launcher_bootstrap() == nullptr) {
+    GTEST_SKIP() << "run by HostSteps.RankKilledInAllocIsNamed";
+  }
+  auto comm = launched_comm(limited());
+  comm->bootstrap().barrier();
+  if (comm->rank() == 1) raise(SIGKILL);  // dies before the allocation
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    comm->alloc(4096);
+    ADD_FAILURE() << "allocated without rank 1";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Communicator::alloc (symmetric allocation of 4096 "
+                                         "bytes): rank 0: "),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+    EXPECT_LT(seconds_since(start), kLimit) << e.what();  // mkrun knows at once
+    std::printf("survivor's error: %s\n", e.what());
+  }
+}
+
+TEST(HostSteps, RankKilledInAllocIsNamed) {
+  MKT_REQUIRE_GPU();
+  char self[4096] = {};
+  ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
+  const auto start = std::chrono::steady_clock::now();
+  const ProcessResult r =
+      run_process({MKRUN_PATH, "-n", "2", "--grace", "5", "--", self,
+                   "--gtest_filter=HostStepsProcessHelper.Run"},
+                  {{kStepEnv, "alloc"}, {"MKERNEL_BOOTSTRAP_TIMEOUT_S", "30"}}, 60);
+  EXPECT_NE(r.output.find("[rank 0] [       OK ] HostStepsProcessHelper.Run"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("rank 1 (killed by SIGKILL"), std::string::npos) << r.output;
+  EXPECT_LT(seconds_since(start), 30) << r.output;  // process start-up included
+}
+
+}  // namespace
+}  // namespace mk::test
