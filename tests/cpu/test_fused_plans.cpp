@@ -385,6 +385,66 @@ TEST(FusedPlans, TmaSends) {
   EXPECT_FALSE(plan_gemm_rs(ctx, 8192, 8192, 4096, off).tma_sends);
 }
 
+// The host-only half of the input-check property test: random shapes, world sizes, node counts,
+// SM budgets and configs - out-of-range values included - into every plan. Each either plans
+// within the bounds (the widths the engine has, CTAs within the budget, pieces covering the
+// shard) or throws kInvalidArgument naming the op and what was wrong; never anything else.
+TEST(FusedPlans, RandomArgumentsPlanOrNameTheProblem) {
+  std::mt19937_64 gen(std::random_device{}());
+  auto pick = [&](std::initializer_list<int64_t> values) {
+    return *(values.begin() + gen() % values.size());
+  };
+  int planned = 0, rejected = 0;
+  for (int i = 0; i < 6000; ++i) {
+    const int world = static_cast<int>(pick({1, 2, 3, 4, 6, 8, 9, 16}));
+    const int nodes = world % 2 == 0 && gen() % 3 == 0 ? 2 : 1;
+    const PlanContext ctx{world, world / nodes, static_cast<int>(pick({1, 4, 33, 66, 132, 200})),
+                          nodes};
+    const int64_t m = pick({-1, 0, 1, 7, 128, 129, 1000, 4096, 8192, 100000}) * pick({1, world});
+    const int64_t n = pick({0, 8, 12, 64, 1000, 4096, 8200, 65536});
+    const int64_t k = pick({0, 8, 9, 64, 1024, 4096, 8192});
+    FusedGemmConfig c;
+    c.block_n = static_cast<int>(pick({0, 0, 64, 96, 128, 192, 256, 512, -64}));
+    c.comm_ctas = static_cast<int>(pick({0, 0, 1, 16, 1000, -1}));
+    c.piece_rows = static_cast<int>(pick({0, 0, 1, 64, 1 << 20, -5}));
+    c.sms = static_cast<int>(pick({0, 0, 4, 132, -1}));
+    c.bf16_partials = gen() % 4 == 0;
+    c.tma_sends = gen() % 2 == 0;
+    const int op = static_cast<int>(gen() % 3);
+    const char* names[] = {"ag_gemm: ", "gemm_rs: ", "gemm_ar: "};
+    const std::string what = std::string(names[op]) + std::to_string(m) + "x" + std::to_string(n) +
+                             "x" + std::to_string(k) + " world " + std::to_string(world) + "/" +
+                             std::to_string(nodes) + " nodes";
+    try {
+      const FusedGemmPlan p = op == 0   ? plan_ag_gemm(ctx, m, n, k, c)
+                              : op == 1 ? plan_gemm_rs(ctx, m, n, k, c)
+                                        : plan_gemm_ar(ctx, m, n, k, c);
+      ++planned;
+      EXPECT_TRUE(p.block_n == 64 || p.block_n == 128 || p.block_n == 192 || p.block_n == 256)
+          << what << ": " << p.describe();
+      EXPECT_TRUE(c.block_n == 0 || p.block_n == c.block_n || (nodes > 1 && p.block_n <= 128))
+          << what << ": " << p.describe();
+      EXPECT_GE(p.ctas, 1) << what << ": " << p.describe();
+      EXPECT_LE(p.ctas, std::max(1, std::min(ctx.sms, kMaxChannels)))
+          << what << ": " << p.describe();
+      if (op == 0) {
+        EXPECT_GE(static_cast<int64_t>(p.pieces) * p.piece_rows, p.shard_rows) << what;
+        EXPECT_LE(p.comm_ctas, p.ctas) << what;
+      }
+      EXPECT_LE(p.staging_bytes, p.workspace_bytes) << what << ": " << p.describe();
+    } catch (const Error& e) {
+      ++rejected;
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << what << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find(names[op]), std::string::npos)
+          << what << ": " << e.what();
+    }
+  }
+  EXPECT_GT(planned, 500);
+  EXPECT_GT(rejected, 500);
+  std::printf("random plan arguments: %d planned, %d rejected with a named problem\n", planned,
+              rejected);
+}
+
 TEST(FusedPlans, RejectWhatTheyCannotDo) {
   const PlanContext ctx = h200(2);
   auto message = [](auto fn) {
