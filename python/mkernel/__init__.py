@@ -449,18 +449,18 @@ class Communicator:
 
 # ---- GEMM engine as a PyTorch custom op --------------------------------------------------------
 
-def _gemm_shapes(a, b, b_layout: str):
-    """(M, N, K) of a [..., K] @ op(b), or ValueError naming the problem."""
+def _gemm_shapes(a, b, b_layout: str, op: str = "gemm"):
+    """(M, N, K) of a [..., K] @ op(b), or ValueError naming the op and the problem."""
     if b_layout not in ("nk", "kn"):
-        raise ValueError(f"mkernel.gemm: b_layout={b_layout!r}; expected 'nk' (b is [N, K], the "
+        raise ValueError(f"mkernel.{op}: b_layout={b_layout!r}; expected 'nk' (b is [N, K], the "
                          "nn.Linear weight) or 'kn' (b is [K, N])")
     if a.dim() < 1 or b.dim() != 2:
-        raise ValueError(f"mkernel.gemm: a must be [..., K] and b 2-D; got {tuple(a.shape)} and "
+        raise ValueError(f"mkernel.{op}: a must be [..., K] and b 2-D; got {tuple(a.shape)} and "
                          f"{tuple(b.shape)}")
     k = a.shape[-1]
     n, kb = (b.shape[0], b.shape[1]) if b_layout == "nk" else (b.shape[1], b.shape[0])
     if kb != k:
-        raise ValueError(f"mkernel.gemm: a has K = {k} but b ({b_layout}) has K = {kb}")
+        raise ValueError(f"mkernel.{op}: a has K = {k} but b ({b_layout}) has K = {kb}")
     return a.numel() // k if k else 0, n, k
 
 
@@ -599,7 +599,7 @@ if torch is not None:
         if a_shard.dim() != 2:
             raise ValueError(f"mkernel.ag_gemm: a_shard must be 2-D [M / world, K]; got "
                              f"{tuple(a_shard.shape)}")
-        _, n, k = _gemm_shapes(a_shard, b, b_layout)
+        _, n, k = _gemm_shapes(a_shard, b, b_layout, "ag_gemm")
         return a_shard.shape[0] * comm.world_size, n, k
 
     def _ag_gemm_impl(a_shard, b, b_layout, comm, return_gathered, block_n, comm_ctas, piece_rows):
@@ -654,7 +654,7 @@ if torch is not None:
     def _gemm_rs_shapes(comm, a, b, b_layout):
         if a.dim() != 2:
             raise ValueError(f"mkernel.gemm_rs: a must be 2-D [M, K / world]; got {tuple(a.shape)}")
-        m, n, k = _gemm_shapes(a, b, b_layout)
+        m, n, k = _gemm_shapes(a, b, b_layout, "gemm_rs")
         if m % comm.world_size != 0:
             raise ValueError(f"mkernel.gemm_rs: M = {m} is not a multiple of the world size "
                              f"{comm.world_size}")
@@ -711,7 +711,7 @@ if torch is not None:
         c = _communicator(comm, "gemm_ar")
         if a.dim() != 2:
             raise ValueError(f"mkernel.gemm_ar: a must be 2-D [M, K / world]; got {tuple(a.shape)}")
-        m, n, k = _gemm_shapes(a, b, b_layout)
+        m, n, k = _gemm_shapes(a, b, b_layout, "gemm_ar")
         for name, x in (("a", a), ("b", b), ("out", out)):
             if x.dtype != torch.bfloat16:
                 raise ValueError(f"mkernel.gemm_ar: {name} has dtype {x.dtype}; expected bfloat16")

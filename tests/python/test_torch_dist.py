@@ -369,6 +369,302 @@ def _host_step(rank, world, seed, use_nccl, step):
     assert again.value.code == "not_initialized", str(again.value)
 
 
+# ---- the input-check property test -------------------------------------------------------------
+# Random calls of every op with the communicator: shapes (valid or not), dtypes, CPU tensors,
+# non-contiguous views, outputs that should be symmetric and are not, overlapping in/out, configs
+# out of range. The same cases on every rank (the case seed is shared; the data is each rank's),
+# so the ranks decide alike. Each call either runs and matches torch, or raises before launch with
+# a message that names the op and the argument - and then its poisoned output is still poisoned.
+
+INPUT_CHECK_CASES = 150
+_ARG_NAMES = ("input", "output", "a", "b", "a_shard", "out", "M ", "N ", "K", "M =", "N =",
+              "block_n", "comm_ctas", "piece_rows", "channels", "b_layout", "dtype", "symmetric",
+              "contiguous", "overlap", "world size", "expected")
+
+
+def _refused(op, e):
+    text = str(e)
+    assert isinstance(e, (ValueError, TypeError, mkernel.MkernelError)), f"{op}: {e!r}"
+    assert op in text, f"{op}: the message does not name the op: {text}"
+    assert any(name in text for name in _ARG_NAMES), f"{op}: no argument named: {text}"
+
+
+def _input_checks(rank, world, seed, use_nccl):
+    import random as _random
+    comm = mkernel.init(timeout_seconds=30)
+    cases = _random.Random(seed)  # the same sequence on every rank
+    counts = {}
+
+    def data(shape, tag, r=rank, dtype=torch.bfloat16):
+        g = torch.Generator(device="cuda").manual_seed((seed * 1009 + tag * 131 + r) % (1 << 62))
+        return torch.rand(shape, device="cuda", generator=g).sub_(0.5).to(dtype)
+
+    def variant(t):
+        """The tensor as passed: usually itself, sometimes broken in one way."""
+        kind = cases.choice(["ok"] * 6 + ["cpu", "f32", "noncontig", "int"])
+        if kind == "cpu":
+            return t.cpu(), kind
+        if kind == "f32":
+            return t.float(), kind
+        if kind == "int":
+            return t.to(torch.int32), kind
+        if kind == "noncontig" and t.dim() == 2 and t.shape[1] >= 2:
+            return t.repeat(1, 2)[:, ::2], kind  # the same values, stride 2
+        return t, "ok"
+
+    for case in range(INPUT_CHECK_CASES):
+        op = cases.choice(["all_gather", "reduce_scatter", "all_reduce", "ag_gemm", "gemm_rs",
+                           "gemm_ar"])
+        tag = 1000 + case
+        outcome = "ran"
+        try:
+            if op in ("all_gather", "reduce_scatter", "all_reduce"):
+                n = cases.choice([1, 7, 1000, 4099])
+                symmetric_out = cases.random() < 0.8
+                if op == "all_gather":
+                    x, kind = variant(data((1, n), tag).view(1, n))
+                    out = _nan((world, n), torch.bfloat16, comm if symmetric_out else None)
+                    poisoned = out
+                    call = lambda: comm.all_gather(x, out)  # noqa: E731
+                elif op == "reduce_scatter":
+                    x = comm.alloc_tensor((world, n), torch.bfloat16)
+                    x.copy_(data((world, n), tag))
+                    overlap = cases.random() < 0.15
+                    out = x[rank] if overlap else _nan((n,), torch.bfloat16)
+                    kind = "overlap" if overlap else "ok"
+                    poisoned = None if overlap else out
+                    call = lambda: comm.reduce_scatter(x, out)  # noqa: E731
+                else:
+                    x = comm.alloc_tensor((n,), torch.bfloat16) if symmetric_out else \
+                        torch.empty(n, device="cuda", dtype=torch.bfloat16)
+                    x.copy_(data((n,), tag))
+                    out = _nan(n, torch.bfloat16, comm)
+                    kind = "ok" if symmetric_out else "input not symmetric"
+                    poisoned = out
+                    call = lambda: comm.all_reduce(x, out)  # noqa: E731
+                try:
+                    call()
+                except Exception as e:  # noqa: BLE001 - checked below
+                    _refused(op, e)
+                    outcome = "refused"
+                    if poisoned is not None:
+                        assert torch.isnan(poisoned.float()).all(), f"{op}: written on rejection"
+                    continue
+                comm.synchronize()
+                assert kind == "ok" and (symmetric_out or op == "reduce_scatter"), \
+                    f"{op}: accepted a {kind} argument (symmetric output {symmetric_out})"
+                if op == "all_gather":
+                    want = torch.cat([data((1, n), tag, r) for r in range(world)])
+                    assert torch.equal(out.view(torch.int16), want.view(torch.int16)), op
+                elif op == "reduce_scatter":
+                    exact = sum(data((world, n), tag, r).double() for r in range(world))[rank]
+                    assert (out.double() - exact).abs().max().item() <= 4 * 2 ** -8 * world, op
+                else:
+                    exact = sum(data((n,), tag, r).double() for r in range(world))
+                    assert (out.double() - exact).abs().max().item() <= 4 * 2 ** -8 * world, op
+                continue
+            # the GEMMs
+            m = cases.choice([world, 2 * world, 128 * world, 300 * world, 7 * world + 1])
+            n = cases.choice([8, 64, 256, 264, 12])
+            k = cases.choice([8 * world, 64 * world, 512 * world, 20])
+            layout = cases.choice(["nk"] * 4 + ["kn", "xy"])
+            cfg = cases.choice([{}] * 4 + [{"block_n": 96}, {"block_n": 128}, {"block_n": -64}])
+            kl = max(1, k // world)
+            bshape = lambda kk: (n, kk) if layout != "kn" else (kk, n)  # noqa: E731
+            if op == "ag_gemm":
+                shard = max(1, m // world)
+                a, kind_a = variant(data((shard, k), tag))
+                b, kind_b = variant(data(bshape(k), tag + 1))
+                extra = cases.choice([{}] * 4 + [{"comm_ctas": -1}, {"piece_rows": 16}])
+                call = lambda: mkernel.ag_gemm(a, b, comm, b_layout=layout, **cfg, **extra)  # noqa
+                poisoned = None
+            elif op == "gemm_rs":
+                a, kind_a = variant(data((m, kl), tag))
+                b, kind_b = variant(data(bshape(kl), tag + 1))
+                call = lambda: mkernel.gemm_rs(a, b, comm, b_layout=layout, **cfg)  # noqa
+                poisoned = None
+            else:
+                a, kind_a = variant(data((m, kl), tag))
+                b, kind_b = variant(data(bshape(kl), tag + 1))
+                symmetric_out = cases.random() < 0.85
+                out = _nan((m, n), torch.bfloat16, comm if symmetric_out else None)
+                kind_a = kind_a if symmetric_out else "out not symmetric"
+                call = lambda: mkernel.gemm_ar(a, b, comm, out, b_layout=layout, **cfg)  # noqa
+                poisoned = out
+            try:
+                result = call()
+            except Exception as e:  # noqa: BLE001 - checked below
+                _refused(op, e)
+                outcome = "refused"
+                if poisoned is not None:
+                    assert torch.isnan(poisoned.float()).all(), f"{op}: written on rejection"
+                continue
+            comm.synchronize()
+            valid_shape = (layout in ("nk", "kn") and n % 8 == 0 and cfg.get("block_n", 0) in (0, 128)
+                           and (k % 8 == 0 if op == "ag_gemm" else kl % 8 == 0)
+                           and (m % world == 0 if op == "gemm_rs" else True)
+                           and (extra.get("comm_ctas", 0) >= 0 if op == "ag_gemm" else True))
+            assert valid_shape and kind_a in ("ok", "noncontig") and kind_b in ("ok", "noncontig"), \
+                f"{op}: ran with {m}x{n}x{k} {layout} {cfg}, a {kind_a}, b {kind_b}"
+            if op == "ag_gemm":
+                a_all = torch.cat([data((shard, k), tag, r) for r in range(world)]).float()
+                bf = data(bshape(k), tag + 1).float()
+                want = a_all @ (bf.T if layout == "nk" else bf)
+                got = result
+            else:
+                want = sum(data((m, kl), tag, r).float() @ (
+                    data(bshape(kl), tag + 1, r).float().T if layout == "nk"
+                    else data(bshape(kl), tag + 1, r).float()) for r in range(world))
+                if op == "gemm_rs":
+                    want = want[rank * (m // world):(rank + 1) * (m // world)]
+                    got = result
+                else:
+                    got = out
+            err = (got.float() - want).abs().max().item()
+            assert err <= 4 * 2 ** -8 * (want.abs().max().item() + 1e-3), f"{op}: error {err}"
+        finally:
+            counts[(op, outcome)] = counts.get((op, outcome), 0) + 1
+    total = sum(counts.values())
+    if rank == 0:
+        print(f"input checks: {total} cases: " +
+              ", ".join(f"{op} {o} {c}" for (op, o), c in sorted(counts.items())))
+    comm.synchronize()
+    dist.barrier()
+
+
+# ---- soak --------------------------------------------------------------------------------------
+# Two ranks issue SOAK_LAUNCHES launches of mixed ops with random shapes, every 100th checked
+# against torch; afterwards (communicator gone, caches emptied) the GPU's free memory, this
+# process's file descriptors and its memory mappings are back where they started, and nothing
+# raised. Bounded in count and time (SOAK_LIMIT_S).
+
+SOAK_LAUNCHES = int(os.environ.get("MKERNEL_SOAK_LAUNCHES", "10000"))
+SOAK_LIMIT_S = 900
+
+
+def _resources():
+    """(free GPU memory, open fds, mappings) once every rank has released what it can."""
+    import gc
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    dist.barrier()  # (the GPU's free memory counts every rank sharing it)
+    free, _ = torch.cuda.mem_get_info()
+    with open("/proc/self/maps") as f:
+        maps = sum(1 for _ in f)
+    return free, len(os.listdir("/proc/self/fd")), maps
+
+
+def _soak(rank, world, seed, use_nccl):
+    import random as _random
+    rng = _random.Random(seed)  # the same op sequence on every rank
+
+    def data(shape, tag, r=rank):
+        g = torch.Generator(device="cuda").manual_seed((seed * 7 + tag * 131 + r) % (1 << 62))
+        return torch.rand(shape, device="cuda", generator=g).sub_(0.5).to(torch.bfloat16)
+
+    # A short soak first (its own communicator): what is loaded or opened once per process - the
+    # kernels' modules, cuBLAS, the driver's files, NCCL - belongs to the baseline.
+    _soak_launches(rank, world, _random.Random(seed + 1), data, 200)
+    before = _resources()
+    counts, checked, elapsed = _soak_launches(rank, world, rng, data, SOAK_LAUNCHES)
+    after = _resources()
+    if rank == 0:
+        print(f"soak: {SOAK_LAUNCHES} launches in {elapsed:.1f} s ({checked} checked): " +
+              ", ".join(f"{op} {c}" for op, c in counts.items()) +
+              f"; free GPU memory {before[0] >> 20} -> {after[0] >> 20} MiB, fds {before[1]} -> "
+              f"{after[1]}, mappings {before[2]} -> {after[2]}")
+    assert after[1] == before[1], f"file descriptors {before[1]} -> {after[1]}"
+    assert after[2] <= before[2] + 2, f"memory mappings {before[2]} -> {after[2]}"
+    assert after[0] >= before[0] - (8 << 20), \
+        f"GPU memory not returned: free {before[0] >> 20} -> {after[0] >> 20} MiB"
+    dist.barrier()
+
+
+def _soak_launches(rank, world, rng, data, launches):
+    """The launches (a function of their own: every tensor and the communicator die with it)."""
+    comm = mkernel.init(timeout_seconds=60)
+    ops = ["all_gather", "reduce_scatter", "all_reduce", "gemm", "grouped_gemm", "ag_gemm",
+           "gemm_rs", "gemm_ar"]
+    counts = dict.fromkeys(ops, 0)
+    checked = 0
+    bufs = {n: (comm.alloc_tensor((world, n), torch.bfloat16), comm.alloc_tensor(n, torch.bfloat16))
+            for n in (256, 4096)}
+    outs = {}
+    start = time.monotonic()
+    for i in range(launches):
+        assert time.monotonic() - start < SOAK_LIMIT_S, f"soak: only {i} launches in time"
+        op = rng.choice(ops)
+        counts[op] += 1
+        check = i % 100 == 0
+        tag = i
+        if op in ("all_gather", "reduce_scatter", "all_reduce"):
+            n = rng.choice((256, 4096))
+            big, small = bufs[n]
+            if op == "all_gather":
+                x = data((1, n), tag)
+                comm.all_gather(x, big)
+                if check:
+                    want = torch.cat([data((1, n), tag, r) for r in range(world)])
+                    assert torch.equal(big.view(torch.int16), want.view(torch.int16)), i
+            elif op == "reduce_scatter":
+                big.copy_(data((world, n), tag))
+                out = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+                comm.reduce_scatter(big, out)
+                if check:
+                    exact = sum(data((world, n), tag, r).double() for r in range(world))[rank]
+                    assert (out.double() - exact).abs().max().item() <= 2 ** -6 * world, i
+            else:
+                small.copy_(data((n,), tag))
+                comm.all_reduce(small)
+                if check:
+                    exact = sum(data((n,), tag, r).double() for r in range(world))
+                    assert (small.double() - exact).abs().max().item() <= 2 ** -6 * world, i
+        else:
+            m = world * rng.choice((1, 8, 64, 128, 200))
+            n = rng.choice((64, 256, 520))
+            k = world * rng.choice((64, 256))
+            kl = k // world
+            if op == "gemm":
+                a, b = data((m, k), tag), data((n, k), tag + 1)
+                got, want = mkernel.gemm(a, b), (lambda: a.float() @ b.float().T)
+            elif op == "grouped_gemm":
+                groups = rng.choice((1, 4, 8))
+                a, b = data((m, k), tag), data((groups, n, k), tag + 1)
+                counts_g = torch.tensor([m // groups] * (groups - 1) + [m - m // groups * (groups - 1)],
+                                        dtype=torch.int32, device="cuda")
+                got = mkernel.grouped_gemm(a, b, counts_g)
+                rows = counts_g.tolist() if check else None
+                want = (lambda: torch.cat([a[sum(rows[:g]):sum(rows[:g + 1])].float() @ b[g].float().T
+                                           for g in range(groups)]))
+            elif op == "ag_gemm":
+                a, b = data((m // world, k), tag), data((n, k), tag + 1)
+                got = mkernel.ag_gemm(a, b, comm)
+                want = (lambda: torch.cat([data((m // world, k), tag, r) for r in range(world)])
+                        .float() @ b.float().T)
+            else:
+                a, b = data((m, kl), tag), data((n, kl), tag + 1)
+                full = (lambda: sum(data((m, kl), tag, r).float() @ data((n, kl), tag + 1, r).float().T
+                                    for r in range(world)))
+                if op == "gemm_rs":
+                    got = mkernel.gemm_rs(a, b, comm)
+                    want = (lambda: full()[rank * (m // world):(rank + 1) * (m // world)])
+                else:
+                    if (m, n) not in outs:
+                        outs[(m, n)] = comm.alloc_tensor((m, n), torch.bfloat16)
+                    got = mkernel.gemm_ar(a, b, comm, outs[(m, n)])
+                    want = full
+            if check:
+                w = want()
+                err = (got.float() - w).abs().max().item()
+                assert err <= 2 ** -6 * (w.abs().max().item() + 1e-3), f"soak {i} {op}: {err}"
+        if check:
+            checked += 1
+            comm.synchronize()
+    comm.synchronize()
+    return counts, checked, time.monotonic() - start
+
+
 # `bench/run.sh ag_gemm check`'s shapes (M, N, K): each a new largest, so each call grows the
 # package's workspace (a new symmetric buffer, registered with the inter-node path across nodes).
 BENCH_CHECK_SHAPES = [(512, 1024, 1024), (1024, 2048, 2048), (2048, 2048, 2048), (1024, 512, 2048),
@@ -589,6 +885,14 @@ def test_ag_gemm_matches_references():
 @pytest.mark.parametrize("nodes,per_node", [(2, 1), (2, 2)])
 def test_ag_gemm_across_virtual_nodes(nodes, per_node):
     _spawn(_ag_gemm, world=nodes * per_node, gpus_per_node=per_node)
+
+
+def test_random_arguments_run_correctly_or_are_refused_before_launch():
+    _spawn(_input_checks)
+
+
+def test_soak_mixed_launches_leave_nothing_behind():
+    _spawn(_soak)
 
 
 def test_collectives_match_references():
