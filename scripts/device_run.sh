@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script sent to the GPU machine (see /work/.library/device/README.md).
 #
-#   bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|ab|nodes|host|all]...
+#   bash scripts/device_run.sh [build|test|sanitize|python|bench|check|compare|trace|ab|nodes|host|all]...
 #   (default: all)
 #
 # Steps run in the order given; `all` = build test sanitize python bench (`host`: the host time
@@ -335,6 +335,23 @@ step_host() {
   return "$rc"
 }
 
+# ---- check ----------------------------------------------------------------------------------
+# The users' check front (bench/run.sh <kernel> check 1) at CHECK_RANKS ranks (default "2 4"),
+# however many GPUs there are: with fewer GPUs than ranks the ranks share them (the references
+# then need no NCCL). Needs the python step's package for the fused kernels.
+step_check() {
+  local rc=0 ranks kernel
+  for ranks in ${CHECK_RANKS:-2 4}; do
+    for kernel in ${CHECK_KERNELS:-collectives ag_gemm gemm_rs gemm_ar}; do
+      echo "=== $kernel check, $ranks ranks"
+      MKERNEL_RANKS="$ranks" BUILD_DIR="$BUILD" limited 300 bash "$REPO/bench/run.sh" "$kernel" \
+        check 1 2>&1 | tee -a "$OUT/check.log"
+      ((PIPESTATUS[0] == 0)) || rc=1
+    done
+  done
+  return "$rc"
+}
+
 # ---- nodes ----------------------------------------------------------------------------------
 # Issue 8 across virtual nodes on this host, through the users' front: every fused kernel's check
 # on NODES_COUNT (2) virtual nodes of the GPUs here (bench/run.sh with MKERNEL_VIRTUAL_NODES=1,
@@ -386,8 +403,8 @@ plan=()
 for s in "${steps[@]}"; do
   case "$s" in
     all) plan+=(build test sanitize python bench) ;;
-    build | test | sanitize | python | bench | compare | trace | ab | nodes | host) plan+=("$s") ;;
-    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|compare|trace|ab|nodes|host|all]..." >&2; exit 2 ;;
+    build | test | sanitize | python | bench | check | compare | trace | ab | nodes | host) plan+=("$s") ;;
+    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|check|compare|trace|ab|nodes|host|all]..." >&2; exit 2 ;;
   esac
 done
 
@@ -405,6 +422,7 @@ for s in "${plan[@]}"; do
     sanitize) step_sanitize ;;
     python) step_python ;;
     bench) step_bench ;;
+    check) step_check ;;
     compare) step_compare ;;
     trace) step_trace ;;
     ab) step_ab ;;
