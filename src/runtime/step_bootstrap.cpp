@@ -13,7 +13,7 @@ std::string message_without_code(const Error& e) {
 }
 
 StepBootstrap::StepBootstrap(std::unique_ptr<Bootstrap> inner, double limit_seconds)
-    : inner_(std::move(inner)), limit_(limit_seconds), step_("the communicator's exchange") {}
+    : inner_(std::move(inner)), limit_(limit_seconds) {}
 
 StepBootstrap::~StepBootstrap() {
   if (timed_out_) (void)inner_.release();  // an exchange left behind may still use it
@@ -21,6 +21,16 @@ StepBootstrap::~StepBootstrap() {
 
 void StepBootstrap::allgather_within(const void* send, void* recv, std::size_t bytes,
                                      double seconds) {
+  if (step_.empty()) {  // the caller's own exchange (Communicator::bootstrap()): as the caller's
+    if (!broken_.empty()) {
+      throw Error(ErrorCode::kBootstrap, "rank " + std::to_string(rank()) +
+                                             ": the bootstrap is out of step with the other "
+                                             "ranks after an earlier failure (" +
+                                             broken_ + ")");
+    }
+    inner_->allgather_within(send, recv, bytes, seconds);
+    return;
+  }
   const std::string where = step_ + ": ";
   if (!broken_.empty()) {
     throw Error(ErrorCode::kBootstrap,

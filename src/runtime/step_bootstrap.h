@@ -1,9 +1,11 @@
-// Internal: the communicator's view of its bootstrap. Every exchange is bounded by the
-// communicator's time limit (Bootstrap::allgather_within) and its errors name the host-side step
-// it belongs to ("symmetric allocation of 4096 bytes: rank 0: in-process allgather gave up after
-// 2 s; rank 1 did not arrive"). The communicator's own steps, the FdExchange, the symmetric
-// allocations and the inter-node transports all exchange through it, so no host-side collective
-// step of a communicator waits longer than its limit.
+// Internal: the communicator's view of its bootstrap. Every exchange inside a host-side step of
+// the communicator (a Step scope) is bounded by the communicator's time limit
+// (Bootstrap::allgather_within) and its errors name the step ("Communicator::alloc (symmetric
+// allocation of 4096 bytes): rank 0: in-process allgather gave up after 2 s; rank 1 did not
+// arrive"). The communicator's own steps, the FdExchange, the symmetric allocations and the
+// inter-node transports all exchange through it inside steps, so none waits longer than the
+// limit. Outside a step - the caller's own exchanges through Communicator::bootstrap() - it is
+// the caller's bootstrap as it was.
 //
 // After a failed exchange the bootstrap may be out of step with its peers: every later exchange
 // fails at once with the first failure's message. A bootstrap that timed out is not destroyed
@@ -28,9 +30,9 @@ class StepBootstrap final : public Bootstrap {
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   void allgather(const void* send, void* recv, std::size_t bytes) override {
-    allgather_within(send, recv, bytes, limit_);
+    allgather_within(send, recv, bytes, 0);  // (inside a step: the limit)
   }
-  // At most min(seconds, the limit); errors name the current step and the limit.
+  // Inside a step: at most min(seconds, the limit), errors naming the step and the limit.
   void allgather_within(const void* send, void* recv, std::size_t bytes, double seconds) override;
 
   // The step the exchanges of a scope belong to; steps nest (the innermost names the error).

@@ -93,9 +93,27 @@ TEST(BoundedExchange, StepsNestAndLimitsCombine) {
     EXPECT_EQ(y, 1);
   }
   // Invalid arguments leave the bootstrap in step.
-  EXPECT_THROW(b.allgather(nullptr, nullptr, 4), Error);
+  {
+    const detail::StepBootstrap::Step step(b, "a step");
+    EXPECT_THROW(b.allgather(nullptr, nullptr, 4), Error);
+  }
   EXPECT_TRUE(b.broken().empty());
   b.barrier();
+}
+
+// Outside a step the caller's exchanges are the caller's bootstrap's: not bounded by the
+// communicator's limit (tests and users meet through it with waits of their own).
+TEST(BoundedExchange, OutsideAStepTheCallersBootstrapIsUnbounded) {
+  InProcessGroup group(2);
+  detail::StepBootstrap b0(group.bootstrap(0), 0.1);
+  auto b1 = group.bootstrap(1);
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    b1->barrier();
+  });
+  b0.barrier();  // waits past the 0.1-s limit for rank 1
+  late.join();
+  EXPECT_TRUE(b0.broken().empty());
 }
 
 // A timed callback gets the limit and may name the missing ranks itself.
@@ -108,6 +126,7 @@ TEST(BoundedExchange, TimedCallbackGetsTheLimit) {
       }));
   detail::StepBootstrap step_b(std::move(b), 1.25);
   try {
+    const detail::StepBootstrap::Step step(step_b, "a step");
     step_b.barrier();
     ADD_FAILURE();
   } catch (const Error& e) {
