@@ -78,7 +78,8 @@ std::string env_string(const EnvLookup& env, const char* name, const std::string
 const std::vector<OverrideInfo>& override_table() {
   static const std::vector<OverrideInfo> table = {
       {"MKERNEL_TIMEOUT_S", "seconds >= 0 (0: none)",
-       "limit of every wait on a peer inside a kernel (default 60)"},
+       "limit of every wait on a peer, in kernels and in the communicator's host-side "
+       "collective steps (default 60)"},
       {"MKERNEL_BOOTSTRAP_TIMEOUT_S", "seconds > 0",
        "limit of one exchange of the in-process and mkrun bootstraps (default 300)"},
       {"MKERNEL_GPUS_PER_NODE", "integer >= 0 (0: by host)",
