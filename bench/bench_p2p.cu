@@ -16,10 +16,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -75,12 +75,11 @@ __global__ void bulk_push(uint8_t* remote, long long per_cta, int chunk, int buf
     if (bufs == 2) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
     if (bufs == 4) asm volatile("cp.async.bulk.wait_group.read 3;" ::: "memory");
     if (bufs == 8) asm volatile("cp.async.bulk.wait_group.read 7;" ::: "memory");
-    const uint32_t src =
-        static_cast<uint32_t>(__cvta_generic_to_shared(smem + (i % bufs) * chunk));
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
-                     base + i * chunk),
-                 "r"(src), "r"(chunk)
-                 : "memory");
+    const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(smem + (i % bufs) * chunk));
+    asm volatile(
+        "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(base + i * chunk),
+        "r"(src), "r"(chunk)
+        : "memory");
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
   }
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -228,14 +227,16 @@ int main(int argc, char** argv) {
       auto go = [&](cudaStream_t s, uint8_t* dst) {
         bulk_push<<<ctas, 32, chunk * bufs, s>>>(dst, per_cta_bytes, chunk, bufs);
       };
-      const float ms = median_ms([&] { go(nullptr, reinterpret_cast<uint8_t*>(remote)); }, [&] {
-        if (!both) return;
-        CK(cudaSetDevice(1));
-        CK(cudaFuncSetAttribute(bulk_push, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                200 * 1024));
-        for (int i = 0; i < 3; ++i) go(stream1, reinterpret_cast<uint8_t*>(remote1));
-        CK(cudaSetDevice(0));
-      });
+      const float ms =
+          median_ms([&] { go(nullptr, reinterpret_cast<uint8_t*>(remote)); },
+                    [&] {
+                      if (!both) return;
+                      CK(cudaSetDevice(1));
+                      CK(cudaFuncSetAttribute(
+                          bulk_push, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+                      for (int i = 0; i < 3; ++i) go(stream1, reinterpret_cast<uint8_t*>(remote1));
+                      CK(cudaSetDevice(0));
+                    });
       const double per_cta_gbs = static_cast<double>(per_cta_bytes) / (ms * 1e6);
       std::printf("%-8s %5d %7d %5d %12.2f %12.1f\n", "bulk", ctas, chunk, bufs, per_cta_gbs,
                   per_cta_gbs * ctas);

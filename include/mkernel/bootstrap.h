@@ -11,7 +11,9 @@
 // allocation, the inter-node setup) through allgather_within() with its time limit, so a rank
 // that never arrives, or dies, is an mk::Error(kTimeout) on the others within the limit - naming
 // the step, this rank and, where the bootstrap can tell (InProcessGroup, a timed callback, the
-// Python package's store), the ranks that did not arrive.
+// Python package's store), the ranks that did not arrive. A bootstrap that cannot give up on its
+// own - a plain AllgatherFn, a subclass that keeps the default allgather_within - is bounded only
+// by itself: mkernel runs no user code on threads of its own.
 #pragma once
 
 #include <cstddef>
@@ -34,20 +36,20 @@ class Bootstrap {
   // Throws mk::Error(kBootstrap) when the exchange fails or times out.
   virtual void allgather(const void* send, void* recv, std::size_t bytes) = 0;
 
-  // Collective, bounded: allgather, giving up after `seconds` (<= 0: no limit) with
-  // mk::Error(kTimeout) that names this rank and, where this bootstrap can tell, the ranks that
-  // did not arrive. After a time-out the bootstrap may be out of step with its peers: use it no
-  // more. The default runs allgather() on a helper thread and, when the limit passes, leaves it
-  // there (holding copies of the buffers) - a bootstrap that can stop on its own overrides it.
+  // Collective, bounded where the bootstrap can be: allgather, giving up after `seconds` (<= 0:
+  // no limit) with mk::Error(kTimeout) that names this rank and, where this bootstrap can tell, the
+  // ranks that did not arrive. After a time-out the bootstrap may be out of step with its peers:
+  // use it no more. The default runs allgather() on the calling thread, unbounded: a bootstrap that
+  // can give up overrides it.
   virtual void allgather_within(const void* send, void* recv, std::size_t bytes, double seconds);
 
   // Collective barrier built on allgather.
   void barrier();
 };
 
-// Signature of a user-supplied allgather; same contract as Bootstrap::allgather. A bootstrap made
-// from one runs it on a helper thread when the exchange is bounded (allgather_within): an MPI
-// program that calls MPI from one thread only wants the timed form below.
+// Signature of a user-supplied allgather; same contract as Bootstrap::allgather. It runs on the
+// calling thread and is bounded only by itself (a dead peer blocks it as long as MPI_Allgather
+// would block): the timed form below gets the communicator's limit.
 using AllgatherFn = std::function<void(const void* send, void* recv, std::size_t bytes)>;
 // A timed allgather: the same, but it returns within `seconds` (<= 0: no limit) or throws -
 // mk::Error(kTimeout) naming the ranks that did not arrive, if it can tell (an MPI program can

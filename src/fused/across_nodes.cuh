@@ -26,7 +26,6 @@
 namespace mk::fused {
 
 constexpr int kMaxReduceRings = 4;
-constexpr int kMaxReduceBlockN = 128;  // wider tiles spill in these epilogues (the plans cap it)
 
 // 16 bytes from L2 (ld.global.cg): coherent, for memory written while the kernel runs.
 __device__ __forceinline__ uint4 load_l2(const void* p) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "fused/reduce_routes.h"
 #include "mkernel/communicator.h"
 #include "mkernel/device_comm.h"
 #include "mkernel/error.h"
@@ -45,13 +46,23 @@ inline int sm_budget(const PlanContext& ctx, int requested, const char* op) {
 
 // The call's config with the communicator's overrides folded in (runtime/overrides.h): a knob the
 // caller left at 0 takes its MKERNEL_* value; MKERNEL_BF16_PARTIALS overrides either way. The
-// plans see only the result.
-inline FusedGemmConfig with_overrides(FusedGemmConfig config, const detail::Overrides& o) {
-  if (config.block_n == 0) config.block_n = o.block_n;
+// plans see only the result. MKERNEL_GEMM_BLOCK_N asks for a width where the library picks one,
+// so it enters at most `widest`, the widest tile the op runs on this communicator (a width the
+// caller sets in the config is the caller's, checked by the plan).
+inline FusedGemmConfig with_overrides(FusedGemmConfig config, const detail::Overrides& o,
+                                      int widest = 256) {
+  if (config.block_n == 0) config.block_n = std::min(o.block_n, widest);
   if (config.comm_ctas == 0) config.comm_ctas = o.comm_ctas;
   if (config.piece_rows == 0) config.piece_rows = o.piece_rows;
   if (o.bf16_partials >= 0) config.bf16_partials = o.bf16_partials == 1;
   return config;
+}
+
+// gemm_rs / gemm_ar: the same, MKERNEL_GEMM_BLOCK_N at most kMaxReduceBlockN across nodes.
+inline FusedGemmConfig with_reduce_overrides(const Communicator& comm,
+                                             const FusedGemmConfig& config) {
+  return with_overrides(config, comm.overrides(),
+                        comm.topology().num_nodes > 1 ? kMaxReduceBlockN : 256);
 }
 
 // MKERNEL_PRINT_CONFIG: one line per launch on rank 0, "[mkernel] op MxNxK: <plan>".

@@ -295,14 +295,14 @@ void launch_across_nodes(Communicator& comm, const FusedGemmPlan& p, const void*
 std::size_t gemm_ar_workspace_bytes(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
                                     const FusedGemmConfig& config) {
   return fused::plan_gemm_ar(fused::plan_context(comm), m, n, k_local,
-                             fused::with_overrides(config, comm.overrides()))
+                             fused::with_reduce_overrides(comm, config))
       .workspace_bytes;
 }
 
 FusedGemmPlan gemm_ar_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
                            const FusedGemmConfig& config) {
   return fused::plan_gemm_ar(fused::plan_context(comm), m, n, k_local,
-                             fused::with_overrides(config, comm.overrides()));
+                             fused::with_reduce_overrides(comm, config));
 }
 
 void gemm_ar(Communicator& comm, const void* a, const void* b, void* out, int64_t m, int64_t n,
@@ -311,7 +311,7 @@ void gemm_ar(Communicator& comm, const void* a, const void* b, void* out, int64_
   detail::DeviceGuard guard(comm.device());
   fused::check_call(comm, stream, b_layout, kOp, /*across_nodes=*/true);
   const FusedGemmPlan p = fused::plan_gemm_ar(fused::plan_context(comm), m, n, k,
-                                              fused::with_overrides(config, comm.overrides()));
+                                              fused::with_reduce_overrides(comm, config));
   detail::require_device_pointer(comm, a, 16, kOp, "A");
   detail::require_device_pointer(comm, b, 16, kOp, "B");
   detail::require_device_pointer(comm, out, 16, kOp, "out");

@@ -207,7 +207,7 @@ std::size_t gemm_rs_workspace_bytes(int64_t m, int64_t n, int world_size) {
 FusedGemmPlan gemm_rs_plan(const Communicator& comm, int64_t m, int64_t n, int64_t k_local,
                            const FusedGemmConfig& config) {
   return fused::plan_gemm_rs(fused::plan_context(comm), m, n, k_local,
-                             fused::with_overrides(config, comm.overrides()));
+                             fused::with_reduce_overrides(comm, config));
 }
 
 void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_t m, int64_t n,
@@ -216,7 +216,7 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
   detail::DeviceGuard guard(comm.device());
   fused::check_call(comm, stream, b_layout, kOp, /*across_nodes=*/true);
   const FusedGemmPlan p = fused::plan_gemm_rs(fused::plan_context(comm), m, n, k,
-                                              fused::with_overrides(config, comm.overrides()));
+                                              fused::with_reduce_overrides(comm, config));
   detail::require_device_pointer(comm, a, 16, kOp, "A");
   detail::require_device_pointer(comm, b, 16, kOp, "B");
   detail::require_device_pointer(comm, out, 16, kOp, "out");

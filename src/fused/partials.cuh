@@ -96,9 +96,9 @@ __device__ __forceinline__ float2 ld_shared_f32x2(const void* p) {
 // stage ring behind the tile's k-blocks (gemm_rs with two ranks, GemmRsFusion::load_epilogue):
 // the epilogue reads them from shared memory instead of waiting on global loads - a 64 KiB slice
 // from global memory is slow to add inside the GEMM, held up by the SM's own TMA traffic
-// (docs/PERFORMANCE.md, 2026-11-30 and 2026-12-01). Stage i holds, for slice (half) h of the tile, its 32-column boxes
-// [i * kPerStage, i * kPerStage + kPerStage) - 64 x 32 fp32 each, 128-byte swizzled - at
-// (h * kPerStage + q) * kPartialBoxBytes.
+// (docs/PERFORMANCE.md, 2026-11-30 and 2026-12-01). Stage i holds, for slice (half) h of the tile,
+// its 32-column boxes [i * kPerStage, i * kPerStage + kPerStage) - 64 x 32 fp32 each, 128-byte
+// swizzled - at (h * kPerStage + q) * kPartialBoxBytes.
 constexpr int kPartialBoxBytes = 64 * 32 * 4;
 
 // How a whole 128 x kBlockN tile's partials fill the ring: kPerStage boxes of each slice per

@@ -31,6 +31,9 @@
 namespace mk::fused {
 
 constexpr int kMaxReduceRanks = 64;
+// The widest tile of gemm_rs / gemm_ar across nodes: wider ones spill in the relay's and the
+// owner's epilogues (across_nodes.cuh; the plans cap it).
+constexpr int kMaxReduceBlockN = 128;
 constexpr uint32_t kReduceEntrySignal = 0;   // host pad: "my rail peer entered this launch"
 constexpr uint32_t kReduceSliceSignal0 = 1;  // host pad: node sums from here on
 

@@ -41,9 +41,9 @@
 //             arrive empty[prev]
 // Partial tiles: TMA reads out-of-bounds elements as zero (K, M and N tails), and the epilogue's
 // TMA stores clip at the matrix edge. A box that crosses the edge loads far more slowly than one
-// inside it (about half as fast: docs/PERFORMANCE.md, 2026-12-01), so a policy whose last tile-row is short loads it
-// with a box of its rows alone (a_rows): the rest of the stage's A keeps stale data, whose output
-// rows lie below C and are never stored.
+// inside it (about half as fast: docs/PERFORMANCE.md, 2026-12-01), so a policy whose last tile-row
+// is short loads it with a box of its rows alone (a_rows): the rest of the stage's A keeps stale
+// data, whose output rows lie below C and are never stored.
 #pragma once
 
 #include <cuda.h>

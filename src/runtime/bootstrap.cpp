@@ -16,7 +16,6 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -65,12 +64,11 @@ class CallbackBootstrap final : public Bootstrap {
     call(send, recv, bytes, 0);
   }
 
+  // A timed callback gets the limit; a plain one runs as it is, on the calling thread (an MPI
+  // program may call MPI from one thread only, a CUDA-using one has the rank's device set there),
+  // bounded only by itself.
   void allgather_within(const void* send, void* recv, std::size_t bytes, double seconds) override {
-    if (!timed_ && seconds > 0) {  // a plain callback: bounded on a helper thread (allgather())
-      Bootstrap::allgather_within(send, recv, bytes, seconds);
-    } else {
-      call(send, recv, bytes, seconds);
-    }
+    call(send, recv, bytes, seconds);
   }
 
  private:
@@ -96,59 +94,11 @@ class CallbackBootstrap final : public Bootstrap {
   TimedAllgatherFn timed_;
 };
 
-// One exchange on a helper thread (Bootstrap::allgather_within's default): the buffers are the
-// shared state's own copies, so that a thread left behind by a time-out writes into memory that
-// lives as long as it does.
-struct HelperExchange {
-  std::mutex mutex;
-  std::condition_variable cv;
-  bool done = false;
-  std::exception_ptr error;
-  std::vector<char> send;
-  std::vector<char> recv;
-};
-
 }  // namespace
 
-void Bootstrap::allgather_within(const void* send, void* recv, std::size_t bytes, double seconds) {
-  if (!(seconds > 0)) {
-    allgather(send, recv, bytes);
-    return;
-  }
-  check_buffers(rank(), send, recv, bytes);
-  auto x = std::make_shared<HelperExchange>();
-  x->send.assign(static_cast<const char*>(send), static_cast<const char*>(send) + bytes);
-  x->recv.resize(bytes * static_cast<std::size_t>(size()));
-  // The thread holds the shared state; `this` must outlive it, which a time-out cannot promise:
-  // after one the bootstrap is not to be used (nor, then, destroyed while a peer may still
-  // complete the exchange - the communicator keeps a timed-out bootstrap alive until exit).
-  std::thread([this, x] {
-    std::exception_ptr error;
-    try {
-      allgather(x->send.data(), x->recv.data(), x->send.size());
-    } catch (...) {
-      error = std::current_exception();
-    }
-    std::lock_guard<std::mutex> lock(x->mutex);
-    x->done = true;
-    x->error = error;
-    x->cv.notify_all();
-  }).detach();
-  std::unique_lock<std::mutex> lock(x->mutex);
-  if (!x->cv.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return x->done; })) {
-    throw bootstrap_timeout(rank(), "allgather", seconds, {});
-  }
-  if (x->error) {
-    try {
-      std::rethrow_exception(x->error);
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw Error(ErrorCode::kBootstrap,
-                  rank_prefix(rank()) + "the user-supplied allgather failed: " + e.what());
-    }
-  }
-  if (bytes > 0) std::memcpy(recv, x->recv.data(), x->recv.size());
+// The default: unbounded, on the calling thread (a bootstrap that can give up overrides it).
+void Bootstrap::allgather_within(const void* send, void* recv, std::size_t bytes, double) {
+  allgather(send, recv, bytes);
 }
 
 Error bootstrap_timeout(int rank, const std::string& what, double seconds,

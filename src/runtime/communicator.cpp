@@ -189,13 +189,7 @@ SymmetricBuffer Communicator::alloc(std::size_t bytes) {
   const detail::StepBootstrap::Step step(
       *state_->bootstrap,
       "Communicator::alloc (symmetric allocation of " + std::to_string(bytes) + " bytes)");
-  try {
-    return SymmetricBuffer(detail::create_symmetric(*state_, bytes));
-  } catch (const Error&) {
-    // An exchange that failed leaves the ranks out of step: the communicator refuses new work.
-    if (!state_->bootstrap->broken().empty()) state_->broken = state_->bootstrap->broken();
-    throw;
-  }
+  return SymmetricBuffer(detail::create_symmetric(*state_, bytes));
 }
 
 SymmetricRange Communicator::find_symmetric(const void* ptr, std::size_t bytes) const {
@@ -317,12 +311,7 @@ detail::InterNode& Communicator::inter_node() {
     __atomic_store_n(abort, 1, __ATOMIC_RELEASE);
   };
   const detail::StepBootstrap::Step step(*s.bootstrap, "setting up the inter-node path");
-  try {
-    s.inter_node = std::make_unique<detail::InterNode>(*s.bootstrap, s.topo, std::move(c));
-  } catch (const Error&) {
-    if (!s.bootstrap->broken().empty()) s.broken = s.bootstrap->broken();
-    throw;
-  }
+  s.inter_node = std::make_unique<detail::InterNode>(*s.bootstrap, s.topo, std::move(c));
   return *s.inter_node;
 }
 
@@ -388,6 +377,8 @@ void Communicator::synchronize(cudaStream_t stream) {
 }
 
 void Communicator::ensure_usable(const char* op) const {
+  // A failed exchange - a step's or the caller's own - leaves the ranks out of step.
+  if (state_->broken.empty() && state_->bootstrap) state_->broken = state_->bootstrap->broken();
   if (!state_->broken.empty()) {
     throw Error(ErrorCode::kNotInitialized,
                 std::string(op) + ": the communicator is broken by an earlier error (" +

@@ -106,7 +106,37 @@ const std::vector<OverrideInfo>& override_table() {
   return table;
 }
 
+const std::vector<RemovedOverride>& removed_overrides() {
+  static const std::vector<RemovedOverride> table = {
+      {"MKERNEL_TMA_SENDS", "set FusedGemmConfig::tma_sends (Python: tma_sends=False)"},
+      {"MKERNEL_COLL_RS_BULK", "set CollectiveConfig::bulk"},
+      {"MKERNEL_OUTBOX", "the outbox is used wherever the plan fits one; there is no switch"},
+      {"MKERNEL_INTERLEAVE",
+       "the reducing kernels interleave wherever the plan allows; there is no switch"},
+      {"MKERNEL_TMA_PARTIALS",
+       "the stage ring carries partials wherever the plan allows; there "
+       "is no switch"},
+      {"MKERNEL_TMA_STAGING",
+       "outbox slices are staged by TMA wherever the plan allows; there "
+       "is no switch"},
+      {"MKERNEL_GEMM_SCHEDULE",
+       "the ping-pong schedule was retired (slower on every measured "
+       "shape; docs/PERFORMANCE.md)"},
+      {"MKERNEL_PARTIALS_FIRST",
+       "the partials-first path was retired (measured no better; "
+       "docs/PERFORMANCE.md)"},
+  };
+  return table;
+}
+
 Overrides parse_overrides(const EnvLookup& env) {
+  for (const RemovedOverride& r : removed_overrides()) {
+    if (const std::optional<std::string> v = lookup(env, r.name)) {
+      throw Error(
+          ErrorCode::kInvalidArgument,
+          std::string(r.name) + "='" + *v + "': this variable is no longer read; " + r.instead);
+    }
+  }
   Overrides o;
   o.timeout_s = env_seconds(env, "MKERNEL_TIMEOUT_S", -1);
   o.gpus_per_node = static_cast<int>(env_int(env, "MKERNEL_GPUS_PER_NODE", 0, 1 << 20, -1));

@@ -58,6 +58,14 @@ struct OverrideInfo {
 };
 const std::vector<OverrideInfo>& override_table();
 
+// A variable the library read once and reads no more, and what to do instead: set, the parse
+// rejects it (so that a script setting it learns it does nothing).
+struct RemovedOverride {
+  const char* name;
+  const char* instead;
+};
+const std::vector<RemovedOverride>& removed_overrides();
+
 // The readers (the parse uses them; so do the bootstrap and the transports for their variables).
 // Each returns `fallback` when the variable is unset or empty, and throws kInvalidArgument naming
 // it otherwise unless the value is valid:

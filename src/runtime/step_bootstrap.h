@@ -7,10 +7,9 @@
 // limit. Outside a step - the caller's own exchanges through Communicator::bootstrap() - it is
 // the caller's bootstrap as it was.
 //
-// After a failed exchange the bootstrap may be out of step with its peers: every later exchange
-// fails at once with the first failure's message. A bootstrap that timed out is not destroyed
-// (an exchange left behind on a helper thread may still use it): it is kept until the process
-// exits.
+// After a failed exchange, inside a step or not, the bootstrap may be out of step with its peers:
+// every later exchange fails at once with the first failure's message, and the communicator
+// refuses new work (Communicator::ensure_usable reads broken()).
 #pragma once
 
 #include <memory>
@@ -25,7 +24,6 @@ class StepBootstrap final : public Bootstrap {
  public:
   // limit_seconds <= 0: no limit.
   StepBootstrap(std::unique_ptr<Bootstrap> inner, double limit_seconds);
-  ~StepBootstrap() override;
 
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
@@ -56,7 +54,6 @@ class StepBootstrap final : public Bootstrap {
   double limit_;
   std::string step_;
   std::string broken_;  // the first failure (empty while every exchange completed)
-  bool timed_out_ = false;
 };
 
 // The message of an mk::Error without its "code: " prefix.

@@ -139,41 +139,98 @@ TEST(BoundedExchange, TimedCallbackGetsTheLimit) {
   EXPECT_EQ(seen, std::vector<double>{1.25});
 }
 
-// A plain callback that blocks is bounded on a helper thread: the caller gets its time-out in
-// time (the ranks are not known to it), and the thread left behind finishes on its own later.
-TEST(BoundedExchange, PlainCallbackIsBoundedOnAHelperThread) {
-  std::atomic<bool> release{false}, finished{false};
-  auto b = make_callback_bootstrap(0, 2, AllgatherFn([&](const void*, void* recv, std::size_t n) {
-                                     while (!release) {
-                                       std::this_thread::sleep_for(std::chrono::milliseconds(5));
-                                     }
-                                     std::memset(recv, 0, 2 * n);
-                                     finished = true;
-                                   }));
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    char x = 0, all[2];
-    b->allgather_within(&x, all, 1, 0.2);
-    ADD_FAILURE();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
-    EXPECT_TRUE(contains(e.what(), "which ranks did not arrive is not known")) << e.what();
-  }
-  EXPECT_LT(seconds_since(start), 2.0);
-  release = true;
-  for (int i = 0; i < 200 && !finished; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_TRUE(finished);
-  // Unbounded, the plain callback runs on the calling thread as before.
+// A plain callback runs on the calling thread, bounded or not (MPI may be called from one thread
+// only; the rank's CUDA device is set there): mkernel runs no user code on threads of its own.
+TEST(BoundedExchange, PlainCallbackRunsOnTheCallingThread) {
   const std::thread::id caller = std::this_thread::get_id();
-  std::thread::id ran_on;
-  auto c = make_callback_bootstrap(0, 1, AllgatherFn([&](const void* s, void* r, std::size_t n) {
-                                     ran_on = std::this_thread::get_id();
+  std::vector<std::thread::id> ran_on;
+  auto b = make_callback_bootstrap(0, 1, AllgatherFn([&](const void* s, void* r, std::size_t n) {
+                                     ran_on.push_back(std::this_thread::get_id());
                                      std::memcpy(r, s, n);
                                    }));
-  c->barrier();
-  EXPECT_EQ(ran_on, caller);
+  detail::StepBootstrap step_b(std::move(b), 0.2);
+  char x = 7, y = 0;
+  step_b.allgather_within(&x, &y, 1, 0.2);  // the caller's, bounded
+  {
+    const detail::StepBootstrap::Step step(step_b, "a step");
+    step_b.barrier();  // a step's, under the communicator's limit
+  }
+  step_b.barrier();  // unbounded
+  EXPECT_EQ(y, 7);
+  EXPECT_EQ(ran_on, std::vector<std::thread::id>(3, caller));
+}
+
+// A failed exchange of the caller's own (outside a step) leaves the ranks out of step as much as
+// a step's: later exchanges, the communicator's steps included, fail at once instead of pairing
+// with the wrong exchange of a peer.
+TEST(BoundedExchange, CallersFailedExchangeBreaksTheBootstrap) {
+  InProcessGroup group(2);
+  auto late = group.bootstrap(1);
+  detail::StepBootstrap b(group.bootstrap(0), 5);
+  try {
+    char x = 0, all[2];
+    b.allgather_within(&x, all, 1, 0.2);
+    ADD_FAILURE() << "completed without rank 1";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    // The caller's limit ran out, not the communicator's: the message does not claim it.
+    EXPECT_FALSE(contains(e.what(), "MKERNEL_TIMEOUT_S")) << e.what();
+  }
+  EXPECT_FALSE(b.broken().empty());
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    const detail::StepBootstrap::Step step(b,
+                                           "Communicator::alloc (symmetric allocation of 8 bytes)");
+    b.barrier();
+    ADD_FAILURE() << "an out-of-step bootstrap exchanged again";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kBootstrap) << e.what();
+    EXPECT_TRUE(contains(e.what(), "Communicator::alloc (symmetric allocation of 8 bytes): "))
+        << e.what();
+    EXPECT_TRUE(contains(e.what(), "out of step")) << e.what();
+  }
+  EXPECT_LT(seconds_since(start), 0.5);
+}
+
+// The communicator's limit is named only where it is what ran out on this rank: not when a peer's
+// failure reaches this rank first, nor when there is no limit.
+TEST(BoundedExchange, TheLimitIsNamedOnlyWhereItRanOut) {
+  InProcessGroup group(3);
+  auto absent = group.bootstrap(2);
+  detail::StepBootstrap quick(group.bootstrap(0), 0.2), patient(group.bootstrap(1), 30);
+  std::string quick_error, patient_error;
+  std::thread t([&] {
+    try {
+      const detail::StepBootstrap::Step step(patient, "a step");
+      patient.barrier();
+    } catch (const Error& e) {
+      patient_error = e.what();
+    }
+  });
+  try {
+    const detail::StepBootstrap::Step step(quick, "a step");
+    quick.barrier();
+  } catch (const Error& e) {
+    quick_error = e.what();
+  }
+  t.join();
+  EXPECT_TRUE(contains(quick_error, "time limit 0.2 s (the communicator's, MKERNEL_TIMEOUT_S)"))
+      << quick_error;
+  EXPECT_TRUE(contains(patient_error, "a step: rank 1: ")) << patient_error;
+  EXPECT_TRUE(contains(patient_error, "did not arrive")) << patient_error;
+  EXPECT_FALSE(contains(patient_error, "time limit 30 s")) << patient_error;
+
+  auto b = make_callback_bootstrap(
+      0, 2, TimedAllgatherFn([&](const void*, void*, std::size_t, double seconds) {
+        throw bootstrap_timeout(0, "store allgather", seconds, {1});
+      }));
+  detail::StepBootstrap unlimited(std::move(b), 0);  // MKERNEL_TIMEOUT_S=0
+  try {
+    const detail::StepBootstrap::Step step(unlimited, "a step");
+    unlimited.barrier();
+  } catch (const Error& e) {
+    EXPECT_FALSE(contains(e.what(), "time limit")) << e.what();
+  }
 }
 
 }  // namespace

@@ -317,6 +317,23 @@ TEST(FusedPlans, OverridesFoldIntoTheConfig) {
   EXPECT_EQ(ag.piece_rows, 64) << ag.describe();
 }
 
+// MKERNEL_GEMM_BLOCK_N asks where the library picks, so across nodes it enters at most the widest
+// tile the reducing ops run there (gemm_rs / gemm_ar pass kMaxReduceBlockN): 256 runs at 128
+// instead of failing the caller's check, which stays for a width set in the config.
+TEST(FusedPlans, BlockNOverrideKeepsToTheWidestTileAcrossNodes) {
+  mk::detail::Overrides o;
+  o.block_n = 256;
+  const PlanContext two_nodes{4, 2, 132, 2};
+  const FusedGemmConfig across = with_overrides({}, o, kMaxReduceBlockN);
+  EXPECT_EQ(across.block_n, kMaxReduceBlockN);
+  EXPECT_EQ(plan_gemm_rs(two_nodes, 8192, 8192, 2048, across).block_n, 128);
+  EXPECT_EQ(plan_gemm_ar(two_nodes, 128, 8192, 2048, across).block_n, 128);
+  EXPECT_EQ(plan_gemm_rs(h200(2), 8192, 8192, 4096, with_overrides({}, o)).block_n, 256);
+  FusedGemmConfig wide;
+  wide.block_n = 256;
+  EXPECT_THROW(plan_gemm_rs(two_nodes, 8192, 8192, 2048, with_overrides(wide, o, 128)), Error);
+}
+
 // gemm_rs's and gemm_ar's partials through the stage ring: two ranks, fp32, slices at multiples
 // of the tile width, and at least one whole tile.
 TEST(FusedPlans, GemmRsTmaPartials) {

@@ -147,6 +147,33 @@ TEST(Overrides, TableAndReadmeListEveryVariable) {
   }
 }
 
+// A variable the library no longer reads is an error naming what to do instead, not silence.
+TEST(Overrides, RemovedVariablesAreRejectedNamingTheirReplacement) {
+  EXPECT_GE(mk::detail::removed_overrides().size(), 8u);
+  for (const mk::detail::RemovedOverride& r : mk::detail::removed_overrides()) {
+    for (const mk::detail::OverrideInfo& info : mk::detail::override_table()) {
+      EXPECT_NE(std::string(info.name), r.name) << r.name << " is both read and removed";
+    }
+    try {
+      parse_overrides(env_of({{r.name, "0"}}));
+      ADD_FAILURE() << r.name << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_TRUE(contains(e.what(), std::string(r.name) +
+                                         "='0': this variable is no longer "
+                                         "read; " +
+                                         r.instead))
+          << e.what();
+    }
+  }
+  try {
+    parse_overrides(env_of({{"MKERNEL_TMA_SENDS", "0"}}));
+  } catch (const Error& e) {
+    EXPECT_TRUE(contains(e.what(), "FusedGemmConfig::tma_sends")) << e.what();
+  }
+  EXPECT_NO_THROW(parse_overrides(env_of({{"MKERNEL_OUTBOX", ""}})));  // empty counts as unset
+}
+
 TEST(Overrides, ReadersKeepTheirFallbackAndCheckTheirRange) {
   const EnvLookup env = env_of({{"A", "7"}, {"B", "0.25"}, {"C", "lo"}, {"E", ""}});
   EXPECT_EQ(mk::detail::env_int(env, "A", 0, 10, -1), 7);
