@@ -200,7 +200,7 @@ step_python() {
 }
 
 # ---- bench ----------------------------------------------------------------------------------
-# The reducing kernels' mechanisms, switched off one at a time (scripts/compare_outbox.sh), and
+# The fused kernels' other configurations next to the default (scripts/compare_configs.sh), and
 # the NVLink rates per CTA (bench_p2p): needs the python step's package. Everything goes into
 # $OUT/compare.tar.gz (the machine returns at most 8 files); the tables also go to stdout.
 step_compare() {
@@ -215,7 +215,7 @@ step_compare() {
     log "no $BUILD/bench/bench_p2p"
     rc=1
   fi
-  bash "$REPO/scripts/compare_outbox.sh" "${COMPARE_SHAPES:-}" "$dir" 2>&1 | tee "$dir/compare.log"
+  bash "$REPO/scripts/compare_configs.sh" "${COMPARE_SHAPES:-}" "$dir" 2>&1 | tee "$dir/compare.log"
   # One JSON file per kernel when its run finished.
   local kernels
   read -r -a kernels <<<"${COMPARE_KERNELS:-gemm_rs gemm_ar}"

@@ -52,34 +52,21 @@ void check_buffers(int rank, const void* send, const void* recv, std::size_t byt
 
 class CallbackBootstrap final : public Bootstrap {
  public:
-  CallbackBootstrap(int rank, int size, AllgatherFn fn)
-      : rank_(rank), size_(size), fn_(std::move(fn)) {}
   CallbackBootstrap(int rank, int size, TimedAllgatherFn fn)
-      : rank_(rank), size_(size), timed_(std::move(fn)) {}
+      : rank_(rank), size_(size), fn_(std::move(fn)) {}
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
-  // Unbounded (a timed callback gets no limit).
   void allgather(const void* send, void* recv, std::size_t bytes) override {
-    call(send, recv, bytes, 0);
+    allgather_within(send, recv, bytes, 0);
   }
 
-  // A timed callback gets the limit; a plain one runs as it is, on the calling thread (an MPI
-  // program may call MPI from one thread only, a CUDA-using one has the rank's device set there),
-  // bounded only by itself.
+  // On the calling thread (an MPI program may call MPI from one thread only, a CUDA-using one has
+  // the rank's device set there); a plain callback, wrapped, ignores the limit.
   void allgather_within(const void* send, void* recv, std::size_t bytes, double seconds) override {
-    call(send, recv, bytes, seconds);
-  }
-
- private:
-  void call(const void* send, void* recv, std::size_t bytes, double seconds) {
     check_buffers(rank_, send, recv, bytes);
     try {
-      if (timed_) {
-        timed_(send, recv, bytes, seconds);
-      } else {
-        fn_(send, recv, bytes);
-      }
+      fn_(send, recv, bytes, seconds);
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -88,10 +75,10 @@ class CallbackBootstrap final : public Bootstrap {
     }
   }
 
+ private:
   int rank_;
   int size_;
-  AllgatherFn fn_;
-  TimedAllgatherFn timed_;
+  TimedAllgatherFn fn_;
 };
 
 }  // namespace
@@ -119,7 +106,7 @@ void Bootstrap::barrier() {
   allgather(&token, all.data(), 1);
 }
 
-std::unique_ptr<Bootstrap> make_callback_bootstrap(int rank, int size, AllgatherFn allgather) {
+std::unique_ptr<Bootstrap> make_callback_bootstrap(int rank, int size, TimedAllgatherFn allgather) {
   if (size < 1 || rank < 0 || rank >= size) {
     throw Error(ErrorCode::kInvalidArgument,
                 "make_callback_bootstrap: rank " + std::to_string(rank) + " and size " +
@@ -133,18 +120,13 @@ std::unique_ptr<Bootstrap> make_callback_bootstrap(int rank, int size, Allgather
   return std::make_unique<CallbackBootstrap>(rank, size, std::move(allgather));
 }
 
-std::unique_ptr<Bootstrap> make_callback_bootstrap(int rank, int size, TimedAllgatherFn allgather) {
-  if (size < 1 || rank < 0 || rank >= size) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "make_callback_bootstrap: rank " + std::to_string(rank) + " and size " +
-                    std::to_string(size) +
-                    " are not valid; expected size >= 1 and 0 <= rank < size");
-  }
-  if (!allgather) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "make_callback_bootstrap: the allgather function is empty; pass a callable");
-  }
-  return std::make_unique<CallbackBootstrap>(rank, size, std::move(allgather));
+std::unique_ptr<Bootstrap> make_callback_bootstrap(int rank, int size, AllgatherFn allgather) {
+  // An empty callable: the timed overload throws its (and a bad rank's) error.
+  if (!allgather) return make_callback_bootstrap(rank, size, TimedAllgatherFn{});
+  return make_callback_bootstrap(
+      rank, size,
+      TimedAllgatherFn([fn = std::move(allgather)](const void* send, void* recv, std::size_t bytes,
+                                                   double) { fn(send, recv, bytes); }));
 }
 
 // ---- InProcessGroup ---------------------------------------------------------------------------

@@ -412,6 +412,17 @@ def _input_checks(rank, world, seed, use_nccl):
             return torch.stack([t, t], -1)[..., 0], kind  # the same values, stride 2
         return t, "ok"
 
+    def attempt(op, call, poisoned):
+        """(True, call()) - or (False, None) when the call was refused as it should be: the
+        message names the op and an argument, and `poisoned` (the output) was not written."""
+        try:
+            return True, call()
+        except Exception as e:  # noqa: BLE001 - checked in _refused
+            _refused(op, e)
+            if poisoned is not None:
+                assert torch.isnan(poisoned.float()).all(), f"{op}: written on rejection"
+            return False, None
+
     for case in range(INPUT_CHECK_CASES):
         op = cases.choice(["all_gather", "reduce_scatter", "all_reduce", "ag_gemm", "gemm_rs",
                            "gemm_ar"])
@@ -442,13 +453,9 @@ def _input_checks(rank, world, seed, use_nccl):
                     kind = "ok" if symmetric_out else "input not symmetric"
                     poisoned = out
                     call = lambda: comm.all_reduce(x, out)  # noqa: E731
-                try:
-                    call()
-                except Exception as e:  # noqa: BLE001 - checked below
-                    _refused(op, e)
+                ran, _ = attempt(op, call, poisoned)
+                if not ran:
                     outcome = "refused"
-                    if poisoned is not None:
-                        assert torch.isnan(poisoned.float()).all(), f"{op}: written on rejection"
                     continue
                 comm.synchronize()
                 assert kind == "ok" and (symmetric_out or op == "reduce_scatter"), \
@@ -491,13 +498,9 @@ def _input_checks(rank, world, seed, use_nccl):
                 kind_a = kind_a if symmetric_out else "out not symmetric"
                 call = lambda: mkernel.gemm_ar(a, b, comm, out, b_layout=layout, **cfg)  # noqa
                 poisoned = out
-            try:
-                result = call()
-            except Exception as e:  # noqa: BLE001 - checked below
-                _refused(op, e)
+            ran, result = attempt(op, call, poisoned)
+            if not ran:
                 outcome = "refused"
-                if poisoned is not None:
-                    assert torch.isnan(poisoned.float()).all(), f"{op}: written on rejection"
                 continue
             comm.synchronize()
             valid_shape = (layout in ("nk", "kn") and n % 8 == 0 and cfg.get("block_n", 0) in (0, 128)

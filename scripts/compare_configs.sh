@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gemm_rs and gemm_ar next to their other configurations, in the same run (interleaved rounds),
 # on the 2-GPU host (after `pip install --target /tmp/site .`):
-#   PYTHONPATH=/tmp/site bash scripts/compare_outbox.sh [shapes] [out_dir]
+#   PYTHONPATH=/tmp/site bash scripts/compare_configs.sh [shapes] [out_dir]
 # bench_fused.py --sweep times, next to the default: the other tile widths and, with two ranks,
 # bf16 partials and tma_sends=False (the threads' stores instead of the SM's copy engine).
 # The default's results go to <out_dir>/<kernel>.json. COMPARE_KERNELS (default "gemm_rs gemm_ar")
