@@ -159,6 +159,11 @@ step_test() {
     return 1
   fi
   ctest --test-dir "$BUILD" --output-on-failure "${CTEST_EXTRA[@]}" 2>&1 | tee "$OUT/test.log"
+  local rc="${PIPESTATUS[0]}"
+  # The figures some suites print for the journal (passing tests' output is not shown above).
+  grep -hE '^\[(host step|entry points)\]' "$BUILD/Testing/Temporary/LastTest.log" 2>/dev/null |
+    tee -a "$OUT/test.log"
+  return "$rc"
 }
 
 # ---- sanitize -------------------------------------------------------------------------------

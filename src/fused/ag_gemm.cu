@@ -220,18 +220,15 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
   const SymmetricRange ws = detail::require_symmetric(comm, workspace, ws_bytes, kOp, "workspace");
   if (ws.offset % 16 != 0)
     invalid("workspace offset in its symmetric buffer is not 16-byte aligned");
-  const std::size_t c_bytes = static_cast<std::size_t>(m) * n * 2;
-  if (detail::overlaps(c, c_bytes, workspace, ws_bytes) ||
-      detail::overlaps(a_shard, shard_bytes, workspace, ws_bytes) ||
-      detail::overlaps(c, c_bytes, a_shard, shard_bytes)) {
-    invalid("A shard, C and the workspace must not overlap");
-  }
-  if (gathered_a != nullptr) {
+  if (gathered_a != nullptr)
     detail::require_device_pointer(comm, gathered_a, 16, kOp, "gathered_a");
-    if (detail::overlaps(gathered_a, ws_bytes, workspace, ws_bytes)) {
-      invalid("gathered_a must not overlap the workspace");
-    }
-  }
+  const std::size_t c_bytes = static_cast<std::size_t>(m) * n * 2;
+  const std::size_t b_bytes = static_cast<std::size_t>(n) * k * 2;
+  detail::require_disjoint(kOp, {{"a_shard", a_shard, shard_bytes, false},
+                                 {"B", b, b_bytes, false},
+                                 {"C", c, c_bytes, true},
+                                 {"workspace", workspace, ws_bytes, true},
+                                 {"gathered_a", gathered_a, ws_bytes, true}});
   fused::print_plan(comm, kOp, m, n, k, p);
   gemm_engine::dispatch(p.block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     if (p.nodes > 1) {

@@ -16,6 +16,7 @@
 #include "runtime/cuda_check.h"
 #include "runtime/cuda_driver.h"
 #include "runtime/overrides.h"
+#include "runtime/validate.h"
 
 namespace mk {
 namespace {
@@ -192,6 +193,9 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   gemm_engine::require_device_pointer(a, kOp, "A", device);
   gemm_engine::require_device_pointer(b, kOp, "B", device);
   gemm_engine::require_device_pointer(c, kOp, "C", device);
+  detail::require_disjoint(kOp, {{"A", a, static_cast<std::size_t>(m) * k * 2, false},
+                                 {"B", b, static_cast<std::size_t>(n) * k * 2, false},
+                                 {"C", c, static_cast<std::size_t>(m) * n * 2, true}});
   const detail::Overrides& overrides = detail::process_overrides();
   int sms = config.sms;
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));

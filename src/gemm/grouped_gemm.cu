@@ -14,6 +14,7 @@
 #include "runtime/cuda_check.h"
 #include "runtime/cuda_driver.h"
 #include "runtime/overrides.h"
+#include "runtime/validate.h"
 
 namespace mk {
 
@@ -84,6 +85,12 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
   gemm_engine::require_device_pointer(b, kOp, "B", device);
   gemm_engine::require_device_pointer(c, kOp, "C", device);
   gemm_engine::require_device_pointer(group_rows, kOp, "group_rows", device, 4);
+  const auto rows = static_cast<std::size_t>(max_rows);
+  detail::require_disjoint(
+      kOp, {{"A", a, rows * k * 2, false},
+            {"B", b, static_cast<std::size_t>(groups) * n * k * 2, false},
+            {"C", c, rows * n * 2, true},
+            {"group_rows", group_rows, static_cast<std::size_t>(groups) * 4, false}});
   const detail::Overrides& overrides = detail::process_overrides();
   int sms = config.sms;
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));

@@ -117,4 +117,21 @@ bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_b
   return pa < pb + b_bytes && pb < pa + a_bytes;
 }
 
+void require_disjoint(const char* op, std::initializer_list<Region> regions) {
+  for (auto x = regions.begin(); x != regions.end(); ++x) {
+    for (auto y = x + 1; y != regions.end(); ++y) {
+      if (!(x->written || y->written) || x->ptr == nullptr || y->ptr == nullptr) continue;
+      if (overlaps(x->ptr, x->bytes, y->ptr, y->bytes)) {
+        const Region& w = x->written ? *x : *y;
+        const Region& other = x->written ? *y : *x;
+        throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": " + w.name + " overlaps " +
+                                                     other.name + " (" + w.name +
+                                                     " is written while " + other.name +
+                                                     (other.written ? " is written" : " is read") +
+                                                     "; expected separate memory)");
+      }
+    }
+  }
+}
+
 }  // namespace mk::detail

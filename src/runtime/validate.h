@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "mkernel/communicator.h"
@@ -34,5 +35,15 @@ SymmetricRange require_symmetric(const Communicator& comm, const void* ptr, std:
 void require_stream(const Communicator& comm, cudaStream_t stream, const char* op);
 
 bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes);
+
+// One argument's memory: what the op reads, or writes (itself or its peers).
+struct Region {
+  const char* name;
+  const void* ptr;  // nullptr: absent (an optional output)
+  std::size_t bytes;
+  bool written;
+};
+// No region that is written shares memory with another region: kInvalidArgument naming both.
+void require_disjoint(const char* op, std::initializer_list<Region> regions);
 
 }  // namespace mk::detail

@@ -117,26 +117,30 @@ TEST(Gemm, RejectsBadArgumentsBeforeLaunch) {
   MKT_REQUIRE_GPU();
   void* p;
   ASSERT_EQ(cudaMalloc(&p, 1 << 20), cudaSuccess);
-  char* q = static_cast<char*>(p);
+  char* q = static_cast<char*>(p);  // A at q, B at b, C at c: separate memory
+  char* b = q + 4096;
+  char* c = q + 8192;
   std::vector<char> host(1024);
   auto expect = [](auto fn, ErrorCode code, const std::string& needle) {
     expect_error(fn, code, needle);
   };
-  expect([&] { gemm(q, q, q, 0, 8, 8, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument,
+  expect([&] { gemm(q, b, c, 0, 8, 8, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument,
          "M = 0");
-  expect([&] { gemm(q, q, q, 8, 12, 8, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument,
+  expect([&] { gemm(q, b, c, 8, 12, 8, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument,
          "N = 12; expected a multiple of 8");
-  expect([&] { gemm(q, q, q, 8, 8, 4, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument,
+  expect([&] { gemm(q, b, c, 8, 8, 4, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument,
          "K = 4");
-  expect([&] { gemm(q + 2, q, q, 8, 8, 8, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument,
+  expect([&] { gemm(q + 2, b, c, 8, 8, 8, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument,
          "A is not 16-byte aligned");
-  expect([&] { gemm(q, host.data(), q, 8, 8, 8, BLayout::kNK, nullptr); },
+  expect([&] { gemm(q, host.data(), c, 8, 8, 8, BLayout::kNK, nullptr); },
          ErrorCode::kInvalidArgument, "B is not");
-  expect([&] { gemm(q, q, q, 8, 8, 8, static_cast<BLayout>(9), nullptr); },
+  expect([&] { gemm(q, b, c, 8, 8, 8, static_cast<BLayout>(9), nullptr); },
          ErrorCode::kInvalidArgument, "unknown B layout");
+  expect([&] { gemm(q, b, q + 64, 8, 8, 8, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument,
+         "C overlaps A");
   GemmConfig bad;
   bad.block_n = 96;
-  expect([&] { gemm(q, q, q, 8, 8, 8, BLayout::kNK, nullptr, bad); }, ErrorCode::kInvalidArgument,
+  expect([&] { gemm(q, b, c, 8, 8, 8, BLayout::kNK, nullptr, bad); }, ErrorCode::kInvalidArgument,
          "block_n = 96");
   cudaFree(p);
 }

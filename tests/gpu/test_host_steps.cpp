@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -52,7 +53,9 @@ void expect_timeout(const Error& e, const std::string& step,
                                   std::string("time limit 1.5 s")}) {
     EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
   }
-  EXPECT_LT(seconds_since(start), 2 * kLimit) << e.what();
+  const double took = seconds_since(start);
+  EXPECT_LT(took, 2 * kLimit) << e.what();
+  std::printf("[host step] rank 1 missing from %s: reported after %.3f s\n", step.c_str(), took);
 }
 
 void stay_away() { std::this_thread::sleep_for(std::chrono::duration<double>(1.3 * kLimit)); }
@@ -125,47 +128,119 @@ TEST(InProcessHostSteps, InterNodeSetupGivesUpOnAMissingRank) {
   for (auto& t : threads) t.join();
 }
 
+// Freeing a symmetric buffer and destroying a communicator (its inter-node path too: the proxy
+// drains, the transport says goodbye) wait for no peer beyond the limit.
+TEST(InProcessHostSteps, FreeAndDestructionDoNotWaitForAMissingRank) {
+  MKT_REQUIRE_GPU();
+  InProcessGroup group(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      cudaSetDevice(r % test_devices());
+      auto comm = Communicator::create(group.bootstrap(r), limited(/*ranks_per_node=*/1));
+      comm->inter_node();
+      SymmetricBuffer buffer = comm->alloc(1 << 20);
+      comm->bootstrap().barrier();
+      if (r == 1) {
+        stay_away();  // then frees and leaves, after rank 0 has gone
+        return;
+      }
+      auto start = std::chrono::steady_clock::now();
+      buffer = SymmetricBuffer();
+      const double freed = seconds_since(start);
+      EXPECT_LT(freed, kLimit);
+      start = std::chrono::steady_clock::now();
+      comm.reset();
+      const double destroyed = seconds_since(start);
+      EXPECT_LT(destroyed, 2 * kLimit);
+      std::printf("[host step] rank 1 away: free took %.3f s, destruction %.3f s\n", freed,
+                  destroyed);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
 // ---- a rank that dies in a step, one process per rank ----
 
 constexpr const char kStepEnv[] = "MKERNEL_TEST_HOST_STEP";
 
+// Rank 1 is killed just before the step named by kStepEnv; rank 0 must fail in it naming the
+// step and rank 1 well inside the limit (mkrun sees rank 1's connection close).
 TEST(HostStepsProcessHelper, Run) {
   MKT_REQUIRE_GPU();
-  const char* step = std::getenv(kStepEnv);
-  if (step == nullptr || launcher_bootstrap() == nullptr) {
-    GTEST_SKIP() << "run by HostSteps.RankKilledInAllocIsNamed";
+  const char* env = std::getenv(kStepEnv);
+  if (env == nullptr || launcher_bootstrap() == nullptr) {
+    GTEST_SKIP() << "run by HostSteps.RankKilledIn*";
   }
-  auto comm = launched_comm(limited());
-  comm->bootstrap().barrier();
-  if (comm->rank() == 1) raise(SIGKILL);  // dies before the allocation
-  const auto start = std::chrono::steady_clock::now();
+  const std::string step = env;
+  const bool rank1 = launcher_bootstrap()->rank() == 1;
+  std::string expected;
+  std::function<void(Communicator*)> run;
+  if (step == "create") {
+    expected = "Communicator::create (exchanging the ranks' GPUs and hosts): rank 0: ";
+  } else if (step == "alloc") {
+    expected = "Communicator::alloc (symmetric allocation of 4096 bytes): rank 0: ";
+    run = [](Communicator* comm) { comm->alloc(4096); };
+  } else if (step == "inter_node") {
+    expected = "setting up the inter-node path: rank 0: ";
+    run = [](Communicator* comm) { comm->inter_node(); };
+  } else {
+    FAIL() << "unknown step " << step;
+  }
+  std::shared_ptr<Communicator> comm;
+  auto start = std::chrono::steady_clock::now();
   try {
-    comm->alloc(4096);
-    ADD_FAILURE() << "allocated without rank 1";
+    if (step == "create" && rank1) raise(SIGKILL);
+    comm = launched_comm(limited(step == "inter_node" ? 1 : -1));  // 1: two virtual nodes
+    comm->bootstrap().barrier();
+    if (rank1) raise(SIGKILL);  // dies before the step
+    start = std::chrono::steady_clock::now();
+    run(comm.get());
+    ADD_FAILURE() << step << " went through without rank 1";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("Communicator::alloc (symmetric allocation of 4096 "
-                                         "bytes): rank 0: "),
-              std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
-    EXPECT_LT(seconds_since(start), kLimit) << e.what();  // mkrun knows at once
-    std::printf("survivor's error: %s\n", e.what());
+    const double took = seconds_since(start);
+    EXPECT_LT(took, kLimit) << e.what();  // mkrun knows at once
+    std::printf("[host step] rank 1 killed before %s: reported after %.3f s: %s\n", step.c_str(),
+                took, e.what());
   }
+  const auto leaving = std::chrono::steady_clock::now();
+  comm.reset();  // the survivor's destructor returns
+  EXPECT_LT(seconds_since(leaving), 2 * kLimit);
 }
 
-TEST(HostSteps, RankKilledInAllocIsNamed) {
-  MKT_REQUIRE_GPU();
+void expect_survivor_named(const char* step) {
   char self[4096] = {};
   ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
   const auto start = std::chrono::steady_clock::now();
   const ProcessResult r =
       run_process({MKRUN_PATH, "-n", "2", "--grace", "5", "--", self,
                    "--gtest_filter=HostStepsProcessHelper.Run"},
-                  {{kStepEnv, "alloc"}, {"MKERNEL_BOOTSTRAP_TIMEOUT_S", "30"}}, 60);
+                  {{kStepEnv, step}, {"MKERNEL_BOOTSTRAP_TIMEOUT_S", "30"}}, 60);
   EXPECT_NE(r.output.find("[rank 0] [       OK ] HostStepsProcessHelper.Run"), std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("rank 1 (killed by SIGKILL"), std::string::npos) << r.output;
   EXPECT_LT(seconds_since(start), 30) << r.output;  // process start-up included
+  const std::size_t line = r.output.find("[host step]");
+  if (line != std::string::npos) {
+    std::printf("%s\n", r.output.substr(line, r.output.find('\n', line) - line).c_str());
+  }
+}
+
+TEST(HostSteps, RankKilledInCreateIsNamed) {
+  MKT_REQUIRE_GPU();
+  expect_survivor_named("create");
+}
+
+TEST(HostSteps, RankKilledInAllocIsNamed) {
+  MKT_REQUIRE_GPU();
+  expect_survivor_named("alloc");
+}
+
+TEST(HostSteps, RankKilledInInterNodeSetupIsNamed) {
+  MKT_REQUIRE_GPU();
+  expect_survivor_named("inter_node");
 }
 
 }  // namespace

@@ -328,42 +328,53 @@ def _timeout(rank, world, seed, use_nccl):
 HOST_LIMIT_S = 2.0  # the host-step tests' time limit: each ends well inside twice it
 
 
-def _expect_host_timeout(info, step, start):
+def _expect_host_timeout(info, step, start, case):
     text = str(info.value)
     assert info.value.code == "timeout", text
     assert step in text and "rank 0: " in text and "rank 1 did not arrive" in text, text
     elapsed = time.monotonic() - start
     assert elapsed < 2 * HOST_LIMIT_S, f"the time-out came after {elapsed:.1f} s ({text})"
+    print(f"[host step] {case}: reported after {elapsed:.3f} s (limit {HOST_LIMIT_S} s)", flush=True)
 
 
 def _host_step(rank, world, seed, use_nccl, step):
     """Rank 1 stays away from (or dies before) one host-side collective step; rank 0 must get
     MkernelError(code="timeout") naming the step and rank 1 within the limit, and exit cleanly."""
-    if step == "init":
+    if step in ("init", "init-killed"):
         if rank == 1:
+            if step == "init-killed":
+                os._exit(0)  # dies before creation
             time.sleep(1.3 * HOST_LIMIT_S)
             return
         start = time.monotonic()
         with pytest.raises(mkernel.MkernelError) as info:
             mkernel.init(timeout_seconds=HOST_LIMIT_S)
-        _expect_host_timeout(info, "Communicator::create", start)
+        _expect_host_timeout(info, "Communicator::create", start, step)
         return
+    inter_node = step.startswith("inter-node")
+    if inter_node:  # two virtual nodes of one rank: ag_gemm's first call sets up the path
+        os.environ["MKERNEL_GPUS_PER_NODE"] = "1"
     comm = mkernel.init(timeout_seconds=HOST_LIMIT_S)
+    a = torch.randn(256, 128, device="cuda").to(torch.bfloat16)
+    b = torch.randn(256, 128, device="cuda").to(torch.bfloat16)
+    if inter_node:  # both ranks grow the workspace, so that the setup is the step missed
+        comm._workspace(mkernel._C.ag_gemm_workspace_bytes(256 * world, 128), "ag_gemm", "gather")
     dist.barrier()
     if rank == 1:
-        if step == "alloc-killed":
-            os._exit(0)  # dies before the allocation
+        if step.endswith("-killed"):
+            os._exit(0)  # dies before the allocation (or the workspace growth)
         time.sleep(1.3 * HOST_LIMIT_S)
         return
     start = time.monotonic()
     with pytest.raises(mkernel.MkernelError) as info:
         if step in ("alloc", "alloc-killed"):
             comm.alloc_tensor((1024,), torch.bfloat16)
+        elif inter_node:
+            mkernel.ag_gemm(a, b, comm)
         else:  # the first gemm_rs grows the package's workspace (a symmetric allocation)
-            a = torch.randn(256, 128, device="cuda").to(torch.bfloat16)
-            b = torch.randn(256, 128, device="cuda").to(torch.bfloat16)
             mkernel.gemm_rs(a, b, comm)
-    _expect_host_timeout(info, "symmetric allocation", start)
+    _expect_host_timeout(info, "setting up the inter-node path" if inter_node
+                         else "symmetric allocation", start, step)
     with pytest.raises(mkernel.MkernelError) as again:  # broken for good
         comm.alloc_tensor((16,), torch.bfloat16)
     assert again.value.code == "not_initialized", str(again.value)
@@ -910,6 +921,9 @@ def test_timeout_names_the_missing_rank():
     _spawn(_timeout)
 
 
-@pytest.mark.parametrize("step", ["init", "alloc", "alloc-killed", "workspace"])
+@pytest.mark.parametrize(
+    "step", ["init", "init-killed", "alloc", "alloc-killed", "workspace", "workspace-killed",
+             "inter-node", "inter-node-killed"]
+)
 def test_host_step_gives_up_within_the_limit_naming_the_missing_rank(step):
     _spawn(_host_step, step=step)
