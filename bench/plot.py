@@ -9,9 +9,13 @@ Writes, under --out (default: plots/ at the repository root):
         every baseline in the file, one panel per shape, with the ideal
         limit_ms = max(compute alone, communication alone) as a dashed line;
       - standalone collectives: bus bandwidth (GB/s, higher is better) per op and size for
-        mkernel and NCCL, with the peer-copy ceiling as a dashed line.
+        mkernel and NCCL, with the peer-copy ceiling as a dashed line;
+      - sweeps of an engine alone (gemm, grouped_gemm with more than 24 rows): mkernel's speedup
+        over its library (cuBLAS, torch._grouped_mm) against M or the routed rows, one panel per
+        (N, K) (and expert count), one line per B layout (or layout and skew).
   overview.png  mkernel's speedup over the unfused baseline (the sequential composition, NCCL for
-      the collectives) for every row of every file, with a line at 1.0.
+      the collectives, the library for an engine alone) for every row of every file (a sweep:
+      the geomean of each of its lines), with a line at 1.0.
 
 Rows whose output was wrong (correct: false) are drawn hatched and labelled WRONG. Files that do
 not parse or do not follow the schema are skipped with a warning; the exit status is non-zero only
@@ -417,10 +421,119 @@ def plot_collectives(path, doc, rows, out):
     plt.close(fig)
 
 
+# ---- sweeps (the engines alone over many shapes) -------------------------------------------------
+
+# Files of a kernel with more rows than this are drawn as sweeps: one panel per (panel keys), the
+# speedup over the library baseline against the x key (log scale), one line per (line keys).
+SWEEP_ROWS = 24
+SWEEPS = {
+    "gemm": {"panel": ("N", "K"), "x": "M", "lines": ("b_layout",), "baseline": "gemm_alone",
+             "against": "cuBLAS", "floor": 0.95},
+    "grouped_gemm": {"panel": ("N", "K", "experts"), "x": "rows", "lines": ("layout", "skew"),
+                     "baseline": "torch_grouped_mm", "against": "torch._grouped_mm"},
+}
+
+
+def sweep_spec(doc, rows):
+    spec = SWEEPS.get(doc.get("kernel"))
+    if spec is None or len(rows) <= SWEEP_ROWS:
+        return None
+    need = set(spec["panel"]) | {spec["x"]}
+    return spec if all(need <= set(r["shape"]) for r in rows) else None
+
+
+def row_value(r, key):
+    return r["shape"].get(key, r.get(key))
+
+
+def sweep_points(spec, rows):
+    """{panel: {line: [(x, speedup, correct)]}} in a stable order."""
+    panels = {}
+    for r in rows:
+        base = number(r["ms"].get(spec["baseline"]))
+        m = number(r["ms"]["mkernel"])
+        if base is None or m is None:
+            continue
+        panel = tuple(r["shape"][k] for k in spec["panel"])
+        line = tuple(str(row_value(r, k)) for k in spec["lines"] if row_value(r, k) is not None)
+        panels.setdefault(panel, {}).setdefault(line, []).append(
+            (row_value(r, spec["x"]), base / m, correctness(r)))
+    for lines in panels.values():
+        for pts in lines.values():
+            pts.sort()
+    return panels
+
+
+def geomean(values):
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def plot_sweep(path, doc, rows, out, spec):
+    panels = sweep_points(spec, rows)
+    if not panels:
+        raise SchemaError(f"no row has both mkernel and {spec['baseline']}")
+    n = len(panels)
+    ncols = min(n, 3)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows + 1.4), squeeze=False)
+    styles = ["-", "--", "-.", ":"]
+    wrong_any = False
+    all_speedups = []
+    for i, (panel, lines) in enumerate(panels.items()):
+        ax = axes[i // ncols][i % ncols]
+        for j, (line, pts) in enumerate(lines.items()):
+            xs = [p[0] for p in pts]
+            ys = [p[1] for p in pts]
+            all_speedups += ys
+            color = KERNEL_COLORS[j % len(KERNEL_COLORS)]
+            ax.plot(xs, ys, styles[j % len(styles)], marker="o", markersize=3.5, color=color,
+                    label=" ".join(line) or "mkernel")
+            bad = [(x, y) for x, y, ok in pts if ok is False]
+            if bad:
+                wrong_any = True
+                ax.plot([b[0] for b in bad], [b[1] for b in bad], "x", color=WRONG_COLOR,
+                        markersize=9, markeredgewidth=2)
+        ax.axhline(1.0, color=LIMIT_COLOR, linestyle="--", linewidth=1)
+        if spec.get("floor"):  # the engine's target at every point
+            ax.axhline(spec["floor"], color=WRONG_COLOR, linestyle=":", linewidth=1,
+                       label=f"target: >= {spec['floor']}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(spec["x"])
+        ax.set_ylabel(f"speedup vs {spec['against']}")
+        g = geomean([p[1] for pts in lines.values() for p in pts])
+        title = ", ".join(f"{k} {v}" for k, v in zip(spec["panel"], panel))
+        ax.set_title(f"{title}  (geomean {g:.2f}x)" if g else title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)  # after the target line, so that it is listed
+    for i in range(n, nrows * ncols):
+        axes[i // ncols][i % ncols].axis("off")
+    where, what = provenance(doc, rows)
+    g = geomean(all_speedups)
+    fig.suptitle(f"{doc['kernel']}: mkernel against {spec['against']} (higher is better; "
+                 f"geomean {g:.3f}x, worst {min(all_speedups):.3f}x over {len(all_speedups)} "
+                 f"points)\n{where}; {what}" + ("; red x: output WRONG" if wrong_any else ""),
+                 fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
 # ---- overview ----------------------------------------------------------------------------------
 
 def overview_rows(kind, doc, rows):
-    """(label, speedup, correct) per row against the file's unfused baseline."""
+    """(label, speedup, correct) per row against the file's unfused baseline (a sweep: the
+    geomean per panel and line)."""
+    spec = sweep_spec(doc, rows)
+    if spec is not None:
+        res = []
+        for panel, lines in sweep_points(spec, rows).items():
+            for line, pts in lines.items():
+                label = " ".join(f"{k} {v}" for k, v in zip(spec["panel"], panel))
+                label += (" " + " ".join(line) if line else "") + f", geomean of {len(pts)}"
+                res.append((label, geomean([p[1] for p in pts]),
+                            False if any(p[2] is False for p in pts) else None))
+        return res
     res = []
     if kind == "collectives":
         order = {o: i for i, o in enumerate(OP_ORDER)}
@@ -432,9 +545,10 @@ def overview_rows(kind, doc, rows):
             nc = number(r["ms"].get("nccl"))
             sp = number(r.get("speedup_vs_nccl")) or (nc / m if nc else None)
             label = f"{r['op']} {fmt_bytes(r['shape']['bytes_per_rank'])}"
-        elif doc.get("kernel") == "gemm":  # the engine alone: against cuBLAS
-            blas = number(r["ms"].get("gemm_alone"))
-            sp = blas / m if blas and m else None
+        elif doc.get("kernel") in ("gemm", "grouped_gemm"):  # an engine alone: its library
+            base = number(r["ms"].get("gemm_alone" if doc["kernel"] == "gemm"
+                                      else "torch_grouped_mm"))
+            sp = base / m if base and m else None
             label = shape_label(r["shape"])
         else:
             seq = number(r["ms"].get("sequential"))
@@ -457,7 +571,8 @@ def plot_overview(files, out):
         world, nodes = doc.get("world_size"), doc.get("num_nodes")
         commit = doc.get("commit")
         against = ("NCCL" if kind == "collectives" else
-                   "cuBLAS" if doc.get("kernel") == "gemm" else "sequential")
+                   "cuBLAS" if doc.get("kernel") == "gemm" else
+                   "torch._grouped_mm" if doc.get("kernel") == "grouped_gemm" else "sequential")
         header = (f"{doc['kernel']} vs {against}: "
                   f"{gpu_short(doc.get('device'))}, world {world if world is not None else '?'}"
                   + (f", {nodes} nodes" if isinstance(nodes, int) and nodes > 1 else "")
@@ -556,7 +671,11 @@ def main(argv=None):
         stem = path.stem if path.stem != "overview" else "overview-results"
         out = args.out / f"{stem}.png"
         try:
-            (plot_collectives if kind == "collectives" else plot_timed)(path, doc, rows, out)
+            spec = sweep_spec(doc, rows) if kind != "collectives" else None
+            if spec is not None:
+                plot_sweep(path, doc, rows, out, spec)
+            else:
+                (plot_collectives if kind == "collectives" else plot_timed)(path, doc, rows, out)
         except Exception as e:  # a file the schema check let through but that cannot be drawn
             plt.close("all")
             warn(f"{path.name} skipped: cannot plot it ({type(e).__name__}: {e})")

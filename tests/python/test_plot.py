@@ -75,6 +75,42 @@ def test_plots_gemm_and_collectives(tmp_path):
         "ag_gemm-h200-w2.png", "collectives-h200-w2.png", "overview.png"]
 
 
+def test_plots_engine_sweeps(tmp_path):
+    """gemm and grouped_gemm files with many rows: one panel per (N, K) (and experts), a line per
+    layout, the speedup over the library against M (rows); the overview takes their geomeans."""
+    results, out = tmp_path / "results", tmp_path / "plots"
+    results.mkdir()
+    gemm_rows = []
+    for n, k in ((8192, 8192), (2048, 7168)):
+        for m in (1, 64, 512, 4096):
+            for layout in ("nk", "kn"):
+                blas = 2 * m * n * k / 650e9 + 0.01
+                gemm_rows.append({"shape": {"M": m, "N": n, "K": k}, "b_layout": layout,
+                                  "dtype": "bf16", "ms": {"mkernel": blas * (0.9 + m / 8192),
+                                                          "gemm_alone": blas},
+                                  "correct": not (m == 64 and layout == "kn")})
+    gemm_rows *= 2  # more than a panel view's worth of rows
+    grouped_rows = []
+    for experts in (8, 32):
+        for rows in (128, 4096, 65536):
+            for layout in ("contiguous", "masked"):
+                for skew in ("balanced", "zipf"):
+                    t = 2 * rows * 4096 * 7168 / 600e9 + 0.02
+                    grouped_rows.append({"shape": {"experts": experts, "rows": rows, "N": 4096,
+                                                   "K": 7168, "skew": skew, "layout": layout},
+                                         "dtype": "bf16",
+                                         "ms": {"mkernel": t, "torch_grouped_mm": t * 1.1},
+                                         "correct": True})
+    (results / "gemm-h200-w1.json").write_text(
+        json.dumps(dict(HEADER, kernel="gemm", world_size=1, rows=gemm_rows)))
+    (results / "grouped_gemm-h200-w1.json").write_text(
+        json.dumps(dict(HEADER, kernel="grouped_gemm", world_size=1, rows=grouped_rows)))
+    proc = run_plot(results, out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("gemm-h200-w1.png", "grouped_gemm-h200-w1.png", "overview.png"):
+        check_png(out / name)
+
+
 def test_fails_when_nothing_plots(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
