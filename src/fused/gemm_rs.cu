@@ -221,10 +221,10 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
   detail::require_device_pointer(comm, b, 16, kOp, "B");
   detail::require_device_pointer(comm, out, 16, kOp, "out");
   const std::size_t out_bytes = static_cast<std::size_t>(p.shard_rows) * n * 2;
-  const std::size_t a_bytes = static_cast<std::size_t>(m) * k * 2;
-  const std::size_t b_bytes = static_cast<std::size_t>(n) * k * 2;
-  detail::require_disjoint(
-      kOp, {{"A", a, a_bytes, false}, {"B", b, b_bytes, false}, {"out", out, out_bytes, true}});
+  const detail::Region a_region{"A", a, static_cast<std::size_t>(m) * k * 2, false};
+  const detail::Region b_region{"B", b, static_cast<std::size_t>(n) * k * 2, false};
+  const detail::Region out_region{"out", out, out_bytes, true};
+  if (comm.world_size() == 1) detail::require_disjoint(kOp, {a_region, b_region, out_region});
   fused::print_plan(comm, kOp, m, n, k, p);
   if (comm.world_size() == 1) {  // nothing to reduce or scatter
     GemmConfig plain;
@@ -238,10 +238,8 @@ void gemm_rs(Communicator& comm, const void* a, const void* b, void* out, int64_
       detail::require_symmetric(comm, workspace, p.workspace_bytes, kOp, "workspace");
   if (ws.offset % 16 != 0)
     invalid("workspace offset in its symmetric buffer is not 16-byte aligned");
-  detail::require_disjoint(kOp, {{"A", a, a_bytes, false},
-                                 {"B", b, b_bytes, false},
-                                 {"out", out, out_bytes, true},
-                                 {"workspace", workspace, p.workspace_bytes, true}});
+  detail::require_disjoint(
+      kOp, {a_region, b_region, out_region, {"workspace", workspace, p.workspace_bytes, true}});
   gemm_engine::dispatch(p.block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     if (p.nodes > 1) {
       if constexpr (kBlockN <= fused::kMaxReduceBlockN) {

@@ -76,88 +76,81 @@ TEST(InProcessHostSteps, CreateGivesUpOnAMissingRank) {
   EXPECT_LT(seconds_since(start), 2 * kLimit);
 }
 
-TEST(InProcessHostSteps, AllocGivesUpOnAMissingRankAndTheCommunicatorRefusesNewWork) {
-  MKT_REQUIRE_GPU();
+// Both ranks create a communicator (and run `both` on it), then meet; rank 1 stays away a little
+// longer than the limit (then runs `late`) while rank 0 runs `survivor`. Both threads are joined.
+using CommStep = std::function<void(std::shared_ptr<Communicator>&)>;
+void rank_one_away(int ranks_per_node, const CommStep& survivor, const CommStep& both = {},
+                   const CommStep& late = {}) {
   InProcessGroup group(2);
-  std::chrono::steady_clock::time_point start;
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
       cudaSetDevice(r % test_devices());
-      auto comm = Communicator::create(group.bootstrap(r), limited());
-      comm->bootstrap().barrier();  // both created
-      if (r == 1) {
-        stay_away();
+      auto comm = Communicator::create(group.bootstrap(r), limited(ranks_per_node));
+      if (both) both(comm);
+      comm->bootstrap().barrier();
+      if (r == 0) {
+        survivor(comm);
         return;
       }
-      start = std::chrono::steady_clock::now();
-      try {
-        comm->alloc(4096);
-        ADD_FAILURE() << "allocated without rank 1";
-      } catch (const Error& e) {
-        expect_timeout(e, "Communicator::alloc (symmetric allocation of 4096 bytes)", start);
-      }
-      expect_error([&] { comm->alloc(64); }, ErrorCode::kNotInitialized, "broken");
+      stay_away();
+      if (late) late(comm);
     });
   }
   for (auto& t : threads) t.join();
 }
 
+TEST(InProcessHostSteps, AllocGivesUpOnAMissingRankAndTheCommunicatorRefusesNewWork) {
+  MKT_REQUIRE_GPU();
+  rank_one_away(-1, [](std::shared_ptr<Communicator>& comm) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm->alloc(4096);
+      ADD_FAILURE() << "allocated without rank 1";
+    } catch (const Error& e) {
+      expect_timeout(e, "Communicator::alloc (symmetric allocation of 4096 bytes)", start);
+    }
+    expect_error([&] { comm->alloc(64); }, ErrorCode::kNotInitialized, "broken");
+  });
+}
+
 TEST(InProcessHostSteps, InterNodeSetupGivesUpOnAMissingRank) {
   MKT_REQUIRE_GPU();
-  InProcessGroup group(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      cudaSetDevice(r % test_devices());
-      auto comm = Communicator::create(group.bootstrap(r), limited(/*ranks_per_node=*/1));
-      comm->bootstrap().barrier();
-      if (r == 1) {
-        stay_away();
-        return;
-      }
-      const auto start = std::chrono::steady_clock::now();
-      try {
-        comm->inter_node();
-        ADD_FAILURE() << "set up the inter-node path without rank 1";
-      } catch (const Error& e) {
-        expect_timeout(e, "setting up the inter-node path", start);
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  rank_one_away(/*ranks_per_node=*/1, [](std::shared_ptr<Communicator>& comm) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm->inter_node();
+      ADD_FAILURE() << "set up the inter-node path without rank 1";
+    } catch (const Error& e) {
+      expect_timeout(e, "setting up the inter-node path", start);
+    }
+  });
 }
 
 // Freeing a symmetric buffer and destroying a communicator (its inter-node path too: the proxy
 // drains, the transport says goodbye) wait for no peer beyond the limit.
 TEST(InProcessHostSteps, FreeAndDestructionDoNotWaitForAMissingRank) {
   MKT_REQUIRE_GPU();
-  InProcessGroup group(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      cudaSetDevice(r % test_devices());
-      auto comm = Communicator::create(group.bootstrap(r), limited(/*ranks_per_node=*/1));
-      comm->inter_node();
-      SymmetricBuffer buffer = comm->alloc(1 << 20);
-      comm->bootstrap().barrier();
-      if (r == 1) {
-        stay_away();  // then frees and leaves, after rank 0 has gone
-        return;
-      }
-      auto start = std::chrono::steady_clock::now();
-      buffer = SymmetricBuffer();
-      const double freed = seconds_since(start);
-      EXPECT_LT(freed, kLimit);
-      start = std::chrono::steady_clock::now();
-      comm.reset();
-      const double destroyed = seconds_since(start);
-      EXPECT_LT(destroyed, 2 * kLimit);
-      std::printf("[host step] rank 1 away: free took %.3f s, destruction %.3f s\n", freed,
-                  destroyed);
-    });
-  }
-  for (auto& t : threads) t.join();
+  SymmetricBuffer buffers[2];
+  rank_one_away(
+      /*ranks_per_node=*/1,
+      [&](std::shared_ptr<Communicator>& comm) {
+        auto start = std::chrono::steady_clock::now();
+        buffers[0] = SymmetricBuffer();
+        const double freed = seconds_since(start);
+        EXPECT_LT(freed, kLimit);
+        start = std::chrono::steady_clock::now();
+        comm.reset();
+        const double destroyed = seconds_since(start);
+        EXPECT_LT(destroyed, 2 * kLimit);
+        std::printf("[host step] rank 1 away: free took %.3f s, destruction %.3f s\n", freed,
+                    destroyed);
+      },
+      [&](std::shared_ptr<Communicator>& comm) {
+        comm->inter_node();
+        buffers[comm->rank()] = comm->alloc(1 << 20);
+      },
+      [&](std::shared_ptr<Communicator>&) { buffers[1] = SymmetricBuffer(); });  // then leaves
 }
 
 // ---- a rank that dies in a step, one process per rank ----
