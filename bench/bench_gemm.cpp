@@ -114,7 +114,8 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: %s [--json FILE] [--iters N] [--check] [--sweep] [--shapes MxNxK,...]\n"
-                   "  --sweep: also time every tile width (64, 128, 192, 256) per shape\n",
+                   "  --sweep: also time every tile width (64, 128, 192, 256) per shape (K whole\n"
+                   "  where the plan does not split it), and the plan's width with K whole\n",
                    argv[0]);
       return 2;
     }
@@ -195,12 +196,22 @@ int main(int argc, char** argv) {
           mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, mk::BLayout::kNK, s, config);
         });
       }
+      // The plan's width with K whole: what its split of the last wave buys.
+      const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k);
+      widths.push_back([&](int i) {
+        mk::GemmConfig config;
+        config.block_n = plan.block_n;
+        config.split_k = 1;
+        mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, mk::BLayout::kNK, s, config);
+      });
       widths.push_back(theirs);
       const std::vector<double> t = median_ms(iters, s, widths);
       std::printf("  sweep %-14s", label.c_str());
       const int w[] = {64, 128, 192, 256};
       for (int i = 0; i < 4; ++i) std::printf("  n%d %.3f", w[i], t[i]);
-      std::printf("  cuBLAS %.3f ms\n", t[4]);
+      std::printf("  cuBLAS %.3f ms\n", t[5]);
+      std::printf("  plan  %-14s  %s; n%d with K whole %.3f ms\n", label.c_str(),
+                  plan.describe().c_str(), plan.block_n, t[4]);
     }
     for (int i = 0; i < 2; ++i) cudaFree(a[i]), cudaFree(b[i]);
     cudaFree(c), cudaFree(c_blas);

@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
 
 namespace mk {
 
@@ -16,7 +17,27 @@ struct GemmConfig {
   int block_n = 0;  // tile width 64, 128, 192 or 256; 0 = the library's choice (or
                     // MKERNEL_GEMM_BLOCK_N, when set)
   int sms = 0;      // persistent CTAs; 0 = every SM of the device
+  int split_k = 0;  // gemm: pieces of K for the tiles of the last, partial wave (1..32; 1: none);
+                    // 0 = the library's choice
 };
+
+// What gemm() will do for a shape (GemmPlan::describe() prints it; MKERNEL_PRINT_CONFIG=1 too).
+// The choice minimises a cost model of the H200 fitted to bench_gemm's sweep (src/gemm/plan.cpp):
+// per CTA, the k-blocks it runs times the time of one (the larger of its wgmma time and its
+// loads at the L2 rate the active CTAs share), against the HBM floor at the rate that many CTAs
+// can pull, plus split K's partial sums.
+struct GemmPlan {
+  int block_n = 0;               // tile width (tiles are 128 x block_n x 64)
+  int ctas = 0;                  // persistent CTAs
+  int64_t tiles = 0;             // output tiles
+  int64_t whole_tiles = 0;       // of which computed whole, one CTA each (the full waves)
+  int split_k = 1;               // the rest: each in this many pieces of K, on as many CTAs
+  double estimate_us = 0;        // the model's estimate
+  std::string describe() const;  // one line: what and why
+};
+// The plan gemm() follows (throws on the configuration errors gemm() would throw on). `sms`:
+// config.sms, or the current device's SM count.
+GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, const GemmConfig& config = {});
 
 // C[M, N] = A[M, K] @ op(B), bf16 in and out, fp32 accumulation, on `stream`.
 //   A: [M, K] row-major bf16, 16-byte aligned; any M >= 1.

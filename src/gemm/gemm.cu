@@ -89,22 +89,36 @@ namespace {
 
 using gemm_engine::make_map;
 
-template <int kBlockN, bool kTransB>
-void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, int sms,
-            cudaStream_t stream) {
-  using Fusion = gemm_engine::PlainGemm<kBlockN>;
+template <int kBlockN, bool kTransB, bool kSplitK>
+void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k,
+            const GemmPlan& plan, cudaStream_t stream) {
+  using Fusion = gemm_engine::PlainGemm<kBlockN, kSplitK>;
   const int last_rows = gemm_engine::last_tile_rows(m);
+  gemm_engine::SplitSchedule split{static_cast<int>(plan.whole_tiles), plan.split_k,
+                                   static_cast<int>((k + 63) / 64)};
+  const int64_t split_tiles = plan.tiles - plan.whole_tiles;
+  void* scratch = nullptr;  // split K: partial sums, then one counter per tile and consumer
+  if (kSplitK) {
+    const std::size_t partial_bytes =
+        static_cast<std::size_t>(split_tiles) * plan.split_k * 128 * kBlockN * 4;
+    const std::size_t counter_bytes = static_cast<std::size_t>(split_tiles) * 2 * sizeof(int);
+    MK_CUDA_CHECK(cudaMallocAsync(&scratch, partial_bytes + counter_bytes, stream));
+    split.partials = static_cast<float*>(scratch);
+    split.counters = reinterpret_cast<int*>(static_cast<char*>(scratch) + partial_bytes);
+    MK_CUDA_CHECK(cudaMemsetAsync(split.counters, 0, counter_bytes, stream));
+  }
   const Fusion fusion{
       make_map(a, m, k, 128),
       make_map(c, m, n, 64),
       {static_cast<int>((m + 127) / 128), static_cast<int>((n + kBlockN - 1) / kBlockN)},
       static_cast<int>(n),
       make_map(a, m, k, last_rows),
-      last_rows};
-  const int tiles = fusion.raster.tiles_m * fusion.raster.tiles_n;
-  gemm_engine::launch<kBlockN, kTransB, Fusion>(fusion,
-                                                gemm_engine::make_b_map(b, n, k, kBlockN, kTransB),
-                                                k, std::min(tiles, sms), stream, kOp);
+      last_rows,
+      static_cast<int>(m),
+      split};
+  gemm_engine::launch<kBlockN, kTransB, Fusion>(
+      fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, plan.ctas, stream, kOp);
+  if (scratch != nullptr) MK_CUDA_CHECK(cudaFreeAsync(scratch, stream));
 }
 
 }  // namespace
@@ -196,19 +210,29 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   detail::require_disjoint(kOp, {{"A", a, static_cast<std::size_t>(m) * k * 2, false},
                                  {"B", b, static_cast<std::size_t>(n) * k * 2, false},
                                  {"C", c, static_cast<std::size_t>(m) * n * 2, true}});
-  const detail::Overrides& overrides = detail::process_overrides();
-  int sms = config.sms;
-  if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int block_n = gemm_engine::pick_block_n(
-      config.block_n != 0 ? config.block_n : overrides.block_n, m, n, sms, kOp);
-  if (overrides.print_config) {
-    std::fprintf(stderr, "[mkernel] gemm %lldx%lldx%lld: block 128x%dx64, %d SMs\n",
-                 static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
-                 block_n, sms);
+  const GemmPlan plan = gemm_plan(m, n, k, config);
+  if (detail::process_overrides().print_config) {
+    std::fprintf(stderr, "[mkernel] gemm %lldx%lldx%lld: %s\n", static_cast<long long>(m),
+                 static_cast<long long>(n), static_cast<long long>(k), plan.describe().c_str());
   }
-  gemm_engine::dispatch(block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
-    launch<kBlockN, kTransB>(a, b, c, m, n, k, sms, stream);
+  gemm_engine::dispatch(plan.block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
+    if (plan.split_k > 1 && plan.whole_tiles < plan.tiles) {
+      launch<kBlockN, kTransB, true>(a, b, c, m, n, k, plan, stream);
+    } else {
+      launch<kBlockN, kTransB, false>(a, b, c, m, n, k, plan, stream);
+    }
   });
+}
+
+GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, const GemmConfig& config) {
+  int sms = config.sms;
+  if (sms <= 0) {
+    int device = 0;
+    MK_CUDA_CHECK(cudaGetDevice(&device));
+    MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  }
+  const int block_n = config.block_n != 0 ? config.block_n : detail::process_overrides().block_n;
+  return gemm_engine::plan_gemm(m, n, k, sms, block_n, config.split_k, kOp);
 }
 
 std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
@@ -221,6 +245,14 @@ std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
   add_resources<128, true>(out);
   add_resources<192, true>(out);
   add_resources<256, true>(out);
+  add_resources<64, false, gemm_engine::SplitGemm>(out, "split");
+  add_resources<128, false, gemm_engine::SplitGemm>(out, "split");
+  add_resources<192, false, gemm_engine::SplitGemm>(out, "split");
+  add_resources<256, false, gemm_engine::SplitGemm>(out, "split");
+  add_resources<64, true, gemm_engine::SplitGemm>(out, "split");
+  add_resources<128, true, gemm_engine::SplitGemm>(out, "split");
+  add_resources<192, true, gemm_engine::SplitGemm>(out, "split");
+  add_resources<256, true, gemm_engine::SplitGemm>(out, "split");
   add_resources<64, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<128, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<192, false, gemm_engine::GroupedGemm>(out, "grouped");

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "mkernel/gemm.h"
+
 namespace mk {
 
 namespace gemm_engine {
@@ -36,6 +38,11 @@ void require_multiple_of_8(int64_t value, const char* op, const char* what);
 // MKERNEL_GEMM_BLOCK_N folded into it), else the width with the fewest estimated tile-waves.
 // Throws (naming `op`) on a bad width.
 int pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op);
+
+// gemm()'s plan on `sms` CTAs: the requested width (0: any) and split (0: any, 1: none) or the
+// cost model's best (src/gemm/plan.cpp). Throws (naming `op`) on a bad width or split.
+GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block_n,
+                   int requested_split_k, const char* op);
 }  // namespace gemm_engine
 
 struct GemmKernelResources {

@@ -11,7 +11,8 @@
 //
 // The kernel is the mainloop; a Fusion policy supplies everything else, so that the plain GEMM and
 // the fused kernels share it (see PlainGemm below for the trivial one). Every policy has
-//   num_tiles(), tile(t)          scheduler: which output tile the t-th work item is
+//   num_tiles(), tile(t)          scheduler: which output tile the t-th work item is (and
+//                                 which of its k-blocks: Tile::kb_begin, kb_end)
 //   wait_operands(tile)           producer, before the tile's first load (fused: "rows arrived")
 //   load_a(dst, bar, tile, k0)    TMA of the tile's A box (the policy knows where A lives)
 //   store(acc, tile, consumer, scratch, state)   epilogue: where a consumer's 64 x kBlockN slice
@@ -20,6 +21,8 @@
 //   side_task(thread, threads)    producer warps 1..3 (96 threads): communication, or nothing
 //   finish()                      every thread, last (fused: end of the launch's bookkeeping)
 // and declares in `static constexpr FusionTraits kTraits` which of these it also provides:
+// (kTraits.split_k: the scheduler's tiles carry their k-blocks - Tile::kb_begin, kb_end - and
+// the epilogue adds up the pieces: SplitSchedule below; otherwise every item runs all of K)
 //   a_rows(tile)                  rows of the tile's A box (default 128); a tile-row at the
 //                                 matrix edge loads only its rows (below)
 //   init_shared()                 thread 0, before the first __syncthreads (mbarriers)
@@ -116,6 +119,8 @@ struct Tile {
   int rows = 0;   // grouped GEMM: rows of the tile inside its group (<= 128 means a partial tile)
   int next = -1;  // epilogue: the position (work item t) of this consumer's next tile, or -1
   int position = -1;  // epilogue: this tile's position (work item t)
+  int kb_begin = 0;   // the work item's k-blocks [kb_begin, kb_end): a piece of K (split K);
+  int kb_end = -1;    // -1: to the last
 };
 
 // The stages of the ring that follow a tile's k-blocks for its epilogue (Fusion::epilogue_loads):
@@ -161,6 +166,7 @@ struct FusionTraits {
   bool mid_tile = false;
   bool epilogue_loads = false;
   bool batched_b = false;
+  bool split_k = false;  // work items may be pieces of a tile's k-blocks (Tile::kb_begin, kb_end)
   int producer_regs = 40;
   int consumer_regs = 232;
 };
@@ -336,21 +342,94 @@ __device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0,
   }
 }
 
-// The plain GEMM: C[M, N] = A[M, K] B^T, the grouped raster, local TMA stores.
-template <int kBlockN>
+// Split K for the tiles of a launch's last, partial wave (few tiles: all of them): those tiles
+// are computed in `pieces` pieces of their k-blocks, adjacent work items on different CTAs, so
+// that the wave fills the SMs. Each piece's consumer warpgroup writes its fp32 slice to
+// `partials` and counts itself in at the slice's counter; the last piece to arrive adds the
+// slices in piece order - the same sum whichever arrives last, so results are deterministic -
+// and stores the tile. No piece waits for another.
+struct SplitSchedule {
+  int whole = 0;   // work items [0, whole): tiles (in raster order) computed whole
+  int pieces = 1;  // every later tile: this many pieces of its k-blocks
+  int k_iters = 0;
+  float* partials = nullptr;  // [split tile][consumer][piece][pair][128 threads] float2
+  int* counters = nullptr;    // [split tile][consumer], zero before the launch
+
+  __device__ int items(int tiles) const { return whole + (tiles - whole) * pieces; }
+  // Work item t's tile (in raster order), and its k-blocks into `tile`.
+  __device__ int tile_of(int t) const { return t < whole ? t : whole + (t - whole) / pieces; }
+  __device__ void k_range(int t, Tile& tile) const {
+    if (t < whole || pieces == 1) return;
+    const int piece = (t - whole) % pieces;
+    tile.kb_begin = piece * k_iters / pieces;
+    tile.kb_end = (piece + 1) * k_iters / pieces;
+  }
+  // All 128 threads of a consumer warpgroup, after work item t's k-blocks (rows from row0, of
+  // which those >= m are skipped): true when acc holds the tile's whole sum - a whole tile, or
+  // the last piece to arrive - and the tile is to be stored.
+  template <int kRegs>
+  __device__ bool gather(float (&acc)[kRegs], int t, int consumer, int row0, int m) const {
+    if (t < whole || pieces == 1) return true;
+    constexpr int kPairs = kRegs / 2;  // (acc[2i], acc[2i + 1]): two columns of one row
+    const int piece = (t - whole) % pieces, split_tile = (t - whole) / pieces;
+    const int tid = threadIdx.x % 128;
+    const int row = row0 + (tid / 32) * 16 + (tid % 32) / 4;  // pair i's row: row + 8 (i % 2)
+    float2* slots = reinterpret_cast<float2*>(partials) +
+                    static_cast<size_t>(split_tile * 2 + consumer) * pieces * kPairs * 128 + tid;
+    const bool row_ok[2] = {row < m, row + 8 < m};
+    float2* mine = slots + static_cast<size_t>(piece) * kPairs * 128;
+#pragma unroll
+    for (int i = 0; i < kPairs; ++i) {
+      if (row_ok[i % 2]) mine[i * 128] = make_float2(acc[2 * i], acc[2 * i + 1]);
+    }
+    __threadfence();                             // this thread's slice before the count
+    dev::named_barrier_sync(1 + consumer, 128);  // every thread's
+    bool last = false;
+    if (tid == 0) last = atomicAdd(&counters[split_tile * 2 + consumer], 1) == pieces - 1;
+    if (!dev::named_barrier_or(1 + consumer, 128, last)) return false;
+    __threadfence();  // the other pieces' slices after their counts
+    // The sum in piece order, every slice from memory (this piece's own too), into acc.
+    const float2* slice = slots;
+#pragma unroll 1
+    for (int p = 0; p < pieces; ++p, slice += kPairs * 128) {
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) {
+        if (!row_ok[i % 2]) continue;
+        const float2 v = __ldcg(slice + i * 128);
+        acc[2 * i] = p == 0 ? v.x : acc[2 * i] + v.x;
+        acc[2 * i + 1] = p == 0 ? v.y : acc[2 * i + 1] + v.y;
+      }
+    }
+    return true;
+  }
+};
+
+// The plain GEMM: C[M, N] = A[M, K] B^T, the grouped raster, local TMA stores; with kSplitK, the
+// last wave's tiles in pieces of K (SplitSchedule) - a kernel of its own, so that whole-K
+// launches run exactly the kernel they ran before split K existed.
+template <int kBlockN, bool kSplitK = false>
 struct PlainGemm {
-  static constexpr FusionTraits kTraits{.a_rows = true};
+  static constexpr FusionTraits kTraits{.a_rows = true, .split_k = kSplitK};
   CUtensorMap a;  // A [M, K], boxes of 128 rows x 64
   CUtensorMap c;  // C [M, N], boxes of 64 rows x 64 columns
   GroupedRaster raster;
   int n;
   CUtensorMap a_last;  // A again, boxes of the last tile-row's rows x 64
   int last_rows;       // rows of the last tile-row (1..128)
+  int m;
+  SplitSchedule split;
 
-  __device__ int num_tiles() const { return raster.num_tiles(); }
+  __device__ int num_tiles() const {
+    return kSplitK ? split.items(raster.num_tiles()) : raster.num_tiles();
+  }
   __device__ Tile tile(int t) const {
     Tile tile{0, 0, 0};
-    raster.tile(t, tile.m, tile.n);
+    if constexpr (kSplitK) {
+      raster.tile(split.tile_of(t), tile.m, tile.n);
+      split.k_range(t, tile);
+    } else {
+      raster.tile(t, tile.m, tile.n);
+    }
     return tile;
   }
   struct ConsumerState {};
@@ -362,9 +441,12 @@ struct PlainGemm {
     dev::tma_load_2d(dst, last_row(tile) ? &a_last : &a, bar, k0, tile.m * 128);
   }
   template <int kRegs>
-  __device__ void store(const float (&acc)[kRegs], const Tile& tile, int consumer, uint8_t* scratch,
+  __device__ void store(float (&acc)[kRegs], const Tile& tile, int consumer, uint8_t* scratch,
                         ConsumerState&) const {
     const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
+    if constexpr (kSplitK) {
+      if (!split.gather(acc, tile.position, consumer, row0, m)) return;  // another piece stores
+    }
     store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
       dev::tma_store_2d(&c, buf, col0 + 64 * j, row0);
     });
@@ -373,7 +455,10 @@ struct PlainGemm {
   __device__ void side_task(int, int) const {}
   __device__ void finish() const {}
 };
+template <int kBlockN>
+using SplitGemm = PlainGemm<kBlockN, true>;
 static_assert(check_fusion_widths<PlainGemm>());
+static_assert(check_fusion_widths<SplitGemm>());
 
 // B box of an N-major stage: 64 K rows x 64 N values (128 bytes a row).
 constexpr int kMnBoxBytes = 64 * 128;
@@ -417,7 +502,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         fusion.wait_operands(tile);
         const int tn = tile.n;
         const int stage_bytes = a_stage_bytes<Cfg>(fusion, tile) + Cfg::kBBytes;
-        for (int kb = 0; kb < k_iters; ++kb, ++it) {
+        const int kb_begin = kTraits.split_k ? tile.kb_begin : 0;
+        const int kb_end = kTraits.split_k && tile.kb_end >= 0 ? tile.kb_end : k_iters;
+        for (int kb = kb_begin; kb < kb_end; ++kb, ++it) {
           const int s = it % Cfg::kStages;
           const uint32_t phase = (it / Cfg::kStages) & 1;
           dev::mbarrier_wait(&empty[s], phase ^ 1);  // first lap passes at once
@@ -469,7 +556,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       tile.position = t;
       const int next = t + static_cast<int>(gridDim.x);
       tile.next = next < fusion.num_tiles() ? next : -1;
-      for (int kb = 0; kb < k_iters; ++kb, ++it) {
+      const int kb_begin = kTraits.split_k ? tile.kb_begin : 0;
+      const int kb_end = kTraits.split_k && tile.kb_end >= 0 ? tile.kb_end : k_iters;
+      for (int kb = kb_begin; kb < kb_end; ++kb, ++it) {
         const int s = it % Cfg::kStages;
         const uint32_t phase = (it / Cfg::kStages) & 1;
         dev::mbarrier_wait(&full[s], phase);
@@ -481,20 +570,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           const uint64_t db =
               kTransB ? dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes)
                       : dev::wgmma_desc_sw128(stage_b(s) + kk * 32);
-          dev::wgmma_bf16<Cfg::kBlockN, kTransB>(acc, da, db, kb > 0 || kk > 0);
+          dev::wgmma_bf16<Cfg::kBlockN, kTransB>(acc, da, db, kb > kb_begin || kk > 0);
         }
         dev::wgmma_commit();
         dev::wgmma_fence_operands(acc);
         // The group of the previous stage has retired once at most this one is pending.
         dev::wgmma_wait<1>();
-        if (kb > 0 && leader) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
+        if (kb > kb_begin && leader) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
         if constexpr (kTraits.mid_tile) {
-          if (kb == k_iters / 2 && leader) fusion.mid_tile(state);
+          if (kb == (kb_begin + kb_end) / 2 && leader) fusion.mid_tile(state);
         }
       }
       dev::wgmma_wait<0>();
       dev::wgmma_fence_operands(acc);
-      if (leader && k_iters > 0) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
+      if (leader && kb_end > kb_begin) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
       uint8_t* scratch = epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers);
       if constexpr (kTraits.epilogue_loads) {
         const EpilogueRing ring{

@@ -79,6 +79,9 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
   gemm_engine::require_multiple_of_8(k, kOp, "K");
   if (n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31)) invalid("N and K must be < 2^31");
   if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) invalid("unknown B layout");
+  if (config.split_k != 0 && config.split_k != 1) {
+    invalid("split_k = " + std::to_string(config.split_k) + "; the grouped GEMM does not split K");
+  }
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
   gemm_engine::require_device_pointer(a, kOp, "A", device);

@@ -3,7 +3,9 @@
 // widths the H200 sweep found best (docs/PERFORMANCE.md, GEMM engine v2).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <random>
 #include <string>
 
 #include "gemm/gemm_internal.h"
@@ -44,6 +46,82 @@ TEST(GemmPlan, HeuristicMatchesTheSweep) {
   EXPECT_EQ(pick(0, 8192, 8192), 256);
   EXPECT_EQ(pick(0, 1024, 8192), 256);
   EXPECT_EQ(pick(0, 1, 8), 64);  // one tile whatever the width: the cheapest
+}
+
+GemmPlan plan(int64_t m, int64_t n, int64_t k, int block_n = 0, int split_k = 0, int sms = kSms) {
+  return gemm_engine::plan_gemm(m, n, k, sms, block_n, split_k, "test_op");
+}
+
+// Every plan is launchable: its work items fill at most its CTAs' rounds, its pieces are
+// non-empty, and the split tiles are the last wave's.
+void expect_consistent(const GemmPlan& p, int64_t m, int64_t n, int64_t k, int sms) {
+  SCOPED_TRACE(std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) + ": " +
+               p.describe());
+  EXPECT_TRUE(p.block_n == 64 || p.block_n == 128 || p.block_n == 192 || p.block_n == 256);
+  EXPECT_EQ(p.tiles, (m + 127) / 128 * ((n + p.block_n - 1) / p.block_n));
+  EXPECT_GE(p.ctas, 1);
+  EXPECT_LE(p.ctas, sms);
+  EXPECT_GE(p.split_k, 1);
+  EXPECT_LE(p.split_k, std::max<int64_t>(1, (k + 63) / 64));
+  if (p.split_k == 1) {
+    EXPECT_EQ(p.whole_tiles, p.tiles);
+  } else {
+    EXPECT_EQ(p.whole_tiles, p.tiles / sms * sms);  // the full waves stay whole
+    EXPECT_EQ(p.tiles - p.whole_tiles, p.tiles % sms);
+  }
+  EXPECT_GT(p.estimate_us, 0);
+}
+
+TEST(GemmPlan, FewTilesSplitKToFillTheSms) {
+  // One tile-row of 16-32 tiles and long K (a decode batch on a down projection): split K.
+  for (int64_t m : {1, 8, 64, 128}) {
+    const GemmPlan p = plan(m, 2048, 7168);
+    expect_consistent(p, m, 2048, 7168, kSms);
+    EXPECT_GT(p.split_k, 1) << p.describe();
+    EXPECT_GE(p.ctas, 96) << p.describe();
+  }
+  // Whole waves of tiles: nothing to split.
+  const GemmPlan big = plan(8192, 8192, 8192);
+  expect_consistent(big, 8192, 8192, 8192, kSms);
+  EXPECT_EQ(big.split_k, 1) << big.describe();
+  EXPECT_GE(big.block_n, 192) << big.describe();  // (the sweep: 192 and 256 within 1%)
+}
+
+TEST(GemmPlan, RequestedSplitIsKeptWhereThereIsALastWave) {
+  const GemmPlan p = plan(1000, 2056, 520, 128, 3, 7);  // 8 x 17 tiles on 7 CTAs: 3 left over
+  expect_consistent(p, 1000, 2056, 520, 7);
+  EXPECT_EQ(p.split_k, 3);
+  EXPECT_EQ(p.whole_tiles, 136 - 136 % 7);
+  EXPECT_EQ(plan(256, 512, 8192, 64, 1).split_k, 1);          // 1: never split
+  EXPECT_EQ(plan(1, 8, 64, 64, 8).split_k, 1);                // one k-block: nothing to split
+  EXPECT_EQ(plan(4096, 4096, 4096, 256, 4, 128).split_k, 1);  // 512 tiles: whole waves
+}
+
+TEST(GemmPlan, BadSplitNamesOpAndValue) {
+  for (int bad : {-1, 33}) {
+    try {
+      plan(128, 128, 128, 0, bad);
+      FAIL() << "expected an error for split_k " << bad;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("test_op: split_k = " + std::to_string(bad)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+TEST(GemmPlan, RandomShapesPlanConsistently) {
+  std::mt19937_64 gen(std::random_device{}());
+  for (int i = 0; i < 3000; ++i) {
+    const int64_t m = 1 + static_cast<int64_t>(gen() % 20000);
+    const int64_t n = 8 * (1 + static_cast<int64_t>(gen() % 4000));
+    const int64_t k = 8 * (1 + static_cast<int64_t>(gen() % 4000));
+    const int sms = 1 + static_cast<int>(gen() % 132);
+    const int block_n = gen() % 3 ? 0 : 64 * (1 + static_cast<int>(gen() % 4));
+    const int split_k = gen() % 3 ? 0 : static_cast<int>(gen() % 33);
+    expect_consistent(plan(m, n, k, block_n, split_k, sms), m, n, k, sms);
+  }
 }
 
 }  // namespace

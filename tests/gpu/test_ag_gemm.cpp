@@ -79,6 +79,7 @@ void expect_ag_gemm(Communicator& comm, const AgCase& c, uint64_t seed, FusedGem
   EXPECT_EQ(count_nans_bf16(c_out, m * n, stream), 0u) << "C elements unwritten (or NaN)";
   GemmConfig plain;
   plain.block_n = ag_gemm_plan(comm, m, n, k, config).block_n;
+  plain.split_k = 1;  // K whole, as ag_gemm computes it: the same sums, bit for bit
   gemm(a_full, b, c_ref, m, n, k, c.layout, stream, plain);
   cublas_gemm(blas, a_full, b, c_blas, m, n, k, kn);
   EXPECT_EQ(count_different_bytes16(c_out, c_ref, m * n * 2, stream), 0u)
@@ -223,6 +224,7 @@ void expect_ag_gemm_graph(Communicator& comm, int replays) {
   finished(comm, stream);
   GemmConfig plain;
   plain.block_n = ag_gemm_plan(comm, m, n, k).block_n;
+  plain.split_k = 1;
   int bad = 0, first_bad = -1;
   for (int i = 0; i < replays; ++i) {
     for (int s = 0; s < world; ++s) {

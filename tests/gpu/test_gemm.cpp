@@ -24,8 +24,10 @@ std::string name(const Shape& s) {
 
 void expect_gemm_matches(const Shape& s, uint64_t seed, GemmConfig config = {},
                          BLayout layout = BLayout::kNK) {
-  SCOPED_TRACE(name(s) + " block_n " + std::to_string(config.block_n) +
-               (layout == BLayout::kKN ? " B [K, N]" : " B [N, K]"));
+  SCOPED_TRACE(name(s) + " block_n " + std::to_string(config.block_n) + " split_k " +
+               std::to_string(config.split_k) + " sms " + std::to_string(config.sms) +
+               (layout == BLayout::kKN ? " B [K, N]" : " B [N, K]") + ": " +
+               gemm_plan(s.m, s.n, s.k, config).describe());
   const bool kn = layout == BLayout::kKN;
   cudaStream_t stream;
   MKT_CUDA(cudaStreamCreate(&stream));
@@ -111,6 +113,76 @@ TEST(Gemm, RandomShapes) {
                   static_cast<int64_t>(8 * (1 + gen() % 500))};
     expect_gemm_matches(s, gen(), {}, gen() % 2 ? BLayout::kKN : BLayout::kNK);
   }
+  // Forced splits of K on few CTAs: full waves, then the last wave in pieces.
+  for (int i = 0; i < 16; ++i) {
+    const Shape s{static_cast<int64_t>(1 + gen() % 1500),
+                  static_cast<int64_t>(8 * (1 + gen() % 300)),
+                  static_cast<int64_t>(8 * (1 + gen() % 1200))};
+    GemmConfig config;
+    config.split_k = static_cast<int>(1 + gen() % 12);
+    config.sms = static_cast<int>(1 + gen() % 40);
+    config.block_n = 64 * static_cast<int>(1 + gen() % 4);
+    expect_gemm_matches(s, gen(), config, gen() % 2 ? BLayout::kKN : BLayout::kNK);
+  }
+}
+
+// Split K: the pieces of a tile add up to the whole (against fp64 and cuBLAS), deterministically
+// (two runs bitwise equal), whichever piece arrives last; decode-sized M and the last wave's.
+TEST(Gemm, SplitKPiecesAddUp) {
+  MKT_REQUIRE_GPU();
+  const std::vector<Shape> shapes = {{1, 2048, 7168},  {64, 4096, 14336}, {200, 520, 1000},
+                                     {129, 264, 4096}, {333, 4104, 8},    {7, 24, 520}};
+  for (int split_k : {2, 3, 8, 32}) {
+    for (int block_n : {64, 256}) {
+      GemmConfig config;
+      config.split_k = split_k;
+      config.block_n = block_n;
+      for (const Shape& s : shapes) expect_gemm_matches(s, fresh_seed(), config);
+      config.sms = 7;  // full rounds of whole tiles, then the leftover tiles in pieces
+      expect_gemm_matches({1000, 2056, 520}, fresh_seed(), config, BLayout::kKN);
+    }
+  }
+  // The library's own choice where it splits (the plan says so).
+  for (const Shape& s : std::vector<Shape>{{1, 2048, 7168}, {32, 4096, 14336}, {640, 7168, 2048}}) {
+    EXPECT_GT(gemm_plan(s.m, s.n, s.k).split_k, 1) << gemm_plan(s.m, s.n, s.k).describe();
+    expect_gemm_matches(s, fresh_seed());
+  }
+}
+
+// A split GEMM captured in a CUDA graph (its scratch allocation and counter clearing are graph
+// nodes), replayed with new inputs: each replay equals a direct call bitwise.
+TEST(Gemm, SplitKGraphReplays) {
+  MKT_REQUIRE_GPU();
+  const Shape s{16, 2048, 7168};
+  ASSERT_GT(gemm_plan(s.m, s.n, s.k).split_k, 1);
+  cudaStream_t stream;
+  MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  void *a, *b, *c, *c_direct;
+  MKT_CUDA(cudaMalloc(&a, s.m * s.k * 2));
+  MKT_CUDA(cudaMalloc(&b, s.n * s.k * 2));
+  MKT_CUDA(cudaMalloc(&c, s.m * s.n * 2));
+  MKT_CUDA(cudaMalloc(&c_direct, s.m * s.n * 2));
+  cudaGraph_t graph;
+  MKT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  gemm(a, b, c, s.m, s.n, s.k, BLayout::kNK, stream);
+  MKT_CUDA(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  ASSERT_NO_FATAL_FAILURE(instantiate_uploaded(graph, stream, &exec));
+  for (int replay = 0; replay < 3; ++replay) {
+    const uint64_t seed = fresh_seed();
+    fill_random_bf16(a, s.m * s.k, seed, stream);
+    fill_random_bf16(b, s.n * s.k, seed ^ 0x77, stream);
+    MKT_CUDA(cudaMemsetAsync(c, 0xFF, s.m * s.n * 2, stream));
+    MKT_CUDA(cudaGraphLaunch(exec, stream));
+    gemm(a, b, c_direct, s.m, s.n, s.k, BLayout::kNK, stream);
+    EXPECT_EQ(count_different_bytes16(c, c_direct, s.m * s.n * 2, stream), 0u)
+        << "replay " << replay << " differs from a direct call";
+    EXPECT_EQ(count_nans_bf16(c, s.m * s.n, stream), 0u) << "replay " << replay;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  for (void* p : {a, b, c, c_direct}) cudaFree(p);
+  cudaStreamDestroy(stream);
 }
 
 TEST(Gemm, RejectsBadArgumentsBeforeLaunch) {
@@ -150,7 +222,7 @@ TEST(Gemm, RejectsBadArgumentsBeforeLaunch) {
 TEST(Gemm, KernelsDoNotSpill) {
   MKT_REQUIRE_GPU();
   const std::vector<GemmKernelResources> kernels = detail::gemm_kernel_resources();
-  ASSERT_EQ(kernels.size(), 16u);  // plain and grouped, 4 widths x 2 B layouts
+  ASSERT_EQ(kernels.size(), 24u);  // plain, split K and grouped, 4 widths x 2 B layouts
   for (const GemmKernelResources& k : kernels) {
     SCOPED_TRACE(k.name);
     EXPECT_EQ(k.local_bytes, 0) << "local memory (register spills or a stack frame)";

@@ -42,6 +42,7 @@ void check_groups(const Grouped& c, const void* a, const void* b, const void* ou
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   plain.block_n = gemm_engine::pick_block_n(c.block_n, max_rows, c.n, sms, "test");
+  plain.split_k = 1;  // K whole, as the grouped GEMM computes it
   int64_t row = 0;
   void *ref = nullptr, *ref_blas = nullptr;
   cudaMallocAsync(&ref, std::max<int64_t>(max_rows, 1) * c.n * 2, stream);
