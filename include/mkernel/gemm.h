@@ -13,6 +13,13 @@ enum class BLayout {
   kKN,  // B is [K, N] row-major: C = A @ B
 };
 
+// Where a grouped GEMM's groups keep their rows (grouped_gemm below).
+enum class GroupedLayout {
+  kContiguous,  // back to back: group g from row M_0 + ... + M_{g-1} of [rows, K] (prefill)
+  kMasked,      // group g in its own block of `rows` rows (the capacity) of [G, rows, K], of
+                // which the first M_g are used (decode: fixed shapes whatever the routing)
+};
+
 struct GemmConfig {
   int block_n = 0;  // tile width 64, 128, 192 or 256; 0 = the library's choice (or
                     // MKERNEL_GEMM_BLOCK_N, when set)
@@ -44,23 +51,32 @@ GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, const GemmConfig& config = {
 //   B: [N, K] (BLayout::kNK) or [K, N] (kKN) row-major bf16, 16-byte aligned.
 //   C: [M, N] row-major bf16 (leading dimension N).
 //   N and K multiples of 8 (16-byte rows); partial tiles are handled.
-// Throws mk::Error before launching on anything else.
+// Throws mk::Error before launching on anything else. Where the plan splits K (few tiles, long
+// K: gemm_plan), the pieces' fp32 sums use stream-ordered scratch (cudaMallocAsync, at most
+// pieces x 128 x block_n x 4 bytes per split tile); captured in a CUDA graph, that scratch is a
+// memory node (such a graph has one executable at a time). split_k = 1 never splits.
 void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout,
           cudaStream_t stream, const GemmConfig& config = {});
 
 // Grouped GEMM (the MoE experts' layout): C_g = A_g @ op(B_g) for every group g < groups, shared
 // N and K, the row counts M_g in device memory - e.g. tokens per expert computed on the GPU, so
 // nothing waits for the host; capturable in CUDA graphs with the counts changing between replays.
-//   a:          [max_rows, K] bf16: the groups' rows back to back (group g starts at row
-//               M_0 + ... + M_{g-1})
-//   b:          [groups, N, K] (BLayout::kNK) or [groups, K, N] (kKN) bf16
-//   c:          [max_rows, N] bf16, rows as in a; rows past the groups' total are not written
-//   group_rows: device int32 [groups]; a negative count counts as 0; rows past max_rows are
-//               dropped (keep the sum <= max_rows)
-// N and K multiples of 8, 1 <= groups <= 65536, max_rows < 2^31. Throws mk::Error before launching
-// on anything else. Uses a little stream-ordered scratch (cudaMallocAsync).
+// Groups without rows cost nothing; a group's tiles spread over all SMs like any others.
+//   layout kContiguous (`rows` = max_rows):
+//     a:          [max_rows, K] bf16: the groups' rows back to back (group g starts at row
+//                 M_0 + ... + M_{g-1})
+//     c:          [max_rows, N] bf16, rows as in a; rows past the groups' total are not written
+//     group_rows: device int32 [groups]; a negative count counts as 0; rows past max_rows are
+//                 dropped (keep the sum <= max_rows)
+//   layout kMasked (`rows` = the capacity of a group):
+//     a:          [groups, rows, K] bf16: group g's rows at [g, 0 .. M_g)
+//     c:          [groups, rows, N] bf16: [g, 0 .. M_g) written, the rest of each block not
+//     group_rows: device int32 [groups]; counts clamp to [0, rows]
+//   b:            [groups, N, K] (BLayout::kNK) or [groups, K, N] (kKN) bf16
+// N and K multiples of 8, 1 <= groups <= 65536, the rows of A below 2^31. Throws mk::Error before
+// launching on anything else. Uses a little stream-ordered scratch (cudaMallocAsync).
 void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_rows, int groups,
-                  int64_t max_rows, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream,
-                  const GemmConfig& config = {});
+                  int64_t rows, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream,
+                  const GemmConfig& config = {}, GroupedLayout layout = GroupedLayout::kContiguous);
 
 }  // namespace mk

@@ -538,16 +538,19 @@ if torch is not None:
         if b_layout not in ("nk", "kn"):
             raise ValueError(f"mkernel.grouped_gemm: b_layout={b_layout!r}; expected 'nk' "
                              "(b is [G, N, K]) or 'kn' (b is [G, K, N])")
-        if a.dim() != 2 or b.dim() != 3 or group_rows.dim() != 1:
-            raise ValueError("mkernel.grouped_gemm: a must be [rows, K], b [G, N, K] or [G, K, N] "
-                             f"and group_rows [G]; got {tuple(a.shape)}, {tuple(b.shape)}, "
+        if a.dim() not in (2, 3) or b.dim() != 3 or group_rows.dim() != 1:
+            raise ValueError("mkernel.grouped_gemm: a must be [rows, K] (contiguous) or "
+                             "[G, capacity, K] (masked), b [G, N, K] or [G, K, N] and group_rows "
+                             f"[G]; got {tuple(a.shape)}, {tuple(b.shape)}, "
                              f"{tuple(group_rows.shape)}")
         g = b.shape[0]
         n, kb = (b.shape[1], b.shape[2]) if b_layout == "nk" else (b.shape[2], b.shape[1])
-        if kb != a.shape[1] or group_rows.shape[0] != g:
-            raise ValueError(f"mkernel.grouped_gemm: a has K = {a.shape[1]}, b ({b_layout}) has "
-                             f"K = {kb} and {g} groups, group_rows has {group_rows.shape[0]}")
-        return a.shape[0], n, a.shape[1], g
+        k = a.shape[-1]
+        if kb != k or group_rows.shape[0] != g or (a.dim() == 3 and a.shape[0] != g):
+            raise ValueError(f"mkernel.grouped_gemm: a {tuple(a.shape)} has K = {k}, b "
+                             f"({b_layout}) has K = {kb} and {g} groups, group_rows has "
+                             f"{group_rows.shape[0]}")
+        return a.shape[-2], n, k, g
 
     def _grouped_gemm_impl(a, b, group_rows, b_layout):
         rows, n, k, g = _grouped_shapes(a, b, group_rows, b_layout)
@@ -563,13 +566,14 @@ if torch is not None:
                 raise ValueError(f"mkernel.grouped_gemm: {name} is on {x.device}, a on "
                                  f"{a.device}; expected one CUDA device")
         a2, b2, r2 = a.contiguous(), b.contiguous(), group_rows.contiguous()
-        c = torch.empty((rows, n), dtype=torch.bfloat16, device=a.device)
+        masked = a.dim() == 3
+        c = torch.empty((*a.shape[:-1], n), dtype=torch.bfloat16, device=a.device)
         if rows == 0:
             return c
         dev = a.get_device()
         with _current_device(dev):
             _C.grouped_gemm(a2.data_ptr(), b2.data_ptr(), c.data_ptr(), r2.data_ptr(), g, rows,
-                            n, k, b_layout, _current_raw_stream(dev), 0)
+                            n, k, b_layout, _current_raw_stream(dev), 0, masked)
         return c
 
     _grouped_gemm_op = torch.library.custom_op(
@@ -579,18 +583,21 @@ if torch is not None:
 
     @_grouped_gemm_op.register_fake
     def _grouped_gemm_fake(a, b, group_rows, b_layout):
-        rows, n, _, _ = _grouped_shapes(a, b, group_rows, b_layout)
-        return a.new_empty((rows, n))
+        _, n, _, _ = _grouped_shapes(a, b, group_rows, b_layout)
+        return a.new_empty((*a.shape[:-1], n))
 
     def grouped_gemm(a: "torch.Tensor", b: "torch.Tensor", group_rows: "torch.Tensor",
                      b_layout: str = "nk") -> "torch.Tensor":
         """Grouped GEMM (MoE experts): C_g = A_g @ b[g].T ('nk') or @ b[g] ('kn') for each g.
 
-        a: [rows, K] bf16, the groups' rows back to back; b: [G, N, K] ('nk') or [G, K, N];
-        group_rows: int32 [G] on the GPU (row counts, e.g. tokens per expert; they stay on the
-        device, so nothing synchronises with the host). Returns [rows, N] bf16; rows past the
-        groups' total are left uninitialised. torch.ops.mkernel.grouped_gemm: current stream,
-        torch.compile, CUDA graphs (the counts may change between replays).
+        a: [rows, K] bf16, the groups' rows back to back (contiguous: prefill), or
+        [G, capacity, K], group g's rows first in its block (masked: decode, fixed shapes);
+        b: [G, N, K] ('nk') or [G, K, N]; group_rows: int32 [G] on the GPU (row counts, e.g.
+        tokens per expert; they stay on the device, so nothing synchronises with the host;
+        masked counts clamp to the capacity). Returns [rows, N] or [G, capacity, N] bf16; rows
+        past the groups' total (contiguous) or past each group's count (masked) are left
+        uninitialised. torch.ops.mkernel.grouped_gemm: current stream, torch.compile, CUDA graphs
+        (the counts may change between replays).
         """
         op = _grouped_gemm_impl if _direct(a, b, group_rows) else _grouped_gemm_op
         return op(a, b, group_rows, b_layout)

@@ -367,20 +367,22 @@ NB_MODULE(_C, m) {
   m.def(
       "grouped_gemm",
       [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t group_rows,
-         int groups, int64_t max_rows, int64_t n, int64_t k, std::string_view b_layout,
-         std::uintptr_t stream, int block_n) {
+         int groups, int64_t rows, int64_t n, int64_t k, std::string_view b_layout,
+         std::uintptr_t stream, int block_n, bool masked) {
         const mk::BLayout layout = parse_layout(b_layout, "grouped_gemm");
         mk::GemmConfig config;
         config.block_n = block_n;
         nb::gil_scoped_release nogil;
         mk::grouped_gemm(as_pointer<const void>(a), as_pointer<const void>(b), as_pointer(c),
-                         as_pointer<const int32_t>(group_rows), groups, max_rows, n, k, layout,
-                         as_stream(stream), config);
+                         as_pointer<const int32_t>(group_rows), groups, rows, n, k, layout,
+                         as_stream(stream), config,
+                         masked ? mk::GroupedLayout::kMasked : mk::GroupedLayout::kContiguous);
       },
-      "a"_a, "b"_a, "c"_a, "group_rows"_a, "groups"_a, "max_rows"_a, "n"_a, "k"_a, "b_layout"_a,
-      "stream"_a, "block_n"_a = 0,
-      "C_g = A_g @ op(B_g) for every group g; the groups' rows back to back in A and C, their "
-      "counts (int32) in device memory. Stream-ordered; no host synchronisation.");
+      "a"_a, "b"_a, "c"_a, "group_rows"_a, "groups"_a, "rows"_a, "n"_a, "k"_a, "b_layout"_a,
+      "stream"_a, "block_n"_a = 0, "masked"_a = false,
+      "C_g = A_g @ op(B_g) for every group g; the groups' rows back to back in A and C (rows = "
+      "max_rows), or each group in a block of `rows` rows (masked), their counts (int32) in "
+      "device memory. Stream-ordered; no host synchronisation.");
 
   // ---- fused GEMMs ----
   m.def(

@@ -2,9 +2,10 @@
 // C_g[M_g, N] = A_g[M_g, K] op(B_g) with shared N and K, the row counts M_g in device memory
 // (e.g. tokens per expert, computed on the GPU: no host synchronisation).
 //
-// A and C hold the groups' rows back to back ([max_rows, K] and [max_rows, N]); B is
-// [G][N, K] or [G][K, N]. A prep kernel turns the row counts into row offsets and the first
-// tile of each group (device scratch); the persistent CTAs walk the tiles of all groups in
+// A and C hold the groups' rows back to back ([max_rows, K] and [max_rows, N]), or each group
+// in a block of `capacity` rows ([G, capacity, K] and [G, capacity, N], the masked layout); B is
+// [G][N, K] or [G][K, N]. A prep kernel turns the row counts into each group's first row, its
+// rows and its first tile (device scratch); the persistent CTAs walk the tiles of all groups in
 // order, group by group (binary search of the tile prefix), with the grouped raster inside a
 // group. A tile's A box may run past its group into the next group's rows: those rows are
 // computed and dropped. The epilogue stores with TMA where the 64-row slice lies inside the
@@ -19,11 +20,15 @@
 
 namespace mk::gemm_engine {
 
-// Row offsets and first tiles of every group (one thread; G is at most a few thousand).
-//   row_offset[g] = sum of M_i for i < g (each M_i clamped to [0, room left in max_rows])
+// First rows, rows and first tiles of every group (one thread; G is at most a few thousand).
+//   capacity 0 (contiguous): row_start[g] = sum of M_i for i < g, each M_i clamped to
+//     [0, room left in max_rows]; capacity > 0 (masked): row_start[g] = g * capacity, M_g
+//     clamped to [0, capacity]
+//   row_count[g] = the clamped M_g
 //   tile_prefix[g] = sum of ceil(M_i / 128) * tiles_n for i < g; [G] = all tiles
 __global__ void grouped_prep_kernel(const int32_t* group_rows, int groups, int64_t max_rows,
-                                    int tiles_n, int32_t* row_offset, int32_t* tile_prefix);
+                                    int64_t capacity, int tiles_n, int32_t* row_start,
+                                    int32_t* row_count, int32_t* tile_prefix);
 
 template <int kBlockN>
 struct GroupedGemm {
@@ -32,7 +37,8 @@ struct GroupedGemm {
   CUtensorMap a;               // A [max_rows, K], boxes of 128 rows x 64
   CUtensorMap c;               // C [max_rows, N], boxes of 64 rows x 64 columns
   __nv_bfloat16* c_ptr;        // C, for the masked stores at a group's end
-  const int32_t* row_offset;   // device [G + 1] (prep kernel)
+  const int32_t* row_start;    // device [G] (prep kernel)
+  const int32_t* row_count;    // device [G] (prep kernel)
   const int32_t* tile_prefix;  // device [G + 1] (prep kernel)
   int groups;
   int tiles_n;
@@ -53,8 +59,8 @@ struct GroupedGemm {
       }
     }
     const int g = lo;
-    const int first_row = row_offset[g];
-    const int rows = row_offset[g + 1] - first_row;
+    const int first_row = row_start[g];
+    const int rows = row_count[g];
     Tile tile{0, 0, g};
     GroupedRaster{(rows + 127) / 128, tiles_n}.tile(t - tile_prefix[g], tile.m, tile.n);
     tile.row = first_row + tile.m * 128;

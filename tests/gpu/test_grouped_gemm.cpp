@@ -1,8 +1,10 @@
 // Grouped GEMM (mk::grouped_gemm) against the plain GEMM engine on each group (bitwise: the same
 // tiles, the same K order) and against the fp64 product (tolerance rule: within twice cuBLAS's
 // error): empty groups, groups of 1, 127, 128, 129 rows, random sizes, both B layouts, every tile
-// width; rows past the groups' total stay untouched; a CUDA graph replayed with the row counts
-// changed on the device between replays; argument errors.
+// width; rows past the groups' total stay untouched; the masked layout ([G, capacity, K]); a
+// CUDA graph replayed with the row counts changed on the device between replays; argument
+// errors.
+#include <algorithm>
 #include <numeric>
 #include <random>
 
@@ -204,6 +206,87 @@ TEST(GroupedGemm, GraphReplayWithDeviceCounts) {
   cudaStreamDestroy(stream);
 }
 
+// The masked layout (decode): A [G, capacity, K], C [G, capacity, N], group g's first M_g rows
+// of its block used, counts clamped to the capacity. Each group against the plain engine
+// (bitwise) and fp64 (tolerance rule); every row past a group's count stays poisoned.
+void expect_masked(const std::vector<int32_t>& counts, int64_t capacity, int64_t n, int64_t k,
+                   BLayout layout, int block_n, uint64_t seed) {
+  std::string what = "masked, capacity " + std::to_string(capacity) + ", " +
+                     describe({counts, n, k, layout, block_n});
+  SCOPED_TRACE(what);
+  const int groups = static_cast<int>(counts.size());
+  const int64_t total = groups * capacity;
+  const bool kn = layout == BLayout::kKN;
+  cudaStream_t stream;
+  MKT_CUDA(cudaStreamCreate(&stream));
+  void *a, *b, *out, *ref, *ref_blas;
+  int32_t* rows_dev;
+  MKT_CUDA(cudaMalloc(&a, total * k * 2));
+  MKT_CUDA(cudaMalloc(&b, groups * n * k * 2));
+  MKT_CUDA(cudaMalloc(&out, total * n * 2));
+  MKT_CUDA(cudaMalloc(&ref, capacity * n * 2));
+  MKT_CUDA(cudaMalloc(&ref_blas, capacity * n * 2));
+  MKT_CUDA(cudaMalloc(reinterpret_cast<void**>(&rows_dev), groups * sizeof(int32_t)));
+  MKT_CUDA(cudaMemcpy(rows_dev, counts.data(), groups * sizeof(int32_t), cudaMemcpyHostToDevice));
+  fill_random_bf16(a, total * k, seed, stream);
+  fill_random_bf16(b, groups * n * k, seed ^ 0x5151, stream);
+  MKT_CUDA(cudaMemsetAsync(out, 0xFF, total * n * 2, stream));
+  GemmConfig config;
+  config.block_n = block_n;
+  grouped_gemm(a, b, out, rows_dev, groups, capacity, n, k, layout, stream, config,
+               GroupedLayout::kMasked);
+  MKT_CUDA(cudaStreamSynchronize(stream));
+  MKT_CUDA(cudaGetLastError());
+  cublasHandle_t blas;
+  ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+  cublasSetStream(blas, stream);
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  GemmConfig plain;  // the grouped launch's width (its heuristic sees all the blocks' rows)
+  plain.block_n = gemm_engine::pick_block_n(block_n, total, n, sms, "test");
+  plain.split_k = 1;
+  for (int g = 0; g < groups; ++g) {
+    const int64_t m = std::clamp<int64_t>(counts[g], 0, capacity);
+    const char* a_g = static_cast<const char*>(a) + g * capacity * k * 2;
+    const char* b_g = static_cast<const char*>(b) + static_cast<int64_t>(g) * n * k * 2;
+    const char* out_g = static_cast<const char*>(out) + g * capacity * n * 2;
+    if (m > 0) {
+      gemm(a_g, b_g, ref, m, n, k, layout, stream, plain);
+      EXPECT_EQ(count_different_bytes16(out_g, ref, m * n * 2, stream), 0u)
+          << "group " << g << " (" << m << " rows) differs from the plain engine";
+      cublas_gemm(blas, a_g, b_g, ref_blas, m, n, k, kn);
+      const SampledErrors err =
+          sampled_errors(out_g, ref_blas, a_g, b_g, m, n, k, kn, seed + g, stream);
+      EXPECT_LE(err.ours, 2 * err.cublas + 1e-6)
+          << "group " << g << " error " << err.ours << ", cuBLAS " << err.cublas;
+    }
+    if (m < capacity) {
+      EXPECT_EQ(count_nans_bf16(out_g + m * n * 2, (capacity - m) * n, stream),
+                static_cast<uint64_t>((capacity - m) * n))
+          << "group " << g << ": rows past its count " << m << " were written";
+    }
+  }
+  cublasDestroy(blas);
+  for (void* p : {a, b, out, ref, ref_blas}) cudaFree(p);
+  cudaFree(rows_dev);
+  cudaStreamDestroy(stream);
+}
+
+TEST(GroupedGemm, MaskedLayout) {
+  MKT_REQUIRE_GPU();
+  // Empty groups, counts past the capacity and negative ones (clamped), partial tiles.
+  for (int w : {0, 64, 256}) {
+    expect_masked({0, 1, 127, 128, 129, 300, -4}, 200, 264, 136, BLayout::kNK, w, fresh_seed());
+    expect_masked({5, 0, 0, 64}, 64, 520, 1000, BLayout::kKN, w, fresh_seed());
+  }
+  // Decode-like: 32 experts, capacity 64, most nearly empty, one with most of the tokens.
+  std::mt19937_64 gen(fresh_seed());
+  std::vector<int32_t> counts(32);
+  for (auto& r : counts) r = static_cast<int32_t>(gen() % 3 == 0 ? 0 : gen() % 9);
+  counts[gen() % 32] = 64;
+  expect_masked(counts, 64, 2048, 1024, BLayout::kNK, 0, gen());
+}
+
 TEST(GroupedGemm, RejectsBadArgumentsBeforeLaunch) {
   MKT_REQUIRE_GPU();
   void* p;
@@ -221,6 +304,23 @@ TEST(GroupedGemm, RejectsBadArgumentsBeforeLaunch) {
                ErrorCode::kInvalidArgument, "group_rows");
   expect_error([&] { grouped_gemm(q + 2, q, q, rows, 4, 8, 8, 8, BLayout::kNK, nullptr); },
                ErrorCode::kInvalidArgument, "A is not 16-byte aligned");
+  expect_error(
+      [&] {
+        grouped_gemm(q, q, q, rows, 4, 0, 8, 8, BLayout::kNK, nullptr, {}, GroupedLayout::kMasked);
+      },
+      ErrorCode::kInvalidArgument, "rows (the capacity of a group) = 0");
+  expect_error(
+      [&] {
+        grouped_gemm(q, q, q, rows, 65536, 1 << 16, 8, 8, BLayout::kNK, nullptr, {},
+                     GroupedLayout::kMasked);
+      },
+      ErrorCode::kInvalidArgument, "groups x rows");
+  expect_error(
+      [&] {
+        grouped_gemm(q, q, q, rows, 4, 8, 8, 8, BLayout::kNK, nullptr, {},
+                     static_cast<GroupedLayout>(7));
+      },
+      ErrorCode::kInvalidArgument, "unknown grouped layout");
   cudaFree(p);
 }
 

@@ -153,6 +153,32 @@ def test_grouped_gemm_matches_per_group(layout):
         start += m
 
 
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_grouped_gemm_masked_layout(layout):
+    """a [G, capacity, K]: group g's first count rows of its block (counts clamp to the
+    capacity); the output's block rows past a count are not the op's to write."""
+    g = torch.Generator(device="cuda").manual_seed(torch.seed() % (1 << 31))
+    counts = [0, 1, 64, 0, 200, 31, -3]
+    capacity, n, k = 96, 264, 136
+    a = torch.randn(len(counts), capacity, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    shape = (len(counts), n, k) if layout == "nk" else (len(counts), k, n)
+    b = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    group_rows = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    out = mkernel.grouped_gemm(a, b, group_rows, layout)
+    assert out.shape == (len(counts), capacity, n)
+    for i, m in enumerate(counts):
+        m = min(max(m, 0), capacity)
+        if m == 0:
+            continue
+        exact = _reference(a[i, :m], b[i], layout)
+        err = (out[i, :m].double() - exact).abs().max().item()
+        theirs = a[i, :m] @ (b[i].t() if layout == "nk" else b[i])
+        err_torch = (theirs.double() - exact).abs().max().item()
+        assert err <= 2 * err_torch + 1e-6, f"group {i}: error {err}, torch {err_torch}"
+    compiled = torch.compile(lambda x, w, r: mkernel.grouped_gemm(x, w, r, layout), fullgraph=True)
+    assert compiled(a, b, group_rows).shape == out.shape
+
+
 def test_grouped_gemm_compile_and_errors():
     a = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(3, 128, 64, device="cuda", dtype=torch.bfloat16)
