@@ -107,6 +107,11 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
     split.counters = reinterpret_cast<int*>(static_cast<char*>(scratch) + partial_bytes);
     MK_CUDA_CHECK(cudaMemsetAsync(split.counters, 0, counter_bytes, stream));
   }
+  if (kSplitK && (plan.split_k > split.k_iters || plan.whole_tiles % plan.ctas != 0)) {
+    if (scratch != nullptr) cudaFreeAsync(scratch, stream);
+    throw Error(ErrorCode::kInternal,
+                "gemm: a split plan the kernel cannot run: " + plan.describe());
+  }
   const Fusion fusion{
       make_map(a, m, k, 128),
       make_map(c, m, n, 64),
@@ -116,8 +121,13 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
       last_rows,
       static_cast<int>(m),
       split};
-  gemm_engine::launch<kBlockN, kTransB, Fusion>(
-      fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, plan.ctas, stream, kOp);
+  try {
+    gemm_engine::launch<kBlockN, kTransB, Fusion>(
+        fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, plan.ctas, stream, kOp);
+  } catch (...) {
+    if (scratch != nullptr) cudaFreeAsync(scratch, stream);
+    throw;
+  }
   if (scratch != nullptr) MK_CUDA_CHECK(cudaFreeAsync(scratch, stream));
 }
 
@@ -225,6 +235,9 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
 }
 
 GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, const GemmConfig& config) {
+  if (m < 1) invalid("M = " + std::to_string(m) + "; expected M >= 1");
+  gemm_engine::require_multiple_of_8(n, kOp, "N");
+  gemm_engine::require_multiple_of_8(k, kOp, "K");
   int sms = config.sms;
   if (sms <= 0) {
     int device = 0;
