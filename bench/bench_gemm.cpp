@@ -1,6 +1,7 @@
 // The GEMM engine against cuBLAS, one GPU:
-//   bench_gemm [--json FILE] [--iters 30] [--check] [--sweep] [--shapes MxNxK,...]
-// Shapes of issue 3, and decode's M < 128 plus a short last tile-row (M = 200). Same random
+//   bench_gemm [--json FILE] [--iters 30] [--check] [--sweep] [--shapes MxNxK,...] [--layouts
+//   nk,kn]
+// By default issue 28's sweep (M 1..8192 on six model-like (N, K)), both B layouts. Same random
 // inputs for both; times are medians of CUDA-event-timed iterations after warm-up, each iteration
 // on one of two input sets (so operands do not stay in L2 between iterations for the smaller
 // shapes). Correct = |mkernel - cuBLAS| <= 2 bf16 ulps of the largest output (the exact fp64
@@ -94,11 +95,21 @@ int main(int argc, char** argv) {
   int iters = 30;
   bool check_only = false;
   bool sweep = false;
-  std::vector<Shape> shapes = {{4096, 4096, 4096},  {8192, 8192, 8192},  {16384, 8192, 8192},
-                               {8192, 2048, 8192},  {8192, 28672, 8192}, {8192, 8192, 28672},
-                               {4096, 14336, 4096}, {3000, 5120, 3584},  {128, 8192, 8192},
-                               {1024, 8192, 8192},  {1, 8192, 8192},     {16, 8192, 8192},
-                               {64, 8192, 8192},    {200, 8192, 8192}};
+  // The default sweep (issue 28): decode, gemm_ar's and MoE's M up to large M, on model-like N
+  // and K (Llama-70B's projections, DeepSeek-V3's expert shapes, a square one).
+  std::vector<Shape> shapes;
+  for (const auto [n, k] : {std::pair<int64_t, int64_t>{8192, 8192},
+                            {14336, 4096},
+                            {4096, 14336},
+                            {7168, 2048},
+                            {2048, 7168},
+                            {28672, 8192}}) {
+    for (int64_t m :
+         {1, 8, 32, 64, 128, 192, 256, 384, 512, 640, 768, 1024, 1536, 2048, 4096, 8192}) {
+      shapes.push_back({m, n, k});
+    }
+  }
+  std::vector<bool> layouts = {false, true};  // B [N, K], then B [K, N]
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc)
@@ -111,9 +122,19 @@ int main(int argc, char** argv) {
       sweep = true;
     else if (a == "--shapes" && i + 1 < argc)
       shapes = parse_shapes(argv[++i]);
-    else {
+    else if (a == "--layouts" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      layouts.clear();
+      if (v.find("nk") != std::string::npos) layouts.push_back(false);
+      if (v.find("kn") != std::string::npos) layouts.push_back(true);
+      if (layouts.empty()) {
+        std::fprintf(stderr, "bad --layouts '%s' (expected nk, kn or nk,kn)\n", v.c_str());
+        return 2;
+      }
+    } else {
       std::fprintf(stderr,
-                   "usage: %s [--json FILE] [--iters N] [--check] [--sweep] [--shapes MxNxK,...]\n"
+                   "usage: %s [--json FILE] [--iters N] [--check] [--sweep] [--shapes MxNxK,...] "
+                   "[--layouts nk,kn]\n"
                    "  --sweep: also time every tile width (64, 128, 192, 256) per shape (K whole\n"
                    "  where the plan does not split it), and the plan's width with K whole\n",
                    argv[0]);
@@ -134,91 +155,96 @@ int main(int argc, char** argv) {
   double log_ratio_sum = 0, worst_ratio = 1e9;
   std::printf("%-22s %10s %10s %9s %9s %7s  %s\n", "shape (MxNxK)", "mkernel ms", "cuBLAS ms",
               "TFLOP/s", "cuBLAS", "ratio", "check");
+  int cases = 0;
   for (const Shape& sh : shapes) {
-    void *a[2], *b[2], *c, *c_blas;
-    for (int i = 0; i < 2; ++i) {
-      CK(cudaMalloc(&a[i], sh.m * sh.k * 2));
-      CK(cudaMalloc(&b[i], sh.n * sh.k * 2));
-      mk::bench::launch_fill(a[i], sh.m * sh.k, 17 + i, 0, s);
-      mk::bench::launch_fill(b[i], sh.n * sh.k, 29 + i, 1, s);
-    }
-    CK(cudaMalloc(&c, sh.m * sh.n * 2));
-    CK(cudaMalloc(&c_blas, sh.m * sh.n * 2));
-    const float one = 1.f, zero = 0.f;
-    auto ours = [&](int i) {
-      mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, mk::BLayout::kNK, s);
-    };
-    auto theirs = [&](int i) {
-      CK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, sh.n, sh.m, sh.k, &one, b[i & 1], CUDA_R_16BF,
-                      sh.k, a[i & 1], CUDA_R_16BF, sh.k, &zero, c_blas, CUDA_R_16BF, sh.n,
-                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    };
-    ours(0);
-    theirs(0);
-    CK(cudaMemsetAsync(d_stat, 0, 2 * sizeof(unsigned int), s));
-    mk::bench::launch_max_diff_bf16(c, c_blas, sh.m * sh.n, d_stat, s);
-    unsigned int stat[2];
-    CK(cudaMemcpyAsync(stat, d_stat, sizeof(stat), cudaMemcpyDeviceToHost, s));
-    CK(cudaStreamSynchronize(s));
-    float diff, mag;
-    std::memcpy(&diff, &stat[0], 4);
-    std::memcpy(&mag, &stat[1], 4);
-    const bool correct = diff <= 2 * mag / 128.f;  // 2 bf16 ulps of the largest value
-    all_correct = all_correct && correct;
-    const std::string label =
-        std::to_string(sh.m) + "x" + std::to_string(sh.n) + "x" + std::to_string(sh.k);
-    if (check_only) {
-      std::printf("%-22s max |mkernel - cuBLAS| %.4g (max |C| %.4g)  %s\n", label.c_str(), diff,
-                  mag, correct ? "ok" : "WRONG");
-    } else {
-      const std::vector<double> both = median_ms(iters, s, {ours, theirs});
-      const double ms = both[0], ms_blas = both[1];
-      const double flops = 2.0 * sh.m * sh.n * sh.k;
-      const double ratio = ms_blas / ms;  // TFLOP/s relative to cuBLAS
-      log_ratio_sum += std::log(ratio);
-      worst_ratio = std::min(worst_ratio, ratio);
-      std::printf("%-22s %10.3f %10.3f %9.1f %9.1f %7.3f  %s\n", label.c_str(), ms, ms_blas,
-                  flops / ms * 1e-9, flops / ms_blas * 1e-9, ratio, correct ? "ok" : "WRONG");
-      rows << (rows.tellp() > 0 ? ",\n" : "") << "    {\"shape\": {\"M\": " << sh.m
-           << ", \"N\": " << sh.n << ", \"K\": " << sh.k
-           << "}, \"dtype\": \"bf16\", \"ms\": {\"mkernel\": " << ms
-           << ", \"gemm_alone\": " << ms_blas << "}, \"limit_ms\": " << ms_blas
-           << ", \"ratio_to_limit\": " << ms / ms_blas << ", \"tflops\": " << flops / ms * 1e-9
-           << ", \"tflops_cublas\": " << flops / ms_blas * 1e-9
-           << ", \"correct\": " << (correct ? "true" : "false") << "}";
-    }
-    if (sweep && !check_only) {
-      std::vector<std::function<void(int)>> widths;
-      for (int w : {64, 128, 192, 256}) {
-        widths.push_back([&, w](int i) {
-          mk::GemmConfig config;
-          config.block_n = w;
-          mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, mk::BLayout::kNK, s, config);
-        });
+    for (const bool kn : layouts) {
+      ++cases;
+      const mk::BLayout layout = kn ? mk::BLayout::kKN : mk::BLayout::kNK;
+      void *a[2], *b[2], *c, *c_blas;
+      for (int i = 0; i < 2; ++i) {
+        CK(cudaMalloc(&a[i], sh.m * sh.k * 2));
+        CK(cudaMalloc(&b[i], sh.n * sh.k * 2));
+        mk::bench::launch_fill(a[i], sh.m * sh.k, 17 + i, 0, s);
+        mk::bench::launch_fill(b[i], sh.n * sh.k, 29 + i, 1, s);
       }
-      // The plan's width with K whole: what its split of the last wave buys.
-      const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k);
-      widths.push_back([&](int i) {
-        mk::GemmConfig config;
-        config.block_n = plan.block_n;
-        config.split_k = 1;
-        mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, mk::BLayout::kNK, s, config);
-      });
-      widths.push_back(theirs);
-      const std::vector<double> t = median_ms(iters, s, widths);
-      std::printf("  sweep %-14s", label.c_str());
-      const int w[] = {64, 128, 192, 256};
-      for (int i = 0; i < 4; ++i) std::printf("  n%d %.3f", w[i], t[i]);
-      std::printf("  cuBLAS %.3f ms\n", t[5]);
-      std::printf("  plan  %-14s  %s; n%d with K whole %.3f ms\n", label.c_str(),
-                  plan.describe().c_str(), plan.block_n, t[4]);
+      CK(cudaMalloc(&c, sh.m * sh.n * 2));
+      CK(cudaMalloc(&c_blas, sh.m * sh.n * 2));
+      const float one = 1.f, zero = 0.f;
+      auto ours = [&](int i) { mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, layout, s); };
+      auto theirs = [&](int i) {  // column-major C^T = op(B) A^T
+        CK(cublasGemmEx(h, kn ? CUBLAS_OP_N : CUBLAS_OP_T, CUBLAS_OP_N, sh.n, sh.m, sh.k, &one,
+                        b[i & 1], CUDA_R_16BF, kn ? sh.n : sh.k, a[i & 1], CUDA_R_16BF, sh.k, &zero,
+                        c_blas, CUDA_R_16BF, sh.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      };
+      ours(0);
+      theirs(0);
+      CK(cudaMemsetAsync(d_stat, 0, 2 * sizeof(unsigned int), s));
+      mk::bench::launch_max_diff_bf16(c, c_blas, sh.m * sh.n, d_stat, s);
+      unsigned int stat[2];
+      CK(cudaMemcpyAsync(stat, d_stat, sizeof(stat), cudaMemcpyDeviceToHost, s));
+      CK(cudaStreamSynchronize(s));
+      float diff, mag;
+      std::memcpy(&diff, &stat[0], 4);
+      std::memcpy(&mag, &stat[1], 4);
+      const bool correct = diff <= 2 * mag / 128.f;  // 2 bf16 ulps of the largest value
+      all_correct = all_correct && correct;
+      const std::string label = std::to_string(sh.m) + "x" + std::to_string(sh.n) + "x" +
+                                std::to_string(sh.k) + (kn ? " kn" : "");
+      if (check_only) {
+        std::printf("%-22s max |mkernel - cuBLAS| %.4g (max |C| %.4g)  %s\n", label.c_str(), diff,
+                    mag, correct ? "ok" : "WRONG");
+      } else {
+        const std::vector<double> both = median_ms(iters, s, {ours, theirs});
+        const double ms = both[0], ms_blas = both[1];
+        const double flops = 2.0 * sh.m * sh.n * sh.k;
+        const double ratio = ms_blas / ms;  // TFLOP/s relative to cuBLAS
+        log_ratio_sum += std::log(ratio);
+        worst_ratio = std::min(worst_ratio, ratio);
+        std::printf("%-22s %10.3f %10.3f %9.1f %9.1f %7.3f  %s\n", label.c_str(), ms, ms_blas,
+                    flops / ms * 1e-9, flops / ms_blas * 1e-9, ratio, correct ? "ok" : "WRONG");
+        rows << (rows.tellp() > 0 ? ",\n" : "") << "    {\"shape\": {\"M\": " << sh.m
+             << ", \"N\": " << sh.n << ", \"K\": " << sh.k << "}, \"b_layout\": \""
+             << (kn ? "kn" : "nk") << "\", \"plan\": \""
+             << mk::gemm_plan(sh.m, sh.n, sh.k).describe()
+             << "\", \"dtype\": \"bf16\", \"ms\": {\"mkernel\": " << ms
+             << ", \"gemm_alone\": " << ms_blas << "}, \"limit_ms\": " << ms_blas
+             << ", \"ratio_to_limit\": " << ms / ms_blas << ", \"tflops\": " << flops / ms * 1e-9
+             << ", \"tflops_cublas\": " << flops / ms_blas * 1e-9
+             << ", \"correct\": " << (correct ? "true" : "false") << "}";
+      }
+      if (sweep && !check_only) {
+        std::vector<std::function<void(int)>> widths;
+        for (int w : {64, 128, 192, 256}) {
+          widths.push_back([&, w](int i) {
+            mk::GemmConfig config;
+            config.block_n = w;
+            mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, layout, s, config);
+          });
+        }
+        // The plan's width with K whole: what its split of the last wave buys.
+        const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k);
+        widths.push_back([&](int i) {
+          mk::GemmConfig config;
+          config.block_n = plan.block_n;
+          config.split_k = 1;
+          mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, layout, s, config);
+        });
+        widths.push_back(theirs);
+        const std::vector<double> t = median_ms(iters, s, widths);
+        std::printf("  sweep %-14s", label.c_str());
+        const int w[] = {64, 128, 192, 256};
+        for (int i = 0; i < 4; ++i) std::printf("  n%d %.3f", w[i], t[i]);
+        std::printf("  cuBLAS %.3f ms\n", t[5]);
+        std::printf("  plan  %-14s  %s; n%d with K whole %.3f ms\n", label.c_str(),
+                    plan.describe().c_str(), plan.block_n, t[4]);
+      }
+      for (int i = 0; i < 2; ++i) cudaFree(a[i]), cudaFree(b[i]);
+      cudaFree(c), cudaFree(c_blas);
     }
-    for (int i = 0; i < 2; ++i) cudaFree(a[i]), cudaFree(b[i]);
-    cudaFree(c), cudaFree(c_blas);
   }
   if (!check_only) {
     std::printf("geometric mean of TFLOP/s vs cuBLAS: %.3f, worst %.3f\n",
-                std::exp(log_ratio_sum / shapes.size()), worst_ratio);
+                std::exp(log_ratio_sum / cases), worst_ratio);
   }
   if (!json.empty() && !check_only) {
     std::time_t t = std::time(nullptr);

@@ -272,6 +272,8 @@ def plot_timed(path, doc, rows, out):
             label = f"{r['op']}  {label}"
         if multi_dtype and r.get("dtype"):
             label += f" ({r['dtype']})"
+        if r.get("b_layout") == "kn":
+            label += " B[K,N]"
         m = number(r["ms"]["mkernel"])
         seq = number(r["ms"].get("sequential"))
         sp = number(r.get("speedup_vs_sequential")) or (seq / m if seq else None)

@@ -3,7 +3,8 @@
 #
 #   bash bench/run.sh <kernel|all> <check|bench> <num_nodes> [sizes]
 #
-# kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm, ag_gemm, gemm_rs, gemm_ar,
+# kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm, grouped_gemm (against
+#         torch._grouped_mm on MoE expert shapes, both layouts), ag_gemm, gemm_rs, gemm_ar,
 #         transport (the socket proxy path over loopback; no GPU needed), p2p (NVLink push /
 #         red.add / pull rate per CTA between GPU 0 and 1: what the fused kernels are sized by).
 #         Other fused kernels join as they land. all = collectives, gemm and every fused kernel.
@@ -33,7 +34,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 build="${BUILD_DIR:-build}"
 
 case "$kernel" in
-  all | collectives | all_gather | reduce_scatter | all_reduce | gemm | ag_gemm | gemm_rs | gemm_ar) ;;
+  all | collectives | all_gather | reduce_scatter | all_reduce | gemm | grouped_gemm | ag_gemm | gemm_rs | gemm_ar) ;;
   transport)
     # The inter-node proxy path over loopback (host only, no GPU): latency and bandwidth.
     [[ -x "${BUILD_DIR:-build}/bench/bench_transport" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
@@ -144,7 +145,8 @@ if [[ "$gpus" -eq 0 ]]; then
   exit 3
 fi
 ranks="${MKERNEL_RANKS:-$gpus}"
-if [[ -z "${MKERNEL_RANKS:-}" && "$mode" == check && "$gpus" -eq 1 && "$kernel" != gemm ]]; then
+if [[ -z "${MKERNEL_RANKS:-}" && "$mode" == check && "$gpus" -eq 1 && "$kernel" != gemm &&
+      "$kernel" != grouped_gemm ]]; then
   # One GPU: the multi-rank kernels are still checked, with two ranks sharing it.
   ranks=2
   [[ "$kernel" == all ]] ||
@@ -168,7 +170,7 @@ fi
 if [[ "$kernel" == all ]]; then
   # Every family in turn; the first failure is the exit status.
   status=0
-  for k in collectives gemm ag_gemm gemm_rs gemm_ar; do
+  for k in collectives gemm grouped_gemm ag_gemm gemm_rs gemm_ar; do
     bash "$PWD/bench/run.sh" "$k" "$mode" "$nodes" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
   done
   exit "$status"
@@ -191,6 +193,20 @@ if [[ "$kernel" == ag_gemm || "$kernel" == gemm_rs || "$kernel" == gemm_ar ]]; t
   echo "bench/run.sh: $kernel $mode on $ranks rank(s), $gpus GPU(s)"
   exec python3 -m torch.distributed.run --standalone --nproc-per-node "$ranks" \
     bench/bench_fused.py "${fused_args[@]}"
+fi
+
+if [[ "$kernel" == grouped_gemm ]]; then
+  python3 -c 'import mkernel' 2>/dev/null || {
+    echo "bench/run.sh: the mkernel Python package is not importable: run 'pip install .' first" >&2
+    exit 2
+  }
+  grouped_args=(--mode "$mode")
+  if [[ "$mode" == bench ]]; then
+    mkdir -p bench/results
+    grouped_args+=(--json "bench/results/grouped_gemm-${gpu}-w1.json")
+  fi
+  echo "bench/run.sh: grouped_gemm $mode on 1 GPU"
+  exec python3 bench/bench_grouped.py "${grouped_args[@]}"
 fi
 
 if [[ "$kernel" == gemm ]]; then
