@@ -10,8 +10,9 @@ experts empty), in both of mkernel's layouts: contiguous ([rows, K], prefill) an
 and counts in the contiguous form (offsets), which is what it takes for both. Points whose
 weights do not fit the memory cap are skipped (printed).
 
-Timing: CUDA events around back-to-back calls, the median of rounds, both ops interleaved in each
-round. check: fewer points, each group checked against the fp64 product on sampled rows (the
+Timing: each op's calls captured in a CUDA graph (as a serving loop runs them: no Python or launch
+overhead in the numbers), CUDA events around its replays, the median of rounds, the ops
+interleaved in each round. check: fewer points, each group checked against the fp64 product on sampled rows (the
 tolerance rule: within twice torch's error plus 1e-6); bench: every point, mkernel within two
 bf16 ulps of the largest output of torch._grouped_mm.
 """
@@ -39,7 +40,7 @@ WEIGHT_CAP_BYTES = 24 << 30  # B = E x N x K bf16 above this is skipped
 MASKED_CAP_BYTES = 16 << 30  # the masked A = E x capacity x K (and its C) above this: no masked
 
 
-def counts_for(experts, rows, skew, gen):
+def counts_for(experts, rows, skew, cpu_gen):
     """Row counts summing to `rows`: equal shares, or Zipf(1.2) shares over a random expert
     order with the smallest shares rounded to zero (empty experts)."""
     if skew == "balanced":
@@ -48,7 +49,7 @@ def counts_for(experts, rows, skew, gen):
             base[i] += 1
         return base
     weights = [1.0 / (r + 1) ** 1.2 for r in range(experts)]
-    order = torch.randperm(experts, generator=gen).tolist()
+    order = torch.randperm(experts, generator=cpu_gen).tolist()
     total = sum(weights)
     counts = [0] * experts
     for rank, e in enumerate(order):
@@ -57,18 +58,32 @@ def counts_for(experts, rows, skew, gen):
     return counts
 
 
-def time_pair(fns, iters, rounds):
+def time_ops(fns, iters, rounds):
+    """{name: ms per call}: `iters` calls of each op captured in one CUDA graph, the median over
+    rounds of a replay's events."""
+    graphs = {}
+    for name, fn in fns.items():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                fn()
+        graphs[name] = graph
     times = {name: [] for name in fns}
     for _ in range(rounds):
-        for name, fn in fns.items():
+        for name, graph in graphs.items():
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(iters):
-                fn()
+            graph.replay()
             end.record()
             end.synchronize()
             times[name].append(start.elapsed_time(end) / iters)
+    del graphs
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
@@ -78,8 +93,8 @@ def sampled_error(out_rows, a_rows, w, picks):
     return (out_rows[picks].double() - exact).abs().max().item()
 
 
-def run_point(experts, rows, n, k, skew, gen, mode):
-    counts = counts_for(experts, rows, skew, gen)
+def run_point(experts, rows, n, k, skew, gen, cpu_gen, mode):
+    counts = counts_for(experts, rows, skew, cpu_gen)
     capacity = max(max(counts), 1)
     dev = torch.device("cuda")
     w = torch.randn(experts, n, k, device=dev, dtype=torch.bfloat16, generator=gen) * 0.05
@@ -111,7 +126,7 @@ def run_point(experts, rows, n, k, skew, gen, mode):
     got, want = ours(), theirs()
     got_masked = ours_masked() if masked else None
     torch.cuda.synchronize()
-    correct = True
+    correct = {"contiguous": True, "masked": masked}  # (no masked run: not correct either)
     if mode == "check":
         for e, c in enumerate(counts):
             if c == 0:
@@ -127,21 +142,22 @@ def run_point(experts, rows, n, k, skew, gen, mode):
                 if not err <= 2 * err_torch + 1e-6:
                     print(f"  expert {e} ({c} rows), {name}: error {err:.4g}, torch "
                           f"{err_torch:.4g}", flush=True)
-                    correct = False
+                    correct[name] = False
     else:
         mag = want.abs().max().item()
-        outs = [got]
+        outs = [("contiguous", got)]
         if masked:
-            outs.append(torch.cat([got_masked[e, :c] for e, c in enumerate(counts) if c]))
-        for out in outs:
+            outs.append(("masked",
+                         torch.cat([got_masked[e, :c] for e, c in enumerate(counts) if c])))
+        for name, out in outs:
             if (out.float() - want.float()).abs().max().item() > 2 * mag / 128:
-                correct = False
+                correct[name] = False
     flops = 2.0 * rows * n * k
     iters = max(3, min(200, int(2e11 / max(flops, 1.0))))
     fns = {"mkernel": ours, "torch_grouped_mm": theirs}
     if masked:
         fns["mkernel_masked"] = ours_masked
-    ms = time_pair(fns, iters, 7 if mode == "bench" else 3)
+    ms = time_ops(fns, iters, 7 if mode == "bench" else 3)
     return counts, ms, flops, correct
 
 
@@ -155,7 +171,9 @@ def main():
     if not torch.cuda.is_available():
         print("bench_grouped: no CUDA GPU", file=sys.stderr)
         return 2
-    gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator(device="cuda").manual_seed(seed)  # the data
+    cpu_gen = torch.Generator().manual_seed(seed)  # the experts' order in a Zipf skew
     experts_list, rows_list = EXPERTS, ROWS
     if args.mode == "check" or args.quick:
         experts_list, rows_list = (8, 128), (128, 4096)
@@ -166,7 +184,8 @@ def main():
                 for rows in rows_list:
                     for skew in ("balanced", "zipf"):
                         points.append((model, experts, rows, n, k, skew))
-    print(f"bench_grouped {args.mode}: {len(points)} points, {torch.cuda.get_device_name()}, "
+    print(f"bench_grouped {args.mode}: {len(points)} points, seed {seed}, "
+          f"{torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}", flush=True)
     print(f"{'model':12} {'E':>4} {'rows':>6} {'N':>6} {'K':>6} {'skew':9} {'mkernel':>9} "
           f"{'masked':>9} {'torch':>9} {'x torch':>8} {'x (m)':>7}  check", flush=True)
@@ -176,8 +195,9 @@ def main():
             print(f"{model:12} {experts:4} {rows:6} {n:6} {k:6} {skew:9} skipped: weights "
                   f"{experts * n * k * 2 / 2**30:.0f} GiB", flush=True)
             continue
-        counts, ms, flops, correct = run_point(experts, rows, n, k, skew, gen, args.mode)
-        all_ok &= correct
+        counts, ms, flops, correct = run_point(experts, rows, n, k, skew, gen, cpu_gen, args.mode)
+        ok = correct["contiguous"] and ("mkernel_masked" not in ms or correct["masked"])
+        all_ok &= ok
         layouts = [("contiguous", "mkernel")]
         if "mkernel_masked" in ms:
             layouts.append(("masked", "mkernel_masked"))
@@ -187,7 +207,7 @@ def main():
         masked_x = f"{ratios['mkernel_masked']:7.3f}" if "mkernel_masked" in ratios else f"{'-':>7}"
         print(f"{model:12} {experts:4} {rows:6} {n:6} {k:6} {skew:9} {ms['mkernel']:9.4f} "
               f"{masked_ms} {ms['torch_grouped_mm']:9.4f} {ratios['mkernel']:8.3f} {masked_x}  "
-              f"{'ok' if correct else 'WRONG'}", flush=True)
+              f"{'ok' if ok else 'WRONG'}", flush=True)
         for layout, key in layouts:
             results.append({
                 "shape": {"experts": experts, "rows": rows, "N": n, "K": k, "skew": skew,
@@ -197,7 +217,7 @@ def main():
                 "limit_ms": ms["torch_grouped_mm"],
                 "ratio_to_limit": ms[key] / ms["torch_grouped_mm"],
                 "tflops": flops / ms[key] * 1e-9,
-                "correct": correct,
+                "correct": correct[layout],
             })
         torch.cuda.empty_cache()
     if logs:

@@ -27,7 +27,7 @@
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 NCCL_NVLS_DISABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-usage() { sed -n '2,23s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+usage() { sed -n '2,26s/^# \{0,1\}//p' "$0" >&2; exit 2; }
 [[ $# -ge 3 ]] || usage
 kernel="$1" mode="$2" nodes="$3" sizes="${4:-}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -157,6 +157,23 @@ if [[ "$mode" == bench && "$ranks" -gt "$gpus" && "$kernel" != all ]]; then
        "runs with ranks sharing GPUs)" >&2
   exit 2
 fi
+if [[ "$kernel" == grouped_gemm ]]; then  # the Python package and torch only
+  [[ -z "$sizes" ]] || echo "bench/run.sh: grouped_gemm runs its own sweep; sizes ignored" >&2
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
+  export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+  python3 -c 'import mkernel' 2>/dev/null || {
+    echo "bench/run.sh: the mkernel Python package is not importable: run 'pip install .' first" >&2
+    exit 2
+  }
+  grouped_args=(--mode "$mode")
+  if [[ "$mode" == bench ]]; then
+    mkdir -p bench/results
+    grouped_args+=(--json "bench/results/grouped_gemm-${gpu}-w1.json")
+  fi
+  echo "bench/run.sh: grouped_gemm $mode on 1 GPU"
+  exec python3 bench/bench_grouped.py "${grouped_args[@]}"
+fi
+
 if [[ ! -x "$build/bench/bench_collectives" || ! -x "$build/mkrun" ]]; then
   echo "bench/run.sh: $build/bench/bench_collectives is missing: run 'make' first" >&2
   exit 2
@@ -193,20 +210,6 @@ if [[ "$kernel" == ag_gemm || "$kernel" == gemm_rs || "$kernel" == gemm_ar ]]; t
   echo "bench/run.sh: $kernel $mode on $ranks rank(s), $gpus GPU(s)"
   exec python3 -m torch.distributed.run --standalone --nproc-per-node "$ranks" \
     bench/bench_fused.py "${fused_args[@]}"
-fi
-
-if [[ "$kernel" == grouped_gemm ]]; then
-  python3 -c 'import mkernel' 2>/dev/null || {
-    echo "bench/run.sh: the mkernel Python package is not importable: run 'pip install .' first" >&2
-    exit 2
-  }
-  grouped_args=(--mode "$mode")
-  if [[ "$mode" == bench ]]; then
-    mkdir -p bench/results
-    grouped_args+=(--json "bench/results/grouped_gemm-${gpu}-w1.json")
-  fi
-  echo "bench/run.sh: grouped_gemm $mode on 1 GPU"
-  exec python3 bench/bench_grouped.py "${grouped_args[@]}"
 fi
 
 if [[ "$kernel" == gemm ]]; then

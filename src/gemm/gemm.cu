@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -97,20 +98,21 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
   gemm_engine::SplitSchedule split{static_cast<int>(plan.whole_tiles), plan.split_k,
                                    static_cast<int>((k + 63) / 64)};
   const int64_t split_tiles = plan.tiles - plan.whole_tiles;
-  void* scratch = nullptr;  // split K: partial sums, then one counter per tile and consumer
-  if (kSplitK) {
-    const std::size_t partial_bytes =
-        static_cast<std::size_t>(split_tiles) * plan.split_k * 128 * kBlockN * 4;
-    const std::size_t counter_bytes = static_cast<std::size_t>(split_tiles) * 2 * sizeof(int);
-    MK_CUDA_CHECK(cudaMallocAsync(&scratch, partial_bytes + counter_bytes, stream));
-    split.partials = static_cast<float*>(scratch);
-    split.counters = reinterpret_cast<int*>(static_cast<char*>(scratch) + partial_bytes);
-    MK_CUDA_CHECK(cudaMemsetAsync(split.counters, 0, counter_bytes, stream));
-  }
   if (kSplitK && (plan.split_k > split.k_iters || plan.whole_tiles % plan.ctas != 0)) {
-    if (scratch != nullptr) cudaFreeAsync(scratch, stream);
     throw Error(ErrorCode::kInternal,
                 "gemm: a split plan the kernel cannot run: " + plan.describe());
+  }
+  // Split K: the partial sums, then one counter per tile and consumer (freed after the launch).
+  const std::size_t partial_bytes =
+      kSplitK ? static_cast<std::size_t>(split_tiles) * plan.split_k * 128 * kBlockN * 4 : 0;
+  const std::size_t counter_bytes =
+      kSplitK ? static_cast<std::size_t>(split_tiles) * 2 * sizeof(int) : 0;
+  std::optional<gemm_engine::StreamScratch> scratch;
+  if (kSplitK) {
+    scratch.emplace(partial_bytes + counter_bytes, stream);
+    split.partials = static_cast<float*>(scratch->get());
+    split.counters = reinterpret_cast<int*>(static_cast<char*>(scratch->get()) + partial_bytes);
+    MK_CUDA_CHECK(cudaMemsetAsync(split.counters, 0, counter_bytes, stream));
   }
   const Fusion fusion{
       make_map(a, m, k, 128),
@@ -121,14 +123,8 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
       last_rows,
       static_cast<int>(m),
       split};
-  try {
-    gemm_engine::launch<kBlockN, kTransB, Fusion>(
-        fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, plan.ctas, stream, kOp);
-  } catch (...) {
-    if (scratch != nullptr) cudaFreeAsync(scratch, stream);
-    throw;
-  }
-  if (scratch != nullptr) MK_CUDA_CHECK(cudaFreeAsync(scratch, stream));
+  gemm_engine::launch<kBlockN, kTransB, Fusion>(
+      fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, plan.ctas, stream, kOp);
 }
 
 }  // namespace

@@ -2,12 +2,14 @@
 #pragma once
 
 #include <cuda.h>
+#include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "mkernel/error.h"
 #include "mkernel/gemm.h"
 
 namespace mk {
@@ -43,6 +45,33 @@ int pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op);
 // cost model's best (src/gemm/plan.cpp). Throws (naming `op`) on a bad width or split.
 GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block_n,
                    int requested_split_k, const char* op);
+}  // namespace gemm_engine
+
+namespace gemm_engine {
+// Stream-ordered scratch: cudaMallocAsync when made, cudaFreeAsync on the same stream when it
+// goes out of scope - after whatever was enqueued meanwhile, on success and on a throw alike.
+class StreamScratch {
+ public:
+  StreamScratch(std::size_t bytes, cudaStream_t stream) : stream_(stream) {
+    const cudaError_t err = cudaMallocAsync(&p_, bytes, stream);
+    if (err != cudaSuccess) {
+      p_ = nullptr;
+      throw Error(ErrorCode::kCuda, std::string("stream-ordered scratch of ") +
+                                        std::to_string(bytes) +
+                                        " bytes: " + cudaGetErrorString(err));
+    }
+  }
+  ~StreamScratch() {
+    if (p_ != nullptr) cudaFreeAsync(p_, stream_);
+  }
+  StreamScratch(const StreamScratch&) = delete;
+  StreamScratch& operator=(const StreamScratch&) = delete;
+  void* get() const { return p_; }
+
+ private:
+  void* p_ = nullptr;
+  cudaStream_t stream_;
+};
 }  // namespace gemm_engine
 
 struct GemmKernelResources {

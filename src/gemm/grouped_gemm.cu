@@ -122,10 +122,10 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
                  masked ? "masked, capacity" : "contiguous, <=", static_cast<long long>(rows),
                  static_cast<long long>(n), static_cast<long long>(k), block_n, sms);
   }
-  int32_t* scratch = nullptr;  // row_start [groups], row_count [groups], tile_prefix [groups + 1]
-  MK_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&scratch),
-                                (3 * static_cast<std::size_t>(groups) + 1) * sizeof(int32_t),
-                                stream));
+  // row_start [groups], row_count [groups], tile_prefix [groups + 1] (freed after the launch)
+  const gemm_engine::StreamScratch scratch_memory(
+      (3 * static_cast<std::size_t>(groups) + 1) * sizeof(int32_t), stream);
+  auto* scratch = static_cast<int32_t*>(scratch_memory.get());
   const int tiles_n = static_cast<int>((n + block_n - 1) / block_n);
   gemm_engine::grouped_prep_kernel<<<1, 32, 0, stream>>>(group_rows, groups, total_rows,
                                                          masked ? rows : 0, tiles_n, scratch,
@@ -133,7 +133,6 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
   gemm_engine::dispatch(block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     launch<kBlockN, kTransB>(a, b, c, scratch, groups, total_rows, n, k, sms, stream);
   });
-  MK_CUDA_CHECK(cudaFreeAsync(scratch, stream));
 }
 
 }  // namespace mk

@@ -34,8 +34,8 @@ template <int kBlockN>
 struct GroupedGemm {
   // B [G][...]: a tile's group is its third coordinate.
   static constexpr FusionTraits kTraits{.batched_b = true};
-  CUtensorMap a;               // A [max_rows, K], boxes of 128 rows x 64
-  CUtensorMap c;               // C [max_rows, N], boxes of 64 rows x 64 columns
+  CUtensorMap a;               // A [rows, K] (all groups' rows), boxes of 128 rows x 64
+  CUtensorMap c;               // C [rows, N], boxes of 64 rows x 64 columns
   __nv_bfloat16* c_ptr;        // C, for the masked stores at a group's end
   const int32_t* row_start;    // device [G] (prep kernel)
   const int32_t* row_count;    // device [G] (prep kernel)
