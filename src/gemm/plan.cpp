@@ -25,13 +25,16 @@ constexpr double kHbmBytes = 3.6e12;         // HBM, all CTAs together
 constexpr double kLaunchSeconds = 3e-6;
 constexpr double kSplitSeconds = 1.5e-6;  // the counters' clearing and the last pieces' reads
 constexpr int kMaxSplit = 32;
-// The library's own splits, where the sweep of 2026-12-01 measured them winning: few rows (at
-// most two tile-rows: the loads, not the wgmma, bound the time), tiles for at most a quarter of
-// the SMs, pieces of 16 k-blocks or more, and the model expecting 25% or more. (Splitting the
-// last of several waves, or tiles for half the SMs, measured no gain or a loss: the journal.)
+// The library's own splits, where the sweep of 2026-12-01 measured them winning against cuBLAS
+// (the journal), in pieces of 16 k-blocks or more (fewer measured losses):
+//   no full wave: few rows (at most two tile-rows: the loads, not the wgmma, bound the time),
+//     tiles for at most a quarter of the SMs, and the model expecting 25% or more;
+//   the last of one to three full waves: the model expecting 10% or more.
 constexpr int64_t kMaxSplitRows = 256;
 constexpr int kMinKBlocksPerPiece = 16;
-constexpr double kSplitGain = 1.25;
+constexpr double kFewTilesGain = 1.25;
+constexpr int64_t kMaxWavesBeforeSplit = 3;
+constexpr double kLastWaveGain = 1.10;
 
 // HBM bytes per second one CTA pulls with its ring of stages (wider tiles: more bytes in flight).
 double hbm_per_cta(int block_n) {
@@ -111,28 +114,35 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
   // K whole: the width with the fewest estimated tile-waves (pick_block_n).
   const int whole_width = pick_block_n(requested_block_n, m, n, sms, op);
   if (requested_split_k == 1) return plan_for(whole_width, 1);
-  GemmPlan split;  // the best split, at any allowed width
+  GemmPlan split;  // the best split, at any allowed width, by its estimate times its required gain
+  double split_cost = 0;
   for (int block_n : {256, 192, 128, 64}) {
     if (requested_block_n != 0 && block_n != requested_block_n) continue;
     const int64_t tiles = (m + 127) / 128 * ((n + block_n - 1) / block_n);
-    const int64_t last = tiles % sms;
+    const int64_t full_waves = tiles / sms, last = tiles % sms;
     if (last == 0) continue;  // whole waves: nothing to split
     int first = 2, most = 1;
+    const bool few_tiles = full_waves == 0 && m <= kMaxSplitRows && tiles <= sms / 4;
+    const bool last_wave = full_waves > 0 && full_waves <= kMaxWavesBeforeSplit;
     if (requested_split_k != 0) {
       first = most = static_cast<int>(std::min<int64_t>(requested_split_k, k_blocks));
-    } else if (m <= kMaxSplitRows && tiles <= sms / 4) {
+    } else if (few_tiles || last_wave) {
       most = static_cast<int>(std::clamp<int64_t>(
           std::min<int64_t>(k_blocks / kMinKBlocksPerPiece, sms / last), 1, kMaxSplit));
     }
+    const double gain = requested_split_k > 1 ? 1.0 : few_tiles ? kFewTilesGain : kLastWaveGain;
     for (int pieces = std::max(first, 2); pieces <= most; ++pieces) {
       const GemmPlan p = plan_for(block_n, pieces);
-      if (split.block_n == 0 || p.estimate_us < split.estimate_us) split = p;
+      if (split.block_n == 0 || p.estimate_us * gain < split_cost) {
+        split = p;
+        split_cost = p.estimate_us * gain;
+      }
     }
   }
   const GemmPlan whole = plan_for(whole_width, 1);
   if (split.block_n == 0) return whole;
   if (requested_split_k > 1) return split;
-  return split.estimate_us * kSplitGain <= whole.estimate_us ? split : whole;
+  return split_cost <= whole.estimate_us ? split : whole;
 }
 
 std::string GemmPlan::describe() const {
