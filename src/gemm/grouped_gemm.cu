@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cub/block/block_scan.cuh>
 #include <string>
 
 #include "gemm/gemm_internal.h"
@@ -20,22 +21,46 @@ namespace mk {
 
 namespace gemm_engine {
 
-__global__ void grouped_prep_kernel(const int32_t* group_rows, int groups, int64_t max_rows,
-                                    int64_t capacity, int tiles_n, int32_t* row_start,
-                                    int32_t* row_count, int32_t* tile_prefix) {
-  if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  int64_t row = 0, tiles = 0;
-  for (int g = 0; g < groups; ++g) {
-    const int64_t first = capacity > 0 ? g * capacity : row;
-    const int64_t room = capacity > 0 ? capacity : max_rows - row;
-    const int64_t rows = min(max(int64_t{group_rows[g]}, int64_t{0}), room);
-    row_start[g] = static_cast<int32_t>(first);
-    row_count[g] = static_cast<int32_t>(rows);
-    tile_prefix[g] = static_cast<int32_t>(tiles);
-    row += rows;
-    tiles += (rows + 127) / 128 * tiles_n;
+// kPrepThreads groups at a time, by block-wide scans. Contiguous: a count clamped to the room
+// left is the running sum of the (non-negative) counts capped at max_rows, differenced.
+__global__ void __launch_bounds__(kPrepThreads)
+    grouped_prep_kernel(const int32_t* group_rows, int groups, int64_t max_rows, int64_t capacity,
+                        int tiles_n, int32_t* row_start, int32_t* row_count, int32_t* tile_prefix) {
+  using Scan = cub::BlockScan<long long, kPrepThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ long long carry_rows, carry_tiles;  // sums over the earlier chunks
+  if (threadIdx.x == 0) carry_rows = carry_tiles = 0;
+  __syncthreads();
+  for (int base = 0; base < groups; base += kPrepThreads) {
+    const int g = base + static_cast<int>(threadIdx.x);
+    const long long count = g < groups ? max(group_rows[g], 0) : 0;
+    long long upto = 0;  // counts of groups <= g in this chunk
+    Scan(scan).InclusiveSum(count, upto);
+    __syncthreads();
+    long long first, rows;
+    if (capacity > 0) {
+      first = static_cast<long long>(g) * capacity;
+      rows = min(count, static_cast<long long>(capacity));
+    } else {
+      first = min(carry_rows + upto - count, static_cast<long long>(max_rows));
+      rows = min(carry_rows + upto, static_cast<long long>(max_rows)) - first;
+    }
+    const long long tiles = (rows + 127) / 128 * tiles_n;
+    long long tiles_before = 0;
+    Scan(scan).ExclusiveSum(tiles, tiles_before);
+    if (g < groups) {
+      row_start[g] = static_cast<int32_t>(first);
+      row_count[g] = static_cast<int32_t>(rows);
+      tile_prefix[g] = static_cast<int32_t>(carry_tiles + tiles_before);
+    }
+    __syncthreads();  // everyone has read the carries
+    if (threadIdx.x == kPrepThreads - 1) {
+      carry_rows += upto;
+      carry_tiles += tiles_before + tiles;
+    }
+    __syncthreads();
   }
-  tile_prefix[groups] = static_cast<int32_t>(tiles);
+  if (threadIdx.x == 0) tile_prefix[groups] = static_cast<int32_t>(carry_tiles);
 }
 
 }  // namespace gemm_engine
@@ -127,9 +152,9 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
       (3 * static_cast<std::size_t>(groups) + 1) * sizeof(int32_t), stream);
   auto* scratch = static_cast<int32_t*>(scratch_memory.get());
   const int tiles_n = static_cast<int>((n + block_n - 1) / block_n);
-  gemm_engine::grouped_prep_kernel<<<1, 32, 0, stream>>>(group_rows, groups, total_rows,
-                                                         masked ? rows : 0, tiles_n, scratch,
-                                                         scratch + groups, scratch + 2 * groups);
+  gemm_engine::grouped_prep_kernel<<<1, gemm_engine::kPrepThreads, 0, stream>>>(
+      group_rows, groups, total_rows, masked ? rows : 0, tiles_n, scratch, scratch + groups,
+      scratch + 2 * groups);
   gemm_engine::dispatch(block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     launch<kBlockN, kTransB>(a, b, c, scratch, groups, total_rows, n, k, sms, stream);
   });

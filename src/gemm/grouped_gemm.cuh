@@ -20,7 +20,8 @@
 
 namespace mk::gemm_engine {
 
-// First rows, rows and first tiles of every group (one thread; G is at most a few thousand).
+// First rows, rows and first tiles of every group (one CTA of kPrepThreads, by block scans).
+constexpr int kPrepThreads = 256;
 //   capacity 0 (contiguous): row_start[g] = sum of M_i for i < g, each M_i clamped to
 //     [0, room left in max_rows]; capacity > 0 (masked): row_start[g] = g * capacity, M_g
 //     clamped to [0, capacity]
