@@ -716,6 +716,8 @@ def _ag_gemm(rank, world, seed, use_nccl, gpus_per_node=0):
                 nccl = torch.empty_like(a_full)
                 dist.all_gather_into_tensor(nccl, shards[rank].to(dev))
                 _assert_bitwise(gathered, nccl, what + ": gathered A vs NCCL")
+            # (These shapes are ones the plain GEMM computes with K whole - its plan splits K only
+            # for few tiles and long K, which sums in another order.)
             _assert_bitwise(c, mkernel.gemm(a_full, b, layout), what + ": C vs the GEMM engine")
             bt = b.T if layout == "nk" else b
             exact = a_full.double() @ bt.double()
