@@ -63,10 +63,10 @@ const char* fault_name(Fault f) {
 
 // Words a refusal must contain one of (as a word): the argument or the rule it broke.
 const char* const kArgumentWords[] = {
-    "A",        "B",          "C",          "input",    "output",    "out",        "workspace",
-    "a_shard",  "gathered_a", "group_rows", "groups",   "max_rows",  "M",          "N",
-    "K",        "K_r",        "count",      "block_n",  "comm_ctas", "piece_rows", "sms",
-    "channels", "threads",    "dtype",      "b_layout", "layout",    "symmetric",  "stream"};
+    "A",          "B",          "C",       "input",     "output",     "out", "workspace", "a_shard",
+    "gathered_a", "group_rows", "groups",  "rows",      "max_rows",   "M",   "N",         "K",
+    "K_r",        "count",      "block_n", "comm_ctas", "piece_rows", "sms", "channels",  "threads",
+    "dtype",      "b_layout",   "layout",  "symmetric", "stream"};
 
 bool has_word(const std::string& text, const std::string& word) {
   const auto is_word = [](char ch) {
@@ -128,6 +128,7 @@ struct Case {
   int64_t m = 0, n = 0, k = 0;  // k: K_r for gemm_rs / gemm_ar
   std::size_t count = 0;        // collectives
   int groups = 0;               // grouped_gemm
+  bool masked = false;          // grouped_gemm: each group in a block of m rows
   std::vector<int32_t> group_rows;
   DType dtype = DType::kBF16;
   BLayout layout = BLayout::kNK;
@@ -141,7 +142,8 @@ struct Case {
   std::string describe() const {
     std::string s = std::string(op_name(op)) + " M " + std::to_string(m) + " N " +
                     std::to_string(n) + " K " + std::to_string(k) + " count " +
-                    std::to_string(count) + " groups " + std::to_string(groups) + " dtype " +
+                    std::to_string(count) + " groups " + std::to_string(groups) +
+                    (masked ? " masked" : "") + " dtype " +
                     std::to_string(static_cast<int>(dtype)) + " layout " +
                     std::to_string(static_cast<int>(layout)) + ", fault " + fault_name(fault);
     return s + (config_text.empty() ? "" : " (" + config_text + ")");
@@ -183,11 +185,14 @@ std::vector<Arg> arguments(const Case& c, Communicator& comm) {
   switch (c.op) {
     case Op::kGemm:
       return {{"A", m * k * 2}, {"B", n * k * 2}, {"C", m * n * 2, false, true}};
-    case Op::kGroupedGemm:
-      return {{"A", m * k * 2},
+    case Op::kGroupedGemm: {
+      const std::size_t rows =
+          c.masked ? m * static_cast<std::size_t>(std::clamp(c.groups, 1, 6)) : m;
+      return {{"A", rows * k * 2},
               {"B", static_cast<std::size_t>(c.groups) * n * k * 2},
-              {"C", m * n * 2, false, true},
+              {"C", rows * n * 2, false, true},
               {"group_rows", static_cast<std::size_t>(c.groups) * 4}};
+    }
     case Op::kAllGather:
       return {{"input", count * es}, {"output", world * count * es, true, true}};
     case Op::kReduceScatter:
@@ -238,12 +243,16 @@ Case random_case(std::mt19937_64& rng, Communicator& comm) {
   if (c.op == Op::kGroupedGemm) {
     c.groups = static_cast<int>(1 + rng() % 6);
     if (c.fault == Fault::kConfig && rng() % 2) c.groups = rng() % 2 ? 0 : 70000;
+    c.masked = rng() % 2;
     const int64_t rows = std::max<int64_t>(c.m, 0);
     int64_t left = rows;
     for (int g = 0; g < std::clamp(c.groups, 0, 6); ++g) {
-      const int64_t take = rng() % 4 == 0 ? 0 : static_cast<int64_t>(rng() % (left + 1));
+      int64_t take = rng() % 4 == 0 ? 0 : static_cast<int64_t>(rng() % (left + 1));
+      if (c.masked) {  // any count: past the capacity (clamped) or negative now and then
+        take = rng() % 5 == 0 ? -3 : static_cast<int64_t>(rng() % (rows + 20));
+      }
       c.group_rows.push_back(static_cast<int32_t>(take));
-      left -= take;
+      if (!c.masked) left -= take;
     }
   }
   if (c.fault == Fault::kEnum) {
@@ -390,7 +399,8 @@ void call(const Case& c, Communicator& comm, cudaStream_t s) {
       break;
     case Op::kGroupedGemm:
       grouped_gemm(p(0), p(1), p(2), static_cast<const int32_t*>(p(3)), c.groups, c.m, c.n, c.k,
-                   c.layout, s, c.plain);
+                   c.layout, s, c.plain,
+                   c.masked ? GroupedLayout::kMasked : GroupedLayout::kContiguous);
       break;
     case Op::kAllGather:
       all_gather(comm, p(0), p(1), c.count, c.dtype, s, c.coll);
@@ -470,6 +480,23 @@ void expect_correct(const Case& c, Communicator& comm, Arenas& arenas, cublasHan
       break;
     case Op::kGroupedGemm: {
       char* ref = scratch(c.m * c.n * 2);
+      if (c.masked) {  // group g in rows [g m, g m + its clamped count)
+        for (int g = 0; g < c.groups; ++g) {
+          const int64_t rows = std::clamp<int64_t>(c.group_rows[g], 0, c.m);
+          char* out_g = ptr(2) + g * c.m * c.n * 2;
+          if (rows > 0) {
+            expect_gemm_rows(out_g, ptr(0) + g * c.m * c.k * 2,
+                             ptr(1) + static_cast<int64_t>(g) * c.n * c.k * 2, rows, c.n, c.k, kn,
+                             ref, blas, seed + g, s,
+                             "grouped_gemm (masked) group " + std::to_string(g));
+          }
+          const auto tail = download(out_g + rows * c.n * 2, (c.m - rows) * c.n * 2);
+          EXPECT_TRUE(
+              std::all_of(tail.begin(), tail.end(), [](unsigned char b) { return b == 0xFF; }))
+              << "grouped_gemm (masked) wrote rows of group " << g << " past its count " << rows;
+        }
+        break;
+      }
       int64_t row = 0;
       for (int g = 0; g < c.groups; ++g) {
         const int64_t rows = std::min<int64_t>(std::max(c.group_rows[g], 0), c.m - row);
