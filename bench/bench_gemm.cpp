@@ -1,11 +1,12 @@
 // The GEMM engine against cuBLAS, one GPU:
-//   bench_gemm [--json FILE] [--iters 30] [--check] [--sweep] [--shapes MxNxK,...] [--layouts
+//   bench_gemm [--json FILE] [--iters 20] [--check] [--sweep] [--shapes MxNxK,...] [--layouts
 //   nk,kn]
 // By default issue 28's sweep (M 1..8192 on six model-like (N, K)), both B layouts. Same random
-// inputs for both; times are medians of CUDA-event-timed iterations after warm-up, each iteration
-// on one of two input sets (so operands do not stay in L2 between iterations for the smaller
-// shapes). Correct = |mkernel - cuBLAS| <= 2 bf16 ulps of the largest output (the exact fp64
-// check lives in tests/gpu/test_gemm.cpp).
+// inputs for both; times are per call, medians over replays of CUDA graphs of 10 calls (the
+// GPU's time, without the host's launch cost), the calls alternating between two input sets (so
+// operands do not stay in L2 from one call to the next for the smaller shapes). Correct = |mkernel
+// - cuBLAS| <= 2 bf16 ulps of the largest output (the exact fp64 check lives in
+// tests/gpu/test_gemm.cpp).
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -39,20 +40,35 @@ struct Shape {
   int64_t m, n, k;
 };
 
-// Medians of CUDA-event-timed iterations of each op after warm-up. The ops run interleaved
+// Each op's time: medians over `iters` replays of a CUDA graph of kCalls calls (alternating
+// the two input sets), per call. Graphs take the host out: this host needs 3-5 us to launch a
+// kernel, as long as the smallest GEMMs run, so an eagerly launched op would time the host
+// (bench_launch and bench_host.py time that side). The ops' replays run interleaved
 // (a b c a b c ...), so that clock and temperature drift during the run hits them alike.
+constexpr int kCalls = 10;
 std::vector<double> median_ms(int iters, cudaStream_t s,
                               const std::vector<std::function<void(int)>>& ops) {
-  for (int i = 0; i < 3; ++i)
-    for (const auto& op : ops) op(i);
-  CK(cudaStreamSynchronize(s));
   const std::size_t n = ops.size();
+  std::vector<cudaGraphExec_t> graphs(n);
+  for (std::size_t o = 0; o < n; ++o) {
+    ops[o](0);  // first-call setup (kernel attributes) outside the capture
+    CK(cudaStreamSynchronize(s));
+    cudaGraph_t g;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < kCalls; ++i) ops[o](i);
+    CK(cudaStreamEndCapture(s, &g));
+    CK(cudaGraphInstantiate(&graphs[o], g, 0));
+    CK(cudaGraphDestroy(g));
+  }
+  for (int i = 0; i < 2; ++i)
+    for (auto& g : graphs) CK(cudaGraphLaunch(g, s));
+  CK(cudaStreamSynchronize(s));
   std::vector<cudaEvent_t> ev(2 * iters * n);
   for (auto& e : ev) CK(cudaEventCreate(&e));
   for (int i = 0; i < iters; ++i) {
     for (std::size_t o = 0; o < n; ++o) {
       CK(cudaEventRecord(ev[2 * (i * n + o)], s));
-      ops[o](i);
+      CK(cudaGraphLaunch(graphs[o], s));
       CK(cudaEventRecord(ev[2 * (i * n + o) + 1], s));
     }
   }
@@ -64,9 +80,10 @@ std::vector<double> median_ms(int iters, cudaStream_t s,
       CK(cudaEventElapsedTime(&t[i], ev[2 * (i * n + o)], ev[2 * (i * n + o) + 1]));
     }
     std::sort(t.begin(), t.end());
-    medians.push_back(t[iters / 2]);
+    medians.push_back(t[iters / 2] / kCalls);
   }
   for (auto& e : ev) cudaEventDestroy(e);
+  for (auto& g : graphs) cudaGraphExecDestroy(g);
   return medians;
 }
 
@@ -92,7 +109,7 @@ std::vector<Shape> parse_shapes(const std::string& text) {
 
 int main(int argc, char** argv) {
   std::string json;
-  int iters = 30;
+  int iters = 20;
   bool check_only = false;
   bool sweep = false;
   // The default sweep (issue 28): decode, gemm_ar's and MoE's M up to large M, on model-like N
