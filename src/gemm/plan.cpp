@@ -25,16 +25,14 @@ constexpr double kHbmBytes = 3.6e12;         // HBM, all CTAs together
 constexpr double kLaunchSeconds = 3e-6;
 constexpr double kSplitSeconds = 1.5e-6;  // the counters' clearing and the last pieces' reads
 constexpr int kMaxSplit = 32;
-// The library's own splits, where the sweep of 2026-12-01 measured them winning against cuBLAS
-// (the journal), in pieces of 16 k-blocks or more (fewer measured losses):
-//   no full wave: few rows (at most two tile-rows: the loads, not the wgmma, bound the time),
-//     tiles for at most a quarter of the SMs, and the model expecting 25% or more;
-//   the last of one to three full waves: the model expecting 10% or more.
-constexpr int64_t kMaxSplitRows = 256;
+// The library's own splits, where the sweeps of 2026-12-01 measured them winning against cuBLAS
+// (the journal): the tiles of a launch without a full wave, or of the last of one to three full
+// waves, in pieces of 16 k-blocks or more (fewer measured losses), where the model expects 10% or
+// more. Without a full wave the pieces may take several rounds of the CTAs; the last of full waves
+// is split into at most one round.
 constexpr int kMinKBlocksPerPiece = 16;
-constexpr double kFewTilesGain = 1.25;
 constexpr int64_t kMaxWavesBeforeSplit = 3;
-constexpr double kLastWaveGain = 1.10;
+constexpr double kSplitGain = 1.10;
 
 // HBM bytes per second one CTA pulls with its ring of stages (wider tiles: more bytes in flight).
 double hbm_per_cta(int block_n) {
@@ -69,9 +67,10 @@ Estimate estimate(int64_t m, int64_t n, int64_t k, int block_n, int pieces, int 
     return std::max(loads, wgmma);
   };
   double compute = static_cast<double>(full_waves * k_blocks) * k_block_seconds(sms);
-  if (last > 0) {
-    const int64_t active = std::min<int64_t>(sms, last * pieces);
-    compute += static_cast<double>((k_blocks + pieces - 1) / pieces) * k_block_seconds(active);
+  if (last > 0) {  // the last wave's tiles, or their pieces: in rounds of `sms` work items
+    const int64_t items = last * pieces, active = std::min<int64_t>(sms, items);
+    compute += static_cast<double>((items + sms - 1) / sms * ((k_blocks + pieces - 1) / pieces)) *
+               k_block_seconds(active);
   }
   const int64_t ctas = std::min<int64_t>(sms, full_waves > 0 ? tiles : last * pieces);
   const double bytes = 2.0 * static_cast<double>(m * k + n * k + m * n);
@@ -122,15 +121,16 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
     const int64_t full_waves = tiles / sms, last = tiles % sms;
     if (last == 0) continue;  // whole waves: nothing to split
     int first = 2, most = 1;
-    const bool few_tiles = full_waves == 0 && m <= kMaxSplitRows && tiles <= sms / 4;
+    const bool few_tiles = full_waves == 0;
     const bool last_wave = full_waves > 0 && full_waves <= kMaxWavesBeforeSplit;
     if (requested_split_k != 0) {
       first = most = static_cast<int>(std::min<int64_t>(requested_split_k, k_blocks));
-    } else if (few_tiles || last_wave) {
+    } else if (few_tiles || last_wave) {  // the last of full waves: its pieces in one round
       most = static_cast<int>(std::clamp<int64_t>(
-          std::min<int64_t>(k_blocks / kMinKBlocksPerPiece, sms / last), 1, kMaxSplit));
+          std::min<int64_t>(k_blocks / kMinKBlocksPerPiece, few_tiles ? kMaxSplit : sms / last), 1,
+          kMaxSplit));
     }
-    const double gain = requested_split_k > 1 ? 1.0 : few_tiles ? kFewTilesGain : kLastWaveGain;
+    const double gain = requested_split_k > 1 ? 1.0 : kSplitGain;
     for (int pieces = std::max(first, 2); pieces <= most; ++pieces) {
       const GemmPlan p = plan_for(block_n, pieces);
       if (split.block_n == 0 || p.estimate_us * gain < split_cost) {

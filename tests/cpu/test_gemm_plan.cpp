@@ -54,7 +54,8 @@ GemmPlan plan(int64_t m, int64_t n, int64_t k, int block_n = 0, int split_k = 0,
 
 // Every plan is launchable: its work items fill at most its CTAs' rounds, its pieces are
 // non-empty, and the split tiles are the last wave's.
-void expect_consistent(const GemmPlan& p, int64_t m, int64_t n, int64_t k, int sms) {
+void expect_consistent(const GemmPlan& p, int64_t m, int64_t n, int64_t k, int sms,
+                       bool own_choice = true) {
   SCOPED_TRACE(std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) + ": " +
                p.describe());
   EXPECT_TRUE(p.block_n == 64 || p.block_n == 128 || p.block_n == 192 || p.block_n == 256);
@@ -68,6 +69,10 @@ void expect_consistent(const GemmPlan& p, int64_t m, int64_t n, int64_t k, int s
   } else {
     EXPECT_EQ(p.whole_tiles, p.tiles / sms * sms);  // the full waves stay whole
     EXPECT_EQ(p.tiles - p.whole_tiles, p.tiles % sms);
+    // The library's split of the last of full waves: its pieces in one round of the CTAs.
+    if (own_choice && p.whole_tiles > 0) {
+      EXPECT_LE((p.tiles - p.whole_tiles) * p.split_k, sms);
+    }
   }
   EXPECT_GT(p.estimate_us, 0);
 }
@@ -87,9 +92,21 @@ TEST(GemmPlan, FewTilesSplitKToFillTheSms) {
   EXPECT_GE(big.block_n, 192) << big.describe();  // (the sweep: 192 and 256 within 1%)
 }
 
+TEST(GemmPlan, MidMWithoutAFullWaveSplitsInLongPieces) {
+  // 640 x 2048 x 7168 (DeepSeek-V3's down projection at 640 tokens): 40-80 tiles for 132 SMs
+  // (K whole ran at 0.64 of cuBLAS, 2026-12-01); split, in pieces of 16 k-blocks or more.
+  for (int64_t m : {384, 512, 640, 768}) {
+    const GemmPlan p = plan(m, 2048, 7168);
+    expect_consistent(p, m, 2048, 7168, kSms);
+    EXPECT_GT(p.split_k, 1) << p.describe();
+    EXPECT_GE(112 / p.split_k, 16) << p.describe();
+    EXPECT_GE(p.ctas, 110) << p.describe();
+  }
+}
+
 TEST(GemmPlan, RequestedSplitIsKeptWhereThereIsALastWave) {
   const GemmPlan p = plan(1000, 2056, 520, 128, 3, 7);  // 8 x 17 tiles on 7 CTAs: 3 left over
-  expect_consistent(p, 1000, 2056, 520, 7);
+  expect_consistent(p, 1000, 2056, 520, 7, false);
   EXPECT_EQ(p.split_k, 3);
   EXPECT_EQ(p.whole_tiles, 136 - 136 % 7);
   EXPECT_EQ(plan(256, 512, 8192, 64, 1).split_k, 1);          // 1: never split
@@ -120,7 +137,7 @@ TEST(GemmPlan, RandomShapesPlanConsistently) {
     const int sms = 1 + static_cast<int>(gen() % 132);
     const int block_n = gen() % 3 ? 0 : 64 * (1 + static_cast<int>(gen() % 4));
     const int split_k = gen() % 3 ? 0 : static_cast<int>(gen() % 33);
-    expect_consistent(plan(m, n, k, block_n, split_k, sms), m, n, k, sms);
+    expect_consistent(plan(m, n, k, block_n, split_k, sms), m, n, k, sms, split_k == 0);
   }
 }
 
