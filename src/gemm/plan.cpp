@@ -25,12 +25,19 @@ constexpr double kHbmBytes = 3.6e12;         // HBM, all CTAs together
 constexpr double kLaunchSeconds = 3e-6;
 constexpr double kSplitSeconds = 1.5e-6;  // the counters' clearing and the last pieces' reads
 constexpr int kMaxSplit = 32;
-// The library's own splits, where the sweeps of 2026-12-01 measured them winning against cuBLAS
-// (the journal): the tiles of a launch without a full wave, or of the last of one to three full
-// waves, in pieces of 16 k-blocks or more (fewer measured losses), where the model expects 10% or
-// more. Without a full wave the pieces may take several rounds of the CTAs; the last of full waves
-// is split into at most one round.
-constexpr int kMinKBlocksPerPiece = 16;
+// The library's own splits, by the sweeps of 2026-12-01 (the journal), where the model expects
+// the rule's gain:
+//   few tiles (no full wave, at most two tile-rows, tiles for at most a quarter of the SMs): the
+//     loads bound the time; pieces of 16 k-blocks or more (shorter ones lost), 25%;
+//   more rows without a full wave, where K whole leaves a quarter of the SMs or more idle: pieces
+//   of
+//     32 k-blocks or more (384 and 512 x 2048 x 7168 lost in pieces of 28-37 k-blocks against K
+//     whole on 96-128 of the 132 SMs), 10%; their work items may take several rounds of the CTAs;
+//   the last of one to three full waves: in one round of pieces of 16 k-blocks or more, 10%.
+constexpr int64_t kFewTilesRows = 256;
+constexpr int kMinKBlocks = 16;
+constexpr int kMidMinKBlocks = 32;
+constexpr double kFewTilesGain = 1.25;
 constexpr int64_t kMaxWavesBeforeSplit = 3;
 constexpr double kSplitGain = 1.10;
 
@@ -113,6 +120,7 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
   // K whole: the width with the fewest estimated tile-waves (pick_block_n).
   const int whole_width = pick_block_n(requested_block_n, m, n, sms, op);
   if (requested_split_k == 1) return plan_for(whole_width, 1);
+  const int64_t whole_tiles = (m + 127) / 128 * ((n + whole_width - 1) / whole_width);
   GemmPlan split;  // the best split, at any allowed width, by its estimate times its required gain
   double split_cost = 0;
   for (int block_n : {256, 192, 128, 64}) {
@@ -121,16 +129,19 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
     const int64_t full_waves = tiles / sms, last = tiles % sms;
     if (last == 0) continue;  // whole waves: nothing to split
     int first = 2, most = 1;
-    const bool few_tiles = full_waves == 0;
+    // Which rule allows a split here, and its shortest piece and required gain.
+    const bool few_tiles = full_waves == 0 && m <= kFewTilesRows && tiles <= sms / 4;
+    const bool mid = full_waves == 0 && m > kFewTilesRows && whole_tiles * 4 <= sms * 3;
     const bool last_wave = full_waves > 0 && full_waves <= kMaxWavesBeforeSplit;
+    const int min_piece = mid ? kMidMinKBlocks : kMinKBlocks;
     if (requested_split_k != 0) {
       first = most = static_cast<int>(std::min<int64_t>(requested_split_k, k_blocks));
-    } else if (few_tiles || last_wave) {  // the last of full waves: its pieces in one round
+    } else if (few_tiles || mid || last_wave) {  // the last of full waves: one round of pieces
       most = static_cast<int>(std::clamp<int64_t>(
-          std::min<int64_t>(k_blocks / kMinKBlocksPerPiece, few_tiles ? kMaxSplit : sms / last), 1,
+          std::min<int64_t>(k_blocks / min_piece, last_wave ? sms / last : kMaxSplit), 1,
           kMaxSplit));
     }
-    const double gain = requested_split_k > 1 ? 1.0 : kSplitGain;
+    const double gain = requested_split_k > 1 ? 1.0 : few_tiles ? kFewTilesGain : kSplitGain;
     for (int pieces = std::max(first, 2); pieces <= most; ++pieces) {
       const GemmPlan p = plan_for(block_n, pieces);
       if (split.block_n == 0 || p.estimate_us * gain < split_cost) {

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <random>
 #include <string>
+#include <tuple>
 
 #include "gemm/gemm_internal.h"
 #include "mkernel/error.h"
@@ -93,15 +94,20 @@ TEST(GemmPlan, FewTilesSplitKToFillTheSms) {
 }
 
 TEST(GemmPlan, MidMWithoutAFullWaveSplitsInLongPieces) {
-  // 640 x 2048 x 7168 (DeepSeek-V3's down projection at 640 tokens): 40-80 tiles for 132 SMs
-  // (K whole ran at 0.64 of cuBLAS, 2026-12-01); split, in pieces of 16 k-blocks or more.
-  for (int64_t m : {384, 512, 640, 768}) {
-    const GemmPlan p = plan(m, 2048, 7168);
-    expect_consistent(p, m, 2048, 7168, kSms);
+  // Where K whole leaves a quarter of the SMs or more idle (640 x 2048 x 7168, DeepSeek-V3's
+  // down projection at 640 tokens: 80 tiles, 0.64 of cuBLAS on 2026-12-01): split, in pieces of
+  // 32 k-blocks or more.
+  for (const auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{640, 2048, 7168},
+                               {768, 2048, 7168},
+                               {384, 4096, 14336}}) {
+    const GemmPlan p = plan(m, n, k);
+    expect_consistent(p, m, n, k, kSms);
     EXPECT_GT(p.split_k, 1) << p.describe();
-    EXPECT_GE(112 / p.split_k, 16) << p.describe();
+    EXPECT_GE((k + 63) / 64 / p.split_k, 32) << p.describe();
     EXPECT_GE(p.ctas, 110) << p.describe();
   }
+  // K whole on 128 of 132 SMs: whole (its split measured slower).
+  EXPECT_EQ(plan(512, 2048, 7168).split_k, 1) << plan(512, 2048, 7168).describe();
 }
 
 TEST(GemmPlan, RequestedSplitIsKeptWhereThereIsALastWave) {
