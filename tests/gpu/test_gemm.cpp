@@ -240,6 +240,9 @@ TEST(SanitizeGemm, Small) {
   GemmConfig config;
   config.block_n = 192;
   expect_gemm_matches({130, 392, 72}, fresh_seed(), config, BLayout::kKN);
+  GemmConfig split;  // split K: the slices, the counters and the last piece's sum
+  split.split_k = 3;
+  expect_gemm_matches({70, 200, 1000}, fresh_seed(), split);
 }
 
 }  // namespace

@@ -328,6 +328,7 @@ TEST(SanitizeGroupedGemm, Small) {
   MKT_REQUIRE_GPU();
   expect_grouped({{0, 70, 130, 1}, 136, 72, BLayout::kNK, 0}, fresh_seed());
   expect_grouped({{65, 0, 3}, 200, 64, BLayout::kKN, 192}, fresh_seed());
+  expect_masked({0, 3, 70, -1}, 64, 136, 72, BLayout::kNK, 0, fresh_seed());
 }
 
 }  // namespace
