@@ -15,7 +15,8 @@ Writes, under --out (default: plots/ at the repository root):
         (N, K) (and expert count), one line per B layout (or layout and skew).
   overview.png  mkernel's speedup over the unfused baseline (the sequential composition, NCCL for
       the collectives, the library for an engine alone) for every row of every file (a sweep:
-      the geomean of each of its lines), with a line at 1.0.
+      the geomean of each of its lines; grouped_gemm: of each (N, K) and layout), with a line
+      at 1.0.
 
 Rows whose output was wrong (correct: false) are drawn hatched and labelled WRONG. Files that do
 not parse or do not follow the schema are skipped with a warning; the exit status is non-zero only
@@ -432,7 +433,8 @@ SWEEPS = {
     "gemm": {"panel": ("N", "K"), "x": "M", "lines": ("b_layout",), "baseline": "gemm_alone",
              "against": "cuBLAS", "floor": 0.95},
     "grouped_gemm": {"panel": ("N", "K", "experts"), "x": "rows", "lines": ("layout", "skew"),
-                     "baseline": "torch_grouped_mm", "against": "torch._grouped_mm"},
+                     "baseline": "torch_grouped_mm", "against": "torch._grouped_mm",
+                     "overview": (("N", "K"), ("layout",))},  # one bar per expert shape, layout
 }
 
 
@@ -528,6 +530,8 @@ def overview_rows(kind, doc, rows):
     geomean per panel and line)."""
     spec = sweep_spec(doc, rows)
     if spec is not None:
+        if "overview" in spec:  # coarser than the plot's panels and lines
+            spec = dict(spec, panel=spec["overview"][0], lines=spec["overview"][1])
         res = []
         for panel, lines in sweep_points(spec, rows).items():
             for line, pts in lines.items():

@@ -26,6 +26,11 @@
 # AB_CASES (ab step: the directory of the other build's bench_gemm and trace_fused, rounds, the
 # traced cases).
 
+# Results files record $MKERNEL_COMMIT (else `git rev-parse HEAD` there): pass the commit
+# checked out here (MKERNEL_COMMIT=$(git rev-parse --short HEAD) written into the command) - the
+# device's copy of the checkout has reported another HEAD (2026-12-01: main's, with a branch
+# checked out here).
+#
 # NVLink multicast (NVLS) must stay off on the shared hosts: it can take their GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NCCL_NVLS_DISABLE=1
