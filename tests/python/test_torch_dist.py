@@ -716,9 +716,14 @@ def _ag_gemm(rank, world, seed, use_nccl, gpus_per_node=0):
                 nccl = torch.empty_like(a_full)
                 dist.all_gather_into_tensor(nccl, shards[rank].to(dev))
                 _assert_bitwise(gathered, nccl, what + ": gathered A vs NCCL")
-            # (These shapes are ones the plain GEMM computes with K whole - its plan splits K only
-            # for few tiles and long K, which sums in another order.)
-            _assert_bitwise(c, mkernel.gemm(a_full, b, layout), what + ": C vs the GEMM engine")
+            # The GEMM engine as ag_gemm computes: its tile width, K whole (a split of K sums in
+            # another order: the plan splits M 1034 x N 384 x K 4096 in two since 2ba9e10).
+            plain = torch.empty_like(c)
+            width = int(mkernel._C.ag_gemm_plan(comm._impl, shard * world, n, k)
+                        .split("tiles 128x")[1].split(",")[0])
+            mkernel._C.gemm(a_full.data_ptr(), b.data_ptr(), plain.data_ptr(), shard * world, n,
+                            k, layout, torch.cuda.current_stream(dev).cuda_stream, width, 1)
+            _assert_bitwise(c, plain, what + ": C vs the GEMM engine")
             bt = b.T if layout == "nk" else b
             exact = a_full.double() @ bt.double()
             err = (c.double() - exact).abs().max().item()
