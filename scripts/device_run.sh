@@ -20,8 +20,8 @@
 # Environment knobs: BACKEND (socket), BUILD_TYPE (Release), CMAKE_ARGS, CTEST_ARGS
 # (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), SITE (/tmp/site), BENCH_KERNELS ("all
 # transport": bench/run.sh kernels; all = collectives, gemm and the fused kernels),
-# PYTHON_TESTS=0 (python step installs only), PYTEST_ARGS (added to its pytest command, e.g.
-# "-v -k test_torch_dist"), COMPARE_KERNELS / COMPARE_SHAPES / COMPARE_P2P=0 (compare step:
+# PYTHON_TESTS=0 (python step installs only), PYTEST_ARGS (shell words added to its pytest
+# command, e.g. "-v -k 'moe or gemm_op'"), COMPARE_KERNELS / COMPARE_SHAPES / COMPARE_P2P=0 (compare step:
 # which kernels and shapes, without the bench_p2p table), TRACE_CASES, AB_OLD / AB_ROUNDS /
 # AB_CASES (ab step: the directory of the other build's bench_gemm and trace_fused, rounds, the
 # traced cases).
@@ -205,7 +205,8 @@ step_sanitize() {
 # ---- python ---------------------------------------------------------------------------------
 step_python() {
   local args=()
-  read -r -a args <<<"${PYTEST_ARGS:-}"
+  # Shell words, quotes kept: PYTEST_ARGS="-k 'moe or gemm_op'" is one -k expression.
+  eval "args=(${PYTEST_ARGS:-})"
   SITE="${SITE:-/tmp/site}" OUT="$OUT" bash "$REPO/scripts/python_gpu_test.sh" "${args[@]}" || return 1
 }
 
