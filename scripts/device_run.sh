@@ -21,8 +21,8 @@
 # (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), SITE (/tmp/site), BENCH_KERNELS ("all
 # transport": bench/run.sh kernels; all = collectives, gemm and the fused kernels),
 # PYTHON_TESTS=0 (python step installs only), PYTEST_ARGS (shell words added to its pytest
-# command, e.g. "-v -k 'moe or gemm_op'"), COMPARE_KERNELS / COMPARE_SHAPES / COMPARE_P2P=0 (compare step:
-# which kernels and shapes, without the bench_p2p table), TRACE_CASES, AB_OLD / AB_ROUNDS /
+# command, e.g. "-v -k 'moe or gemm_op'"), COMPARE_KERNELS / COMPARE_SHAPES / COMPARE_P2P=0
+# (compare step: which kernels and shapes, without the bench_p2p table), TRACE_CASES, AB_OLD / AB_ROUNDS /
 # AB_CASES (ab step: the directory of the other build's bench_gemm and trace_fused, rounds, the
 # traced cases).
 

@@ -200,13 +200,35 @@ void add_resources(std::vector<GemmKernelResources>& out, const char* what = "ge
 
 }  // namespace
 
-void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout,
-          cudaStream_t stream, const GemmConfig& config) {
+namespace {
+
+// M, N and K as gemm() and gemm_plan() take them.
+void require_shape(int64_t m, int64_t n, int64_t k) {
   if (m < 1) invalid("M = " + std::to_string(m) + "; expected M >= 1");
   gemm_engine::require_multiple_of_8(n, kOp, "N");
   gemm_engine::require_multiple_of_8(k, kOp, "K");
   constexpr int64_t kMax = int64_t{1} << 31;
   if (m >= kMax || n >= kMax || k >= kMax) invalid("M, N and K must each be < 2^31");
+}
+
+// gemm_plan() for a checked shape: the config's SMs (or the device's) and width (or
+// MKERNEL_GEMM_BLOCK_N).
+GemmPlan plan_checked(int64_t m, int64_t n, int64_t k, const GemmConfig& config) {
+  int sms = config.sms;
+  if (sms <= 0) {
+    int device = 0;
+    MK_CUDA_CHECK(cudaGetDevice(&device));
+    MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  }
+  const int block_n = config.block_n != 0 ? config.block_n : detail::process_overrides().block_n;
+  return gemm_engine::plan_gemm(m, n, k, sms, block_n, config.split_k, kOp);
+}
+
+}  // namespace
+
+void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout,
+          cudaStream_t stream, const GemmConfig& config) {
+  require_shape(m, n, k);
   if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) invalid("unknown B layout");
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
@@ -216,7 +238,7 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   detail::require_disjoint(kOp, {{"A", a, static_cast<std::size_t>(m) * k * 2, false},
                                  {"B", b, static_cast<std::size_t>(n) * k * 2, false},
                                  {"C", c, static_cast<std::size_t>(m) * n * 2, true}});
-  const GemmPlan plan = gemm_plan(m, n, k, config);
+  const GemmPlan plan = plan_checked(m, n, k, config);
   if (detail::process_overrides().print_config) {
     std::fprintf(stderr, "[mkernel] gemm %lldx%lldx%lld: %s\n", static_cast<long long>(m),
                  static_cast<long long>(n), static_cast<long long>(k), plan.describe().c_str());
@@ -231,17 +253,8 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
 }
 
 GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, const GemmConfig& config) {
-  if (m < 1) invalid("M = " + std::to_string(m) + "; expected M >= 1");
-  gemm_engine::require_multiple_of_8(n, kOp, "N");
-  gemm_engine::require_multiple_of_8(k, kOp, "K");
-  int sms = config.sms;
-  if (sms <= 0) {
-    int device = 0;
-    MK_CUDA_CHECK(cudaGetDevice(&device));
-    MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  }
-  const int block_n = config.block_n != 0 ? config.block_n : detail::process_overrides().block_n;
-  return gemm_engine::plan_gemm(m, n, k, sms, block_n, config.split_k, kOp);
+  require_shape(m, n, k);
+  return plan_checked(m, n, k, config);
 }
 
 std::vector<GemmKernelResources> detail::gemm_kernel_resources() {

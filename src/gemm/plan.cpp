@@ -61,8 +61,12 @@ struct Estimate {
   int ctas;
 };
 
+int64_t tile_count(int64_t m, int64_t n, int block_n) {
+  return (m + 127) / 128 * ((n + block_n - 1) / block_n);
+}
+
 Estimate estimate(int64_t m, int64_t n, int64_t k, int block_n, int pieces, int sms) {
-  const int64_t tiles = (m + 127) / 128 * ((n + block_n - 1) / block_n);
+  const int64_t tiles = tile_count(m, n, block_n);
   const int64_t k_blocks = (k + 63) / 64;
   const int64_t full_waves = tiles / sms, last = tiles % sms;
   if (last == 0) pieces = 1;
@@ -95,7 +99,6 @@ Estimate estimate(int64_t m, int64_t n, int64_t k, int block_n, int pieces, int 
 
 GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block_n,
                                 int requested_split_k, const char* op) {
-  if (requested_block_n != 0) pick_block_n(requested_block_n, m, n, sms, op);  // validates it
   if (requested_split_k < 0 || requested_split_k > kMaxSplit) {
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(op) + ": split_k = " + std::to_string(requested_split_k) +
@@ -111,21 +114,22 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
     GemmPlan p;
     p.block_n = block_n;
     p.ctas = e.ctas;
-    p.tiles = (m + 127) / 128 * ((n + block_n - 1) / block_n);
+    p.tiles = tile_count(m, n, block_n);
     p.whole_tiles = e.whole;
     p.split_k = p.whole_tiles < p.tiles ? pieces : 1;
     p.estimate_us = e.seconds * 1e6;
     return p;
   };
-  // K whole: the width with the fewest estimated tile-waves (pick_block_n).
+  // K whole: the width with the fewest estimated tile-waves (pick_block_n; it validates a
+  // requested width).
   const int whole_width = pick_block_n(requested_block_n, m, n, sms, op);
   if (requested_split_k == 1) return plan_for(whole_width, 1);
-  const int64_t whole_tiles = (m + 127) / 128 * ((n + whole_width - 1) / whole_width);
+  const int64_t whole_tiles = tile_count(m, n, whole_width);
   GemmPlan split;  // the best split, at any allowed width, by its estimate times its required gain
   double split_cost = 0;
   for (int block_n : {256, 192, 128, 64}) {
     if (requested_block_n != 0 && block_n != requested_block_n) continue;
-    const int64_t tiles = (m + 127) / 128 * ((n + block_n - 1) / block_n);
+    const int64_t tiles = tile_count(m, n, block_n);
     const int64_t full_waves = tiles / sms, last = tiles % sms;
     if (last == 0) continue;  // whole waves: nothing to split
     int first = 2, most = 1;
