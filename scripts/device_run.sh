@@ -18,7 +18,8 @@
 # run scripts/pack_deps.sh here and carry `.deps` (and `build` to reuse a build made here).
 #
 # Environment knobs: BACKEND (socket), BUILD_TYPE (Release), CMAKE_ARGS, CTEST_ARGS
-# (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), SITE (/tmp/site), BENCH_KERNELS ("all
+# (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), SANITIZE_FILTER (gtest filter of the
+# sanitized tests: Sanitize*), SITE (/tmp/site), BENCH_KERNELS ("all
 # transport": bench/run.sh kernels; all = collectives, gemm and the fused kernels),
 # PYTHON_TESTS=0 (python step installs only), PYTEST_ARGS (shell words added to its pytest
 # command, e.g. "-v -k 'moe or gemm_op'"), COMPARE_KERNELS / COMPARE_SHAPES / COMPARE_P2P=0
@@ -134,6 +135,12 @@ step_build() {
   local gtest gtest_args=()
   gtest="$(gtest_root)" || return 1
   [[ -z "$gtest" ]] || gtest_args=(-DGTEST_ROOT="$gtest" -DGTest_ROOT="$gtest")
+  # The Python module in the same build (the python step installs it without compiling the
+  # library a second time), where the interpreter has nanobind.
+  local python_args=()
+  if python3 -m nanobind --cmake_dir >/dev/null 2>&1; then
+    python_args=(-DMKERNEL_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)")
+  fi
   # A stale cache (another source path or generator) would stop CMake: start it afresh.
   rm -rf "$BUILD/CMakeCache.txt" "$BUILD/CMakeFiles"
   log "configuring: backend=$BACKEND type=$BUILD_TYPE nvcc=$CUDA_HOME/bin/nvcc" \
@@ -145,9 +152,13 @@ step_build() {
     -DCUDAToolkit_ROOT="$CUDA_HOME" \
     "${gtest_args[@]}" \
     -DPython3_EXECUTABLE="$(command -v python3)" \
+    "${python_args[@]}" \
     "${CMAKE_EXTRA[@]}" || return 1
   log "building with $JOBS jobs"
-  cmake --build "$BUILD" -j "$JOBS"
+  # Keep going past a failed target (the Python module, say): the rest can still be tested.
+  local keep_going=()
+  [[ "$GENERATOR" == Ninja ]] && keep_going=(-- -k 0)
+  cmake --build "$BUILD" -j "$JOBS" "${keep_going[@]}"
 }
 
 # ---- test -----------------------------------------------------------------------------------
@@ -180,7 +191,8 @@ step_sanitize() {
   sanitizer="$(command -v compute-sanitizer ||
     ls "$CUDA_HOME"/compute-sanitizer/compute-sanitizer 2>/dev/null)" ||
     { log "no compute-sanitizer"; return 1; }
-  if ! "$GPU_TESTS" --gtest_list_tests --gtest_filter='Sanitize*' | grep -q '^  '; then
+  local filter="${SANITIZE_FILTER:-Sanitize*}"
+  if ! "$GPU_TESTS" --gtest_list_tests --gtest_filter="$filter" | grep -q '^  '; then
     log "no Sanitize* tests in $GPU_TESTS"
     return "$SKIP"
   fi
@@ -189,7 +201,7 @@ step_sanitize() {
     for tool in memcheck racecheck synccheck; do
       log "compute-sanitizer --tool $tool"
       limited "$SANITIZE_TIMEOUT" "$sanitizer" --tool "$tool" --error-exitcode 99 \
-        --print-limit 100 "$GPU_TESTS" --gtest_filter='Sanitize*'
+        --print-limit 100 "$GPU_TESTS" --gtest_filter="$filter"
       rc=$?
       if ((rc == 0)); then
         log "sanitize $tool: PASS"
@@ -207,7 +219,11 @@ step_python() {
   local args=()
   # Shell words, quotes kept: PYTEST_ARGS="-k 'moe or gemm_op'" is one -k expression.
   eval "args=(${PYTEST_ARGS:-})"
-  SITE="${SITE:-/tmp/site}" OUT="$OUT" bash "$REPO/scripts/python_gpu_test.sh" "${args[@]}" || return 1
+  # The module the build step made, if any: installed by copying (PREBUILT_DIR).
+  local prebuilt=""
+  compgen -G "$BUILD/_C*.so" >/dev/null && prebuilt="$BUILD"
+  SITE="${SITE:-/tmp/site}" OUT="$OUT" PREBUILT_DIR="$prebuilt" \
+    bash "$REPO/scripts/python_gpu_test.sh" "${args[@]}" || return 1
 }
 
 # ---- bench ----------------------------------------------------------------------------------

@@ -8,7 +8,8 @@
 # PYTHONPATH and runs `python3 -m pytest -q tests/python`. Logs: $OUT/pip.log and $OUT/pytest.log
 # when OUT is set, else under $SITE/../mkernel-logs. Exits non-zero when the build or a test fails.
 # Knobs: PYTHON (python3), SITE, CUDA_HOME (from nvcc on PATH, else /usr/local/cuda),
-# PYTHON_TESTS=0 (install only: for a device call that benchmarks and tests elsewhere).
+# PYTHON_TESTS=0 (install only: for a device call that benchmarks and tests elsewhere),
+# PREBUILT_DIR (a CMake build dir holding the module _C*.so: copied instead of pip-building).
 
 # NVLink multicast (NVLS) must stay off on the shared hosts: it can take their GPUs out of service.
 export NCCL_NVLS_ENABLE=0 NCCL_NVLS_DISABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -45,16 +46,25 @@ for name in ("torch", "nanobind", "scikit_build_core", "pytest"):
         print(f"  {name} MISSING ({e})")
 EOF
 
-log "building and installing into $SITE (log: $LOGS/pip.log)"
 start=$SECONDS
-"$PYTHON" -m pip install --no-build-isolation --no-deps --upgrade -v --target "$SITE" . \
-  >"$LOGS/pip.log" 2>&1
-rc=$?
-tail -n 15 "$LOGS/pip.log"
-if ((rc != 0)); then
-  log "pip install failed (rc $rc); errors from $LOGS/pip.log:"
-  grep -n -i -E "error|fatal" "$LOGS/pip.log" | head -n 40
-  exit "$rc"
+if [[ -n "${PREBUILT_DIR:-}" ]] && compgen -G "$PREBUILT_DIR/_C*.so" >/dev/null; then
+  # A CMake build with MKERNEL_BUILD_PYTHON=ON made the module already: the package is its
+  # Python files and that module (what `pip install .` installs), copied.
+  log "installing the module built in $PREBUILT_DIR into $SITE"
+  rm -rf "$SITE/mkernel" && mkdir -p "$SITE/mkernel" &&
+    cp python/mkernel/*.py "$SITE/mkernel/" && cp "$PREBUILT_DIR"/_C*.so "$SITE/mkernel/" ||
+    { log "copying the package failed"; exit 1; }
+else
+  log "building and installing into $SITE (log: $LOGS/pip.log)"
+  "$PYTHON" -m pip install --no-build-isolation --no-deps --upgrade -v --target "$SITE" . \
+    >"$LOGS/pip.log" 2>&1
+  rc=$?
+  tail -n 15 "$LOGS/pip.log"
+  if ((rc != 0)); then
+    log "pip install failed (rc $rc); errors from $LOGS/pip.log:"
+    grep -n -i -E "error|fatal" "$LOGS/pip.log" | head -n 40
+    exit "$rc"
+  fi
 fi
 log "installed in $((SECONDS - start)) s"
 

@@ -27,9 +27,18 @@ constexpr int kHostPadSignals = 4096;
 // arrival from another node).
 constexpr uint32_t kHostPadSignalBit = 1u << 31;
 
-enum class DeviceErrorCode : int32_t { kNone = 0, kTimeout = 1 };
+enum class DeviceErrorCode : int32_t {
+  kNone = 0,
+  kTimeout = 1,   // a wait on a peer gave up (DeviceComm::error): the communicator is broken
+  kCapacity = 2,  // data errors (DeviceComm::data_error), the launch completes: rows routed to
+  kBadIndex = 3,  // a local expert past the layout's room / an expert id out of range
+};
 
-// Written by the first wait that times out (host-mapped memory, read by Communicator::check()).
+// Written by the first wait that times out (DeviceComm::error), or by the first data error of a
+// launch (DeviceComm::data_error); host-mapped memory, read by Communicator::check().
+// Data errors use the fields as: kCapacity - peer = the local expert, expected = the rows its
+// layout holds, observed = the rows routed to it; kBadIndex - peer = the token, signal = the
+// top-k slot, expected = the number of experts, observed = the index (int64 bits).
 struct DeviceErrorRecord {
   int32_t code;        // DeviceErrorCode
   int32_t rank;        // the rank that waited
@@ -42,9 +51,10 @@ struct DeviceErrorRecord {
 
 // Per-rank launch bookkeeping in device memory (not symmetric).
 struct DeviceLaunchState {
-  uint64_t epoch;        // launches completed by this rank on this communicator
-  uint32_t blocks_done;  // CTAs of the current launch that have finished
-  int32_t abort;         // set once any wait timed out: every later wait gives up at once
+  uint64_t epoch;             // launches completed by this rank on this communicator
+  uint32_t blocks_done;       // CTAs of the current launch that have finished
+  int32_t abort;              // set once any wait timed out: every later wait gives up at once
+  uint64_t data_error_epoch;  // the last launch that elected a data error's writer (atomicMax)
 };
 
 struct DeviceComm {
@@ -57,7 +67,9 @@ struct DeviceComm {
   uint64_t* signals;              // this rank's pad [kNumSignals][world_size]
   uint64_t* const* peer_signals;  // device [local_size]: each local peer's pad, mapped here
   DeviceLaunchState* state;       // device
-  DeviceErrorRecord* error;       // host-mapped
+  DeviceErrorRecord* error;       // host-mapped: time-outs
+  DeviceErrorRecord* data_error;  // host-mapped: errors in an op's data (MoE routing), which
+                                  // check() raises once without breaking the communicator
   uint64_t timeout_ns;            // 0 = wait forever
   // The inter-node path (multi-node communicators, once created; null otherwise):
   const uint64_t* host_signals;  // host-mapped pad [kHostPadSignals][world_size]

@@ -18,7 +18,10 @@ enum class GroupedLayout {
   kContiguous,  // back to back: group g from row M_0 + ... + M_{g-1} of [rows, K] (prefill)
   kMasked,      // group g in its own block of `rows` rows (the capacity) of [G, rows, K], of
                 // which the first M_g are used (decode: fixed shapes whatever the routing)
+  kPadded,      // as kContiguous, but each group starts on a multiple of kGroupedRowBlock rows:
+                // group g from the sum of round_up(M_i, 128) over i < g (moe_dispatch's layout)
 };
+constexpr int kGroupedRowBlock = 128;
 
 struct GemmConfig {
   int block_n = 0;  // tile width 64, 128, 192 or 256; 0 = the library's choice (or
@@ -68,6 +71,9 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
 //     c:          [max_rows, N] bf16, rows as in a; rows past the groups' total are not written
 //     group_rows: device int32 [groups]; a negative count counts as 0; rows past max_rows are
 //                 dropped (keep the sum <= max_rows)
+//   layout kPadded (`rows` = max_rows): as kContiguous, group g from row sum over i < g of
+//                 round_up(M_i, 128); the rows between groups are neither read into a group's
+//                 result nor written
 //   layout kMasked (`rows` = the capacity of a group):
 //     a:          [groups, rows, K] bf16: group g's rows at [g, 0 .. M_g)
 //     c:          [groups, rows, N] bf16: [g, 0 .. M_g) written, the rest of each block not

@@ -7,5 +7,6 @@
 #include "mkernel/error.h"
 #include "mkernel/fused.h"
 #include "mkernel/gemm.h"
+#include "mkernel/moe.h"
 #include "mkernel/topology.h"
 #include "mkernel/types.h"

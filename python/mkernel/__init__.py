@@ -42,7 +42,8 @@ except ImportError:  # pragma: no cover - exercised on machines without torch
     torch = None
 
 __all__ = ["Communicator", "MkernelError", "init", "gemm", "grouped_gemm", "ag_gemm", "gemm_rs",
-           "gemm_ar", "dtype_name", "DTYPES", "ERROR_CODES"]
+           "gemm_ar", "moe_dispatch", "moe_combine", "MoeHandle", "dtype_name", "DTYPES",
+           "ERROR_CODES"]
 __version__ = "0.1.0"
 
 
@@ -296,7 +297,8 @@ class Communicator:
             self._id = (next(_comm_ids) << _WORLD_BITS) | impl.world_size
             _comms[self._id] = weakref.ref(self)
         # Fused ops' symmetric workspaces by kind ("gather": scratch; "accumulate": kept zero
-        # between calls), each a list whose last tensor is the largest.
+        # between calls; "moe": zeroed once, its flags compared with launch numbers), each a
+        # list whose last tensor is the largest.
         self._workspaces = {}
 
     def _workspace(self, nbytes: int, op: str, kind: str) -> "torch.Tensor":
@@ -316,7 +318,7 @@ class Communicator:
                 "while a CUDA graph is captured; run the op once with this shape (or a larger "
                 "one) before capturing")
         ws = self.alloc_tensor(max(nbytes, 16), torch.uint8)
-        if kind == "accumulate":
+        if kind in ("accumulate", "moe"):
             ws.zero_()
         pool.append(ws)
         return ws
@@ -552,7 +554,7 @@ if torch is not None:
                              f"{group_rows.shape[0]}")
         return a.shape[-2], n, k, g
 
-    def _grouped_gemm_impl(a, b, group_rows, b_layout):
+    def _grouped_gemm_impl(a, b, group_rows, b_layout, padded=False):
         rows, n, k, g = _grouped_shapes(a, b, group_rows, b_layout)
         for name, x in (("a", a), ("b", b)):
             if x.dtype != torch.bfloat16:
@@ -567,27 +569,31 @@ if torch is not None:
                                  f"{a.device}; expected one CUDA device")
         a2, b2, r2 = a.contiguous(), b.contiguous(), group_rows.contiguous()
         masked = a.dim() == 3
+        if padded and masked:
+            raise ValueError("mkernel.grouped_gemm: padded=True takes a 2-D a [rows, K] (the "
+                             "padded layout); a 3-D a is the masked layout")
         c = torch.empty((*a.shape[:-1], n), dtype=torch.bfloat16, device=a.device)
         if rows == 0:
             return c
         dev = a.get_device()
         with _current_device(dev):
             _C.grouped_gemm(a2.data_ptr(), b2.data_ptr(), c.data_ptr(), r2.data_ptr(), g, rows,
-                            n, k, b_layout, _current_raw_stream(dev), 0, masked)
+                            n, k, b_layout, _current_raw_stream(dev), 0, masked, padded)
         return c
 
     _grouped_gemm_op = torch.library.custom_op(
         "mkernel::grouped_gemm", mutates_args=(),
-        schema="(Tensor a, Tensor b, Tensor group_rows, str b_layout) -> Tensor",
+        schema="(Tensor a, Tensor b, Tensor group_rows, str b_layout, bool padded=False) "
+               "-> Tensor",
     )(_grouped_gemm_impl)
 
     @_grouped_gemm_op.register_fake
-    def _grouped_gemm_fake(a, b, group_rows, b_layout):
+    def _grouped_gemm_fake(a, b, group_rows, b_layout, padded=False):
         _, n, _, _ = _grouped_shapes(a, b, group_rows, b_layout)
         return a.new_empty((*a.shape[:-1], n))
 
     def grouped_gemm(a: "torch.Tensor", b: "torch.Tensor", group_rows: "torch.Tensor",
-                     b_layout: str = "nk") -> "torch.Tensor":
+                     b_layout: str = "nk", *, padded: bool = False) -> "torch.Tensor":
         """Grouped GEMM (MoE experts): C_g = A_g @ b[g].T ('nk') or @ b[g] ('kn') for each g.
 
         a: [rows, K] bf16, the groups' rows back to back (contiguous: prefill), or
@@ -597,10 +603,11 @@ if torch is not None:
         masked counts clamp to the capacity). Returns [rows, N] or [G, capacity, N] bf16; rows
         past the groups' total (contiguous) or past each group's count (masked) are left
         uninitialised. torch.ops.mkernel.grouped_gemm: current stream, torch.compile, CUDA graphs
-        (the counts may change between replays).
+        (the counts may change between replays). padded=True (2-D a): group g starts at the
+        sum over i < g of round_up(M_i, 128) rows - moe_dispatch's padded layout.
         """
         op = _grouped_gemm_impl if _direct(a, b, group_rows) else _grouped_gemm_op
-        return op(a, b, group_rows, b_layout)
+        return op(a, b, group_rows, b_layout, padded)
 
     def _ag_gemm_shapes(comm, a_shard, b, b_layout):
         if a_shard.dim() != 2:
@@ -784,3 +791,16 @@ else:  # pragma: no cover - without torch there is no tensor to multiply
     def gemm(a, b, b_layout="nk"):
         """Needs PyTorch; see the docstring of the torch custom op."""
         _require_torch("gemm")
+
+if torch is not None:
+    from mkernel.moe import MoeHandle, moe_combine, moe_dispatch  # noqa: E402 - needs the above
+else:  # pragma: no cover - without torch there are no tensors to route
+    MoeHandle = None
+
+    def moe_dispatch(x, topk_idx, comm, num_experts, **kwargs):
+        """Needs PyTorch; see mkernel.moe."""
+        _require_torch("moe_dispatch")
+
+    def moe_combine(y, topk_weights, handle, comm, **kwargs):
+        """Needs PyTorch; see mkernel.moe."""
+        _require_torch("moe_combine")

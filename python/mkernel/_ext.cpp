@@ -24,6 +24,7 @@
 #include "mkernel/fused.h"
 #include "mkernel/gemm.h"
 #include "mkernel/mkernel.h"
+#include "mkernel/moe.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -100,6 +101,27 @@ mk::BLayout parse_layout(std::string_view name, const char* op) {
   if (name == "kn") return mk::BLayout::kKN;
   throw nb::value_error(
       (std::string(op) + ": b_layout must be 'nk' (B is [N, K]) or 'kn' (B is [K, N])").c_str());
+}
+
+// The MoE problem from the Python arguments (layout "padded" or "masked").
+mk::MoeProblem moe_problem(int64_t tokens, int64_t max_tokens, int64_t hidden, int top_k,
+                           int num_experts, std::string_view layout, int64_t capacity,
+                           const char* op) {
+  mk::MoeProblem p;
+  p.tokens = tokens;
+  p.max_tokens = max_tokens;
+  p.hidden = hidden;
+  p.top_k = top_k;
+  p.num_experts = num_experts;
+  p.capacity = capacity;
+  if (layout == "padded") {
+    p.layout = mk::MoeLayout::kPadded;
+  } else if (layout == "masked") {
+    p.layout = mk::MoeLayout::kMasked;
+  } else {
+    throw nb::value_error((std::string(op) + ": layout must be 'padded' or 'masked'").c_str());
+  }
+  return p;
 }
 
 mk::FusedGemmConfig fused_config(int block_n, int comm_ctas, int piece_rows,
@@ -371,21 +393,24 @@ NB_MODULE(_C, m) {
       "grouped_gemm",
       [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t group_rows,
          int groups, int64_t rows, int64_t n, int64_t k, std::string_view b_layout,
-         std::uintptr_t stream, int block_n, bool masked) {
+         std::uintptr_t stream, int block_n, bool masked, bool padded) {
         const mk::BLayout layout = parse_layout(b_layout, "grouped_gemm");
         mk::GemmConfig config;
         config.block_n = block_n;
+        const mk::GroupedLayout groups_layout = masked   ? mk::GroupedLayout::kMasked
+                                                : padded ? mk::GroupedLayout::kPadded
+                                                         : mk::GroupedLayout::kContiguous;
         nb::gil_scoped_release nogil;
         mk::grouped_gemm(as_pointer<const void>(a), as_pointer<const void>(b), as_pointer(c),
                          as_pointer<const int32_t>(group_rows), groups, rows, n, k, layout,
-                         as_stream(stream), config,
-                         masked ? mk::GroupedLayout::kMasked : mk::GroupedLayout::kContiguous);
+                         as_stream(stream), config, groups_layout);
       },
       "a"_a, "b"_a, "c"_a, "group_rows"_a, "groups"_a, "rows"_a, "n"_a, "k"_a, "b_layout"_a,
-      "stream"_a, "block_n"_a = 0, "masked"_a = false,
+      "stream"_a, "block_n"_a = 0, "masked"_a = false, "padded"_a = false,
       "C_g = A_g @ op(B_g) for every group g; the groups' rows back to back in A and C (rows = "
-      "max_rows), or each group in a block of `rows` rows (masked), their counts (int32) in "
-      "device memory. Stream-ordered; no host synchronisation.");
+      "max_rows; padded: each group from a multiple of 128 rows), or each group in a block of "
+      "`rows` rows (masked), their counts (int32) in device memory. Stream-ordered; no host "
+      "synchronisation.");
 
   // ---- fused GEMMs ----
   m.def(
@@ -483,4 +508,58 @@ NB_MODULE(_C, m) {
       },
       "comm"_a, "m"_a, "n"_a, "k"_a, "block_n"_a = 0, "comm_ctas"_a = 0, "piece_rows"_a = 0,
       "The configuration ag_gemm picks for these arguments, as one line.");
+
+  // ---- MoE dispatch / combine ----
+  m.def(
+      "moe_plan",
+      [](const mk::Communicator& comm, int64_t tokens, int64_t max_tokens, int64_t hidden,
+         int top_k, int num_experts, std::string_view layout, int64_t capacity, int sms) {
+        const mk::MoePlan p = mk::moe_plan(comm,
+                                           moe_problem(tokens, max_tokens, hidden, top_k,
+                                                       num_experts, layout, capacity, "moe_plan"),
+                                           mk::MoeConfig{sms});
+        return nb::make_tuple(p.rows, p.capacity, p.experts_local, p.ctas, p.workspace_bytes,
+                              p.describe());
+      },
+      "comm"_a, "tokens"_a, "max_tokens"_a, "hidden"_a, "top_k"_a, "num_experts"_a, "layout"_a,
+      "capacity"_a = 0, "sms"_a = 0,
+      "(rows, capacity, experts_local, ctas, workspace_bytes, description) of a MoE problem.");
+  m.def(
+      "moe_dispatch",
+      [](mk::Communicator& comm, int64_t tokens, int64_t max_tokens, int64_t hidden, int top_k,
+         int num_experts, std::string_view layout, int64_t capacity, std::uintptr_t x,
+         std::uintptr_t topk_idx, bool int64_index, std::uintptr_t recv_x,
+         std::uintptr_t expert_rows, std::uintptr_t handle, std::uintptr_t workspace,
+         std::uintptr_t stream, int sms) {
+        const mk::MoeProblem p = moe_problem(tokens, max_tokens, hidden, top_k, num_experts, layout,
+                                             capacity, "moe_dispatch");
+        nb::gil_scoped_release nogil;
+        mk::moe_dispatch(comm, p, as_pointer<const void>(x), as_pointer<const void>(topk_idx),
+                         int64_index ? mk::IndexType::kInt64 : mk::IndexType::kInt32,
+                         as_pointer(recv_x), as_pointer<int32_t>(expert_rows),
+                         as_pointer<int32_t>(handle), as_pointer(workspace), as_stream(stream),
+                         mk::MoeConfig{sms});
+      },
+      "comm"_a, "tokens"_a, "max_tokens"_a, "hidden"_a, "top_k"_a, "num_experts"_a, "layout"_a,
+      "capacity"_a, "x"_a, "topk_idx"_a, "int64_index"_a, "recv_x"_a, "expert_rows"_a, "handle"_a,
+      "workspace"_a, "stream"_a, "sms"_a = 0,
+      "Routed rows of every rank to their local experts (mkernel/moe.h). Stream-ordered.");
+  m.def(
+      "moe_combine",
+      [](mk::Communicator& comm, int64_t tokens, int64_t max_tokens, int64_t hidden, int top_k,
+         int num_experts, std::string_view layout, int64_t capacity, std::uintptr_t y,
+         std::uintptr_t topk_weights, std::uintptr_t handle, std::uintptr_t out,
+         std::uintptr_t workspace, std::uintptr_t stream, int sms) {
+        const mk::MoeProblem p = moe_problem(tokens, max_tokens, hidden, top_k, num_experts, layout,
+                                             capacity, "moe_combine");
+        nb::gil_scoped_release nogil;
+        mk::moe_combine(comm, p, as_pointer<const void>(y), as_pointer<const float>(topk_weights),
+                        as_pointer<const int32_t>(handle), as_pointer(out), as_pointer(workspace),
+                        as_stream(stream), mk::MoeConfig{sms});
+      },
+      "comm"_a, "tokens"_a, "max_tokens"_a, "hidden"_a, "top_k"_a, "num_experts"_a, "layout"_a,
+      "capacity"_a, "y"_a, "topk_weights"_a, "handle"_a, "out"_a, "workspace"_a, "stream"_a,
+      "sms"_a = 0,
+      "out[T, H] = per token, the sum over its slots of weight x the expert's row (fp32, slot "
+      "order). Stream-ordered.");
 }

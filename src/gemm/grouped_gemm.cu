@@ -25,7 +25,8 @@ namespace gemm_engine {
 // left is the running sum of the (non-negative) counts capped at max_rows, differenced.
 __global__ void __launch_bounds__(kPrepThreads)
     grouped_prep_kernel(const int32_t* group_rows, int groups, int64_t max_rows, int64_t capacity,
-                        int tiles_n, int32_t* row_start, int32_t* row_count, int32_t* tile_prefix) {
+                        int row_block, int tiles_n, int32_t* row_start, int32_t* row_count,
+                        int32_t* tile_prefix) {
   using Scan = cub::BlockScan<long long, kPrepThreads>;
   __shared__ typename Scan::TempStorage scan;
   __shared__ long long carry_rows, carry_tiles;  // sums over the earlier chunks
@@ -34,16 +35,18 @@ __global__ void __launch_bounds__(kPrepThreads)
   for (int base = 0; base < groups; base += kPrepThreads) {
     const int g = base + static_cast<int>(threadIdx.x);
     const long long count = g < groups ? max(group_rows[g], 0) : 0;
-    long long upto = 0;  // counts of groups <= g in this chunk
-    Scan(scan).InclusiveSum(count, upto);
+    // The rows a group takes in A: its count, rounded up to the row block (padded layout).
+    const long long taken = (count + row_block - 1) / row_block * row_block;
+    long long upto = 0;  // rows taken by the groups <= g in this chunk
+    Scan(scan).InclusiveSum(taken, upto);
     __syncthreads();
     long long first, rows;
     if (capacity > 0) {
       first = static_cast<long long>(g) * capacity;
       rows = min(count, static_cast<long long>(capacity));
     } else {
-      first = min(carry_rows + upto - count, static_cast<long long>(max_rows));
-      rows = min(carry_rows + upto, static_cast<long long>(max_rows)) - first;
+      first = min(carry_rows + upto - taken, static_cast<long long>(max_rows));
+      rows = min(carry_rows + upto - taken + count, static_cast<long long>(max_rows)) - first;
     }
     const long long tiles = (rows + 127) / 128 * tiles_n;
     long long tiles_before = 0;
@@ -101,7 +104,8 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
   if (groups < 1 || groups > 65536) {
     invalid("groups = " + std::to_string(groups) + "; expected 1..65536");
   }
-  if (layout != GroupedLayout::kContiguous && layout != GroupedLayout::kMasked) {
+  if (layout != GroupedLayout::kContiguous && layout != GroupedLayout::kMasked &&
+      layout != GroupedLayout::kPadded) {
     invalid("unknown grouped layout");
   }
   const bool masked = layout == GroupedLayout::kMasked;
@@ -148,8 +152,11 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
                  "[mkernel] grouped_gemm %d groups, %s %lld rows x %lld x %lld: "
                  "block 128x%dx64, %d CTAs\n",
                  groups,
-                 masked ? "masked, capacity" : "contiguous, <=", static_cast<long long>(rows),
-                 static_cast<long long>(n), static_cast<long long>(k), block_n, sms);
+                 masked                             ? "masked, capacity"
+                 : layout == GroupedLayout::kPadded ? "padded, <="
+                                                    : "contiguous, <=",
+                 static_cast<long long>(rows), static_cast<long long>(n), static_cast<long long>(k),
+                 block_n, sms);
   }
   // row_start [groups], row_count [groups], tile_prefix [groups + 1] (freed after the launch)
   const gemm_engine::StreamScratch scratch_memory(
@@ -157,7 +164,8 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
   auto* scratch = static_cast<int32_t*>(scratch_memory.get());
   const int tiles_n = static_cast<int>((n + block_n - 1) / block_n);
   gemm_engine::grouped_prep_kernel<<<1, gemm_engine::kPrepThreads, 0, stream>>>(
-      group_rows, groups, total_rows, masked ? rows : 0, tiles_n, scratch, scratch + groups,
+      group_rows, groups, total_rows, masked ? rows : 0,
+      layout == GroupedLayout::kPadded ? kGroupedRowBlock : 1, tiles_n, scratch, scratch + groups,
       scratch + 2 * groups);
   gemm_engine::dispatch(block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     launch<kBlockN, kTransB>(a, b, c, scratch, groups, total_rows, n, k, sms, stream);

@@ -22,14 +22,15 @@ namespace mk::gemm_engine {
 
 // First rows, rows and first tiles of every group (one CTA of kPrepThreads, by block scans).
 constexpr int kPrepThreads = 256;
-//   capacity 0 (contiguous): row_start[g] = sum of M_i for i < g, each M_i clamped to
-//     [0, room left in max_rows]; capacity > 0 (masked): row_start[g] = g * capacity, M_g
-//     clamped to [0, capacity]
+//   capacity 0 (contiguous, padded): row_start[g] = sum of round_up(M_i, row_block) for i < g
+//     (row_block 1: back to back; padded: kGroupedRowBlock), each M_i clamped to [0, room left in
+//     max_rows]; capacity > 0 (masked): row_start[g] = g * capacity, M_g clamped to
+//     [0, capacity]
 //   row_count[g] = the clamped M_g
 //   tile_prefix[g] = sum of ceil(M_i / 128) * tiles_n for i < g; [G] = all tiles
 __global__ void grouped_prep_kernel(const int32_t* group_rows, int groups, int64_t max_rows,
-                                    int64_t capacity, int tiles_n, int32_t* row_start,
-                                    int32_t* row_count, int32_t* tile_prefix);
+                                    int64_t capacity, int row_block, int tiles_n,
+                                    int32_t* row_start, int32_t* row_count, int32_t* tile_prefix);
 
 template <int kBlockN>
 struct GroupedGemm {

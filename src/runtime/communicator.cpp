@@ -165,9 +165,10 @@ std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
   std::vector<int32_t> node_ranks(s.topo.node_ranks.begin(), s.topo.node_ranks.end());
   MK_CUDA_CHECK(cudaMemcpy(s.d_node_ranks, node_ranks.data(), sizeof(int32_t) * node_ranks.size(),
                            cudaMemcpyHostToDevice));
-  MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.error_host), sizeof(DeviceErrorRecord),
-                              cudaHostAllocMapped));
-  std::memset(s.error_host, 0, sizeof(DeviceErrorRecord));
+  // Two records: [0] time-outs (DeviceComm::error), [1] data errors (DeviceComm::data_error).
+  MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.error_host),
+                              2 * sizeof(DeviceErrorRecord), cudaHostAllocMapped));
+  std::memset(s.error_host, 0, 2 * sizeof(DeviceErrorRecord));
   MK_CUDA_CHECK(
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.error_device), s.error_host, 0));
   detail::preload_kernels(s.topo.num_nodes > 1);  // no lazy loading behind a peer's kernel
@@ -237,6 +238,7 @@ DeviceComm Communicator::device_comm() const {
   d.peer_signals = reinterpret_cast<uint64_t* const*>(s.signal_pad->d_peers);
   d.state = s.launch_state;
   d.error = s.error_device;
+  d.data_error = s.error_device + 1;
   d.timeout_ns = static_cast<uint64_t>(s.timeout_seconds * 1e9);
   if (s.inter_node) {
     d.host_signals = s.inter_node->signals().words();  // mapped pinned: the same address on the GPU
@@ -364,6 +366,29 @@ void Communicator::check() {
     }
   }
   if (!s.broken.empty()) throw Error(ErrorCode::kTimeout, s.broken);
+  // A data error (an op's input or its room): raised once, the communicator stays usable - every
+  // launch completed and the ranks are in step.
+  volatile DeviceErrorRecord* data = s.error_host + 1;
+  const int32_t code = data->code;
+  if (code == static_cast<int32_t>(DeviceErrorCode::kNone)) return;
+  std::ostringstream msg;
+  ErrorCode error = ErrorCode::kInvalidArgument;
+  if (code == static_cast<int32_t>(DeviceErrorCode::kCapacity)) {
+    error = ErrorCode::kOutOfMemory;
+    msg << "moe_dispatch: rank " << data->rank << ": local expert " << data->peer << " received "
+        << data->observed << " rows but its layout holds " << data->expected
+        << "; the rows that did not fit were not placed (nor combined): raise the capacity";
+  } else if (code == static_cast<int32_t>(DeviceErrorCode::kBadIndex)) {
+    msg << "moe_dispatch: rank " << data->rank << ": topk_idx[" << data->peer << "]["
+        << data->signal << "] = " << static_cast<int64_t>(data->observed)
+        << " is not an expert id in [0, " << data->expected
+        << ") nor -1; that slot was treated as -1";
+  } else {
+    msg << "a kernel recorded data error code " << code;
+    error = ErrorCode::kInternal;
+  }
+  data->code = static_cast<int32_t>(DeviceErrorCode::kNone);  // raised once
+  throw Error(error, msg.str());
 }
 
 void Communicator::synchronize(cudaStream_t stream) {

@@ -1,7 +1,8 @@
 // Grouped GEMM (mk::grouped_gemm) against the plain GEMM engine on each group (bitwise: the same
 // tiles, the same K order) and against the fp64 product (tolerance rule: within twice cuBLAS's
 // error): empty groups, groups of 1, 127, 128, 129 rows, random sizes, both B layouts, every tile
-// width; rows past the groups' total stay untouched; the masked layout ([G, capacity, K]); a
+// width; rows past the groups' total stay untouched; the padded layout (groups from multiples of
+// 128 rows, the padding untouched) and the masked layout ([G, capacity, K]); a
 // CUDA graph replayed with the row counts changed on the device between replays; argument
 // errors.
 #include <algorithm>
@@ -22,8 +23,13 @@ struct Grouped {
   std::vector<int32_t> rows;  // M_g
   int64_t n, k;
   BLayout layout;
-  int block_n;  // 0 = heuristic
+  int block_n;          // 0 = heuristic
+  bool padded = false;  // GroupedLayout::kPadded: each group from a multiple of 128 rows
 };
+
+int64_t taken_rows(const Grouped& c, int64_t m) {
+  return c.padded ? (m + kGroupedRowBlock - 1) / kGroupedRowBlock * kGroupedRowBlock : m;
+}
 
 std::string describe(const Grouped& c) {
   std::string s = "groups {";
@@ -31,7 +37,7 @@ std::string describe(const Grouped& c) {
     s += (i ? "," : "") + std::to_string(c.rows[i]);
   return s + (c.rows.size() > 12 ? ",...}" : "}") + " N " + std::to_string(c.n) + " K " +
          std::to_string(c.k) + (c.layout == BLayout::kKN ? " B [K, N]" : " B [N, K]") +
-         " block_n " + std::to_string(c.block_n);
+         " block_n " + std::to_string(c.block_n) + (c.padded ? " padded" : "");
 }
 
 // Checks C's groups against the plain engine and fp64, and the rows past the total.
@@ -63,7 +69,12 @@ void check_groups(const Grouped& c, const void* a, const void* b, const void* ou
         sampled_errors(out_g, ref_blas, a_g, b_g, m, c.n, c.k, kn, seed + g, stream);
     EXPECT_LE(err.ours, 2 * err.cublas + 1e-6)
         << what << ": group " << g << " error " << err.ours << ", cuBLAS " << err.cublas;
-    row += m;
+    if (taken_rows(c, m) > m) {  // the padding after the group: untouched
+      EXPECT_EQ(count_nans_bf16(out_g + m * c.n * 2, (taken_rows(c, m) - m) * c.n, stream),
+                static_cast<uint64_t>((taken_rows(c, m) - m) * c.n))
+          << what << ": group " << g << "'s padding rows were written";
+    }
+    row += taken_rows(c, m);
   }
   if (row < max_rows) {  // untouched: still the poison (bf16 NaN)
     EXPECT_EQ(count_nans_bf16(static_cast<const char*>(out) + row * c.n * 2, (max_rows - row) * c.n,
@@ -80,7 +91,7 @@ void expect_grouped(const Grouped& c, uint64_t seed) {
   const std::string what = describe(c);
   SCOPED_TRACE(what);
   int64_t total = 0;
-  for (int32_t r : c.rows) total += std::max(r, 0);
+  for (int32_t r : c.rows) total += taken_rows(c, std::max(r, 0));
   const int64_t max_rows = total + 37;  // room past the total: must stay untouched
   const int groups = static_cast<int>(c.rows.size());
   cudaStream_t stream;
@@ -97,7 +108,8 @@ void expect_grouped(const Grouped& c, uint64_t seed) {
   MKT_CUDA(cudaMemsetAsync(out, 0xFF, max_rows * c.n * 2, stream));
   GemmConfig config;
   config.block_n = c.block_n;
-  grouped_gemm(a, b, out, rows_dev, groups, max_rows, c.n, c.k, c.layout, stream, config);
+  grouped_gemm(a, b, out, rows_dev, groups, max_rows, c.n, c.k, c.layout, stream, config,
+               c.padded ? GroupedLayout::kPadded : GroupedLayout::kContiguous);
   MKT_CUDA(cudaStreamSynchronize(stream));
   MKT_CUDA(cudaGetLastError());
   cublasHandle_t blas;
@@ -130,6 +142,19 @@ TEST(GroupedGemm, RandomGroups) {
         {rows, static_cast<int64_t>(8 * (1 + gen() % 200)),
          static_cast<int64_t>(8 * (1 + gen() % 200)), gen() % 2 ? BLayout::kKN : BLayout::kNK, 0},
         gen());
+  }
+}
+
+// moe_dispatch's padded layout: each group from a multiple of 128 rows, the padding untouched.
+TEST(GroupedGemm, PaddedLayout) {
+  MKT_REQUIRE_GPU();
+  for (int w : {0, 64, 256}) {
+    Grouped c{{0, 1, 127, 128, 129, 300, 0, 5}, 264, 200, BLayout::kNK, w};
+    c.padded = true;
+    expect_grouped(c, fresh_seed());
+    c.layout = BLayout::kKN;
+    c.rows = {40, 0, 0, 257};
+    expect_grouped(c, fresh_seed());
   }
 }
 

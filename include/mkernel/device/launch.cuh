@@ -33,6 +33,30 @@ __device__ __forceinline__ uint32_t signal_index(SignalId id, int channel) {
   return static_cast<uint32_t>(id) + static_cast<uint32_t>(channel);
 }
 
+// Records an error in an op's data (DeviceErrorCode::kCapacity, kBadIndex; the fields as
+// DeviceErrorRecord says) for launch `epoch`: the first one of the launch wins, unless an earlier
+// launch's is still unread by Communicator::check(). Nothing aborts: the launch completes.
+__device__ inline void record_data_error(const DeviceComm& comm, uint64_t epoch,
+                                         DeviceErrorCode code, int32_t peer, uint32_t signal,
+                                         uint64_t expected, uint64_t observed) {
+  DeviceErrorRecord* rec = comm.data_error;
+  if (rec == nullptr) return;
+  if (*reinterpret_cast<volatile int32_t*>(&rec->code) != 0) return;  // not yet raised
+  if (atomicMax(reinterpret_cast<unsigned long long*>(&comm.state->data_error_epoch),
+                static_cast<unsigned long long>(epoch)) >= epoch) {
+    return;  // this launch's first error is someone else's
+  }
+  rec->rank = comm.rank;
+  rec->peer = peer;
+  rec->signal = signal;
+  rec->expected = expected;
+  rec->observed = observed;
+  rec->waited_ns = 0;
+  __threadfence_system();
+  *reinterpret_cast<volatile int32_t*>(&rec->code) = static_cast<int32_t>(code);
+  __threadfence_system();
+}
+
 struct Launch {
   DeviceComm comm;
   uint64_t epoch;  // this launch's number (1 for the first launch on a communicator)

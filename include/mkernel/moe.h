@@ -1,0 +1,102 @@
+// mkernel/moe.h - expert-parallel MoE: dispatch routed tokens to their experts' ranks, and
+// combine the experts' outputs back at the tokens' ranks (docs/design/moe.md).
+//
+// Every rank holds T tokens x [T, H] bf16 and their router's choice topk_idx [T, k] (global expert
+// ids, -1 = no expert in that slot); E = world * E_local experts, expert e lives on rank
+// e / E_local as its local expert e % E_local. Only routed tokens travel, and a token bound for
+// several experts of one rank crosses to it once.
+//
+// moe_dispatch gives each rank the rows routed to its local experts, expert-major:
+//   MoeLayout::kPadded  [rows, H]: local expert e's rows from row start(e) = the sum over e' < e of
+//                       round_up(rows(e'), 128) (the grouped GEMM's row block); the rows between
+//                       experts are padding (prefill)
+//   MoeLayout::kMasked  [E_local, capacity, H]: expert e's rows at [e, 0 .. rows(e)) (decode:
+//                       fixed shapes whatever the routing)
+// Within an expert the rows come in the order (source rank, token, slot): a pure function of every
+// rank's topk_idx, computed on the GPU by prefix counts (no atomics), so results reproduce bit for
+// bit. With them: the per-expert row counts (device int32 [E_local], every row routed, also those
+// past the room), and the handle - for every row of the layout (source rank, token, slot), int32
+// [rows][3], (-1, -1, -1) for padding and unused rows.
+//
+// moe_combine sends each row of y (the experts' outputs, in the dispatch layout) back to its
+// source rank, which sums per token over its slots, in slot order and in fp32, topk_weights[t][j]
+// * y(t, j) (fused multiply-adds), and rounds once to bf16: out [T, H]. Slots without a row (-1,
+// a bad index, a row past the room) add nothing. The same bits whatever arrives first.
+//
+// Data errors are recorded on the GPU and raised by Communicator::check() / synchronize() - once,
+// without breaking the communicator: a row past its expert's room (ErrorCode::kOutOfMemory,
+// naming the expert and its rows: it is not placed, never silently dropped) and an expert id out
+// of range (kInvalidArgument, naming the token and slot: treated as -1). The launches complete.
+// Everything else is checked before launch (mk::Error). Stream-ordered, no host synchronisation,
+// CUDA-graph safe (counts and routing may change between replays). One node (NVLink or PCIe
+// peers), any world size; the ranks of a communicator call in the same order.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "mkernel/communicator.h"
+
+namespace mk {
+
+enum class MoeLayout { kPadded, kMasked };
+enum class IndexType { kInt32, kInt64 };
+
+constexpr int kMoeRowBlock = 128;     // padded layout: experts start on multiples of this
+constexpr int kMoeMaxTopK = 16;       // top-k slots per token
+constexpr int kMoeMaxExperts = 8192;  // E, all ranks' experts together
+
+// One call's sizes. All but `tokens` must be the same on every rank.
+struct MoeProblem {
+  int64_t tokens = 0;      // T: this rank's tokens (0 <= T <= max_tokens; may differ by rank)
+  int64_t max_tokens = 0;  // T_max: the most tokens any rank has; sizes the workspace
+  int64_t hidden = 0;      // H: a multiple of 8
+  int top_k = 0;           // k: 1..kMoeMaxTopK
+  int num_experts = 0;     // E: a multiple of the world size, at most kMoeMaxExperts
+  MoeLayout layout = MoeLayout::kPadded;
+  // Rows the layout holds: padded - rows of the output (0: every routed row of every rank fits,
+  // world * T_max * min(k, E_local) + E_local * 127); masked - rows per local expert (0:
+  // world * T_max, one row per token of every rank).
+  int64_t capacity = 0;
+};
+
+struct MoeConfig {
+  int sms = 0;  // CTAs (channels) of each launch; 0 = the communicator's SM budget
+};
+
+// What a dispatch / combine will do (the same on every rank), for printing and tests.
+struct MoePlan {
+  int64_t rows = 0;      // rows of the dispatch layout (padded: the room; masked: E_local x
+                         // capacity)
+  int64_t capacity = 0;  // padded: the room; masked: rows per local expert
+  int experts_local = 0;
+  MoeLayout layout = MoeLayout::kPadded;
+  int ctas = 0;
+  std::size_t workspace_bytes = 0;  // symmetric, per rank
+  std::string describe() const;
+};
+
+// The plan (throws mk::Error on what moe_dispatch would refuse in the problem).
+MoePlan moe_plan(const Communicator& comm, const MoeProblem& problem, const MoeConfig& config = {});
+// Symmetric workspace per rank for a problem (both ops share it).
+std::size_t moe_workspace_bytes(const Communicator& comm, const MoeProblem& problem);
+
+// x [T, H] bf16; topk_idx [T, k] (index_type); out: recv_x [rows, H] bf16 (moe_plan().rows),
+// expert_rows int32 [E_local], handle int32 [rows][3]. workspace: symmetric, at least
+// moe_workspace_bytes, at the same offset on every rank. Device pointers of the communicator's
+// GPU, 16-byte aligned (topk_idx, expert_rows and handle: their element size).
+void moe_dispatch(Communicator& comm, const MoeProblem& problem, const void* x,
+                  const void* topk_idx, IndexType index_type, void* recv_x, int32_t* expert_rows,
+                  int32_t* handle, void* workspace, cudaStream_t stream,
+                  const MoeConfig& config = {});
+
+// y [rows, H] bf16 in the dispatch layout (the dispatch's rows and handle, same problem);
+// topk_weights [T, k] fp32; out [T, H] bf16. The same workspace as the dispatch's.
+void moe_combine(Communicator& comm, const MoeProblem& problem, const void* y,
+                 const float* topk_weights, const int32_t* handle, void* out, void* workspace,
+                 cudaStream_t stream, const MoeConfig& config = {});
+
+}  // namespace mk

@@ -1,0 +1,204 @@
+"""Expert-parallel MoE dispatch and combine (mkernel/moe.h), as PyTorch custom ops.
+
+Each rank holds T tokens x [T, H] bf16 and their router's top-k choice topk_idx [T, k] (global
+expert ids, int32 or int64, -1 = no expert in that slot); the E = world x E_local experts live
+on the ranks in order (expert e on rank e // E_local). Only routed tokens travel, once per
+destination rank::
+
+    recv_x, expert_rows, handle = mkernel.moe_dispatch(x, topk_idx, comm, num_experts)
+    y = mkernel.grouped_gemm(recv_x, w_local, expert_rows)         # the local experts' work
+    out = mkernel.moe_combine(y, topk_weights, handle, comm)         # [T, H] at the source
+
+Rows of an expert come in (source rank, token, slot) order, so both ops reproduce bit for bit.
+Nothing synchronises with the host and both work in CUDA graphs (routing may change between
+replays) and under torch.compile. A row past its expert's room, or an expert id out of range,
+is an error recorded on the GPU and raised by comm.synchronize() / comm.check().
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from mkernel import _C, _check_device, _communicator, _direct
+
+import torch
+
+__all__ = ["MoeHandle", "moe_dispatch", "moe_combine", "moe_plan"]
+
+_LAYOUTS = ("padded", "masked")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeHandle:
+    """What moe_combine needs from its moe_dispatch.
+
+    rows: int32 [rows, 3], for every row of the dispatch layout (source rank, token, slot), or
+        (-1, -1, -1) for padding and unused rows.
+    expert_rows: int32 [E_local], rows routed to each local expert (also rows past the room).
+    The rest is the problem the dispatch ran with (the combine runs with the same).
+    """
+    rows: "torch.Tensor"
+    expert_rows: "torch.Tensor"
+    num_tokens: int
+    max_tokens: int
+    hidden: int
+    top_k: int
+    num_experts: int
+    layout: str
+    capacity: int
+
+
+def _problem(comm, x, topk_idx, num_experts, layout, capacity, max_tokens, op):
+    if layout not in _LAYOUTS:
+        raise ValueError(f"mkernel.{op}: layout={layout!r}; expected 'padded' or 'masked'")
+    if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"mkernel.{op}: x must be [T, H] and topk_idx [T, k]; got "
+                         f"{tuple(x.shape)} and {tuple(topk_idx.shape)}")
+    tokens, hidden = x.shape
+    top_k = topk_idx.shape[1]
+    max_tokens = tokens if max_tokens <= 0 else max_tokens
+    return tokens, max_tokens, hidden, top_k
+
+
+def moe_plan(comm, tokens: int, hidden: int, top_k: int, num_experts: int, *,
+             layout: str = "padded", capacity: int = 0, max_tokens: int = 0, sms: int = 0):
+    """(rows, capacity, experts_local, ctas, workspace_bytes, description) of a dispatch."""
+    return _C.moe_plan(comm._impl, tokens, max_tokens if max_tokens > 0 else tokens, hidden,
+                       top_k, num_experts, layout, capacity, sms)
+
+
+def _out_shape(plan, hidden, layout):
+    rows, capacity, experts_local = plan[0], plan[1], plan[2]
+    return (rows, hidden) if layout == "padded" else (experts_local, capacity, hidden)
+
+
+def _dispatch_impl(x, topk_idx, comm, num_experts, layout, capacity, max_tokens, sms):
+    c = _communicator(comm, "moe_dispatch")
+    tokens, max_tokens, hidden, top_k = _problem(c, x, topk_idx, num_experts, layout, capacity,
+                                                 max_tokens, "moe_dispatch")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"mkernel.moe_dispatch: x has dtype {x.dtype}; expected bfloat16")
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"mkernel.moe_dispatch: topk_idx has dtype {topk_idx.dtype}; expected "
+                         "int32 or int64")
+    _check_device("moe_dispatch", "x", x, c._device)
+    _check_device("moe_dispatch", "topk_idx", topk_idx, c._device)
+    plan = _C.moe_plan(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout, capacity,
+                       sms)
+    x2, idx2 = x.contiguous(), topk_idx.contiguous()
+    recv = torch.empty(_out_shape(plan, hidden, layout), dtype=torch.bfloat16, device=x.device)
+    expert_rows = torch.empty((plan[2],), dtype=torch.int32, device=x.device)
+    handle = torch.empty((plan[0], 3), dtype=torch.int32, device=x.device)
+    ws = c._workspace(plan[4], "moe_dispatch", "moe")
+    _C.moe_dispatch(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout, capacity,
+                    x2.data_ptr(), idx2.data_ptr(), idx2.dtype == torch.int64, recv.data_ptr(),
+                    expert_rows.data_ptr(), handle.data_ptr(), ws.data_ptr(), c._stream(), sms)
+    return recv, expert_rows, handle
+
+
+_dispatch_op = torch.library.custom_op(
+    "mkernel::moe_dispatch", mutates_args=(),
+    schema="(Tensor x, Tensor topk_idx, int comm, int num_experts, str layout, int capacity, "
+           "int max_tokens, int sms) -> (Tensor, Tensor, Tensor)")(_dispatch_impl)
+
+
+@_dispatch_op.register_fake
+def _dispatch_fake(x, topk_idx, comm, num_experts, layout, capacity, max_tokens, sms):
+    c = _communicator(comm, "moe_dispatch")
+    tokens, max_tokens, hidden, top_k = _problem(c, x, topk_idx, num_experts, layout, capacity,
+                                                 max_tokens, "moe_dispatch")
+    plan = _C.moe_plan(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout, capacity,
+                       sms)
+    return (x.new_empty(_out_shape(plan, hidden, layout)),
+            x.new_empty((plan[2],), dtype=torch.int32),
+            x.new_empty((plan[0], 3), dtype=torch.int32))
+
+
+def moe_dispatch(x: "torch.Tensor", topk_idx: "torch.Tensor", comm, num_experts: int, *,
+                 layout: str = "padded", capacity: int = 0, max_tokens: int = 0,
+                 sms: int = 0):
+    """Send every routed token to the ranks of its experts; returns (recv_x, expert_rows, handle).
+
+    x: [T, H] bf16 (H a multiple of 8); topk_idx: [T, k] int32 or int64 (k <= 16), global
+    expert ids or -1; num_experts: E, a multiple of the world size (at most 8192).
+    layout 'padded' (prefill): recv_x [rows, H], local expert e's rows from the sum over e' < e
+        of round_up(rows(e'), 128); capacity = rows in all (0: every routed row fits).
+    layout 'masked' (decode): recv_x [E_local, capacity, H], expert e's rows first in its block;
+        capacity = rows per local expert (0: world x max_tokens).
+    max_tokens: the most tokens any rank passes (the same on every rank; 0: this call's T, so
+        every rank must then pass the same T). It sizes the communicator's symmetric workspace,
+        allocated (collectively) by the first call with a larger problem - make that call before
+        capturing a CUDA graph.
+    expert_rows: int32 [E_local] on the GPU (feed it to mkernel.grouped_gemm); handle: a
+    MoeHandle for moe_combine. Rows an expert has no room for are not placed, and
+    comm.synchronize() raises MkernelError(code='out_of_memory') naming the expert.
+    """
+    op = _dispatch_impl if _direct(x, topk_idx) else _dispatch_op
+    recv, expert_rows, rows = op(x, topk_idx, comm._id, num_experts, layout, capacity,
+                                 max_tokens, sms)
+    tokens = x.shape[0]
+    handle = MoeHandle(rows, expert_rows, tokens, max_tokens if max_tokens > 0 else tokens,
+                       x.shape[1], topk_idx.shape[1], num_experts, layout, capacity)
+    return recv, expert_rows, handle
+
+
+def _combine_impl(y, topk_weights, rows, comm, num_experts, layout, capacity, max_tokens, sms):
+    c = _communicator(comm, "moe_combine")
+    if topk_weights.dim() != 2 or y.dim() not in (2, 3):
+        raise ValueError("mkernel.moe_combine: topk_weights must be [T, k] and y [rows, H] or "
+                         f"[E_local, capacity, H]; got {tuple(topk_weights.shape)} and "
+                         f"{tuple(y.shape)}")
+    tokens, top_k = topk_weights.shape
+    hidden = y.shape[-1]
+    if y.dtype != torch.bfloat16 or topk_weights.dtype != torch.float32:
+        raise ValueError(f"mkernel.moe_combine: y must be bfloat16 and topk_weights float32; got "
+                         f"{y.dtype} and {topk_weights.dtype}")
+    for name, t in (("y", y), ("topk_weights", topk_weights), ("handle.rows", rows)):
+        _check_device("moe_combine", name, t, c._device)
+    plan = _C.moe_plan(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout, capacity,
+                       sms)
+    if tuple(y.shape) != _out_shape(plan, hidden, layout) or tuple(rows.shape) != (plan[0], 3):
+        raise ValueError(f"mkernel.moe_combine: y {tuple(y.shape)} and the handle's rows "
+                         f"{tuple(rows.shape)} do not match the dispatch's layout "
+                         f"{_out_shape(plan, hidden, layout)}")
+    y2, w2, r2 = y.contiguous(), topk_weights.contiguous(), rows.contiguous()
+    out = torch.empty((tokens, hidden), dtype=torch.bfloat16, device=y.device)
+    ws = c._workspace(plan[4], "moe_combine", "moe")
+    _C.moe_combine(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout, capacity,
+                   y2.data_ptr(), w2.data_ptr(), r2.data_ptr(), out.data_ptr(), ws.data_ptr(),
+                   c._stream(), sms)
+    return out
+
+
+_combine_op = torch.library.custom_op(
+    "mkernel::moe_combine", mutates_args=(),
+    schema="(Tensor y, Tensor topk_weights, Tensor rows, int comm, int num_experts, str layout, "
+           "int capacity, int max_tokens, int sms) -> Tensor")(_combine_impl)
+
+
+@_combine_op.register_fake
+def _combine_fake(y, topk_weights, rows, comm, num_experts, layout, capacity, max_tokens, sms):
+    return y.new_empty((topk_weights.shape[0], y.shape[-1]))
+
+
+def moe_combine(y: "torch.Tensor", topk_weights: "torch.Tensor", handle: MoeHandle, comm, *,
+                sms: int = 0) -> "torch.Tensor":
+    """Send the experts' rows back and sum them at their source; returns out [T, H] bf16.
+
+    y: the experts' outputs in the dispatch's layout ([rows, H] or [E_local, capacity, H] bf16,
+    H as the dispatch's); topk_weights: [T, k] float32; handle: the dispatch's MoeHandle. Per
+    token, sum over its slots in slot order of topk_weights[t, j] * y(t, j), in fp32, rounded
+    once (slots without a row add nothing).
+    """
+    if not isinstance(handle, MoeHandle):
+        raise TypeError("mkernel.moe_combine: handle must be the MoeHandle moe_dispatch returned")
+    if tuple(topk_weights.shape) != (handle.num_tokens, handle.top_k):
+        raise ValueError(f"mkernel.moe_combine: topk_weights is {tuple(topk_weights.shape)}; "
+                         f"the dispatch had [{handle.num_tokens}, {handle.top_k}]")
+    if y.shape[-1] != handle.hidden:
+        raise ValueError(f"mkernel.moe_combine: y has H = {y.shape[-1]}; the dispatch had "
+                         f"{handle.hidden}")
+    op = _combine_impl if _direct(y, topk_weights, handle.rows) else _combine_op
+    return op(y, topk_weights, handle.rows, comm._id, handle.num_experts, handle.layout,
+              handle.capacity, handle.max_tokens, sms)

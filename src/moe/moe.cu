@@ -1,0 +1,241 @@
+// Host side of moe_dispatch / moe_combine: validate -> plan -> route kernels -> the launch.
+#include <cuda_bf16.h>
+
+#include <cstdio>
+#include <string>
+
+#include "mkernel/error.h"
+#include "mkernel/moe.h"
+#include "moe/moe_kernels.cuh"
+#include "moe/moe_plan.h"
+#include "runtime/cuda_check.h"
+#include "runtime/device_guard.h"
+#include "runtime/kernel_preload.h"
+#include "runtime/overrides.h"
+#include "runtime/validate.h"
+
+namespace mk {
+namespace {
+
+constexpr const char* kDispatch = "moe_dispatch";
+constexpr const char* kCombine = "moe_combine";
+
+moe::Plan plan_for(const Communicator& comm, const MoeProblem& problem, const MoeConfig& config,
+                   const char* op) {
+  return moe::plan_moe(comm.world_size(), comm.topology().sm_budget(), problem, config, op);
+}
+
+void launch_check(const char* op) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw Error(ErrorCode::kCuda, std::string(op) + ": launch failed: " + cudaGetErrorString(err));
+  }
+}
+
+moe::Dims dims_of(const Communicator& comm, const MoeProblem& p, const moe::Plan& plan) {
+  moe::Dims d{};
+  d.world = comm.world_size();
+  d.rank = comm.rank();
+  d.experts = p.num_experts;
+  d.experts_local = plan.plan.experts_local;
+  d.top_k = p.top_k;
+  d.meta_ints = plan.meta_ints;
+  d.tokens = p.tokens;
+  d.max_tokens = p.max_tokens;
+  d.hidden = p.hidden;
+  d.chunk_tokens = plan.chunk_tokens;
+  d.rows = plan.plan.rows;
+  d.capacity = plan.plan.capacity;
+  d.masked = p.layout == MoeLayout::kMasked;
+  return d;
+}
+
+moe::Workspace workspace_of(const SymmetricRange& range, const moe::Offsets& o) {
+  moe::Workspace w{};
+  w.peers = reinterpret_cast<uint8_t* const*>(range.device_peers);
+  w.offset = range.offset;
+  w.recv_meta = o.recv_meta;
+  w.recv_x = o.recv_x;
+  w.comb_x = o.comb_x;
+  w.comb_flag = o.comb_flag;
+  w.chunk_cnt = o.chunk_cnt;
+  w.chunk_dcnt = o.chunk_dcnt;
+  w.pos = o.pos;
+  w.send_list = o.send_list;
+  w.totals = o.totals;
+  return w;
+}
+
+// What both ops check first: a usable one-node communicator, the stream, the plan, the
+// workspace (symmetric, large enough, aligned).
+struct Checked {
+  moe::Plan plan;
+  SymmetricRange workspace;
+};
+
+Checked check_common(Communicator& comm, const MoeProblem& problem, const MoeConfig& config,
+                     void* workspace, cudaStream_t stream, const char* op) {
+  detail::require_usable(comm, op);
+  if (comm.topology().num_nodes != 1) {
+    throw Error(ErrorCode::kUnsupported,
+                std::string(op) + ": the communicator spans " +
+                    std::to_string(comm.topology().num_nodes) +
+                    " nodes; MoE dispatch / combine across nodes is not implemented yet "
+                    "(expected 1 node)");
+  }
+  detail::require_stream(comm, stream, op);
+  Checked c{plan_for(comm, problem, config, op), {}};
+  detail::require_device_pointer(comm, workspace, 256, op, "workspace");
+  c.workspace =
+      detail::require_symmetric(comm, workspace, c.plan.plan.workspace_bytes, op, "workspace");
+  if (c.workspace.offset % 256 != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(op) + ": the workspace's offset in its symmetric buffer (" +
+                    std::to_string(c.workspace.offset) + ") is not a multiple of 256");
+  }
+  return c;
+}
+
+void print(const Communicator& comm, const char* op, const MoeProblem& p, const MoePlan& plan) {
+  if (!comm.overrides().print_config || comm.rank() != 0) return;
+  std::fprintf(stderr, "[mkernel] %s: T %lld (max %lld), H %lld, top-%d of %d experts: %s\n", op,
+               static_cast<long long>(p.tokens), static_cast<long long>(p.max_tokens),
+               static_cast<long long>(p.hidden), p.top_k, p.num_experts, plan.describe().c_str());
+}
+
+template <class Idx>
+void launch_dispatch(Communicator& comm, const MoeProblem& problem, const moe::Plan& plan,
+                     const SymmetricRange& range, const void* x, const void* topk_idx, void* recv_x,
+                     int32_t* expert_rows, int32_t* handle, cudaStream_t stream) {
+  const moe::Dims d = dims_of(comm, problem, plan);
+  const moe::Workspace ws = workspace_of(range, plan.offsets);
+  const DeviceComm dc = comm.device_comm();
+  const auto* topk = static_cast<const Idx*>(topk_idx);
+  const int chunks = plan.chunks(problem.tokens);
+  const std::size_t route_smem = 4 * static_cast<std::size_t>(d.experts + d.world);
+  moe::route_count_kernel<Idx><<<chunks, moe::kRouteThreads, route_smem, stream>>>(dc, d, topk, ws);
+  launch_check(kDispatch);
+  moe::route_scan_kernel<Idx><<<chunks, moe::kRouteThreads, route_smem, stream>>>(d, topk, ws);
+  launch_check(kDispatch);
+  // (Its shared-memory limit was raised when the communicator loaded it: preload_moe_kernels.)
+  const int smem = static_cast<int>(moe::dispatch_smem_bytes(d.world, d.experts_local));
+  moe::dispatch_kernel<Idx><<<plan.plan.ctas, moe::kThreads, smem, stream>>>(
+      dc, d, topk, static_cast<const __nv_bfloat16*>(x), ws, static_cast<__nv_bfloat16*>(recv_x),
+      expert_rows, handle);
+  launch_check(kDispatch);
+}
+
+}  // namespace
+
+MoePlan moe_plan(const Communicator& comm, const MoeProblem& problem, const MoeConfig& config) {
+  return plan_for(comm, problem, config, "moe_plan").plan;
+}
+
+std::size_t moe_workspace_bytes(const Communicator& comm, const MoeProblem& problem) {
+  return plan_for(comm, problem, {}, "moe_workspace_bytes").plan.workspace_bytes;
+}
+
+void moe_dispatch(Communicator& comm, const MoeProblem& problem, const void* x,
+                  const void* topk_idx, IndexType index_type, void* recv_x, int32_t* expert_rows,
+                  int32_t* handle, void* workspace, cudaStream_t stream, const MoeConfig& config) {
+  detail::DeviceGuard guard(comm.device());
+  const Checked c = check_common(comm, problem, config, workspace, stream, kDispatch);
+  if (index_type != IndexType::kInt32 && index_type != IndexType::kInt64) {
+    throw Error(ErrorCode::kInvalidArgument, std::string(kDispatch) + ": index_type " +
+                                                 std::to_string(static_cast<int>(index_type)) +
+                                                 "; expected kInt32 or kInt64");
+  }
+  const MoePlan& plan = c.plan.plan;
+  const std::size_t idx_size = index_type == IndexType::kInt64 ? 8 : 4;
+  const auto tokens = static_cast<std::size_t>(problem.tokens);
+  const auto h = static_cast<std::size_t>(problem.hidden);
+  const auto k = static_cast<std::size_t>(problem.top_k);
+  const std::size_t x_bytes = tokens * h * 2, idx_bytes = tokens * k * idx_size;
+  const std::size_t out_bytes = static_cast<std::size_t>(plan.rows) * h * 2;
+  const std::size_t rows_bytes = static_cast<std::size_t>(plan.experts_local) * 4;
+  const std::size_t handle_bytes = static_cast<std::size_t>(plan.rows) * 12;
+  if (tokens > 0) {
+    detail::require_device_pointer(comm, x, 16, kDispatch, "x");
+    detail::require_device_pointer(comm, topk_idx, idx_size, kDispatch, "topk_idx");
+  }
+  detail::require_device_pointer(comm, recv_x, 16, kDispatch, "recv_x");
+  detail::require_device_pointer(comm, expert_rows, 4, kDispatch, "expert_rows");
+  detail::require_device_pointer(comm, handle, 4, kDispatch, "handle");
+  detail::require_disjoint(kDispatch,
+                           {{"x", tokens > 0 ? x : nullptr, x_bytes, false},
+                            {"topk_idx", tokens > 0 ? topk_idx : nullptr, idx_bytes, false},
+                            {"recv_x", recv_x, out_bytes, true},
+                            {"expert_rows", expert_rows, rows_bytes, true},
+                            {"handle", handle, handle_bytes, true},
+                            {"workspace", workspace, plan.workspace_bytes, true}});
+  print(comm, kDispatch, problem, plan);
+  if (index_type == IndexType::kInt64) {
+    launch_dispatch<int64_t>(comm, problem, c.plan, c.workspace, x, topk_idx, recv_x, expert_rows,
+                             handle, stream);
+  } else {
+    launch_dispatch<int32_t>(comm, problem, c.plan, c.workspace, x, topk_idx, recv_x, expert_rows,
+                             handle, stream);
+  }
+}
+
+void moe_combine(Communicator& comm, const MoeProblem& problem, const void* y,
+                 const float* topk_weights, const int32_t* handle, void* out, void* workspace,
+                 cudaStream_t stream, const MoeConfig& config) {
+  detail::DeviceGuard guard(comm.device());
+  const Checked c = check_common(comm, problem, config, workspace, stream, kCombine);
+  const MoePlan& plan = c.plan.plan;
+  const auto tokens = static_cast<std::size_t>(problem.tokens);
+  const auto h = static_cast<std::size_t>(problem.hidden);
+  const auto k = static_cast<std::size_t>(problem.top_k);
+  const std::size_t y_bytes = static_cast<std::size_t>(plan.rows) * h * 2;
+  const std::size_t handle_bytes = static_cast<std::size_t>(plan.rows) * 12;
+  const std::size_t w_bytes = tokens * k * 4, out_bytes = tokens * h * 2;
+  detail::require_device_pointer(comm, y, 16, kCombine, "y");
+  detail::require_device_pointer(comm, handle, 4, kCombine, "handle");
+  if (tokens > 0) {
+    detail::require_device_pointer(comm, topk_weights, 4, kCombine, "topk_weights");
+    detail::require_device_pointer(comm, out, 16, kCombine, "out");
+  }
+  detail::require_disjoint(kCombine,
+                           {{"y", y, y_bytes, false},
+                            {"topk_weights", tokens > 0 ? topk_weights : nullptr, w_bytes, false},
+                            {"handle", handle, handle_bytes, false},
+                            {"out", tokens > 0 ? out : nullptr, out_bytes, true},
+                            {"workspace", workspace, plan.workspace_bytes, true}});
+  print(comm, kCombine, problem, plan);
+  const moe::Dims d = dims_of(comm, problem, c.plan);
+  moe::combine_kernel<<<plan.ctas, moe::kThreads, 0, stream>>>(
+      comm.device_comm(), d, static_cast<const __nv_bfloat16*>(y), topk_weights, handle,
+      workspace_of(c.workspace, c.plan.offsets), static_cast<__nv_bfloat16*>(out));
+  launch_check(kCombine);
+}
+
+namespace detail {
+namespace {
+
+// The MoE kernels, loaded up front (runtime/kernel_preload.h).
+void preload_moe_kernels(bool) {
+  auto load = [](const void* fn) {
+    cudaFuncAttributes attr{};
+    MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, fn));
+  };
+  load(reinterpret_cast<const void*>(&moe::route_count_kernel<int32_t>));
+  load(reinterpret_cast<const void*>(&moe::route_count_kernel<int64_t>));
+  load(reinterpret_cast<const void*>(&moe::route_scan_kernel<int32_t>));
+  load(reinterpret_cast<const void*>(&moe::route_scan_kernel<int64_t>));
+  // The dispatch's shared memory grows with the experts (moe::dispatch_smem_bytes): allow the
+  // most a problem can ask for (kMoeMaxExperts), once per device, here rather than per launch.
+  const int most = static_cast<int>(moe::kDispatchSmemMax);
+  MK_CUDA_CHECK(cudaFuncSetAttribute(moe::dispatch_kernel<int32_t>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+  MK_CUDA_CHECK(cudaFuncSetAttribute(moe::dispatch_kernel<int64_t>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+  load(reinterpret_cast<const void*>(&moe::combine_kernel));
+}
+
+const bool kPreloadRegistered = register_kernel_preload(&preload_moe_kernels);
+
+}  // namespace
+}  // namespace detail
+
+}  // namespace mk

@@ -1,0 +1,137 @@
+// The MoE ops' plan (src/moe/moe_plan.h): sizes checked before launch, the layouts' rows, the
+// CTAs, and the workspace laid out - a host function, tested without a GPU.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "mkernel/error.h"
+#include "moe/moe_plan.h"
+
+namespace mk::moe {
+namespace {
+
+MoeProblem deepseek(int64_t tokens) {
+  MoeProblem p;
+  p.tokens = tokens;
+  p.max_tokens = tokens;
+  p.hidden = 7168;
+  p.top_k = 8;
+  p.num_experts = 256;
+  return p;
+}
+
+TEST(MoePlan, WorstCaseRooms) {
+  const Plan padded = plan_moe(8, 132, deepseek(4096), {}, "moe_dispatch");
+  // Every routed row of every rank (top-8 of 32 local experts: 8 per token), plus the padding.
+  EXPECT_EQ(padded.plan.rows, 8 * 4096 * 8 + 32 * 127);
+  EXPECT_EQ(padded.plan.capacity, padded.plan.rows);
+  EXPECT_EQ(padded.plan.experts_local, 32);
+  MoeProblem m = deepseek(128);
+  m.layout = MoeLayout::kMasked;
+  const Plan masked = plan_moe(8, 132, m, {}, "moe_dispatch");
+  EXPECT_EQ(masked.plan.capacity, 8 * 128);  // one row per token of every rank
+  EXPECT_EQ(masked.plan.rows, 32 * 8 * 128);
+  // Fewer local experts than slots: a token has at most E_local rows on a rank.
+  MoeProblem few = deepseek(100);
+  few.num_experts = 16;
+  EXPECT_EQ(plan_moe(8, 132, few, {}, "moe_dispatch").plan.rows, 8 * 100 * 2 + 2 * 127);
+}
+
+TEST(MoePlan, GivenCapacityAndCtas) {
+  MoeProblem p = deepseek(512);
+  p.capacity = 5000;
+  const Plan plan = plan_moe(2, 66, p, {}, "moe_dispatch");
+  EXPECT_EQ(plan.plan.rows, 5000);
+  EXPECT_EQ(plan.plan.ctas, 66);  // the SM budget
+  MoeConfig config;
+  config.sms = 20;
+  EXPECT_EQ(plan_moe(2, 66, p, config, "moe_dispatch").plan.ctas, 20);
+  config.sms = 500;
+  EXPECT_EQ(plan_moe(2, 66, p, config, "moe_dispatch").plan.ctas, 66);
+  const std::string line = plan.plan.describe();
+  EXPECT_NE(line.find("padded layout: 5000 rows"), std::string::npos) << line;
+  EXPECT_NE(line.find("128 local experts"), std::string::npos) << line;
+}
+
+TEST(MoePlan, WorkspaceLaidOutWithoutOverlap) {
+  MoeProblem p = deepseek(1000);
+  p.top_k = 6;
+  p.hidden = 2048;
+  const int world = 4;
+  const Plan plan = plan_moe(world, 33, p, {}, "moe_dispatch");
+  const Offsets& o = plan.offsets;
+  const uint64_t t = 1000, k = 6, h = 2048, w = world;
+  struct Field {
+    uint64_t at, bytes;
+  };
+  const Field fields[] = {{o.recv_meta, w * t * (1 + 2 * k) * 4},
+                          {o.recv_x, w * t * h * 2},
+                          {o.comb_x, t * k * h * 2},
+                          {o.comb_flag, t * k * 4},
+                          {o.chunk_cnt, static_cast<uint64_t>(plan.chunks(1000)) * 256 * 4},
+                          {o.chunk_dcnt, static_cast<uint64_t>(plan.chunks(1000)) * w * 4},
+                          {o.pos, t * k * 4},
+                          {o.send_list, w * t * 4},
+                          {o.totals, (256 + w) * 4}};
+  uint64_t end = 0;
+  for (const Field& f : fields) {
+    EXPECT_EQ(f.at % 256, 0u);
+    EXPECT_GE(f.at, end) << "fields overlap";
+    end = f.at + f.bytes;
+  }
+  EXPECT_GE(o.bytes, end);
+  EXPECT_EQ(plan.plan.workspace_bytes, o.bytes);
+  EXPECT_EQ(plan.meta_ints, 1 + 2 * 6);
+}
+
+TEST(MoePlan, RouteChunks) {
+  const Plan small = plan_moe(2, 66, deepseek(100), {}, "moe_dispatch");
+  EXPECT_EQ(small.chunk_tokens, kMinChunkTokens);
+  EXPECT_EQ(small.chunks(0), 1);  // the last chunk writes the totals, also of no tokens
+  EXPECT_EQ(small.chunks(100), 2);
+  const Plan big = plan_moe(2, 66, deepseek(65536), {}, "moe_dispatch");
+  EXPECT_EQ(big.chunks(65536), kMaxChunks);
+  EXPECT_LE(big.chunks(65535), kMaxChunks);
+}
+
+TEST(MoePlan, RefusesWhatItCannotDo) {
+  const auto refused = [](int world, MoeProblem p, const std::string& needle,
+                          MoeConfig config = {}) {
+    try {
+      plan_moe(world, 132, p, config, "moe_dispatch");
+      ADD_FAILURE() << "accepted; expected an error containing '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).rfind("invalid argument: moe_dispatch: ", 0), 0u) << e.what();
+    }
+  };
+  MoeProblem p = deepseek(64);
+  p.num_experts = 12;
+  refused(8, p, "num_experts = 12; expected a multiple of the world size 8");
+  p.num_experts = kMoeMaxExperts * 2;
+  refused(1, p, "num_experts = ");
+  p = deepseek(64);
+  p.top_k = 0;
+  refused(2, p, "top_k = 0");
+  p.top_k = kMoeMaxTopK + 1;
+  refused(2, p, "top_k = 17");
+  p = deepseek(64);
+  p.hidden = 7170;
+  refused(2, p, "hidden = 7170");
+  p = deepseek(64);
+  p.tokens = 65;
+  refused(2, p, "tokens = 65, max_tokens = 64");
+  p = deepseek(64);
+  p.capacity = -3;
+  refused(2, p, "capacity = -3");
+  p = deepseek(64);
+  MoeConfig config;
+  config.sms = -1;
+  refused(2, p, "config.sms = -1", config);
+  p = deepseek(1 << 26);  // 2^26 tokens x 8 ranks x 8 slots: rows past 2^31
+  refused(8, p, "exceed 2^31");
+}
+
+}  // namespace
+}  // namespace mk::moe

@@ -1,0 +1,574 @@
+// moe_dispatch / moe_combine (mkernel/moe.h) against the routing contract's CPU reference
+// (tests/cpu/moe_reference.h), ranks as threads of one process (sharing the GPU when there are
+// fewer GPUs than ranks): worlds 1, 2, 4 and 8.
+//
+// Every rank rebuilds every rank's inputs from the shared seed. Dispatch: the counts, the whole
+// handle and every placed row must equal the reference bit for bit (rows carry their source's
+// random bits). Combine: each rank's experts turn a row into bf16(row x s(expert)) on the host, so
+// a row that comes back to the wrong slot changes the sum; the source's output must equal the
+// reference's fp32 slot-order sum bit for bit. Also: -1 slots, all tokens on one expert, all
+// tokens local, ranks without tokens, int32 and int64 indices, capacity overflow and bad indices
+// (raised once by check(), the communicator usable after), 100 graph replays with new routing, a
+// missing rank (time limit), refusals before launch with outputs untouched, a Sanitize case.
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <numeric>
+#include <random>
+
+#include "../cpu/moe_reference.h"
+#include "collective_checks.h"
+#include "gpu_test_util.h"
+#include "mkernel/moe.h"
+
+namespace mk::test {
+namespace {
+
+enum class Routing { kRandom, kOneExpert, kLocal, kSkewed, kBadIndex };
+
+struct MoeCase {
+  int experts;
+  int top_k;
+  int64_t hidden;
+  int64_t tokens;  // rank r has tokens - (r % 3) * tokens / 4, or none where `empty_rank` == r
+  MoeLayout layout = MoeLayout::kPadded;
+  int64_t capacity = 0;
+  IndexType index = IndexType::kInt32;
+  Routing routing = Routing::kRandom;
+  int empty_rank = -1;
+};
+
+std::string describe(const MoeCase& c, int world) {
+  static const char* kRouting[] = {"random", "one expert", "local", "skewed", "bad index"};
+  return "world " + std::to_string(world) + ", E " + std::to_string(c.experts) + ", top-" +
+         std::to_string(c.top_k) + ", H " + std::to_string(c.hidden) + ", T " +
+         std::to_string(c.tokens) + (c.layout == MoeLayout::kMasked ? ", masked" : ", padded") +
+         " capacity " + std::to_string(c.capacity) +
+         (c.index == IndexType::kInt64 ? ", int64" : ", int32") + ", routing " +
+         kRouting[static_cast<int>(c.routing)];
+}
+
+int64_t tokens_of(const MoeCase& c, int rank) {
+  if (rank == c.empty_rank) return 0;
+  return c.tokens - (rank % 3) * c.tokens / 4;
+}
+
+// Rank r's top-k choices [T_r][k]: distinct experts per token (a router's), some slots -1.
+std::vector<int64_t> routing_of(const MoeCase& c, int world, int rank, uint64_t seed) {
+  std::mt19937_64 gen(seed * 1000003 + rank);
+  const int64_t tokens = tokens_of(c, rank);
+  const int e_local = c.experts / world;
+  std::vector<int64_t> topk(static_cast<size_t>(tokens * c.top_k), -1);
+  std::vector<int> experts(c.experts);
+  for (int64_t t = 0; t < tokens; ++t) {
+    int64_t* row = &topk[static_cast<size_t>(t * c.top_k)];
+    switch (c.routing) {
+      case Routing::kOneExpert:  // every token of every rank: the same k experts
+        for (int j = 0; j < c.top_k; ++j) row[j] = j;
+        break;
+      case Routing::kLocal:  // only this rank's experts (k <= E_local)
+        std::iota(experts.begin(), experts.begin() + e_local, rank * e_local);
+        std::shuffle(experts.begin(), experts.begin() + e_local, gen);
+        for (int j = 0; j < c.top_k; ++j) row[j] = experts[j];
+        break;
+      case Routing::kSkewed: {  // Zipf-like: expert i with weight 1 / (i + 1)^1.2, distinct
+        std::vector<double> w(c.experts);
+        for (int i = 0; i < c.experts; ++i) w[i] = 1.0 / std::pow(i + 1.0, 1.2);
+        for (int j = 0; j < c.top_k; ++j) {
+          std::discrete_distribution<int> pick(w.begin(), w.end());
+          const int e = pick(gen);
+          row[j] = e;
+          w[e] = 0;
+        }
+        break;
+      }
+      default:
+        std::iota(experts.begin(), experts.end(), 0);
+        std::shuffle(experts.begin(), experts.end(), gen);
+        for (int j = 0; j < c.top_k; ++j) row[j] = gen() % 8 == 0 ? -1 : experts[j];
+        break;
+    }
+    if (c.routing == Routing::kBadIndex && t % 17 == 3) {
+      row[t % c.top_k] = (t % 2) ? c.experts + static_cast<int64_t>(t) : -2 - t;
+    }
+  }
+  return topk;
+}
+
+std::vector<uint16_t> tokens_data(const MoeCase& c, int rank, uint64_t seed) {
+  const auto bytes = random_elements(static_cast<size_t>(tokens_of(c, rank) * c.hidden),
+                                     DType::kBF16, seed * 7919 + rank);
+  std::vector<uint16_t> out(bytes.size() / 2);
+  std::memcpy(out.data(), bytes.data(), bytes.size());
+  return out;
+}
+
+std::vector<float> weights_of(const MoeCase& c, int rank, uint64_t seed) {
+  std::mt19937_64 gen(seed * 31 + rank);
+  std::uniform_real_distribution<float> u(0.05f, 1.f);
+  std::vector<float> w(static_cast<size_t>(tokens_of(c, rank) * c.top_k));
+  for (float& v : w) v = u(gen);
+  return w;
+}
+
+// What an expert does to a row in these tests: bf16(x * s(e)), s depending on the global expert.
+uint16_t expert_value(uint16_t x, int64_t expert) {
+  return float_to_bf16(bf16_to_float(x) * (1.f + static_cast<float>(expert % 7) * 0.375f));
+}
+
+// Everyone's inputs and the reference routing.
+struct World {
+  MoeCase c;
+  int world;
+  int64_t max_tokens = 0;
+  std::vector<std::vector<int64_t>> topk;
+  std::vector<std::vector<uint16_t>> x;
+  std::vector<std::vector<float>> weights;
+  MoeRouting ref;
+
+  World(const MoeCase& mc, int w, uint64_t seed, int64_t capacity_rows) : c(mc), world(w) {
+    for (int r = 0; r < world; ++r) {
+      topk.push_back(routing_of(c, world, r, seed));
+      x.push_back(tokens_data(c, r, seed));
+      weights.push_back(weights_of(c, r, seed));
+      max_tokens = std::max(max_tokens, tokens_of(c, r));
+    }
+    ref = moe_route_reference(
+        topk, c.top_k, c.experts,
+        c.layout == MoeLayout::kMasked ? MoeRefLayout::kMasked : MoeRefLayout::kPadded,
+        capacity_rows);
+  }
+};
+
+struct Buffers {
+  void* x = nullptr;
+  void* topk = nullptr;
+  float* weights = nullptr;
+  void* recv = nullptr;
+  int32_t* rows = nullptr;
+  int32_t* handle = nullptr;
+  void* y = nullptr;
+  void* out = nullptr;
+  std::size_t x_bytes = 0, topk_bytes = 0, recv_bytes = 0, handle_bytes = 0, out_bytes = 0;
+
+  Buffers(const MoeProblem& p, const MoePlan& plan, IndexType index) {
+    const size_t idx = index == IndexType::kInt64 ? 8 : 4;
+    x_bytes = std::max<size_t>(16, p.tokens * p.hidden * 2);
+    topk_bytes = std::max<size_t>(16, p.tokens * p.top_k * idx);
+    recv_bytes = plan.rows * p.hidden * 2;
+    handle_bytes = plan.rows * 12;
+    out_bytes = std::max<size_t>(16, p.tokens * p.hidden * 2);
+    cudaMalloc(&x, x_bytes);
+    cudaMalloc(&topk, topk_bytes);
+    cudaMalloc(reinterpret_cast<void**>(&weights), std::max<size_t>(16, p.tokens * p.top_k * 4));
+    cudaMalloc(&recv, recv_bytes);
+    cudaMalloc(reinterpret_cast<void**>(&rows), plan.experts_local * 4);
+    cudaMalloc(reinterpret_cast<void**>(&handle), handle_bytes);
+    cudaMalloc(&y, recv_bytes);
+    cudaMalloc(&out, out_bytes);
+  }
+  ~Buffers() {
+    for (void* p : {x, topk, static_cast<void*>(weights), recv, static_cast<void*>(rows),
+                    static_cast<void*>(handle), y, out}) {
+      cudaFree(p);
+    }
+  }
+};
+
+void upload_inputs(const World& w, int rank, const Buffers& b, cudaStream_t s) {
+  const auto& topk = w.topk[rank];
+  if (!topk.empty()) {
+    if (w.c.index == IndexType::kInt64) {
+      cudaMemcpyAsync(b.topk, topk.data(), topk.size() * 8, cudaMemcpyHostToDevice, s);
+    } else {
+      std::vector<int32_t> narrow(topk.begin(), topk.end());
+      cudaMemcpyAsync(b.topk, narrow.data(), narrow.size() * 4, cudaMemcpyHostToDevice, s);
+    }
+    cudaMemcpyAsync(b.x, w.x[rank].data(), w.x[rank].size() * 2, cudaMemcpyHostToDevice, s);
+    cudaMemcpyAsync(b.weights, w.weights[rank].data(), w.weights[rank].size() * 4,
+                    cudaMemcpyHostToDevice, s);
+  }
+  cudaStreamSynchronize(s);
+}
+
+MoeProblem problem_of(const World& w, int rank) {
+  MoeProblem p;
+  p.tokens = tokens_of(w.c, rank);
+  p.max_tokens = w.max_tokens;
+  p.hidden = w.c.hidden;
+  p.top_k = w.c.top_k;
+  p.num_experts = w.c.experts;
+  p.layout = w.c.layout;
+  p.capacity = w.c.capacity;
+  return p;
+}
+
+// The dispatch's outputs against the reference, bit for bit.
+void check_dispatch(const World& w, int rank, const MoePlan& plan, const Buffers& b,
+                    cudaStream_t s) {
+  const MoeReceived& want = w.ref.received[rank];
+  std::vector<int32_t> rows(plan.experts_local), handle(plan.rows * 3);
+  std::vector<uint16_t> recv(plan.rows * w.c.hidden);
+  cudaMemcpyAsync(rows.data(), b.rows, rows.size() * 4, cudaMemcpyDeviceToHost, s);
+  cudaMemcpyAsync(handle.data(), b.handle, handle.size() * 4, cudaMemcpyDeviceToHost, s);
+  cudaMemcpyAsync(recv.data(), b.recv, recv.size() * 2, cudaMemcpyDeviceToHost, s);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  EXPECT_EQ(rows, want.expert_rows) << "rows per local expert";
+  ASSERT_EQ(want.rows.size(), static_cast<size_t>(plan.rows));
+  int64_t bad_handles = 0, bad_rows = 0;
+  for (int64_t r = 0; r < plan.rows; ++r) {
+    const MoeRow got{handle[r * 3], handle[r * 3 + 1], handle[r * 3 + 2]};
+    const MoeRow& ref = want.rows[r];
+    if (!(got == ref)) {
+      if (bad_handles++ < 5) {
+        ADD_FAILURE() << "handle row " << r << ": (" << got.src << ", " << got.token << ", "
+                      << got.slot << "), expected (" << ref.src << ", " << ref.token << ", "
+                      << ref.slot << ")";
+      }
+      continue;
+    }
+    if (ref.src < 0) continue;
+    const uint16_t* sent = &w.x[ref.src][static_cast<size_t>(ref.token * w.c.hidden)];
+    if (std::memcmp(sent, &recv[r * w.c.hidden], w.c.hidden * 2) != 0 && bad_rows++ < 5) {
+      ADD_FAILURE() << "row " << r << " differs from rank " << ref.src << "'s token " << ref.token;
+    }
+  }
+  EXPECT_EQ(bad_handles, 0);
+  EXPECT_EQ(bad_rows, 0);
+}
+
+// y = each row as its expert changes it (host), uploaded; returns nothing.
+void make_y(const World& w, int rank, const MoePlan& plan, const Buffers& b, cudaStream_t s) {
+  std::vector<uint16_t> y(plan.rows * w.c.hidden, 0x7fc0);  // NaN where no row is
+  for (int64_t r = 0; r < plan.rows; ++r) {
+    const MoeRow& row = w.ref.received[rank].rows[r];
+    if (row.src < 0) continue;
+    const int64_t e = w.topk[row.src][static_cast<size_t>(row.token) * w.c.top_k + row.slot];
+    for (int64_t h = 0; h < w.c.hidden; ++h) {
+      y[r * w.c.hidden + h] =
+          expert_value(w.x[row.src][static_cast<size_t>(row.token * w.c.hidden + h)], e);
+    }
+  }
+  cudaMemcpyAsync(b.y, y.data(), y.size() * 2, cudaMemcpyHostToDevice, s);
+  cudaStreamSynchronize(s);
+}
+
+// The combine's output at `rank` against the reference sum (y = expert_value, or y = the
+// dispatched rows themselves when `identity`).
+void check_combine(const World& w, int rank, const Buffers& b, cudaStream_t s, bool identity) {
+  const int64_t tokens = tokens_of(w.c, rank), h = w.c.hidden;
+  if (tokens == 0) return;
+  // Which (token, slot) rows of this rank landed somewhere (not dropped past a room).
+  std::vector<char> placed(static_cast<size_t>(tokens * w.c.top_k), 0);
+  for (const MoeReceived& d : w.ref.received) {
+    for (const MoeRow& row : d.rows) {
+      if (row.src == rank) placed[static_cast<size_t>(row.token) * w.c.top_k + row.slot] = 1;
+    }
+  }
+  std::vector<std::vector<uint16_t>> ys(placed.size());
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int j = 0; j < w.c.top_k; ++j) {
+      const size_t i = static_cast<size_t>(t * w.c.top_k + j);
+      if (!placed[i]) continue;
+      ys[i].resize(h);
+      for (int64_t q = 0; q < h; ++q) {
+        const uint16_t v = w.x[rank][static_cast<size_t>(t * h + q)];
+        ys[i][q] = identity ? v : expert_value(v, w.topk[rank][i]);
+      }
+    }
+  }
+  const auto want =
+      moe_combine_reference(tokens, w.c.top_k, h, w.weights[rank], [&](int64_t t, int j) {
+        const auto& v = ys[static_cast<size_t>(t * w.c.top_k + j)];
+        return v.empty() ? nullptr : v.data();
+      });
+  std::vector<uint16_t> got(static_cast<size_t>(tokens * h));
+  cudaMemcpyAsync(got.data(), b.out, got.size() * 2, cudaMemcpyDeviceToHost, s);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  int64_t bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i] && bad++ < 5) {
+      ADD_FAILURE() << "out[" << i / h << "][" << i % h << "] = " << bf16_to_float(got[i])
+                    << ", expected " << bf16_to_float(want[i]);
+    }
+  }
+  EXPECT_EQ(bad, 0) << "combine differs from the fp32 slot-order sum";
+}
+
+// The data error this rank's reference expects, raised once by check(); then none.
+void expect_data_errors(Communicator& comm, const World& w, int rank, cudaStream_t s) {
+  const MoeReceived& want = w.ref.received[rank];
+  bool bad_here = false;
+  for (const MoeRow& b : w.ref.bad_indices) bad_here = bad_here || b.src == rank;
+  if (!bad_here && want.overflowed.empty()) {
+    EXPECT_NO_THROW(comm.synchronize(s));
+    return;
+  }
+  try {
+    comm.synchronize(s);
+    ADD_FAILURE() << "rank " << rank << ": no data error raised";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    if (bad_here) {  // the count kernel runs first: its error is the launch's first
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << msg;
+      EXPECT_NE(msg.find("topk_idx["), std::string::npos) << msg;
+    } else {
+      EXPECT_EQ(e.code(), ErrorCode::kOutOfMemory) << msg;
+      bool named = false;
+      for (int32_t ex : want.overflowed) {
+        named = named || msg.find("local expert " + std::to_string(ex) + " ") != std::string::npos;
+      }
+      EXPECT_TRUE(named) << msg;
+    }
+  }
+  EXPECT_NO_THROW(comm.check()) << "a data error is raised once";
+}
+
+void expect_moe(Communicator& comm, const MoeCase& c, uint64_t seed) {
+  const int world = comm.world_size(), rank = comm.rank();
+  SCOPED_TRACE(describe(c, world) + ", rank " + std::to_string(rank));
+  // The capacity the plan picks (for the reference), from any rank's problem.
+  MoeProblem probe;
+  probe.tokens = 0;
+  probe.max_tokens = c.tokens;  // rank 0 has the most tokens (tokens_of)
+  probe.hidden = c.hidden;
+  probe.top_k = c.top_k;
+  probe.num_experts = c.experts;
+  probe.layout = c.layout;
+  probe.capacity = c.capacity;
+  const MoePlan probe_plan = moe_plan(comm, probe);
+  const World w(c, world, seed, probe_plan.capacity);
+  ASSERT_EQ(w.max_tokens, c.tokens);
+  const MoeProblem p = problem_of(w, rank);
+  const MoePlan plan = moe_plan(comm, p);
+  SymmetricBuffer ws = comm.alloc(plan.workspace_bytes);
+  cudaStream_t s;
+  MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  MKT_CUDA(cudaMemsetAsync(ws.data(), 0, plan.workspace_bytes, s));
+  Buffers b(p, plan, c.index);
+  MKT_CUDA(cudaMemsetAsync(b.recv, 0xff, b.recv_bytes, s));
+  MKT_CUDA(cudaMemsetAsync(b.handle, 0x5a, b.handle_bytes, s));  // poison: every row written
+  MKT_CUDA(cudaMemsetAsync(b.out, 0xff, b.out_bytes, s));
+  upload_inputs(w, rank, b, s);
+  ready(comm, s);
+  moe_dispatch(comm, p, b.x, b.topk, c.index, b.recv, b.rows, b.handle, ws.data(), s);
+  ASSERT_NO_FATAL_FAILURE(expect_data_errors(comm, w, rank, s));
+  ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, b, s));
+  ASSERT_NO_FATAL_FAILURE(make_y(w, rank, plan, b, s));
+  ready(comm, s);
+  moe_combine(comm, p, b.y, b.weights, b.handle, b.out, ws.data(), s);
+  comm.synchronize(s);
+  ASSERT_NO_FATAL_FAILURE(check_combine(w, rank, b, s, /*identity=*/false));
+  // Again on the same buffers: deterministic, and usable after a data error.
+  ready(comm, s);
+  moe_dispatch(comm, p, b.x, b.topk, c.index, b.recv, b.rows, b.handle, ws.data(), s);
+  moe_combine(comm, p, b.y, b.weights, b.handle, b.out, ws.data(), s);
+  try {
+    comm.synchronize(s);
+  } catch (const Error&) {  // the same data error once more
+  }
+  ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, b, s));
+  ASSERT_NO_FATAL_FAILURE(check_combine(w, rank, b, s, /*identity=*/false));
+  comm.bootstrap().barrier();
+  cudaStreamDestroy(s);
+}
+
+void run_cases(int world, const std::vector<MoeCase>& cases, uint64_t seed) {
+  run_in_process(world, [&](Communicator& comm) {
+    for (size_t i = 0; i < cases.size(); ++i) {
+      if (cases[i].experts % world != 0) continue;
+      expect_moe(comm, cases[i], seed + i);
+    }
+  });
+}
+
+TEST(InProcessMoe, World1) {
+  MKT_REQUIRE_GPU();
+  run_cases(1,
+            {{8, 2, 2048, 300},
+             {64, 8, 4096, 200, MoeLayout::kMasked, 0, IndexType::kInt64},
+             {256, 8, 7168, 96},
+             {8, 1, 512, 1000, MoeLayout::kPadded, 0, IndexType::kInt32, Routing::kOneExpert}},
+            11);
+}
+
+TEST(InProcessMoe, World2) {
+  MKT_REQUIRE_GPU();
+  run_cases(2,
+            {{8, 2, 2048, 256},
+             {64, 8, 7168, 128, MoeLayout::kPadded, 0, IndexType::kInt64},
+             {256, 8, 4096, 130, MoeLayout::kMasked, 0},
+             {8, 1, 1024, 300, MoeLayout::kPadded, 0, IndexType::kInt32, Routing::kLocal},
+             {16, 4, 256, 257, MoeLayout::kPadded, 0, IndexType::kInt32, Routing::kSkewed, 1}},
+            21);
+}
+
+TEST(InProcessMoe, World4) {
+  MKT_REQUIRE_GPU();
+  run_cases(4,
+            {{8, 2, 2048, 200},
+             {64, 8, 1024, 150, MoeLayout::kMasked, 0, IndexType::kInt64},
+             {256, 8, 2048, 64},
+             {16, 2, 512, 100, MoeLayout::kPadded, 0, IndexType::kInt32, Routing::kOneExpert, 2}},
+            31);
+}
+
+TEST(InProcessMoe, World8) {
+  MKT_REQUIRE_GPU();
+  run_cases(8,
+            {{8, 2, 1024, 100},
+             {64, 8, 2048, 64, MoeLayout::kPadded, 0, IndexType::kInt64},
+             {256, 8, 512, 50, MoeLayout::kMasked, 0},
+             {16, 1, 256, 90, MoeLayout::kPadded, 0, IndexType::kInt32, Routing::kLocal, 5}},
+            41);
+}
+
+TEST(InProcessMoe, CapacityOverflowAndBadIndices) {
+  MKT_REQUIRE_GPU();
+  run_cases(2,
+            {// Masked with room for 20 rows per expert; padded with 300 rows in all; skewed.
+             {8, 2, 256, 200, MoeLayout::kMasked, 20, IndexType::kInt32, Routing::kSkewed},
+             {8, 4, 256, 200, MoeLayout::kPadded, 300, IndexType::kInt64, Routing::kSkewed},
+             {16, 4, 512, 120, MoeLayout::kPadded, 0, IndexType::kInt64, Routing::kBadIndex},
+             {16, 4, 512, 120, MoeLayout::kMasked, 0, IndexType::kInt32, Routing::kBadIndex}},
+            51);
+}
+
+// One graph (dispatch, then combine of the dispatched rows as they are) replayed 100 times,
+// new routing, tokens and weights uploaded before each replay.
+TEST(InProcessMoe, GraphReplays100TimesWithNewRouting) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) {
+    const int rank = comm.rank();
+    const MoeCase c{16, 4, 512, 96, MoeLayout::kPadded};
+    const World first(c, comm.world_size(), 1, 0);
+    const MoeProblem p = problem_of(first, rank);
+    const MoePlan plan = moe_plan(comm, p);
+    SymmetricBuffer ws = comm.alloc(plan.workspace_bytes);
+    cudaStream_t s;
+    MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    MKT_CUDA(cudaMemsetAsync(ws.data(), 0, plan.workspace_bytes, s));
+    Buffers b(p, plan, c.index);
+    upload_inputs(first, rank, b, s);
+    ready(comm, s);
+    moe_dispatch(comm, p, b.x, b.topk, c.index, b.recv, b.rows, b.handle, ws.data(), s);
+    moe_combine(comm, p, b.recv, b.weights, b.handle, b.out, ws.data(), s);
+    comm.synchronize(s);
+    cudaGraph_t graph;
+    MKT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    moe_dispatch(comm, p, b.x, b.topk, c.index, b.recv, b.rows, b.handle, ws.data(), s);
+    moe_combine(comm, p, b.recv, b.weights, b.handle, b.out, ws.data(), s);
+    MKT_CUDA(cudaStreamEndCapture(s, &graph));
+    cudaGraphExec_t exec;
+    ASSERT_NO_FATAL_FAILURE(instantiate_uploaded(graph, s, &exec));
+    comm.bootstrap().barrier();
+    for (int replay = 0; replay < 100; ++replay) {
+      SCOPED_TRACE("replay " + std::to_string(replay));
+      MoeCase ci = c;
+      ci.routing = replay % 3 == 2 ? Routing::kSkewed : Routing::kRandom;
+      const World w(ci, comm.world_size(), 1000 + replay, plan.capacity);
+      upload_inputs(w, rank, b, s);
+      ready(comm, s);
+      MKT_CUDA(cudaGraphLaunch(exec, s));
+      comm.synchronize(s);
+      ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, b, s));
+      ASSERT_NO_FATAL_FAILURE(check_combine(w, rank, b, s, /*identity=*/true));
+    }
+    comm.bootstrap().barrier();
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
+  });
+}
+
+TEST(InProcessMoe, MissingRankTimesOut) {
+  MKT_REQUIRE_GPU();
+  CommOptions options;
+  options.timeout_seconds = 1.0;
+  run_in_process(
+      2,
+      [](Communicator& comm) {
+        const MoeCase c{8, 2, 256, 64};
+        const World w(c, comm.world_size(), 3, 0);
+        const MoeProblem p = problem_of(w, comm.rank());
+        const MoePlan plan = moe_plan(comm, p);
+        SymmetricBuffer ws = comm.alloc(plan.workspace_bytes);
+        cudaStream_t s;
+        MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        Buffers b(p, plan, c.index);
+        upload_inputs(w, comm.rank(), b, s);
+        ready(comm, s);
+        expect_missing_rank_times_out(comm, s, [&] {
+          moe_dispatch(comm, p, b.x, b.topk, c.index, b.recv, b.rows, b.handle, ws.data(), s);
+        });
+        cudaStreamDestroy(s);
+      },
+      options);
+}
+
+TEST(InProcessMoe, RejectsBadArgumentsBeforeLaunch) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) {
+    const MoeCase c{8, 2, 256, 64};
+    const World w(c, comm.world_size(), 4, 0);
+    const MoeProblem good = problem_of(w, comm.rank());
+    const MoePlan plan = moe_plan(comm, good);
+    SymmetricBuffer ws = comm.alloc(plan.workspace_bytes);
+    cudaStream_t s;
+    MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    Buffers b(good, plan, c.index);
+    MKT_CUDA(cudaMemsetAsync(b.recv, 0xab, b.recv_bytes, s));
+    MKT_CUDA(cudaMemsetAsync(b.handle, 0xab, b.handle_bytes, s));
+    MKT_CUDA(cudaStreamSynchronize(s));
+    void* plain;
+    MKT_CUDA(cudaMalloc(&plain, plan.workspace_bytes));
+    auto dispatch = [&](MoeProblem p, void* workspace = nullptr, const void* x = nullptr) {
+      moe_dispatch(comm, p, x ? x : b.x, b.topk, c.index, b.recv, b.rows, b.handle,
+                   workspace ? workspace : ws.data(), s);
+    };
+    auto with = [&](auto change) {
+      MoeProblem p = good;
+      change(p);
+      return p;
+    };
+    expect_error([&] { dispatch(with([](MoeProblem& p) { p.num_experts = 7; })); },
+                 ErrorCode::kInvalidArgument, "num_experts = 7");
+    expect_error([&] { dispatch(with([](MoeProblem& p) { p.top_k = 17; })); },
+                 ErrorCode::kInvalidArgument, "top_k = 17");
+    expect_error([&] { dispatch(with([](MoeProblem& p) { p.hidden = 12; })); },
+                 ErrorCode::kInvalidArgument, "hidden = 12");
+    expect_error([&] { dispatch(with([](MoeProblem& p) { p.tokens = p.max_tokens + 1; })); },
+                 ErrorCode::kInvalidArgument, "max_tokens");
+    expect_error([&] { dispatch(good, plain); }, ErrorCode::kInvalidArgument, "workspace");
+    expect_error([&] { dispatch(with([](MoeProblem& p) { p.max_tokens *= 4; })); },
+                 ErrorCode::kOutOfMemory, "");  // the workspace is too small for it
+    expect_error([&] { dispatch(good, nullptr, static_cast<char*>(b.x) + 2); },
+                 ErrorCode::kInvalidArgument, "x");
+    expect_error(
+        [&] {
+          moe_dispatch(comm, good, b.x, b.topk, c.index, b.recv, b.rows, b.handle, ws.data(), s,
+                       MoeConfig{-1});
+        },
+        ErrorCode::kInvalidArgument, "config.sms");
+    expect_error(
+        [&] { moe_combine(comm, good, b.recv, b.weights, b.handle, b.recv, ws.data(), s); },
+        ErrorCode::kInvalidArgument, "overlap");
+    std::vector<unsigned char> recv(b.recv_bytes), handle(b.handle_bytes);
+    cudaMemcpy(recv.data(), b.recv, recv.size(), cudaMemcpyDeviceToHost);
+    cudaMemcpy(handle.data(), b.handle, handle.size(), cudaMemcpyDeviceToHost);
+    EXPECT_TRUE(std::all_of(recv.begin(), recv.end(), [](unsigned char v) { return v == 0xab; }));
+    EXPECT_TRUE(
+        std::all_of(handle.begin(), handle.end(), [](unsigned char v) { return v == 0xab; }));
+    comm.bootstrap().barrier();
+    cudaFree(plain);
+    cudaStreamDestroy(s);
+  });
+}
+
+TEST(SanitizeMoe, Small) {
+  MKT_REQUIRE_GPU();
+  run_cases(2, {{8, 2, 64, 40}, {8, 4, 64, 33, MoeLayout::kMasked, 9, IndexType::kInt64}}, 61);
+}
+
+}  // namespace
+}  // namespace mk::test
