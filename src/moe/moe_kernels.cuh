@@ -8,6 +8,7 @@
 //                        the send order; the last chunk writes the totals (local; no atomics on
 //                        positions, so the layout is a pure function of topk_idx)
 //   dispatch_kernel      persistent, one CTA per channel:
+//      entry barrier
 //      counts   -> every destination's signal pad: rows for each of its local experts, rows sent
 //      send     -> channel c's share of the rows for each destination: x[t] once per (token,
 //                  destination) into the destination's receive region [src][slot], with its
@@ -15,13 +16,15 @@
 //      place    <- every source's counts: the layout (expert starts, source prefixes); channel c
 //                  of every source: its rows copied to their expert-major rows, once per local
 //                  expert of the token, with the handle; unused rows' handle set to -1
-//      exit barrier (the receive regions and count words may be reused by the next launch)
 //   combine_kernel       persistent, one CTA per channel:
+//      entry barrier
 //      send     -> each row of y with a handle goes to its source rank's [token][slot] with a
 //                  presence flag (the launch's epoch); then signal kOp + c to every rank
 //      reduce   <- every rank's every channel: per token, the present slots in slot order,
 //                  w * y summed in fp32, rounded once
-//      exit barrier (the combine buffer may be reused)
+// The entry barriers: a rank writes into a peer's receive region, count words or combine buffer
+// only once the peer is in the same launch - so done with the last one, and with whatever came
+// before it on its stream (the workspace's first zeroing, say).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -267,6 +270,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int c = blockIdx.x, channels = gridDim.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int el_n = d.experts_local, words = el_n + 1;
+  // Every rank has entered this launch: done with the last one's receive regions and counts,
+  // and with what came before it on its stream (the workspace's first zeroing, say).
+  if (!launch.channel_barrier(SignalId::kEntry, c, 1)) {
+    launch.end();
+    return;
+  }
   const int64_t n16 = d.hidden / 8;
   const int32_t* totals = ws.at<int32_t>(d.rank, ws.totals);
 
@@ -415,7 +424,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  launch.channel_barrier(SignalId::kExit, c, 1);
   launch.end();
 }
 
@@ -427,6 +435,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t n16 = d.hidden / 8;
   const uint32_t mark = static_cast<uint32_t>(launch.epoch);
+  // Every rank has entered: done reading the last combine's rows from its combine buffer.
+  if (!launch.channel_barrier(SignalId::kEntry, c, 1)) {
+    launch.end();
+    return;
+  }
 
   // ---- send: channel c's rows of the layout back to their sources ----
   int64_t lo, hi;
@@ -490,7 +503,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  launch.channel_barrier(SignalId::kExit, c, 1);
   launch.end();
 }
 

@@ -344,13 +344,15 @@ void expect_moe(Communicator& comm, const MoeCase& c, uint64_t seed) {
   SymmetricBuffer ws = comm.alloc(plan.workspace_bytes);
   cudaStream_t s;
   MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  MKT_CUDA(cudaMemsetAsync(ws.data(), 0, plan.workspace_bytes, s));
   Buffers b(p, plan, c.index);
   MKT_CUDA(cudaMemsetAsync(b.recv, 0xff, b.recv_bytes, s));
   MKT_CUDA(cudaMemsetAsync(b.handle, 0x5a, b.handle_bytes, s));  // poison: every row written
   MKT_CUDA(cudaMemsetAsync(b.out, 0xff, b.out_bytes, s));
   upload_inputs(w, rank, b, s);
   ready(comm, s);
+  // Zeroed on the stream with no meeting after it: peers write into this workspace only once
+  // this rank's launch has begun (the kernels' entry barrier), so after the zeroing.
+  MKT_CUDA(cudaMemsetAsync(ws.data(), 0, plan.workspace_bytes, s));
   moe_dispatch(comm, p, b.x, b.topk, c.index, b.recv, b.rows, b.handle, ws.data(), s);
   ASSERT_NO_FATAL_FAILURE(expect_data_errors(comm, w, rank, s));
   ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, b, s));
