@@ -39,6 +39,7 @@
 #include <string>
 
 #include "mkernel/communicator.h"
+#include "mkernel/gemm.h"
 
 namespace mk {
 
@@ -64,7 +65,9 @@ struct MoeProblem {
 };
 
 struct MoeConfig {
-  int sms = 0;  // CTAs (channels) of each launch; 0 = the communicator's SM budget
+  int sms = 0;      // CTAs (channels) of each launch; 0 = the communicator's SM budget
+  int block_n = 0;  // moe_dispatch_gemm: GEMM tile width 64, 128, 192 or 256; 0 = the library's
+                    // choice (or MKERNEL_GEMM_BLOCK_N)
 };
 
 // What a dispatch / combine will do (the same on every rank), for printing and tests.
@@ -92,6 +95,18 @@ void moe_dispatch(Communicator& comm, const MoeProblem& problem, const void* x,
                   const void* topk_idx, IndexType index_type, void* recv_x, int32_t* expert_rows,
                   int32_t* handle, void* workspace, cudaStream_t stream,
                   const MoeConfig& config = {});
+
+// moe_dispatch and the local experts' GEMM in one launch: y = (the dispatched rows of local
+// expert e) @ op(w[e]) for every local expert, each 128-row tile multiplied as soon as its rows
+// have landed (docs/design/moe.md). w: [E_local, N, H] (BLayout::kNK, nn.Linear's layout) or
+// [E_local, H, N] (kKN) bf16, N a multiple of 8; y: [rows, N] bf16 in the dispatch layout (rows
+// without a (source, token, slot) are not written); recv_x: [rows, H] bf16, the dispatched rows
+// (the GEMM reads them from here: the caller's buffer, which it may keep); expert_rows, handle:
+// as moe_dispatch's. The same workspace as moe_dispatch's (moe_workspace_bytes).
+void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void* x,
+                       const void* topk_idx, IndexType index_type, const void* w, BLayout w_layout,
+                       int64_t n, void* y, void* recv_x, int32_t* expert_rows, int32_t* handle,
+                       void* workspace, cudaStream_t stream, const MoeConfig& config = {});
 
 // y [rows, H] bf16 in the dispatch layout (the dispatch's rows and handle, same problem);
 // topk_weights [T, k] fp32; out [T, H] bf16. The same workspace as the dispatch's.

@@ -1,11 +1,15 @@
 // Host side of moe_dispatch / moe_combine: validate -> plan -> route kernels -> the launch.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
+#include "gemm/gemm_internal.h"
+#include "gemm/launch.cuh"
 #include "mkernel/error.h"
 #include "mkernel/moe.h"
+#include "moe/moe_dispatch_gemm.cuh"
 #include "moe/moe_kernels.cuh"
 #include "moe/moe_plan.h"
 #include "runtime/cuda_check.h"
@@ -19,6 +23,7 @@ namespace {
 
 constexpr const char* kDispatch = "moe_dispatch";
 constexpr const char* kCombine = "moe_combine";
+constexpr const char* kDispatchGemm = "moe_dispatch_gemm";
 
 moe::Plan plan_for(const Communicator& comm, const MoeProblem& problem, const MoeConfig& config,
                    const char* op) {
@@ -47,6 +52,8 @@ moe::Dims dims_of(const Communicator& comm, const MoeProblem& p, const moe::Plan
   d.rows = plan.plan.rows;
   d.capacity = plan.plan.capacity;
   d.masked = p.layout == MoeLayout::kMasked;
+  d.local_list = false;
+  d.blocks_per_expert = plan.blocks_per_expert;
   return d;
 }
 
@@ -63,6 +70,9 @@ moe::Workspace workspace_of(const SymmetricRange& range, const moe::Offsets& o) 
   w.pos = o.pos;
   w.send_list = o.send_list;
   w.totals = o.totals;
+  w.by_local = o.by_local;
+  w.layout = o.layout;
+  w.counters = o.counters;
   return w;
 }
 
@@ -103,6 +113,17 @@ void print(const Communicator& comm, const char* op, const MoeProblem& p, const 
                static_cast<long long>(p.hidden), p.top_k, p.num_experts, plan.describe().c_str());
 }
 
+// The route kernels: chunk counts, then positions and send order (moe_kernels.cuh).
+template <class Idx>
+void launch_route(const DeviceComm& dc, const moe::Dims& d, const moe::Workspace& ws,
+                  const Idx* topk, int chunks, cudaStream_t stream, const char* op) {
+  const std::size_t smem = 4 * static_cast<std::size_t>(d.experts + d.world + d.experts_local);
+  moe::route_count_kernel<Idx><<<chunks, moe::kRouteThreads, smem, stream>>>(dc, d, topk, ws);
+  launch_check(op);
+  moe::route_scan_kernel<Idx><<<chunks, moe::kRouteThreads, smem, stream>>>(d, topk, ws);
+  launch_check(op);
+}
+
 template <class Idx>
 void launch_dispatch(Communicator& comm, const MoeProblem& problem, const moe::Plan& plan,
                      const SymmetricRange& range, const void* x, const void* topk_idx, void* recv_x,
@@ -111,12 +132,7 @@ void launch_dispatch(Communicator& comm, const MoeProblem& problem, const moe::P
   const moe::Workspace ws = workspace_of(range, plan.offsets);
   const DeviceComm dc = comm.device_comm();
   const auto* topk = static_cast<const Idx*>(topk_idx);
-  const int chunks = plan.chunks(problem.tokens);
-  const std::size_t route_smem = 4 * static_cast<std::size_t>(d.experts + d.world);
-  moe::route_count_kernel<Idx><<<chunks, moe::kRouteThreads, route_smem, stream>>>(dc, d, topk, ws);
-  launch_check(kDispatch);
-  moe::route_scan_kernel<Idx><<<chunks, moe::kRouteThreads, route_smem, stream>>>(d, topk, ws);
-  launch_check(kDispatch);
+  launch_route(dc, d, ws, topk, plan.chunks(problem.tokens), stream, kDispatch);
   // (Its shared-memory limit was raised when the communicator loaded it: preload_moe_kernels.)
   const int smem = static_cast<int>(moe::dispatch_smem_bytes(d.world, d.experts_local));
   moe::dispatch_kernel<Idx><<<plan.plan.ctas, moe::kThreads, smem, stream>>>(
@@ -178,6 +194,100 @@ void moe_dispatch(Communicator& comm, const MoeProblem& problem, const void* x,
   }
 }
 
+void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void* x,
+                       const void* topk_idx, IndexType index_type, const void* w, BLayout w_layout,
+                       int64_t n, void* y, void* recv_x, int32_t* expert_rows, int32_t* handle,
+                       void* workspace, cudaStream_t stream, const MoeConfig& config) {
+  detail::DeviceGuard guard(comm.device());
+  const Checked c = check_common(comm, problem, config, workspace, stream, kDispatchGemm);
+  const auto invalid = [](const std::string& what) {
+    throw Error(ErrorCode::kInvalidArgument, std::string(kDispatchGemm) + ": " + what);
+  };
+  if (index_type != IndexType::kInt32 && index_type != IndexType::kInt64) {
+    invalid("index_type " + std::to_string(static_cast<int>(index_type)) +
+            "; expected kInt32 or kInt64");
+  }
+  if (w_layout != BLayout::kNK && w_layout != BLayout::kKN) invalid("unknown weight layout");
+  gemm_engine::require_multiple_of_8(n, kDispatchGemm, "N");
+  if (n >= (int64_t{1} << 31)) invalid("N = " + std::to_string(n) + "; expected < 2^31");
+  const MoePlan& plan = c.plan.plan;
+  const std::size_t idx_size = index_type == IndexType::kInt64 ? 8 : 4;
+  const auto tokens = static_cast<std::size_t>(problem.tokens);
+  const auto h = static_cast<std::size_t>(problem.hidden);
+  const auto k = static_cast<std::size_t>(problem.top_k);
+  const auto rows = static_cast<std::size_t>(plan.rows);
+  const auto e_local = static_cast<std::size_t>(plan.experts_local);
+  const auto width = static_cast<std::size_t>(n);
+  if (tokens > 0) {
+    detail::require_device_pointer(comm, x, 16, kDispatchGemm, "x");
+    detail::require_device_pointer(comm, topk_idx, idx_size, kDispatchGemm, "topk_idx");
+  }
+  detail::require_device_pointer(comm, w, 16, kDispatchGemm, "w");
+  detail::require_device_pointer(comm, y, 16, kDispatchGemm, "y");
+  detail::require_device_pointer(comm, recv_x, 16, kDispatchGemm, "recv_x");
+  detail::require_device_pointer(comm, expert_rows, 4, kDispatchGemm, "expert_rows");
+  detail::require_device_pointer(comm, handle, 4, kDispatchGemm, "handle");
+  detail::require_disjoint(
+      kDispatchGemm, {{"x", tokens > 0 ? x : nullptr, tokens * h * 2, false},
+                      {"topk_idx", tokens > 0 ? topk_idx : nullptr, tokens * k * idx_size, false},
+                      {"w", w, e_local * width * h * 2, false},
+                      {"y", y, rows * width * 2, true},
+                      {"recv_x", recv_x, rows * h * 2, true},
+                      {"expert_rows", expert_rows, e_local * 4, true},
+                      {"handle", handle, rows * 12, true},
+                      {"workspace", workspace, plan.workspace_bytes, true}});
+  // The tile width as the grouped GEMM picks it for these rows (gemm/grouped_gemm.cu): at least
+  // a tile-row per expert.
+  const int block_n = gemm_engine::pick_block_n(
+      config.block_n != 0 ? config.block_n : comm.overrides().block_n,
+      std::max<int64_t>(plan.rows, static_cast<int64_t>(e_local) * kGroupedRowBlock), n, plan.ctas,
+      kDispatchGemm);
+  print(comm, kDispatchGemm, problem, plan);
+  moe::Dims d = dims_of(comm, problem, c.plan);
+  d.local_list = true;
+  const moe::Workspace ws = workspace_of(c.workspace, c.plan.offsets);
+  const DeviceComm dc = comm.device_comm();
+  if (index_type == IndexType::kInt64) {
+    launch_route(dc, d, ws, static_cast<const int64_t*>(topk_idx), c.plan.chunks(problem.tokens),
+                 stream, kDispatchGemm);
+  } else {
+    launch_route(dc, d, ws, static_cast<const int32_t*>(topk_idx), c.plan.chunks(problem.tokens),
+                 stream, kDispatchGemm);
+  }
+  const int tiles_n = static_cast<int>((n + block_n - 1) / block_n);
+  const std::size_t notify_smem = 4 * (static_cast<std::size_t>(d.world) * (e_local + 1) + e_local);
+  moe::notify_kernel<<<1, moe::kThreads, notify_smem, stream>>>(dc, d, ws, tiles_n, expert_rows);
+  launch_check(kDispatchGemm);
+  const moe::LayoutTables lt = moe::layout_tables(d.world, d.experts_local);
+  auto* tables =
+      reinterpret_cast<int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.layout);
+  gemm_engine::dispatch(block_n, w_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
+    moe::MoeDispatchGemm<kBlockN> f{};
+    f.grouped.a = gemm_engine::make_map(recv_x, plan.rows, problem.hidden, 128);
+    f.grouped.c = gemm_engine::make_map(y, plan.rows, n, 64);
+    f.grouped.c_ptr = static_cast<__nv_bfloat16*>(y);
+    f.grouped.row_start = tables + lt.row_start;
+    f.grouped.row_count = tables + lt.row_count;
+    f.grouped.tile_prefix = tables + lt.tile_prefix;
+    f.grouped.groups = d.experts_local;
+    f.grouped.tiles_n = tiles_n;
+    f.grouped.n = static_cast<int>(n);
+    f.comm = dc;
+    f.d = d;
+    f.ws = ws;
+    f.topk = topk_idx;
+    f.topk_int64 = index_type == IndexType::kInt64;
+    f.x = static_cast<const __nv_bfloat16*>(x);
+    f.recv = static_cast<__nv_bfloat16*>(recv_x);
+    f.handle = handle;
+    const CUtensorMap map_b =
+        kTransB ? gemm_engine::make_map_3d(w, d.experts_local, problem.hidden, n, 64)
+                : gemm_engine::make_map_3d(w, d.experts_local, n, problem.hidden, kBlockN);
+    gemm_engine::launch<kBlockN, kTransB>(f, map_b, problem.hidden, plan.ctas, stream,
+                                          kDispatchGemm);
+  });
+}
+
 void moe_combine(Communicator& comm, const MoeProblem& problem, const void* y,
                  const float* topk_weights, const int32_t* handle, void* out, void* workspace,
                  cudaStream_t stream, const MoeConfig& config) {
@@ -230,10 +340,14 @@ void preload_moe_kernels(bool) {
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, most));
   MK_CUDA_CHECK(cudaFuncSetAttribute(moe::dispatch_kernel<int64_t>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+  MK_CUDA_CHECK(
+      cudaFuncSetAttribute(moe::notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
   load(reinterpret_cast<const void*>(&moe::combine_kernel));
 }
 
 const bool kPreloadRegistered = register_kernel_preload(&preload_moe_kernels);
+const bool kFusedPreloadRegistered = register_kernel_preload(
+    [](bool) { gemm_engine::preload_all<moe::MoeDispatchGemm>(); });
 
 }  // namespace
 }  // namespace detail

@@ -73,6 +73,8 @@ struct Dims {
   int64_t rows;          // rows of the layout
   int64_t capacity;      // padded: the room (== rows); masked: rows per local expert
   bool masked;
+  bool local_list;            // route_scan_kernel also lists this rank's own pairs (by_local)
+  int64_t blocks_per_expert;  // masked: arrival counters per local expert; padded: 0 (by row)
 };
 
 // The workspace, from its base on each rank (byte offsets; moe.cu lays it out).
@@ -88,6 +90,9 @@ struct Workspace {
   uint64_t pos;           // int32 [max_tokens][top_k]              (local)
   uint64_t send_list;     // int32 [world][max_tokens]              (local)
   uint64_t totals;        // int32 [experts + world]                (local)
+  uint64_t by_local;      // int32 [max_tokens * top_k]              (local; moe_dispatch_gemm)
+  uint64_t layout;        // int32 LayoutTables                      (local; moe_dispatch_gemm)
+  uint64_t counters;      // uint64 [blocks]                         (local; moe_dispatch_gemm)
 
   template <class T>
   __device__ T* at(int rank, uint64_t field) const {
@@ -108,6 +113,34 @@ __device__ __forceinline__ bool first_for_rank(const Idx* row, int j, int dst, c
     if (valid_expert(e, d.experts) && static_cast<int>(e / d.experts_local) == dst) return false;
   }
   return true;
+}
+
+// [lo, hi) of n items for part `part` of `parts` (the same split on every rank).
+__device__ __forceinline__ void share(int64_t n, int part, int parts, int64_t& lo, int64_t& hi) {
+  lo = n * part / parts;
+  hi = n * (part + 1) / parts;
+}
+
+// Exclusive prefix sums in place over n ints of shared memory, by the whole CTA of kBlockThreads
+// threads; returns the total.
+template <int kBlockThreads>
+__device__ __forceinline__ int64_t block_exclusive_scan(int32_t* values, int n) {
+  using Scan = cub::BlockScan<int64_t, kBlockThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ int64_t carry;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int base = 0; base < n; base += kBlockThreads) {
+    const int i = base + static_cast<int>(threadIdx.x);
+    const int64_t v = i < n ? values[i] : 0;
+    int64_t before = 0, total = 0;
+    Scan(scan).ExclusiveSum(v, before, total);
+    if (i < n) values[i] = static_cast<int32_t>(carry + before);
+    __syncthreads();
+    if (threadIdx.x == 0) carry += total;
+    __syncthreads();
+  }
+  return carry;
 }
 
 // Rows per expert and per destination rank of chunk blockIdx.x (one CTA per chunk; at least one
@@ -152,6 +185,7 @@ __global__ void __launch_bounds__(kRouteThreads)
     route_scan_kernel(Dims d, const Idx* topk, Workspace ws) {
   extern __shared__ int32_t s_base[];  // [experts] then [world]: running positions
   int32_t* s_dbase = s_base + d.experts;
+  int32_t* s_local = s_dbase + d.world;  // [E_local]: first entry of each own expert in by_local
   const int c = blockIdx.x;
   const int32_t* cnt = ws.at<int32_t>(d.rank, ws.chunk_cnt);
   const int32_t* dcnt = ws.at<int32_t>(d.rank, ws.chunk_dcnt);
@@ -165,11 +199,26 @@ __global__ void __launch_bounds__(kRouteThreads)
       sum += column[static_cast<int64_t>(earlier) * stride];
     }
     s_base[i] = sum;
-    if (c == static_cast<int>(gridDim.x) - 1)
+    if (c == static_cast<int>(gridDim.x) - 1) {
       totals[i] = sum + column[static_cast<int64_t>(c) * stride];
+    }
+  }
+  if (d.local_list) {  // this rank's rows for its own experts, all chunks: their list's offsets
+    for (int e = threadIdx.x; e < d.experts_local; e += blockDim.x) {
+      const int32_t* column = cnt + d.rank * d.experts_local + e;
+      int32_t sum = 0;
+      for (int chunk = 0; chunk < static_cast<int>(gridDim.x); ++chunk) {
+        sum += column[static_cast<int64_t>(chunk) * d.experts];
+      }
+      s_local[e] = sum;
+    }
+    __syncthreads();
+    block_exclusive_scan<kRouteThreads>(s_local, d.experts_local);
   }
   __syncthreads();
   if (threadIdx.x >= 32) return;
+  int32_t* by_local = ws.at<int32_t>(d.rank, ws.by_local);
+  const int first_own = d.rank * d.experts_local;
   const int lane = threadIdx.x;
   const unsigned lower = (1u << lane) - 1;
   int32_t* pos = ws.at<int32_t>(d.rank, ws.pos);
@@ -192,6 +241,9 @@ __global__ void __launch_bounds__(kRouteThreads)
     if (ok && (same & lower) == 0) s_base[e] += __popc(same);
     __syncwarp();
     if (active) pos[p] = my_pos;
+    if (d.local_list && ok && e >= first_own && e < first_own + d.experts_local) {
+      by_local[s_local[e - first_own] + my_pos] = static_cast<int32_t>(p);
+    }
     // The (token, destination) pair's slot in the destination's send order.
     const int dst = ok ? static_cast<int>(e / d.experts_local) : -1;
     const bool first = ok && first_for_rank(topk + t * d.top_k, j, dst, d);
@@ -234,32 +286,6 @@ __device__ __forceinline__ void copy_row(const int4* src, int4* const (&dst)[kMa
       if (dst[k] != nullptr) dst[k][i] = v;
     }
   }
-}
-
-// [lo, hi) of n items for part `part` of `parts` (the same split on every rank).
-__device__ __forceinline__ void share(int64_t n, int part, int parts, int64_t& lo, int64_t& hi) {
-  lo = n * part / parts;
-  hi = n * (part + 1) / parts;
-}
-
-// Exclusive prefix sums in place over n ints of shared memory, by the whole CTA; returns the total.
-__device__ __forceinline__ int64_t block_exclusive_scan(int32_t* values, int n) {
-  using Scan = cub::BlockScan<int64_t, kThreads>;
-  __shared__ typename Scan::TempStorage scan;
-  __shared__ int64_t carry;
-  if (threadIdx.x == 0) carry = 0;
-  __syncthreads();
-  for (int base = 0; base < n; base += kThreads) {
-    const int i = base + static_cast<int>(threadIdx.x);
-    const int64_t v = i < n ? values[i] : 0;
-    int64_t before = 0, total = 0;
-    Scan(scan).ExclusiveSum(v, before, total);
-    if (i < n) values[i] = static_cast<int32_t>(carry + before);
-    __syncthreads();
-    if (threadIdx.x == 0) carry += total;
-    __syncthreads();
-  }
-  return carry;
 }
 
 template <class Idx>
@@ -349,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       __syncthreads();
     } else {
-      const int64_t end = block_exclusive_scan(s_start, el_n);
+      const int64_t end = block_exclusive_scan<kThreads>(s_start, el_n);
       if (threadIdx.x == 0) s_start[el_n] = static_cast<int32_t>(min64(end, INT32_MAX));
       __syncthreads();
     }

@@ -102,6 +102,15 @@ Plan plan_moe(int world, int sm_budget, const MoeProblem& p, const MoeConfig& co
   take(o.pos, t * k * 4);
   take(o.send_list, w * t * 4);
   take(o.totals, (static_cast<uint64_t>(p.num_experts) + w) * 4);
+  take(o.by_local, t * k * 4);
+  take(o.layout, static_cast<uint64_t>(layout_tables(world, e_local).ints) * 4);
+  if (p.layout == MoeLayout::kMasked) {
+    plan.blocks_per_expert = (out.capacity + kMoeRowBlock - 1) / kMoeRowBlock;
+    plan.blocks = plan.blocks_per_expert * e_local;
+  } else {
+    plan.blocks = (out.rows + kMoeRowBlock - 1) / kMoeRowBlock;
+  }
+  take(o.counters, static_cast<uint64_t>(plan.blocks) * 8);
   o.bytes = at;
   out.workspace_bytes = at;
   return plan;

@@ -20,8 +20,37 @@ struct Offsets {
   uint64_t pos = 0;         // int32 [max_tokens][top_k]
   uint64_t send_list = 0;   // int32 [world][max_tokens]
   uint64_t totals = 0;      // int32 [experts + world]
+  // moe_dispatch_gemm only (laid out for every plan: small next to the rows):
+  uint64_t by_local = 0;     // int32 [max_tokens * top_k]: this rank's (token, slot) pairs bound
+                             // for its own experts, in its layout's order
+  uint64_t layout = 0;       // int32 LayoutTables (the receive side's layout, the notify kernel's)
+  uint64_t counters = 0;     // uint64 [blocks]: rows placed in each 128-row block of the layout
   uint64_t bytes = 0;
 };
+
+// The receive side's layout as the notify kernel writes it (int32 arrays from Offsets::layout):
+//   start [E_local + 1]   first row of each local expert (padded: multiples of 128)
+//   pre   [world][E_local] rows of earlier sources within each expert
+//   recv  [world]         rows each source sends here
+//   local [1]             this rank's pairs bound for its own experts
+//   row_start, row_count [E_local], tile_prefix [E_local + 1]: the grouped GEMM's scheduler
+//                          (row_count: the rows that fit)
+struct LayoutTables {
+  int64_t start, pre, recv, local, row_start, row_count, tile_prefix, ints;
+};
+constexpr LayoutTables layout_tables(int world, int experts_local) {
+  const int64_t e = experts_local, w = world;
+  LayoutTables t{};
+  t.start = 0;
+  t.pre = t.start + e + 1;
+  t.recv = t.pre + w * e;
+  t.local = t.recv + w;
+  t.row_start = t.local + 1;
+  t.row_count = t.row_start + e;
+  t.tile_prefix = t.row_count + e;
+  t.ints = t.tile_prefix + e + 1;
+  return t;
+}
 
 // Shared memory of the dispatch kernel: [world][E_local + 1] counts (then prefixes over
 // sources), [E_local] totals, [E_local + 1] starts; and the most any plan may ask for (the
@@ -39,6 +68,8 @@ struct Plan {
   Offsets offsets;
   int64_t chunk_tokens = 0;  // route chunks of this many tokens
   int meta_ints = 0;         // per received row: token, then (local expert, position) per slot
+  int64_t blocks = 0;        // 128-row blocks of the layout (arrival counters)
+  int64_t blocks_per_expert = 0;  // masked: ceil(capacity / 128); padded: 0 (blocks by row)
   // Route chunks for `tokens` of this rank (at least 1: the last chunk writes the totals).
   int chunks(int64_t tokens) const;
 };

@@ -27,6 +27,7 @@ std::string describe_value(uint64_t v) {
 // The current value of this rank's signal word (signal, src), read from the host for diagnostics
 // (a host-pad signal from the inter-node path's pad).
 uint64_t read_signal(const detail::CommState& s, uint32_t signal, int src) {
+  if (signal & kLocalCounterBit) return 0;  // the op's own memory: not read here
   if (signal & kHostPadSignalBit) {
     return s.inter_node ? s.inter_node->signals().load(src, signal & ~kHostPadSignalBit) : 0;
   }
@@ -45,6 +46,10 @@ uint64_t read_signal(const detail::CommState& s, uint32_t signal, int src) {
 std::string describe_signal(uint32_t signal) {
   if (signal & kHostPadSignalBit) {
     return "inter-node signal " + std::to_string(signal & ~kHostPadSignalBit) + " (host pad)";
+  }
+  if (signal & kLocalCounterBit) {
+    return "local arrival counter " + std::to_string(signal & ~kLocalCounterBit) +
+           " (raised by this rank's own CTAs)";
   }
   if (signal >= static_cast<uint32_t>(SignalId::kOp)) {
     return "op signal " + std::to_string(signal - static_cast<uint32_t>(SignalId::kOp));
@@ -324,10 +329,15 @@ std::string recorded_timeout(const detail::CommState& s) {
   const volatile DeviceErrorRecord* rec = s.error_host;
   std::ostringstream msg;
   msg << "rank " << rec->rank << " waited " << static_cast<double>(rec->waited_ns) * 1e-9
-      << " s for rank " << rec->peer << " on the " << describe_signal(rec->signal) << " (expected "
-      << describe_value(rec->expected) << ", last saw " << describe_value(rec->observed) << ", now "
-      << describe_value(read_signal(s, rec->signal, rec->peer)) << "); time limit "
-      << s.timeout_seconds << " s (MKERNEL_TIMEOUT_S). Is rank " << rec->peer
+      << " s for rank " << rec->peer << " on the " << describe_signal(rec->signal);
+  if (rec->signal & kLocalCounterBit) {  // a count, not a (launch, step) value
+    msg << " (expected " << rec->expected << ", last saw " << rec->observed << ")";
+  } else {
+    msg << " (expected " << describe_value(rec->expected) << ", last saw "
+        << describe_value(rec->observed) << ", now "
+        << describe_value(read_signal(s, rec->signal, rec->peer)) << ")";
+  }
+  msg << "; time limit " << s.timeout_seconds << " s (MKERNEL_TIMEOUT_S). Is rank " << rec->peer
       << " alive and issuing the same operations in the same order?";
   const int peer = rec->peer;
   if (s.topo.ranks_on_my_device > 1 && peer >= 0 && peer < s.topo.world_size &&

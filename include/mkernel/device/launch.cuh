@@ -92,6 +92,13 @@ struct Launch {
                     signal | kHostPadSignalBit, step, comm.host_abort);
   }
 
+  // Wait until `word` - written on this GPU by this rank's own CTAs, e.g. an arrival counter -
+  // reaches `expected` (wrap-safe >=). False on time-out or abort; a time-out is recorded as
+  // this rank waiting for itself on local counter `counter` (kLocalCounterBit).
+  __device__ bool wait_local(const uint64_t* word, uint64_t expected, uint32_t counter) const {
+    return wait_value(word, comm.rank, counter | kLocalCounterBit, expected, nullptr);
+  }
+
   // All local ranks' channel `channel` meet: every thread of the CTA calls it. Thread t <
   // local_size signals local rank t and waits for it. Orders all prior writes of the CTA (to any
   // GPU) before the peers' subsequent reads. Returns false (on every thread) if any wait failed.
@@ -130,7 +137,11 @@ struct Launch {
   // step). False on time-out, on this rank's abort, or once `*path_abort` (when given) is set.
   __device__ bool wait_for(const uint64_t* word, int src, uint32_t tag, uint32_t step,
                            const int32_t* path_abort) const {
-    const uint64_t expected = signal_value(epoch, step);
+    return wait_value(word, src, tag, signal_value(epoch, step), path_abort);
+  }
+
+  __device__ bool wait_value(const uint64_t* word, int src, uint32_t tag, uint64_t expected,
+                             const int32_t* path_abort) const {
     uint64_t seen = ld_acquire_sys(word);
     if (reached(seen, expected)) return true;
     const uint64_t start = global_timer_ns();

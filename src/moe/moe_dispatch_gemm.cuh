@@ -1,0 +1,357 @@
+// moe_dispatch_gemm: routed tokens land and are multiplied in one launch (mkernel/moe.h).
+//
+// Per rank and call, on its stream (after the route kernels of moe_kernels.cuh, which here also
+// list this rank's own (token, slot) pairs in its layout's order, by_local):
+//   notify_kernel   one CTA: entry barrier; this rank's counts to every destination; every
+//                   source's counts -> the receive side's layout (LayoutTables: expert starts,
+//                   source prefixes, rows per source) and the grouped GEMM's scheduler tables
+//                   (row_start, row_count, tile_prefix); the block arrival counters zeroed
+//   the fused launch: the GEMM engine with MoeDispatchGemm, one CTA per SM:
+//     side warps (the producer warpgroup's three spare warps):
+//       1. send    channel c's share of the rows for each other rank, in chunks of kChunkRows;
+//                  after each chunk signal kOp + c with step = chunks so far
+//       2. local   this rank's rows for its own experts, in layout order (by_local), in units of
+//                  kChunkRows taken by the CTAs in turn: the first experts' blocks fill first
+//       3. receive channel c's share of every other rank's rows, chunk by chunk as signalled:
+//                  copied to their rows (once per local expert of the token)
+//       4. the handle's unused rows set to -1
+//       every placed row counts itself into its 128-row block's arrival counter
+//     producer: before a tile's first load, waits until its block counter reaches the tile's
+//               rows, then orders that acquire before its TMA reads (proxy fence)
+//     consumers: the grouped GEMM's (y in the dispatch layout)
+//
+//   block of a layout row:  padded - row / 128 (experts start on multiples of 128);
+//                           masked - e x ceil(capacity / 128) + (row - e x capacity) / 128
+//
+// Reuse: the notify kernel's entry barrier orders everything: a rank that entered this call's
+// notify launch has finished its last fused launch (which read its receive region) and its last
+// notify (which read its count words).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "gemm/gemm_kernel.cuh"
+#include "gemm/grouped_gemm.cuh"
+#include "moe/moe_kernels.cuh"
+
+namespace mk::moe {
+
+constexpr int kChunkRows = 16;  // rows per signalled chunk (remote) or unit (local)
+
+// One CTA of kThreads: the layout of this rank's receive side (moe_plan.h, LayoutTables).
+__global__ void __launch_bounds__(kThreads, 1)
+    notify_kernel(DeviceComm comm, Dims d, Workspace ws, int tiles_n, int32_t* expert_rows) {
+  const dev::Launch launch = dev::Launch::begin(comm);
+  if (!launch.channel_barrier(SignalId::kEntry, 0, 1)) {
+    launch.end();
+    return;
+  }
+  const int el_n = d.experts_local, words = el_n + 1;
+  const int32_t* totals = ws.at<int32_t>(d.rank, ws.totals);
+  for (int w = threadIdx.x; w < d.world * words; w += kThreads) {
+    const int dst = w / words, i = w % words;
+    const int32_t n = i < el_n ? totals[dst * el_n + i] : totals[d.experts + dst];
+    launch.signal(dst, count_signal(i), static_cast<uint32_t>(n));
+  }
+  extern __shared__ int32_t s_cnt[];  // [world][words], then [E_local] rows that fit
+  int32_t* s_fit = s_cnt + d.world * words;
+  bool ok = true;
+  for (int w = threadIdx.x; w < d.world * words; w += kThreads) {
+    const int src = w / words;
+    const uint32_t signal = count_signal(w % words);
+    ok = launch.wait(src, signal, 0) && ok;
+    s_cnt[w] = static_cast<int32_t>(
+        dev::ld_relaxed_sys(comm.signals + static_cast<uint64_t>(signal) * comm.world_size + src));
+  }
+  if (__syncthreads_and(ok) == 0) {
+    launch.end();
+    return;
+  }
+  const LayoutTables lt = layout_tables(d.world, el_n);
+  int32_t* tables = ws.at<int32_t>(d.rank, ws.layout);
+  int32_t* start = tables + lt.start;
+  for (int e = threadIdx.x; e < el_n; e += kThreads) {
+    int32_t sum = 0;
+    for (int src = 0; src < d.world; ++src) {
+      const int32_t n = s_cnt[src * words + e];
+      tables[lt.pre + src * el_n + e] = sum;
+      sum += n;
+    }
+    expert_rows[e] = sum;
+    s_fit[e] = sum;  // the total for now; the rows that fit below
+    start[e] = d.masked ? 0 : (sum + kRowBlock - 1) / kRowBlock * kRowBlock;
+  }
+  for (int src = threadIdx.x; src < d.world; src += kThreads) {
+    tables[lt.recv + src] = s_cnt[src * words + el_n];
+  }
+  if (threadIdx.x == 0) {
+    int32_t local = 0;
+    for (int e = 0; e < el_n; ++e) local += s_cnt[d.rank * words + e];
+    tables[lt.local] = local;
+  }
+  __syncthreads();
+  if (d.masked) {
+    for (int e = threadIdx.x; e <= el_n; e += kThreads) {
+      start[e] = static_cast<int32_t>(min64(e * d.capacity, INT32_MAX));
+    }
+  } else {
+    // start[] is in global memory: scan a shared copy (s_cnt is free by now).
+    for (int e = threadIdx.x; e < el_n; e += kThreads) s_cnt[e] = start[e];
+    __syncthreads();
+    const int64_t end = block_exclusive_scan<kThreads>(s_cnt, el_n);
+    for (int e = threadIdx.x; e < el_n; e += kThreads) start[e] = s_cnt[e];
+    if (threadIdx.x == 0) start[el_n] = static_cast<int32_t>(min64(end, INT32_MAX));
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < el_n; e += kThreads) {
+    const int64_t held = d.masked ? d.capacity : max64(0, d.capacity - start[e]);
+    const int32_t total = s_fit[e];
+    if (total > held) {
+      dev::record_data_error(comm, launch.epoch, DeviceErrorCode::kCapacity, e, 0,
+                             static_cast<uint64_t>(held), static_cast<uint64_t>(total));
+    }
+    s_fit[e] = static_cast<int32_t>(min64(total, held));
+    tables[lt.row_start + e] = start[e];
+    tables[lt.row_count + e] = s_fit[e];
+  }
+  __syncthreads();
+  // The grouped GEMM's tiles: ceil(rows that fit / 128) x tiles_n per expert, in expert order.
+  for (int e = threadIdx.x; e < el_n; e += kThreads) {
+    s_cnt[e] = (s_fit[e] + kRowBlock - 1) / kRowBlock * tiles_n;
+  }
+  __syncthreads();
+  const int64_t tiles = block_exclusive_scan<kThreads>(s_cnt, el_n);
+  for (int e = threadIdx.x; e < el_n; e += kThreads) tables[lt.tile_prefix + e] = s_cnt[e];
+  if (threadIdx.x == 0) tables[lt.tile_prefix + el_n] = static_cast<int32_t>(tiles);
+  // The arrival counters start from zero (the last fused launch is over: stream order).
+  uint64_t* counters = ws.at<uint64_t>(d.rank, ws.counters);
+  const int64_t blocks =
+      d.masked ? d.blocks_per_expert * el_n : (d.rows + kRowBlock - 1) / kRowBlock;
+  for (int64_t b = threadIdx.x; b < blocks; b += kThreads) counters[b] = 0;
+  launch.end();
+}
+
+// 16 bytes through L2 only: rows written by other GPUs (or other CTAs) during the kernel.
+__device__ __forceinline__ int4 load_cg(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+// One warp copies a row of n16 16-byte words, kInFlight per lane (kFresh: src may have been
+// written during the kernel - read through L2). The side warps run on the producer warpgroup's
+// few registers: 32-bit indices, two vectors in flight.
+template <bool kFresh, int kInFlight = 2>
+__device__ __forceinline__ void copy_row_warp(const int4* src, int4* dst, int n16, int lane) {
+  int i = lane;
+  for (; i + 32 * (kInFlight - 1) < n16; i += 32 * kInFlight) {
+    int4 v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) v[u] = kFresh ? load_cg(src + i + 32 * u) : __ldg(src + i + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) dst[i + 32 * u] = v[u];
+  }
+  for (; i < n16; i += 32) dst[i] = kFresh ? load_cg(src + i) : __ldg(src + i);
+}
+
+template <int kBlockN>
+struct MoeDispatchGemm {
+  // The side warps copy rows and keep the layout's bookkeeping: the producer warpgroup needs 88
+  // registers for them without spilling (ptxas, every width; 72 spilled 16 bytes); the
+  // consumers' 208 hold the widest tile's 128 accumulators without spilling too.
+  static constexpr gemm_engine::FusionTraits kTraits{
+      .batched_b = true, .producer_regs = 88, .consumer_regs = 208};
+  static constexpr int kSideBarrier = 3;  // named barrier of the 96 side threads
+
+  gemm_engine::GroupedGemm<kBlockN> grouped;  // A = recv [rows, H], C = y, the layout's tables
+  DeviceComm comm;
+  Dims d;
+  Workspace ws;
+  const void* topk;  // [T, k] int32 or int64 (topk_int64)
+  bool topk_int64;
+  const __nv_bfloat16* x;  // [T, H]
+  __nv_bfloat16* recv;     // [rows, H]: the layout's rows, the GEMM's A
+  int32_t* handle;         // [rows][3]
+
+  struct ConsumerState {};
+
+  __device__ int num_tiles() const { return grouped.num_tiles(); }
+  __device__ gemm_engine::Tile tile(int t) const { return grouped.tile(t); }
+
+  __device__ int64_t block_of(int e, int64_t row) const {
+    return d.masked ? e * d.blocks_per_expert + (row - e * d.capacity) / kRowBlock
+                    : row / kRowBlock;
+  }
+
+  // The tile's rows have all been placed.
+  __device__ void wait_operands(const gemm_engine::Tile& tile) const {
+    if (tile.rows <= 0) return;
+    const int64_t b = block_of(tile.shard, tile.row);
+    const dev::Launch launch = dev::Launch::begin(comm);
+    const uint64_t* counter = ws.at<uint64_t>(d.rank, ws.counters) + b;
+    launch.wait_local(counter, static_cast<uint64_t>(tile.rows), static_cast<uint32_t>(b));
+    dev::fence_proxy_async_global();
+  }
+
+  __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
+    grouped.load_a(dst, bar, tile, k0);
+  }
+
+  template <int kRegs>
+  __device__ void store(const float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
+                        uint8_t* scratch, ConsumerState&) const {
+    typename gemm_engine::GroupedGemm<kBlockN>::ConsumerState state{};
+    grouped.store(acc, tile, consumer, scratch, state);
+  }
+
+  __device__ void consumer_done(ConsumerState&) const {}
+  __device__ void finish() const {}
+
+  __device__ int64_t topk_at(int64_t p) const {
+    return topk_int64 ? static_cast<const int64_t*>(topk)[p]
+                      : static_cast<const int32_t*>(topk)[p];
+  }
+
+  // A row placed at `row` of local expert e: the handle, then (after the warp's stores) the
+  // block's count. All lanes of the warp call.
+  __device__ void placed(int e, int row, int src, int token, int slot, int lane) const {
+    __syncwarp();
+    if (lane == 0) {
+      int32_t* h = handle + static_cast<int64_t>(row) * 3;
+      h[0] = src;
+      h[1] = token;
+      h[2] = slot;
+      __threadfence();  // the row's bytes (every lane's, ordered by __syncwarp) before the count
+      atomicAdd(reinterpret_cast<unsigned long long*>(ws.at<uint64_t>(d.rank, ws.counters) +
+                                                      block_of(e, row)),
+                1ull);
+    }
+  }
+
+  // Rows [first, last) of the layout's unused tail of expert e's region: handle -1.
+  __device__ void unused_rows(int64_t first, int64_t last, int thread, int threads) const {
+    for (int64_t r = first + thread; r < last; r += threads) {
+      handle[r * 3] = handle[r * 3 + 1] = handle[r * 3 + 2] = -1;
+    }
+  }
+
+  // The side warps' four steps (the header). Indices are 32-bit (rows and tokens below 2^31):
+  // these warps run on the producer warpgroup's few registers.
+  __device__ void side_task(int thread, int threads) const {
+    const int warp = thread / 32, lane = thread % 32, warps = threads / 32;
+    const int c = blockIdx.x, channels = gridDim.x;
+    const int el_n = d.experts_local, k = d.top_k, me = d.rank;
+    const int n16 = static_cast<int>(d.hidden / 8);
+    const LayoutTables lt = layout_tables(d.world, el_n);
+    const int32_t* tables = ws.at<int32_t>(me, ws.layout);
+    const int32_t* pos = ws.at<int32_t>(me, ws.pos);
+    const int4* x16 = reinterpret_cast<const int4*>(x);
+    int4* recv16 = reinterpret_cast<int4*>(recv);
+
+    // 1. Channel c's share of the rows for each other rank, chunk by chunk.
+    for (int i = 1; i < d.world; ++i) {
+      const int dst = (me + i) % d.world;
+      int64_t lo, hi;
+      share(ws.at<int32_t>(me, ws.totals)[d.experts + dst], c, channels, lo, hi);
+      const int64_t region = static_cast<int64_t>(me) * d.max_tokens;
+      int4* rx = reinterpret_cast<int4*>(ws.at<__nv_bfloat16>(dst, ws.recv_x)) + region * n16;
+      int32_t* meta = ws.at<int32_t>(dst, ws.recv_meta) + region * d.meta_ints;
+      const int32_t* list = ws.at<int32_t>(me, ws.send_list) + static_cast<int64_t>(dst) * d.max_tokens;
+      uint32_t chunk = 0;
+      for (int first = static_cast<int>(lo); first < hi; first += kChunkRows) {
+        const int last = min(static_cast<int>(hi), first + kChunkRows);
+        for (int slot = first + warp; slot < last; slot += warps) {
+          const int t = list[slot];
+          copy_row_warp<false>(x16 + static_cast<int64_t>(t) * n16,
+                               rx + static_cast<int64_t>(slot) * n16, n16, lane);
+          int32_t* m = meta + static_cast<int64_t>(slot) * d.meta_ints;
+          if (lane == 0) m[0] = t;
+          if (lane < k) {
+            const int64_t e = topk_at(static_cast<int64_t>(t) * k + lane);
+            const bool here = e >= 0 && e < d.experts && static_cast<int>(e / el_n) == dst;
+            m[1 + 2 * lane] = here ? static_cast<int32_t>(e % el_n) : -1;
+            m[2 + 2 * lane] = here ? pos[static_cast<int64_t>(t) * k + lane] : -1;
+          }
+        }
+        dev::named_barrier_sync(kSideBarrier, threads);
+        if (thread == 0) {
+          dev::fence_acq_rel_sys();
+          dev::Launch::begin(comm).signal(dst, dev::signal_index(SignalId::kOp, c), ++chunk);
+        }
+      }
+    }
+
+    // 2. This rank's rows for its own experts, in layout order, units taken by the CTAs in turn.
+    const int32_t* by_local = ws.at<int32_t>(me, ws.by_local);
+    const int local = tables[lt.local];
+    for (int unit = c * kChunkRows; unit < local; unit += channels * kChunkRows) {
+      const int end = min(local, unit + kChunkRows);
+      for (int i = unit + warp; i < end; i += warps) {
+        const int p = by_local[i];
+        const int e = static_cast<int>(topk_at(p)) - me * el_n;
+        const int at = tables[lt.pre + me * el_n + e] + pos[p];
+        if (at >= tables[lt.row_count + e]) continue;  // past the room (notify recorded it)
+        const int row = tables[lt.start + e] + at;
+        copy_row_warp<false>(x16 + static_cast<int64_t>(p / k) * n16,
+                             recv16 + static_cast<int64_t>(row) * n16, n16, lane);
+        placed(e, row, me, p / k, p % k, lane);
+      }
+    }
+
+    // 3. Channel c's share of every other rank's rows, chunk by chunk as they land.
+    for (int i = 1; i < d.world; ++i) {
+      const int src = (me - i + d.world) % d.world;
+      int64_t lo, hi;
+      share(tables[lt.recv + src], c, channels, lo, hi);
+      const int64_t region = static_cast<int64_t>(src) * d.max_tokens;
+      const int4* rx = reinterpret_cast<const int4*>(ws.at<__nv_bfloat16>(me, ws.recv_x)) +
+                       region * n16;
+      const int32_t* meta = ws.at<int32_t>(me, ws.recv_meta) + region * d.meta_ints;
+      const int32_t* pre = tables + lt.pre + src * el_n;
+      uint32_t chunk = 0;
+      for (int first = static_cast<int>(lo); first < hi; first += kChunkRows) {
+        bool failed = false;
+        if (thread == 0) {
+          failed = !dev::Launch::begin(comm).wait(src, dev::signal_index(SignalId::kOp, c), ++chunk);
+        }
+        if (dev::named_barrier_or(kSideBarrier, threads, failed)) return;
+        const int last = min(static_cast<int>(hi), first + kChunkRows);
+        for (int slot = first + warp; slot < last; slot += warps) {
+          const int32_t* m = meta + static_cast<int64_t>(slot) * d.meta_ints;
+          for (int j = 0; j < k; ++j) {
+            const int e = __ldcg(m + 1 + 2 * j);
+            if (e < 0) continue;
+            const int at = pre[e] + __ldcg(m + 2 + 2 * j);
+            if (at >= tables[lt.row_count + e]) continue;
+            const int row = tables[lt.start + e] + at;
+            copy_row_warp<true>(rx + static_cast<int64_t>(slot) * n16,
+                                recv16 + static_cast<int64_t>(row) * n16, n16, lane);
+            placed(e, row, src, __ldcg(m), j, lane);
+          }
+        }
+      }
+    }
+
+    // 4. The handle's rows that no (source, token, slot) landed in.
+    for (int e = c; e < el_n; e += channels) {
+      const int64_t start = tables[lt.start + e];
+      const int64_t end =
+          d.masked ? start + d.capacity : min64(d.capacity, tables[lt.start + e + 1]);
+      unused_rows(start + tables[lt.row_count + e], end, thread, threads);
+    }
+    if (!d.masked) {
+      int64_t lo, hi;
+      const int64_t used = min64(d.capacity, tables[lt.start + el_n]);
+      share(d.capacity - used, c, channels, lo, hi);
+      unused_rows(used + lo, used + hi, thread, threads);
+    }
+  }
+};
+static_assert(gemm_engine::check_fusion_widths<MoeDispatchGemm>());
+
+}  // namespace mk::moe
