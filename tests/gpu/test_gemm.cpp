@@ -27,7 +27,7 @@ void expect_gemm_matches(const Shape& s, uint64_t seed, GemmConfig config = {},
   SCOPED_TRACE(name(s) + " block_n " + std::to_string(config.block_n) + " split_k " +
                std::to_string(config.split_k) + " sms " + std::to_string(config.sms) +
                (layout == BLayout::kKN ? " B [K, N]" : " B [N, K]") + ": " +
-               gemm_plan(s.m, s.n, s.k, config).describe());
+               gemm_plan(s.m, s.n, s.k, layout, config).describe());
   const bool kn = layout == BLayout::kKN;
   cudaStream_t stream;
   MKT_CUDA(cudaStreamCreate(&stream));
@@ -144,7 +144,8 @@ TEST(Gemm, SplitKPiecesAddUp) {
   }
   // The library's own choice where it splits (the plan says so).
   for (const Shape& s : std::vector<Shape>{{1, 2048, 7168}, {32, 4096, 14336}, {256, 2048, 7168}}) {
-    EXPECT_GT(gemm_plan(s.m, s.n, s.k).split_k, 1) << gemm_plan(s.m, s.n, s.k).describe();
+    const GemmPlan plan = gemm_plan(s.m, s.n, s.k, BLayout::kNK);
+    EXPECT_GT(plan.split_k, 1) << plan.describe();
     expect_gemm_matches(s, fresh_seed());
   }
 }
@@ -154,7 +155,7 @@ TEST(Gemm, SplitKPiecesAddUp) {
 TEST(Gemm, SplitKGraphReplays) {
   MKT_REQUIRE_GPU();
   const Shape s{16, 2048, 7168};
-  ASSERT_GT(gemm_plan(s.m, s.n, s.k).split_k, 1);
+  ASSERT_GT(gemm_plan(s.m, s.n, s.k, BLayout::kNK).split_k, 1);
   cudaStream_t stream;
   MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   void *a, *b, *c, *c_direct;
@@ -222,7 +223,8 @@ TEST(Gemm, RejectsBadArgumentsBeforeLaunch) {
 TEST(Gemm, KernelsDoNotSpill) {
   MKT_REQUIRE_GPU();
   const std::vector<GemmKernelResources> kernels = detail::gemm_kernel_resources();
-  ASSERT_EQ(kernels.size(), 24u);  // plain, split K and grouped, 4 widths x 2 B layouts
+  // plain, split K and grouped, 4 widths x 2 B layouts; swapped, whole and split, 4 widths
+  ASSERT_EQ(kernels.size(), 32u);
   for (const GemmKernelResources& k : kernels) {
     SCOPED_TRACE(k.name);
     EXPECT_EQ(k.local_bytes, 0) << "local memory (register spills or a stack frame)";
