@@ -11,13 +11,12 @@
 // bytes of tokens, so the ring holds 10-13 of them at the widths below 64); this policy only says
 // where the operands come from and where the finished tile goes.
 //
-//   tile (m, n) of the raster: rows [128 m, 128 m + 128) of N x tokens [kWidth n, kWidth n +
-//   kWidth) consumer c:  rows 128 m + 64 c .. + 64 of N; its accumulators hold C^T's 64 x kWidth
-//   slice epilogue:    transposed through shared memory into [kWidth tokens][64 N values] bf16,
-//   then
-//                one TMA store of that box into C at (token kWidth n, column 128 m + 64 c): tokens
-//                >= M and columns >= N are clipped by the store, nothing else is written
-//   split K:     SplitSchedule, as the plain GEMM (a piece's slice is 64 x kWidth fp32 a consumer)
+//   tile (m, n):  rows [128 m, 128 m + 128) of N by tokens [kWidth n, kWidth n + kWidth)
+//   consumer c:   rows 128 m + 64 c .. + 64 of N; its accumulators: C^T's 64 x kWidth slice
+//   epilogue:     transposed through shared memory into [kWidth tokens][64 N values] bf16, one
+//                 TMA store of that box into C at (row kWidth n, column 128 m + 64 c); the store
+//                 clips tokens >= M and columns >= N, nothing else is written
+//   split K:      SplitSchedule, as the plain GEMM (a piece's slice: 64 x kWidth fp32 a consumer)
 #pragma once
 
 #include <cuda.h>
