@@ -20,7 +20,7 @@ enum class GroupedLayout {
                 // which the first M_g are used (decode: fixed shapes whatever the routing)
 };
 
-// Which tiles gemm() computes in (GemmConfig::tiles).
+// Which tiles gemm() computes in (GemmConfig::tiles; grouped_gemm takes kAuto or kRows).
 enum class GemmTiles {
   kAuto,  // the library's choice: kTokensNarrow where M <= 64, B is [N, K] and no block_n is
           // asked for (nor MKERNEL_GEMM_BLOCK_N set); kRows otherwise
