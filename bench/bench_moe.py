@@ -1,4 +1,4 @@
-"""MoE dispatch / combine and dispatch + grouped GEMM on one GPU, against torch._grouped_mm.
+"""MoE dispatch / combine and moe_dispatch_gemm on one GPU, against torch._grouped_mm.
 
     python3 bench/bench_moe.py --mode check|bench [--json FILE] [--quick]
 
@@ -10,8 +10,9 @@ routing. Columns (../shared/BENCH_SCHEMA.md, moe_dispatch_gemm):
   combine_alone   mkernel.moe_combine of the dispatched rows (H wide)
   gemm_alone      torch._grouped_mm on the same routed rows (back to back, offsets)
   mkernel_gemm    mkernel.grouped_gemm on the dispatch's padded layout
-  mkernel         dispatch, then the grouped GEMM: two launches - the fused single launch does
-                  not exist yet, and the row says so ("fused": false)
+  mkernel_sequential  moe_dispatch, then mkernel.grouped_gemm (two ops)
+  mkernel         mkernel.moe_dispatch_gemm: the two in one launch, each tile multiplied as soon
+                  as its rows have landed
   nccl_dispatch, sequential: null (one GPU: no NCCL all-to-all)
 limit_ms = max(gemm_alone, dispatch_alone); tflops = 2 x routed rows x N x H / mkernel.
 Timing: CUDA graphs of several calls, events around replays, the median of rounds, the ops
@@ -76,9 +77,12 @@ def run_point(comm, model, tokens, gen, mode):
     def combine():
         return mkernel.moe_combine(recv, weights, handle, comm)
 
-    def ours():
+    def sequential():
         r, e, _ = dispatch()
         return mkernel.grouped_gemm(r, w, e, padded=True)
+
+    def ours():
+        return mkernel.moe_dispatch_gemm(x, idx, w, comm, experts)[0]
 
     def theirs():
         return torch._grouped_mm(rows_torch, wt, offs=offs)
@@ -103,10 +107,13 @@ def run_point(comm, model, tokens, gen, mode):
         want = (x.float() * weights.sum(1, keepdim=True)).to(torch.bfloat16)  # identity experts
         correct &= (out.float() - want.float()).abs().max().item() <= \
             2 * want.float().abs().max().item() / 128
+        y_fused = ours()
+        err_fused = (y_fused[pos[picks]].double() - exact).abs().max().item()
+        correct &= err_fused <= 2 * err_torch + 1e-6
     flops = 2.0 * tokens * top_k * n * hidden
     iters = max(3, min(100, int(2e11 / max(flops, 1.0))))
     fns = {"dispatch_alone": dispatch, "combine_alone": combine, "gemm_alone": theirs,
-           "mkernel_gemm": ours_gemm, "mkernel": ours}
+           "mkernel_gemm": ours_gemm, "mkernel_sequential": sequential, "mkernel": ours}
     ms = time_ops(fns, iters, 7 if mode == "bench" else 3)
     routed_bytes = tokens * top_k * hidden * 2
     return ms, flops, routed_bytes, correct
@@ -132,7 +139,8 @@ def main():
     print(f"bench_moe {args.mode}: seed {seed}, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}", flush=True)
     print(f"{'model':12} {'T':>5} {'dispatch':>9} {'GB/s':>6} {'combine':>9} {'GB/s':>6} "
-          f"{'torch mm':>9} {'our mm':>9} {'disp+mm':>9} {'x torch':>8}  check", flush=True)
+          f"{'torch mm':>9} {'our mm':>9} {'disp+mm':>9} {'fused':>9} {'x torch':>8}  check",
+          flush=True)
     results, logs, all_ok = [], [], True
     for model in MODELS:
         for tokens in tokens_list:
@@ -143,7 +151,8 @@ def main():
             print(f"{model:12} {tokens:5} {ms['dispatch_alone']:9.4f} "
                   f"{routed / ms['dispatch_alone'] * 1e-6:6.0f} {ms['combine_alone']:9.4f} "
                   f"{routed / ms['combine_alone'] * 1e-6:6.0f} {ms['gemm_alone']:9.4f} "
-                  f"{ms['mkernel_gemm']:9.4f} {ms['mkernel']:9.4f} {ratio:8.3f}  "
+                  f"{ms['mkernel_gemm']:9.4f} {ms['mkernel_sequential']:9.4f} "
+                  f"{ms['mkernel']:9.4f} {ratio:8.3f}  "
                   f"{'ok' if ok else 'WRONG'}", flush=True)
             hidden, n, experts, top_k = MODELS[model]
             limit = max(ms["gemm_alone"], ms["dispatch_alone"])
@@ -151,11 +160,10 @@ def main():
                 "shape": {"tokens_per_rank": tokens, "hidden": hidden, "N": n,
                           "experts": experts, "top_k": top_k, "model": model},
                 "dtype": "bf16",
-                "fused": False,
                 "ms": {"mkernel": ms["mkernel"], "dispatch_alone": ms["dispatch_alone"],
                        "combine_alone": ms["combine_alone"], "nccl_dispatch": None,
                        "gemm_alone": ms["gemm_alone"], "mkernel_gemm": ms["mkernel_gemm"],
-                       "sequential": None},
+                       "mkernel_sequential": ms["mkernel_sequential"], "sequential": None},
                 "limit_ms": limit,
                 "ratio_to_limit": ms["mkernel"] / limit,
                 "speedup_vs_torch_grouped_mm": ratio,
@@ -165,7 +173,7 @@ def main():
                 "correct": bool(ok),
             })
             torch.cuda.empty_cache()
-    print(f"geometric mean (dispatch + grouped GEMM) vs torch._grouped_mm alone: "
+    print(f"geometric mean (moe_dispatch_gemm) vs torch._grouped_mm alone: "
           f"{math.exp(sum(logs) / len(logs)):.3f}, worst {math.exp(min(logs)):.3f}", flush=True)
     if args.json and args.mode == "bench":
         doc = {

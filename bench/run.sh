@@ -5,8 +5,8 @@
 #
 # kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm, grouped_gemm (against
 #         torch._grouped_mm on MoE expert shapes, both layouts), moe_dispatch_gemm (one GPU:
-#         moe_dispatch / moe_combine and dispatch + grouped GEMM against torch._grouped_mm on the
-#         issue's MoE shapes; not yet fused), ag_gemm, gemm_rs, gemm_ar,
+#         the fused launch, moe_dispatch / moe_combine and dispatch-then-grouped-GEMM against
+#         torch._grouped_mm on the MoE shapes), ag_gemm, gemm_rs, gemm_ar,
 #         transport (the socket proxy path over loopback; no GPU needed), p2p (NVLink push /
 #         red.add / pull rate per CTA between GPU 0 and 1: what the fused kernels are sized by).
 #         Other fused kernels join as they land. all = collectives, gemm and every fused kernel.

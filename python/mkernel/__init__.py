@@ -42,7 +42,8 @@ except ImportError:  # pragma: no cover - exercised on machines without torch
     torch = None
 
 __all__ = ["Communicator", "MkernelError", "init", "gemm", "grouped_gemm", "ag_gemm", "gemm_rs",
-           "gemm_ar", "moe_dispatch", "moe_combine", "MoeHandle", "dtype_name", "DTYPES",
+           "gemm_ar", "moe_dispatch", "moe_dispatch_gemm", "moe_combine", "MoeHandle",
+           "dtype_name", "DTYPES",
            "ERROR_CODES"]
 __version__ = "0.1.0"
 
@@ -793,7 +794,8 @@ else:  # pragma: no cover - without torch there is no tensor to multiply
         _require_torch("gemm")
 
 if torch is not None:
-    from mkernel.moe import MoeHandle, moe_combine, moe_dispatch  # noqa: E402 - needs the above
+    from mkernel.moe import (MoeHandle, moe_combine, moe_dispatch,  # noqa: E402 - needs the above
+                             moe_dispatch_gemm)
 else:  # pragma: no cover - without torch there are no tensors to route
     MoeHandle = None
 
@@ -804,3 +806,7 @@ else:  # pragma: no cover - without torch there are no tensors to route
     def moe_combine(y, topk_weights, handle, comm, **kwargs):
         """Needs PyTorch; see mkernel.moe."""
         _require_torch("moe_combine")
+
+    def moe_dispatch_gemm(x, topk_idx, w, comm, num_experts, **kwargs):
+        """Needs PyTorch; see mkernel.moe."""
+        _require_torch("moe_dispatch_gemm")

@@ -546,6 +546,30 @@ NB_MODULE(_C, m) {
       "workspace"_a, "stream"_a, "sms"_a = 0,
       "Routed rows of every rank to their local experts (mkernel/moe.h). Stream-ordered.");
   m.def(
+      "moe_dispatch_gemm",
+      [](mk::Communicator& comm, int64_t tokens, int64_t max_tokens, int64_t hidden, int top_k,
+         int num_experts, std::string_view layout, int64_t capacity, std::uintptr_t x,
+         std::uintptr_t topk_idx, bool int64_index, std::uintptr_t w, std::string_view w_layout,
+         int64_t n, std::uintptr_t y, std::uintptr_t recv_x, std::uintptr_t expert_rows,
+         std::uintptr_t handle, std::uintptr_t workspace, std::uintptr_t stream, int sms,
+         int block_n) {
+        const mk::MoeProblem p = moe_problem(tokens, max_tokens, hidden, top_k, num_experts, layout,
+                                             capacity, "moe_dispatch_gemm");
+        const mk::BLayout wl = parse_layout(w_layout, "moe_dispatch_gemm");
+        nb::gil_scoped_release nogil;
+        mk::moe_dispatch_gemm(comm, p, as_pointer<const void>(x), as_pointer<const void>(topk_idx),
+                              int64_index ? mk::IndexType::kInt64 : mk::IndexType::kInt32,
+                              as_pointer<const void>(w), wl, n, as_pointer(y), as_pointer(recv_x),
+                              as_pointer<int32_t>(expert_rows), as_pointer<int32_t>(handle),
+                              as_pointer(workspace), as_stream(stream),
+                              mk::MoeConfig{sms, block_n});
+      },
+      "comm"_a, "tokens"_a, "max_tokens"_a, "hidden"_a, "top_k"_a, "num_experts"_a, "layout"_a,
+      "capacity"_a, "x"_a, "topk_idx"_a, "int64_index"_a, "w"_a, "w_layout"_a, "n"_a, "y"_a,
+      "recv_x"_a, "expert_rows"_a, "handle"_a, "workspace"_a, "stream"_a, "sms"_a = 0,
+      "block_n"_a = 0,
+      "moe_dispatch and the local experts' GEMM in one launch (mkernel/moe.h). Stream-ordered.");
+  m.def(
       "moe_combine",
       [](mk::Communicator& comm, int64_t tokens, int64_t max_tokens, int64_t hidden, int top_k,
          int num_experts, std::string_view layout, int64_t capacity, std::uintptr_t y,

@@ -24,7 +24,7 @@ from mkernel import _C, _check_device, _communicator, _direct
 
 import torch
 
-__all__ = ["MoeHandle", "moe_dispatch", "moe_combine", "moe_plan"]
+__all__ = ["MoeHandle", "moe_dispatch", "moe_dispatch_gemm", "moe_combine", "moe_plan"]
 
 _LAYOUTS = ("padded", "masked")
 
@@ -141,6 +141,101 @@ def moe_dispatch(x: "torch.Tensor", topk_idx: "torch.Tensor", comm, num_experts:
     handle = MoeHandle(rows, expert_rows, tokens, max_tokens if max_tokens > 0 else tokens,
                        x.shape[1], topk_idx.shape[1], num_experts, layout, capacity)
     return recv, expert_rows, handle
+
+
+def _dispatch_gemm_impl(x, topk_idx, w, comm, num_experts, b_layout, layout, capacity,
+                        max_tokens, return_received, block_n, sms):
+    c = _communicator(comm, "moe_dispatch_gemm")
+    tokens, max_tokens, hidden, top_k = _problem(c, x, topk_idx, num_experts, layout, capacity,
+                                                 max_tokens, "moe_dispatch_gemm")
+    n = _gemm_width(x, w, b_layout)
+    for name, t in (("x", x), ("w", w)):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"mkernel.moe_dispatch_gemm: {name} has dtype {t.dtype}; expected "
+                             "bfloat16")
+        _check_device("moe_dispatch_gemm", name, t, c._device)
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"mkernel.moe_dispatch_gemm: topk_idx has dtype {topk_idx.dtype}; "
+                         "expected int32 or int64")
+    _check_device("moe_dispatch_gemm", "topk_idx", topk_idx, c._device)
+    plan = _C.moe_plan(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout, capacity,
+                       sms)
+    if w.shape[0] != plan[2]:
+        raise ValueError(f"mkernel.moe_dispatch_gemm: w holds {w.shape[0]} experts; this rank has "
+                         f"{plan[2]} (num_experts / world)")
+    x2, idx2, w2 = x.contiguous(), topk_idx.contiguous(), w.contiguous()
+    recv = torch.empty(_out_shape(plan, hidden, layout), dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(_out_shape(plan, n, layout), dtype=torch.bfloat16, device=x.device)
+    expert_rows = torch.empty((plan[2],), dtype=torch.int32, device=x.device)
+    handle = torch.empty((plan[0], 3), dtype=torch.int32, device=x.device)
+    ws = c._workspace(plan[4], "moe_dispatch_gemm", "moe")
+    _C.moe_dispatch_gemm(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout,
+                         capacity, x2.data_ptr(), idx2.data_ptr(), idx2.dtype == torch.int64,
+                         w2.data_ptr(), b_layout, n, y.data_ptr(), recv.data_ptr(),
+                         expert_rows.data_ptr(), handle.data_ptr(), ws.data_ptr(), c._stream(),
+                         sms, block_n)
+    # (Without return_received the rows stay internal: freed after the launch in stream order.)
+    kept = recv if return_received else recv.new_empty((0,) + tuple(recv.shape[1:]))
+    return y, expert_rows, handle, kept
+
+
+def _gemm_width(x, w, b_layout):
+    """N of the experts' weights w [E_local, N, H] ('nk') or [E_local, H, N] ('kn')."""
+    if b_layout not in ("nk", "kn"):
+        raise ValueError(f"mkernel.moe_dispatch_gemm: b_layout={b_layout!r}; expected 'nk' (w is "
+                         "[E_local, N, H]) or 'kn' (w is [E_local, H, N])")
+    if w.dim() != 3:
+        raise ValueError(f"mkernel.moe_dispatch_gemm: w must be 3-D; got {tuple(w.shape)}")
+    n, h = (w.shape[1], w.shape[2]) if b_layout == "nk" else (w.shape[2], w.shape[1])
+    if h != x.shape[-1]:
+        raise ValueError(f"mkernel.moe_dispatch_gemm: w ({b_layout}) has H = {h}, x has "
+                         f"{x.shape[-1]}")
+    return n
+
+
+_dispatch_gemm_op = torch.library.custom_op(
+    "mkernel::moe_dispatch_gemm", mutates_args=(),
+    schema="(Tensor x, Tensor topk_idx, Tensor w, int comm, int num_experts, str b_layout, "
+           "str layout, int capacity, int max_tokens, bool return_received, int block_n, "
+           "int sms) -> (Tensor, Tensor, Tensor, Tensor)")(_dispatch_gemm_impl)
+
+
+@_dispatch_gemm_op.register_fake
+def _dispatch_gemm_fake(x, topk_idx, w, comm, num_experts, b_layout, layout, capacity,
+                        max_tokens, return_received, block_n, sms):
+    c = _communicator(comm, "moe_dispatch_gemm")
+    tokens, max_tokens, hidden, top_k = _problem(c, x, topk_idx, num_experts, layout, capacity,
+                                                 max_tokens, "moe_dispatch_gemm")
+    n = _gemm_width(x, w, b_layout)
+    plan = _C.moe_plan(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout, capacity,
+                       sms)
+    recv_shape = _out_shape(plan, hidden, layout)
+    return (x.new_empty(_out_shape(plan, n, layout)),
+            x.new_empty((plan[2],), dtype=torch.int32),
+            x.new_empty((plan[0], 3), dtype=torch.int32),
+            x.new_empty(recv_shape if return_received else (0,) + recv_shape[1:]))
+
+
+def moe_dispatch_gemm(x: "torch.Tensor", topk_idx: "torch.Tensor", w: "torch.Tensor", comm,
+                      num_experts: int, *, b_layout: str = "nk", layout: str = "padded",
+                      capacity: int = 0, max_tokens: int = 0, return_received: bool = False,
+                      block_n: int = 0, sms: int = 0):
+    """moe_dispatch and the local experts' GEMM in one launch: (y, expert_rows, handle[, recv_x]).
+
+    As moe_dispatch (x, topk_idx, num_experts, layout, capacity, max_tokens), and w: this rank's
+    experts' weights, [E_local, N, H] ('nk', nn.Linear's layout) or [E_local, H, N] ('kn') bf16.
+    y: [rows, N] (padded) or [E_local, capacity, N] (masked) bf16 - each dispatched row times its
+    expert's weight, every 128-row tile multiplied as soon as its rows have landed; rows without
+    a token are not written. expert_rows and handle as moe_dispatch's (moe_combine takes y and
+    the handle when N = H). return_received=True: also the dispatched rows (recv_x).
+    """
+    op = _dispatch_gemm_impl if _direct(x, topk_idx, w) else _dispatch_gemm_op
+    y, expert_rows, rows, recv = op(x, topk_idx, w, comm._id, num_experts, b_layout, layout,
+                                    capacity, max_tokens, return_received, block_n, sms)
+    tokens = x.shape[0]
+    handle = MoeHandle(rows, expert_rows, tokens, max_tokens if max_tokens > 0 else tokens,
+                       x.shape[1], topk_idx.shape[1], num_experts, layout, capacity)
+    return (y, expert_rows, handle, recv) if return_received else (y, expert_rows, handle)
 
 
 def _combine_impl(y, topk_weights, rows, comm, num_experts, layout, capacity, max_tokens, sms):

@@ -346,8 +346,8 @@ void preload_moe_kernels(bool) {
 }
 
 const bool kPreloadRegistered = register_kernel_preload(&preload_moe_kernels);
-const bool kFusedPreloadRegistered = register_kernel_preload(
-    [](bool) { gemm_engine::preload_all<moe::MoeDispatchGemm>(); });
+const bool kFusedPreloadRegistered =
+    register_kernel_preload([](bool) { gemm_engine::preload_all<moe::MoeDispatchGemm>(); });
 
 }  // namespace
 }  // namespace detail

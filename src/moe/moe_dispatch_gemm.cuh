@@ -152,7 +152,8 @@ __device__ __forceinline__ void copy_row_warp(const int4* src, int4* dst, int n1
   for (; i + 32 * (kInFlight - 1) < n16; i += 32 * kInFlight) {
     int4 v[kInFlight];
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) v[u] = kFresh ? load_cg(src + i + 32 * u) : __ldg(src + i + 32 * u);
+    for (int u = 0; u < kInFlight; ++u)
+      v[u] = kFresh ? load_cg(src + i + 32 * u) : __ldg(src + i + 32 * u);
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) dst[i + 32 * u] = v[u];
   }
@@ -213,8 +214,7 @@ struct MoeDispatchGemm {
   __device__ void finish() const {}
 
   __device__ int64_t topk_at(int64_t p) const {
-    return topk_int64 ? static_cast<const int64_t*>(topk)[p]
-                      : static_cast<const int32_t*>(topk)[p];
+    return topk_int64 ? static_cast<const int64_t*>(topk)[p] : static_cast<const int32_t*>(topk)[p];
   }
 
   // A row placed at `row` of local expert e: the handle, then (after the warp's stores) the
@@ -261,7 +261,8 @@ struct MoeDispatchGemm {
       const int64_t region = static_cast<int64_t>(me) * d.max_tokens;
       int4* rx = reinterpret_cast<int4*>(ws.at<__nv_bfloat16>(dst, ws.recv_x)) + region * n16;
       int32_t* meta = ws.at<int32_t>(dst, ws.recv_meta) + region * d.meta_ints;
-      const int32_t* list = ws.at<int32_t>(me, ws.send_list) + static_cast<int64_t>(dst) * d.max_tokens;
+      const int32_t* list =
+          ws.at<int32_t>(me, ws.send_list) + static_cast<int64_t>(dst) * d.max_tokens;
       uint32_t chunk = 0;
       for (int first = static_cast<int>(lo); first < hi; first += kChunkRows) {
         const int last = min(static_cast<int>(hi), first + kChunkRows);
@@ -309,15 +310,16 @@ struct MoeDispatchGemm {
       int64_t lo, hi;
       share(tables[lt.recv + src], c, channels, lo, hi);
       const int64_t region = static_cast<int64_t>(src) * d.max_tokens;
-      const int4* rx = reinterpret_cast<const int4*>(ws.at<__nv_bfloat16>(me, ws.recv_x)) +
-                       region * n16;
+      const int4* rx =
+          reinterpret_cast<const int4*>(ws.at<__nv_bfloat16>(me, ws.recv_x)) + region * n16;
       const int32_t* meta = ws.at<int32_t>(me, ws.recv_meta) + region * d.meta_ints;
       const int32_t* pre = tables + lt.pre + src * el_n;
       uint32_t chunk = 0;
       for (int first = static_cast<int>(lo); first < hi; first += kChunkRows) {
         bool failed = false;
         if (thread == 0) {
-          failed = !dev::Launch::begin(comm).wait(src, dev::signal_index(SignalId::kOp, c), ++chunk);
+          failed =
+              !dev::Launch::begin(comm).wait(src, dev::signal_index(SignalId::kOp, c), ++chunk);
         }
         if (dev::named_barrier_or(kSideBarrier, threads, failed)) return;
         const int last = min(static_cast<int>(hi), first + kChunkRows);

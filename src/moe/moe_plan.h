@@ -21,10 +21,10 @@ struct Offsets {
   uint64_t send_list = 0;   // int32 [world][max_tokens]
   uint64_t totals = 0;      // int32 [experts + world]
   // moe_dispatch_gemm only (laid out for every plan: small next to the rows):
-  uint64_t by_local = 0;     // int32 [max_tokens * top_k]: this rank's (token, slot) pairs bound
-                             // for its own experts, in its layout's order
-  uint64_t layout = 0;       // int32 LayoutTables (the receive side's layout, the notify kernel's)
-  uint64_t counters = 0;     // uint64 [blocks]: rows placed in each 128-row block of the layout
+  uint64_t by_local = 0;  // int32 [max_tokens * top_k]: this rank's (token, slot) pairs bound
+                          // for its own experts, in its layout's order
+  uint64_t layout = 0;    // int32 LayoutTables (the receive side's layout, the notify kernel's)
+  uint64_t counters = 0;  // uint64 [blocks]: rows placed in each 128-row block of the layout
   uint64_t bytes = 0;
 };
 
@@ -66,9 +66,9 @@ constexpr int kMaxChunks = 128;          // route chunks (CTAs), at most
 struct Plan {
   MoePlan plan;
   Offsets offsets;
-  int64_t chunk_tokens = 0;  // route chunks of this many tokens
-  int meta_ints = 0;         // per received row: token, then (local expert, position) per slot
-  int64_t blocks = 0;        // 128-row blocks of the layout (arrival counters)
+  int64_t chunk_tokens = 0;       // route chunks of this many tokens
+  int meta_ints = 0;              // per received row: token, then (local expert, position) per slot
+  int64_t blocks = 0;             // 128-row blocks of the layout (arrival counters)
   int64_t blocks_per_expert = 0;  // masked: ceil(capacity / 128); padded: 0 (blocks by row)
   // Route chunks for `tokens` of this rank (at least 1: the last chunk writes the totals).
   int chunks(int64_t tokens) const;

@@ -10,6 +10,9 @@
 // tokens local, ranks without tokens, int32 and int64 indices, capacity overflow and bad indices
 // (raised once by check(), the communicator usable after), 100 graph replays with new routing, a
 // missing rank (time limit), refusals before launch with outputs untouched, a Sanitize case.
+// moe_dispatch_gemm: its dispatched rows, counts and handle as moe_dispatch's, bit for bit, and y
+// bit for bit as the grouped GEMM computes it on those rows (same tile width); both weight
+// layouts, both row layouts, overflow, graph replays with new routing, a missing rank.
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -18,6 +21,7 @@
 
 #include "../cpu/moe_reference.h"
 #include "collective_checks.h"
+#include "gemm_reference.h"
 #include "gpu_test_util.h"
 #include "mkernel/moe.h"
 
@@ -565,6 +569,234 @@ TEST(InProcessMoe, RejectsBadArgumentsBeforeLaunch) {
     cudaFree(plain);
     cudaStreamDestroy(s);
   });
+}
+
+// ---- moe_dispatch_gemm ----------------------------------------------------------------------
+
+struct FusedCase {
+  MoeCase moe;
+  int64_t n;
+  BLayout w_layout;
+  int block_n;  // both sides' tile width (the same tiles: the same bits)
+};
+
+// moe_dispatch then grouped_gemm (the reference path) against moe_dispatch_gemm, on the same
+// inputs: layout, counts and handle equal, every placed row and its y row bitwise equal.
+void expect_fused(Communicator& comm, const FusedCase& f, uint64_t seed, int calls = 2) {
+  const MoeCase& c = f.moe;
+  const int world = comm.world_size(), rank = comm.rank();
+  SCOPED_TRACE(describe(c, world) + ", N " + std::to_string(f.n) +
+               (f.w_layout == BLayout::kKN ? ", w [E, H, N]" : ", w [E, N, H]") + ", block_n " +
+               std::to_string(f.block_n) + ", rank " + std::to_string(rank));
+  const MoeProblem p = problem_of(World(c, world, seed, 0), rank);
+  MoeConfig config;
+  config.block_n = f.block_n;
+  const MoePlan plan = moe_plan(comm, p, config);
+  const World w(c, world, seed, plan.capacity);  // the reference routing for the plan's room
+  SymmetricBuffer ws = comm.alloc(plan.workspace_bytes);
+  cudaStream_t s;
+  MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  Buffers ref(p, plan, c.index), got(p, plan, c.index);
+  const int64_t e_local = plan.experts_local;
+  void *weights, *y_ref, *y_got;
+  MKT_CUDA(cudaMalloc(&weights, e_local * f.n * c.hidden * 2));
+  MKT_CUDA(cudaMalloc(&y_ref, plan.rows * f.n * 2));
+  MKT_CUDA(cudaMalloc(&y_got, plan.rows * f.n * 2));
+  fill_random_bf16(weights, e_local * f.n * c.hidden, seed * 7 + rank, s);
+  upload_inputs(w, rank, ref, s);
+  upload_inputs(w, rank, got, s);
+  MKT_CUDA(cudaMemsetAsync(ws.data(), 0, plan.workspace_bytes, s));
+  ready(comm, s);
+  GemmConfig gemm_config;
+  gemm_config.block_n = f.block_n;
+  for (int call = 0; call < calls; ++call) {
+    SCOPED_TRACE("call " + std::to_string(call));
+    MKT_CUDA(cudaMemsetAsync(got.recv, 0xff, got.recv_bytes, s));
+    MKT_CUDA(cudaMemsetAsync(got.handle, 0x5a, got.handle_bytes, s));
+    MKT_CUDA(cudaMemsetAsync(y_got, 0xff, plan.rows * f.n * 2, s));
+    MKT_CUDA(cudaMemsetAsync(y_ref, 0xff, plan.rows * f.n * 2, s));
+    moe_dispatch(comm, p, ref.x, ref.topk, c.index, ref.recv, ref.rows, ref.handle, ws.data(), s);
+    grouped_gemm(ref.recv, weights, y_ref, ref.rows, static_cast<int>(e_local), plan.capacity, f.n,
+                 c.hidden, f.w_layout, s, gemm_config,
+                 c.layout == MoeLayout::kMasked ? GroupedLayout::kMasked : GroupedLayout::kPadded);
+    moe_dispatch_gemm(comm, p, got.x, got.topk, c.index, weights, f.w_layout, f.n, y_got, got.recv,
+                      got.rows, got.handle, ws.data(), s, config);
+    try {
+      comm.synchronize(s);
+    } catch (const Error& e) {  // overflow cases: the same data error from both calls
+      EXPECT_EQ(e.code(), ErrorCode::kOutOfMemory) << e.what();
+    }
+    EXPECT_NO_THROW(comm.check());
+    ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, got, s));
+    std::vector<int32_t> handle(plan.rows * 3);
+    MKT_CUDA(cudaMemcpy(handle.data(), got.handle, handle.size() * 4, cudaMemcpyDeviceToHost));
+    std::vector<uint16_t> a(plan.rows * f.n), b(plan.rows * f.n);
+    MKT_CUDA(cudaMemcpy(a.data(), y_got, a.size() * 2, cudaMemcpyDeviceToHost));
+    MKT_CUDA(cudaMemcpy(b.data(), y_ref, b.size() * 2, cudaMemcpyDeviceToHost));
+    int64_t bad = 0, placed = 0;
+    for (int64_t r = 0; r < plan.rows; ++r) {
+      if (handle[r * 3] < 0) continue;
+      ++placed;
+      if (std::memcmp(&a[r * f.n], &b[r * f.n], f.n * 2) != 0 && bad++ < 5) {
+        ADD_FAILURE() << "y row " << r << " differs from the grouped GEMM's";
+      }
+    }
+    EXPECT_EQ(bad, 0) << "of " << placed << " rows";
+    ready(comm, s);
+  }
+  for (void* q : {weights, y_ref, y_got}) cudaFree(q);
+  comm.bootstrap().barrier();
+  cudaStreamDestroy(s);
+}
+
+void run_fused(int world, const std::vector<FusedCase>& cases, uint64_t seed) {
+  run_in_process(world, [&](Communicator& comm) {
+    for (size_t i = 0; i < cases.size(); ++i) {
+      if (cases[i].moe.experts % world != 0) continue;
+      expect_fused(comm, cases[i], seed + i);
+    }
+  });
+}
+
+const std::vector<FusedCase> kFusedCases = {
+    {{8, 2, 512, 300}, 264, BLayout::kNK, 128},
+    {{16, 4, 256, 200, MoeLayout::kMasked, 0, IndexType::kInt64}, 512, BLayout::kKN, 256},
+    {{64, 8, 1024, 96, MoeLayout::kPadded, 0, IndexType::kInt32, Routing::kSkewed},
+     136,
+     BLayout::kNK,
+     64},
+    {{8, 1, 128, 500, MoeLayout::kPadded, 0, IndexType::kInt32, Routing::kOneExpert, 1},
+     128,
+     BLayout::kNK,
+     192},
+    {{8, 4, 256, 200, MoeLayout::kMasked, 20, IndexType::kInt32, Routing::kSkewed},
+     256,
+     BLayout::kNK,
+     128},  // overflow: the rows that fit
+};
+
+TEST(InProcessMoeDispatchGemm, World1) {
+  MKT_REQUIRE_GPU();
+  run_fused(1, kFusedCases, 71);
+}
+
+TEST(InProcessMoeDispatchGemm, World2) {
+  MKT_REQUIRE_GPU();
+  run_fused(2, kFusedCases, 81);
+}
+
+TEST(InProcessMoeDispatchGemm, World4) {
+  MKT_REQUIRE_GPU();
+  run_fused(4, kFusedCases, 91);
+}
+
+// One captured launch (route, notify, the fused kernel), replayed with new routing and tokens.
+TEST(InProcessMoeDispatchGemm, GraphReplaysWithNewRouting) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) {
+    const int rank = comm.rank();
+    const MoeCase c{16, 4, 256, 120};
+    const int64_t n = 256;
+    const World first(c, comm.world_size(), 5, 0);
+    const MoeProblem p = problem_of(first, rank);
+    MoeConfig config;
+    config.block_n = 128;
+    GemmConfig gemm_config;
+    gemm_config.block_n = 128;
+    const MoePlan plan = moe_plan(comm, p, config);
+    SymmetricBuffer ws = comm.alloc(plan.workspace_bytes);
+    cudaStream_t s;
+    MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    MKT_CUDA(cudaMemsetAsync(ws.data(), 0, plan.workspace_bytes, s));
+    Buffers b(p, plan, c.index), ref(p, plan, c.index);
+    void *weights, *y, *y_ref;
+    MKT_CUDA(cudaMalloc(&weights, plan.experts_local * n * c.hidden * 2));
+    MKT_CUDA(cudaMalloc(&y, plan.rows * n * 2));
+    MKT_CUDA(cudaMalloc(&y_ref, plan.rows * n * 2));
+    fill_random_bf16(weights, plan.experts_local * n * c.hidden, 99 + rank, s);
+    upload_inputs(first, rank, b, s);
+    ready(comm, s);
+    auto fused = [&] {
+      moe_dispatch_gemm(comm, p, b.x, b.topk, c.index, weights, BLayout::kNK, n, y, b.recv, b.rows,
+                        b.handle, ws.data(), s, config);
+    };
+    fused();
+    comm.synchronize(s);
+    cudaGraph_t graph;
+    MKT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    fused();
+    MKT_CUDA(cudaStreamEndCapture(s, &graph));
+    cudaGraphExec_t exec;
+    ASSERT_NO_FATAL_FAILURE(instantiate_uploaded(graph, s, &exec));
+    comm.bootstrap().barrier();
+    for (int replay = 0; replay < 20; ++replay) {
+      SCOPED_TRACE("replay " + std::to_string(replay));
+      MoeCase ci = c;
+      ci.routing = replay % 2 ? Routing::kSkewed : Routing::kRandom;
+      const World w(ci, comm.world_size(), 500 + replay, plan.capacity);
+      upload_inputs(w, rank, b, s);
+      upload_inputs(w, rank, ref, s);
+      ready(comm, s);
+      MKT_CUDA(cudaGraphLaunch(exec, s));
+      comm.synchronize(s);
+      ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, b, s));
+      // The reference: the same rows through the grouped GEMM.
+      grouped_gemm(b.recv, weights, y_ref, b.rows, plan.experts_local, plan.capacity, n, c.hidden,
+                   BLayout::kNK, s, gemm_config, GroupedLayout::kPadded);
+      MKT_CUDA(cudaStreamSynchronize(s));
+      std::vector<int32_t> handle(plan.rows * 3);
+      std::vector<uint16_t> got(plan.rows * n), want(plan.rows * n);
+      MKT_CUDA(cudaMemcpy(handle.data(), b.handle, handle.size() * 4, cudaMemcpyDeviceToHost));
+      MKT_CUDA(cudaMemcpy(got.data(), y, got.size() * 2, cudaMemcpyDeviceToHost));
+      MKT_CUDA(cudaMemcpy(want.data(), y_ref, want.size() * 2, cudaMemcpyDeviceToHost));
+      int64_t bad = 0;
+      for (int64_t r = 0; r < plan.rows; ++r) {
+        if (handle[r * 3] >= 0 && std::memcmp(&got[r * n], &want[r * n], n * 2) != 0) ++bad;
+      }
+      EXPECT_EQ(bad, 0);
+    }
+    comm.bootstrap().barrier();
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    for (void* q : {weights, y, y_ref}) cudaFree(q);
+    cudaStreamDestroy(s);
+  });
+}
+
+TEST(InProcessMoeDispatchGemm, MissingRankTimesOut) {
+  MKT_REQUIRE_GPU();
+  CommOptions options;
+  options.timeout_seconds = 1.0;
+  run_in_process(
+      2,
+      [](Communicator& comm) {
+        const MoeCase c{8, 2, 256, 64};
+        const World w(c, comm.world_size(), 6, 0);
+        const MoeProblem p = problem_of(w, comm.rank());
+        const MoePlan plan = moe_plan(comm, p);
+        SymmetricBuffer ws = comm.alloc(plan.workspace_bytes);
+        cudaStream_t s;
+        MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        Buffers b(p, plan, c.index);
+        void *weights, *y;
+        MKT_CUDA(cudaMalloc(&weights, plan.experts_local * 128 * c.hidden * 2));
+        MKT_CUDA(cudaMalloc(&y, plan.rows * 128 * 2));
+        upload_inputs(w, comm.rank(), b, s);
+        ready(comm, s);
+        expect_missing_rank_times_out(comm, s, [&] {
+          moe_dispatch_gemm(comm, p, b.x, b.topk, c.index, weights, BLayout::kNK, 128, y, b.recv,
+                            b.rows, b.handle, ws.data(), s);
+        });
+        cudaFree(weights);
+        cudaFree(y);
+        cudaStreamDestroy(s);
+      },
+      options);
+}
+
+TEST(SanitizeMoe, DispatchGemm) {
+  MKT_REQUIRE_GPU();
+  run_fused(2, {{{8, 2, 128, 40}, 128, BLayout::kNK, 128}}, 111);
 }
 
 TEST(SanitizeMoe, Small) {

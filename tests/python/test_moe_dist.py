@@ -4,7 +4,8 @@ test_torch_dist.py: two ranks share the GPU when only one exists).
 Every rank rebuilds every rank's tokens, routing and expert weights from the printed seed:
   dispatch  the handle's rows equal the routing contract's order (source rank, token, slot),
             padded to 128 or masked, and every placed row is bitwise its source token
-  layer     grouped_gemm of the dispatched rows with the local experts' weights, then combine:
+  layer     grouped_gemm of the dispatched rows with the local experts' weights (and
+            moe_dispatch_gemm, the two in one launch), then combine:
             against the fp64 MoE of all ranks' experts, within twice the error of the same MoE
             computed by torch in bf16 (cuBLAS per expert, fp32 weighted sum), plus a small atol
   graphs    dispatch + grouped GEMM + combine captured once, replayed with new routing
@@ -139,6 +140,20 @@ def _moe(rank, world, seed, use_nccl):
         assert err <= 2 * err_torch + 1e-3, f"{what}: error {err}, torch {err_torch}"
         again = mkernel.moe_combine(y, weights.to(dev), handle, comm)
         _assert_bitwise(again, out, f"{what}: combine twice")
+        # The fused launch: the same layout and rows, y within the tolerance rule after combine.
+        y_f, rows_f, handle_f, recv_f = mkernel.moe_dispatch_gemm(
+            x, idx, w_all[rank].to(dev), comm, experts, layout=layout, capacity=capacity,
+            return_received=True)
+        comm.synchronize()
+        assert torch.equal(rows_f, expert_rows), f"{what}: fused counts"
+        assert torch.equal(handle_f.rows, handle.rows), f"{what}: fused handle"
+        placed = (handle.rows[:, 0] >= 0).nonzero().flatten()
+        _assert_bitwise(recv_f.reshape(-1, hidden)[placed], recv.reshape(-1, hidden)[placed],
+                        f"{what}: fused dispatched rows")
+        out_f = mkernel.moe_combine(y_f, weights.to(dev), handle_f, comm)
+        comm.synchronize()
+        err_f = (out_f.cpu().double() - exact).abs().max().item()
+        assert err_f <= 2 * err_torch + 1e-3, f"{what}: fused error {err_f}, torch {err_torch}"
     dist.barrier()
 
     # A CUDA graph of the layer, replayed with new routing, tokens and weights.
