@@ -638,7 +638,9 @@ void expect_fused(Communicator& comm, const FusedCase& f, uint64_t seed, int cal
       if (handle[r * 3] < 0) continue;
       ++placed;
       if (std::memcmp(&a[r * f.n], &b[r * f.n], f.n * 2) != 0 && bad++ < 5) {
-        ADD_FAILURE() << "y row " << r << " differs from the grouped GEMM's";
+        ADD_FAILURE() << "y row " << r << " (from rank " << handle[r * 3] << ", token "
+                      << handle[r * 3 + 1] << ", slot " << handle[r * 3 + 2]
+                      << ") differs from the grouped GEMM's";
       }
     }
     EXPECT_EQ(bad, 0) << "of " << placed << " rows";
@@ -792,6 +794,16 @@ TEST(InProcessMoeDispatchGemm, MissingRankTimesOut) {
         cudaStreamDestroy(s);
       },
       options);
+}
+
+// Ranks as mkrun processes (ctest gpu_mkrun_w2 / w4 / w8): sharing a GPU, they time-slice.
+TEST(LaunchedMoe, DispatchGemmMatchesTheGroupedGemm) {
+  MKT_REQUIRE_MKRUN();
+  auto comm = launched_comm();
+  for (size_t i = 0; i < kFusedCases.size(); ++i) {
+    if (kFusedCases[i].moe.experts % comm->world_size() != 0) continue;
+    expect_fused(*comm, kFusedCases[i], 121 + i);
+  }
 }
 
 TEST(SanitizeMoe, DispatchGemm) {

@@ -150,6 +150,13 @@ def _moe(rank, world, seed, use_nccl):
         placed = (handle.rows[:, 0] >= 0).nonzero().flatten()
         _assert_bitwise(recv_f.reshape(-1, hidden)[placed], recv.reshape(-1, hidden)[placed],
                         f"{what}: fused dispatched rows")
+        y_rows, yf_rows = y.reshape(-1, y.shape[-1])[placed], y_f.reshape(-1, y.shape[-1])[placed]
+        differ = (y_rows != yf_rows).any(dim=1).nonzero().flatten()
+        if len(differ):
+            rows = placed[differ[:8]]
+            print(f"{what}: {len(differ)} of {len(placed)} fused y rows differ from the grouped "
+                  f"GEMM's; rows {rows.tolist()}, handles {handle.rows[rows].tolist()}",
+                  flush=True)
         out_f = mkernel.moe_combine(y_f, weights.to(dev), handle_f, comm)
         comm.synchronize()
         err_f = (out_f.cpu().double() - exact).abs().max().item()
