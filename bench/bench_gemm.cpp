@@ -153,8 +153,7 @@ int main(int argc, char** argv) {
                    "usage: %s [--json FILE] [--iters N] [--check] [--sweep] [--shapes MxNxK,...] "
                    "[--layouts nk,kn]\n"
                    "  --sweep: also time every tile width (64, 128, 192, 256) per shape (K whole\n"
-                   "  where the plan does not split it), and the plan's tiles with K whole; with\n"
-                   "  B [N, K] at M <= 128, the swapped-operand tiles against the 128-row ones\n",
+                   "  where the plan does not split it), and the plan's width with K whole\n",
                    argv[0]);
       return 2;
     }
@@ -223,7 +222,7 @@ int main(int argc, char** argv) {
         rows << (rows.tellp() > 0 ? ",\n" : "") << "    {\"shape\": {\"M\": " << sh.m
              << ", \"N\": " << sh.n << ", \"K\": " << sh.k << "}, \"b_layout\": \""
              << (kn ? "kn" : "nk") << "\", \"plan\": \""
-             << mk::gemm_plan(sh.m, sh.n, sh.k, layout).describe()
+             << mk::gemm_plan(sh.m, sh.n, sh.k).describe()
              << "\", \"dtype\": \"bf16\", \"ms\": {\"mkernel\": " << ms
              << ", \"gemm_alone\": " << ms_blas << "}, \"limit_ms\": " << ms_blas
              << ", \"ratio_to_limit\": " << ms / ms_blas << ", \"tflops\": " << flops / ms * 1e-9
@@ -231,54 +230,30 @@ int main(int argc, char** argv) {
              << ", \"correct\": " << (correct ? "true" : "false") << "}";
       }
       if (sweep && !check_only) {
-        auto with = [&](mk::GemmConfig config) {
-          return [&, config](int i) {
-            mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, layout, s, config);
-          };
-        };
         std::vector<std::function<void(int)>> widths;
-        for (int w : {64, 128, 192, 256}) widths.push_back(with({.block_n = w}));  // 128-row tiles
-        // The plan's tiles with K whole: what its split of the last wave buys.
-        const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k, layout);
-        widths.push_back(plan.swapped ? with({.split_k = 1, .tiles = mk::GemmTiles::kTokensNarrow})
-                                      : with({.block_n = plan.block_n, .split_k = 1}));
-        widths.push_back(theirs);
-        // B [N, K] at M <= 128: the swapped tiles (the tokens on the narrow side) against the
-        // 128-row tiles at the library's width and split, in the same run (before / after), and
-        // the swapped tiles at their own split, K whole and split over the most SMs (the
-        // model's per-CTA rate: plan.cpp).
-        const bool decode = !kn && sh.m <= 128;
-        const mk::GemmConfig narrow{.tiles = mk::GemmTiles::kTokensNarrow};
-        const mk::GemmPlan narrow_plan =
-            decode ? mk::gemm_plan(sh.m, sh.n, sh.k, layout, narrow) : mk::GemmPlan{};
-        constexpr int64_t kMinPieceKBlocks = 8, kMaxPieces = 32;  // plan.cpp's for swapped tiles
-        const int most_pieces = static_cast<int>(std::clamp<int64_t>(
-            std::min<int64_t>((sh.k + 63) / 64 / kMinPieceKBlocks,
-                              prop.multiProcessorCount / std::max<int64_t>(narrow_plan.tiles, 1)),
-            1, kMaxPieces));
-        if (decode) {
-          widths.push_back(with({.tiles = mk::GemmTiles::kRows}));
-          widths.push_back(with(narrow));
-          widths.push_back(with({.split_k = 1, .tiles = mk::GemmTiles::kTokensNarrow}));
-          widths.push_back(with({.split_k = most_pieces, .tiles = mk::GemmTiles::kTokensNarrow}));
+        for (int w : {64, 128, 192, 256}) {
+          widths.push_back([&, w](int i) {
+            mk::GemmConfig config;
+            config.block_n = w;
+            mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, layout, s, config);
+          });
         }
+        // The plan's width with K whole: what its split of the last wave buys.
+        const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k);
+        widths.push_back([&](int i) {
+          mk::GemmConfig config;
+          config.block_n = plan.block_n;
+          config.split_k = 1;
+          mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, layout, s, config);
+        });
+        widths.push_back(theirs);
         const std::vector<double> t = median_ms(iters, s, widths);
         std::printf("  sweep %-14s", label.c_str());
         const int w[] = {64, 128, 192, 256};
         for (int i = 0; i < 4; ++i) std::printf("  n%d %.3f", w[i], t[i]);
         std::printf("  cuBLAS %.3f ms\n", t[5]);
-        std::printf("  plan  %-14s  %s; K whole %.3f ms\n", label.c_str(), plan.describe().c_str(),
-                    t[4]);
-        if (decode) {
-          std::printf(
-              "  decode %-13s  128-row tiles %.3f ms (%s); swapped %.3f ms (%s); swapped K "
-              "whole %.3f ms; swapped in %d pieces %.3f ms\n",
-              label.c_str(), t[6],
-              mk::gemm_plan(sh.m, sh.n, sh.k, layout, {.tiles = mk::GemmTiles::kRows})
-                  .describe()
-                  .c_str(),
-              t[7], narrow_plan.describe().c_str(), t[8], most_pieces, t[9]);
-        }
+        std::printf("  plan  %-14s  %s; n%d with K whole %.3f ms\n", label.c_str(),
+                    plan.describe().c_str(), plan.block_n, t[4]);
       }
       for (int i = 0; i < 2; ++i) cudaFree(a[i]), cudaFree(b[i]);
       cudaFree(c), cudaFree(c_blas);

@@ -1,9 +1,8 @@
 #!/usr/bin/env python3
 """Writes include/mkernel/device/wgmma_ops.cuh: the wgmma.mma_async instructions the GEMM engine
 uses (m64nNk16, bf16 x bf16 -> fp32, both operands in shared memory) for every tile width N in
-WIDTHS: 64-256 for the 128-row tiles, 8-64 for the swapped-operand decode tiles (the tokens on the
-wgmma's N side). Each instruction names its N / 2 accumulator registers one by one, which is why
-this file is generated rather than written by hand.
+WIDTHS. Each instruction names its N / 2 accumulator registers one by one, which is why this file is
+generated rather than written by hand.
 
     python3 tools/gen_wgmma.py            # rewrite the header
     python3 tools/gen_wgmma.py --check    # exit 1 when the header is not what this script writes
@@ -12,14 +11,14 @@ import pathlib
 import sys
 import textwrap
 
-WIDTHS = (8, 16, 32, 64, 128, 192, 256)
+WIDTHS = (64, 128, 192, 256)
 HEADER = pathlib.Path(__file__).resolve().parent.parent / "include/mkernel/device/wgmma_ops.cuh"
 
 
 def instruction(n: int) -> str:
     regs = n // 2
     names = textwrap.wrap(", ".join(f"%{i}" for i in range(regs)), 84)
-    names = '"\n      "'.join([name + " " for name in names[:-1]] + names[-1:])
+    names = '"\n      "'.join(name + " " for name in names[:-1]) + '"\n      "' + names[-1]
     outputs = ",\n        ".join(
         textwrap.wrap(", ".join(f'"+f"(d[{i}])' for i in range(regs)), 90, break_on_hyphens=False)
     ).replace(",,", ",")

@@ -23,22 +23,12 @@ enum class GroupedLayout {
 };
 constexpr int kGroupedRowBlock = 128;
 
-// Which tiles gemm() computes in (GemmConfig::tiles; grouped_gemm takes kAuto or kRows).
-enum class GemmTiles {
-  kAuto,  // the library's choice: kTokensNarrow where M <= 64, B is [N, K] and no block_n is
-          // asked for (nor MKERNEL_GEMM_BLOCK_N set); kRows otherwise
-  kRows,  // 128 rows of M by block_n columns of N
-  kTokensNarrow,  // swapped operands, C^T = B A^T (B [N, K] only): tiles of 128 rows of N by the
-                  // tokens (M) rounded up to 8, 16, 32 or 64; M > 64 in tiles of 64 tokens
-};
-
 struct GemmConfig {
-  int block_n = 0;  // width of 128-row tiles: 64, 128, 192 or 256 (asking for one asks for kRows
-                    // tiles); 0 = the library's choice (or MKERNEL_GEMM_BLOCK_N, when set)
+  int block_n = 0;  // tile width 64, 128, 192 or 256; 0 = the library's choice (or
+                    // MKERNEL_GEMM_BLOCK_N, when set)
   int sms = 0;      // persistent CTAs; 0 = every SM of the device
   int split_k = 0;  // gemm: pieces of K for the tiles of the last, partial wave (1..32; 1: none);
                     // 0 = the library's choice
-  GemmTiles tiles = GemmTiles::kAuto;
 };
 
 // What gemm() will do for a shape (GemmPlan::describe() prints it; MKERNEL_PRINT_CONFIG=1 too).
@@ -47,31 +37,27 @@ struct GemmConfig {
 // loads at the L2 rate the active CTAs share), against the HBM floor at the rate that many CTAs
 // can pull, plus split K's partial sums.
 struct GemmPlan {
-  int block_n = 0;       // tile width: tiles are 128 x block_n x 64 (swapped: block_n tokens wide)
-  bool swapped = false;  // tokens on the narrow side (GemmTiles::kTokensNarrow): tiles of 128 rows
-                         // of N by block_n (8, 16, 32 or 64) tokens compute C^T = B A^T
-  int ctas = 0;          // persistent CTAs
-  int64_t tiles = 0;     // output tiles
+  int block_n = 0;               // tile width (tiles are 128 x block_n x 64)
+  int ctas = 0;                  // persistent CTAs
+  int64_t tiles = 0;             // output tiles
   int64_t whole_tiles = 0;       // of which computed whole, one CTA each (the full waves)
   int split_k = 1;               // the rest: each in this many pieces of K, on as many CTAs
   double estimate_us = 0;        // the model's estimate
   std::string describe() const;  // one line: what and why
 };
-// The plan gemm() follows for B in `b_layout` (throws on the configuration errors gemm() would
-// throw on). `sms`: config.sms, or the current device's SM count.
-GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout,
-                   const GemmConfig& config = {});
+// The plan gemm() follows (throws on the configuration errors gemm() would throw on). `sms`:
+// config.sms, or the current device's SM count.
+GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, const GemmConfig& config = {});
 
 // C[M, N] = A[M, K] @ op(B), bf16 in and out, fp32 accumulation, on `stream`.
 //   A: [M, K] row-major bf16, 16-byte aligned; any M >= 1.
 //   B: [N, K] (BLayout::kNK) or [K, N] (kKN) row-major bf16, 16-byte aligned.
 //   C: [M, N] row-major bf16 (leading dimension N).
 //   N and K multiples of 8 (16-byte rows); partial tiles are handled.
-// Throws mk::Error before launching on anything else. At decode sizes (M <= 64, B [N, K]) the
-// tokens sit on the narrow side of swapped-operand tiles (GemmTiles). Where the plan splits K (few
-// tiles, long K: gemm_plan), the pieces' fp32 sums use stream-ordered scratch (cudaMallocAsync, at
-// most pieces x 128 x block_n x 4 bytes per split tile); captured in a CUDA graph, that scratch is
-// a memory node (such a graph has one executable at a time). split_k = 1 never splits.
+// Throws mk::Error before launching on anything else. Where the plan splits K (few tiles, long
+// K: gemm_plan), the pieces' fp32 sums use stream-ordered scratch (cudaMallocAsync, at most
+// pieces x 128 x block_n x 4 bytes per split tile); captured in a CUDA graph, that scratch is a
+// memory node (such a graph has one executable at a time). split_k = 1 never splits.
 void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout,
           cudaStream_t stream, const GemmConfig& config = {});
 

@@ -387,8 +387,7 @@ NB_MODULE(_C, m) {
       "split_k"_a = 0,
       "C[M, N] = A[M, K] @ op(B) in bf16 with fp32 accumulation on the current device; B is [N, K] "
       "('nk') or [K, N] ('kn'). Stream-ordered; no host synchronisation. block_n, split_k: "
-      "GemmConfig's (0: the library's choice; a block_n asks for 128-row tiles, not the swapped "
-      "decode tiles; split_k 1: K whole).");
+      "GemmConfig's (0: the library's choice; split_k 1: K whole).");
 
   m.def(
       "grouped_gemm",

@@ -12,7 +12,6 @@
 #include "gemm/gemm_kernel.cuh"
 #include "gemm/grouped_gemm.cuh"
 #include "gemm/launch.cuh"
-#include "gemm/swapped_gemm.cuh"
 #include "mkernel/error.h"
 #include "mkernel/gemm.h"
 #include "runtime/cuda_check.h"
@@ -91,37 +90,30 @@ namespace {
 
 using gemm_engine::make_map;
 
-// The plan's split schedule for a kernel with (kSplitK) or without split K. With it, `scratch`
-// gets the pieces' fp32 slices, then one counter per split tile and consumer, cleared on
-// `stream` (freed after the launch); throws if the kernel cannot run the plan.
-gemm_engine::SplitSchedule split_schedule(const GemmPlan& plan, int64_t k, bool split_k,
-                                          cudaStream_t stream,
-                                          std::optional<gemm_engine::StreamScratch>& scratch) {
-  gemm_engine::SplitSchedule split{static_cast<int>(plan.whole_tiles), plan.split_k,
-                                   static_cast<int>((k + 63) / 64)};
-  if (!split_k) return split;
-  if (plan.split_k > split.k_iters || plan.whole_tiles % plan.ctas != 0) {
-    throw Error(ErrorCode::kInternal,
-                "gemm: a split plan the kernel cannot run: " + plan.describe());
-  }
-  const int64_t split_tiles = plan.tiles - plan.whole_tiles;
-  const std::size_t partial_bytes =
-      static_cast<std::size_t>(split_tiles) * plan.split_k * 128 * plan.block_n * 4;
-  const std::size_t counter_bytes = static_cast<std::size_t>(split_tiles) * 2 * sizeof(int);
-  scratch.emplace(partial_bytes + counter_bytes, stream);
-  split.partials = static_cast<float*>(scratch->get());
-  split.counters = reinterpret_cast<int*>(static_cast<char*>(scratch->get()) + partial_bytes);
-  MK_CUDA_CHECK(cudaMemsetAsync(split.counters, 0, counter_bytes, stream));
-  return split;
-}
-
 template <int kBlockN, bool kTransB, bool kSplitK>
 void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k,
             const GemmPlan& plan, cudaStream_t stream) {
   using Fusion = gemm_engine::PlainGemm<kBlockN, kSplitK>;
   const int last_rows = gemm_engine::last_tile_rows(m);
+  gemm_engine::SplitSchedule split{static_cast<int>(plan.whole_tiles), plan.split_k,
+                                   static_cast<int>((k + 63) / 64)};
+  const int64_t split_tiles = plan.tiles - plan.whole_tiles;
+  if (kSplitK && (plan.split_k > split.k_iters || plan.whole_tiles % plan.ctas != 0)) {
+    throw Error(ErrorCode::kInternal,
+                "gemm: a split plan the kernel cannot run: " + plan.describe());
+  }
+  // Split K: the partial sums, then one counter per tile and consumer (freed after the launch).
+  const std::size_t partial_bytes =
+      kSplitK ? static_cast<std::size_t>(split_tiles) * plan.split_k * 128 * kBlockN * 4 : 0;
+  const std::size_t counter_bytes =
+      kSplitK ? static_cast<std::size_t>(split_tiles) * 2 * sizeof(int) : 0;
   std::optional<gemm_engine::StreamScratch> scratch;
-  const gemm_engine::SplitSchedule split = split_schedule(plan, k, kSplitK, stream, scratch);
+  if (kSplitK) {
+    scratch.emplace(partial_bytes + counter_bytes, stream);
+    split.partials = static_cast<float*>(scratch->get());
+    split.counters = reinterpret_cast<int*>(static_cast<char*>(scratch->get()) + partial_bytes);
+    MK_CUDA_CHECK(cudaMemsetAsync(split.counters, 0, counter_bytes, stream));
+  }
   const Fusion fusion{
       make_map(a, m, k, 128),
       make_map(c, m, n, 64),
@@ -133,27 +125,6 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
       split};
   gemm_engine::launch<kBlockN, kTransB, Fusion>(
       fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, plan.ctas, stream, kOp);
-}
-
-// The tokens on the narrow side (swapped_gemm.cuh): the weights B [N, K] in the policy's maps,
-// the tokens A [M, K] in the kernel's B operand, boxes of kWidth tokens.
-template <int kWidth, bool kSplitK>
-void launch_swapped(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k,
-                    const GemmPlan& plan, cudaStream_t stream) {
-  using Fusion = gemm_engine::SwappedGemm<kWidth, kSplitK>;
-  const int last_rows = gemm_engine::last_tile_rows(n);
-  std::optional<gemm_engine::StreamScratch> scratch;
-  const gemm_engine::SplitSchedule split = split_schedule(plan, k, kSplitK, stream, scratch);
-  const Fusion fusion{
-      make_map(b, n, k, 128),
-      make_map(b, n, k, last_rows),
-      make_map(c, m, n, kWidth),
-      {static_cast<int>((n + 127) / 128), static_cast<int>((m + kWidth - 1) / kWidth)},
-      static_cast<int>(n),
-      last_rows,
-      split};
-  gemm_engine::launch<kWidth, false, Fusion>(fusion, make_map(a, m, k, kWidth), k, plan.ctas,
-                                             stream, kOp);
 }
 
 }  // namespace
@@ -241,17 +212,16 @@ void require_shape(int64_t m, int64_t n, int64_t k) {
 }
 
 // gemm_plan() for a checked shape: the config's SMs (or the device's) and width (or
-// MKERNEL_GEMM_BLOCK_N, unless the config asks for swapped tiles, whose width follows M).
-GemmPlan plan_checked(int64_t m, int64_t n, int64_t k, BLayout b_layout, GemmConfig config) {
-  if (config.sms <= 0) {
+// MKERNEL_GEMM_BLOCK_N).
+GemmPlan plan_checked(int64_t m, int64_t n, int64_t k, const GemmConfig& config) {
+  int sms = config.sms;
+  if (sms <= 0) {
     int device = 0;
     MK_CUDA_CHECK(cudaGetDevice(&device));
-    MK_CUDA_CHECK(cudaDeviceGetAttribute(&config.sms, cudaDevAttrMultiProcessorCount, device));
+    MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   }
-  if (config.block_n == 0 && config.tiles != GemmTiles::kTokensNarrow) {
-    config.block_n = detail::process_overrides().block_n;
-  }
-  return gemm_engine::plan_gemm(m, n, k, b_layout, config, kOp);
+  const int block_n = config.block_n != 0 ? config.block_n : detail::process_overrides().block_n;
+  return gemm_engine::plan_gemm(m, n, k, sms, block_n, config.split_k, kOp);
 }
 
 }  // namespace
@@ -268,24 +238,13 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   detail::require_disjoint(kOp, {{"A", a, static_cast<std::size_t>(m) * k * 2, false},
                                  {"B", b, static_cast<std::size_t>(n) * k * 2, false},
                                  {"C", c, static_cast<std::size_t>(m) * n * 2, true}});
-  const GemmPlan plan = plan_checked(m, n, k, b_layout, config);
+  const GemmPlan plan = plan_checked(m, n, k, config);
   if (detail::process_overrides().print_config) {
     std::fprintf(stderr, "[mkernel] gemm %lldx%lldx%lld: %s\n", static_cast<long long>(m),
                  static_cast<long long>(n), static_cast<long long>(k), plan.describe().c_str());
   }
-  const bool split = plan.split_k > 1 && plan.whole_tiles < plan.tiles;
-  if (plan.swapped) {
-    gemm_engine::dispatch_narrow(plan.block_n, [&]<int kWidth>() {
-      if (split) {
-        launch_swapped<kWidth, true>(a, b, c, m, n, k, plan, stream);
-      } else {
-        launch_swapped<kWidth, false>(a, b, c, m, n, k, plan, stream);
-      }
-    });
-    return;
-  }
   gemm_engine::dispatch(plan.block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
-    if (split) {
+    if (plan.split_k > 1 && plan.whole_tiles < plan.tiles) {
       launch<kBlockN, kTransB, true>(a, b, c, m, n, k, plan, stream);
     } else {
       launch<kBlockN, kTransB, false>(a, b, c, m, n, k, plan, stream);
@@ -293,10 +252,9 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   });
 }
 
-GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, BLayout b_layout, const GemmConfig& config) {
+GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, const GemmConfig& config) {
   require_shape(m, n, k);
-  if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) invalid("unknown B layout");
-  return plan_checked(m, n, k, b_layout, config);
+  return plan_checked(m, n, k, config);
 }
 
 std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
@@ -317,14 +275,6 @@ std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
   add_resources<128, true, gemm_engine::SplitGemm>(out, "split");
   add_resources<192, true, gemm_engine::SplitGemm>(out, "split");
   add_resources<256, true, gemm_engine::SplitGemm>(out, "split");
-  add_resources<8, false, gemm_engine::SwappedGemm>(out, "swapped");
-  add_resources<16, false, gemm_engine::SwappedGemm>(out, "swapped");
-  add_resources<32, false, gemm_engine::SwappedGemm>(out, "swapped");
-  add_resources<64, false, gemm_engine::SwappedGemm>(out, "swapped");
-  add_resources<8, false, gemm_engine::SwappedSplitGemm>(out, "swapped split");
-  add_resources<16, false, gemm_engine::SwappedSplitGemm>(out, "swapped split");
-  add_resources<32, false, gemm_engine::SwappedSplitGemm>(out, "swapped split");
-  add_resources<64, false, gemm_engine::SwappedSplitGemm>(out, "swapped split");
   add_resources<64, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<128, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<192, false, gemm_engine::GroupedGemm>(out, "grouped");

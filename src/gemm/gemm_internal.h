@@ -41,17 +41,10 @@ void require_multiple_of_8(int64_t value, const char* op, const char* what);
 // Throws (naming `op`) on a bad width.
 int pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op);
 
-// The swapped-operand tiles' width for M tokens: M rounded up to 8, 16, 32 or 64 (the wgmma
-// widths of the narrow side), at most 64.
-int narrow_width(int64_t m);
-// Tokens at most at which gemm() puts them on the narrow side of swapped tiles by itself.
-inline constexpr int64_t kMaxNarrowTokens = 64;
-
-// gemm()'s plan for B in `b_layout`, on config.sms CTAs (resolved: >= 1), with config's tiles,
-// width (0: any; block_n with any environment override folded in) and split (0: any, 1: none), or
-// the cost model's best (src/gemm/plan.cpp). Throws (naming `op`) on a bad configuration.
-GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, BLayout b_layout, const GemmConfig& config,
-                   const char* op);
+// gemm()'s plan on `sms` CTAs: the requested width (0: any) and split (0: any, 1: none) or the
+// cost model's best (src/gemm/plan.cpp). Throws (naming `op`) on a bad width or split.
+GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block_n,
+                   int requested_split_k, const char* op);
 }  // namespace gemm_engine
 
 namespace gemm_engine {

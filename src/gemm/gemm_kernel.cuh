@@ -61,30 +61,20 @@
 
 namespace mk::gemm_engine {
 
-// Tile widths below 64 are those of the swapped-operand decode tiles (swapped_gemm.cuh: the
-// tokens on the wgmma's N side), whose stages are almost all weights; their ring may be deeper.
-constexpr int kNarrowWidthLimit = 64;
-constexpr int kMaxStagesWide = 8;
-constexpr int kMaxStagesNarrow = 16;
-
 // kMaxStages: a cap on the stage ring below what fits (bench/bench_stages.cu measures what a
 // stage is worth; the library uses the default).
-template <int kBlockN_,
-          int kMaxStages = (kBlockN_ < kNarrowWidthLimit ? kMaxStagesNarrow : kMaxStagesWide)>
+template <int kBlockN_, int kMaxStages = 8>
 struct TileConfig {
   static constexpr int kBlockM = 128;       // 2 consumer warpgroups x 64 rows
-  static constexpr int kBlockN = kBlockN_;  // 64, 128, 192 or 256; swapped tiles 8, 16, 32 (or 64)
+  static constexpr int kBlockN = kBlockN_;  // 64, 128, 192 or 256
   static constexpr int kBlockK = 64;        // 64 bf16 = 128 bytes = one swizzle row
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kABytes = kBlockM * kBlockK * 2;
   static constexpr int kBBytes = kBlockN * kBlockK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  // Epilogue staging: per consumer, two 64 x 64 bf16 buffers (one filling while one is stored);
-  // at the narrow widths one kBlockN x 64 buffer (SwappedGemm's transposed slice).
-  static constexpr int kEpilogueBytes = kBlockN < kNarrowWidthLimit
-                                            ? kConsumers * kBlockN * kBlockK * 2
-                                            : kConsumers * 2 * 64 * 64 * 2;
+  // Epilogue staging: per consumer, two 64 x 64 bf16 buffers (one filling while one is stored).
+  static constexpr int kEpilogueBytes = kConsumers * 2 * 64 * 64 * 2;
   // As many stages as fit (at most kMaxStages) next to the epilogue buffers, the barriers and
   // the 1024 bytes spent aligning everything to the swizzle atom.
   static constexpr int kSmemLimit = 227 * 1024;
@@ -97,14 +87,7 @@ struct TileConfig {
   static constexpr int kAccRegs = kBlockN / 2;  // fp32 accumulators per consumer thread
   static_assert(kStages >= 3, "too few pipeline stages fit");
   static_assert(kSmemBytes <= kSmemLimit, "shared memory per CTA on sm_90");
-  static_assert((kBlockN % 64 == 0 && kBlockN <= 256) || kBlockN == 8 || kBlockN == 16 ||
-                    kBlockN == 32,
-                "tile widths of wgmma_ops.cuh");
-  // TMA writes and wgmma reads 128-byte-swizzled tiles from 1024-byte-aligned addresses: every
-  // stage's A and B tile, and each consumer's epilogue buffer.
-  static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0 &&
-                    (kEpilogueBytes / kConsumers) % 1024 == 0,
-                "swizzle atoms");
+  static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "tile widths of wgmma_ops.cuh");
 };
 
 // Persistent tile order: CTAs walk work items t = blockIdx.x, blockIdx.x + gridDim.x, ...;
@@ -373,23 +356,6 @@ struct SplitSchedule {
   int* counters = nullptr;    // [split tile][consumer], zero before the launch
 
   __device__ int items(int tiles) const { return whole + (tiles - whole) * pieces; }
-  // A policy's scheduler over `raster`: its work items (kSplitK: the last wave's tiles in pieces)
-  // and work item t's tile and k-blocks.
-  template <bool kSplitK>
-  __device__ int num_items(const GroupedRaster& raster) const {
-    return kSplitK ? items(raster.num_tiles()) : raster.num_tiles();
-  }
-  template <bool kSplitK>
-  __device__ Tile work_item(const GroupedRaster& raster, int t) const {
-    Tile tile{0, 0, 0};
-    if constexpr (kSplitK) {
-      raster.tile(tile_of(t), tile.m, tile.n);
-      k_range(t, tile);
-    } else {
-      raster.tile(t, tile.m, tile.n);
-    }
-    return tile;
-  }
   // Work item t's tile (in raster order), and its k-blocks into `tile`.
   __device__ int tile_of(int t) const { return t < whole ? t : whole + (t - whole) / pieces; }
   __device__ void k_range(int t, Tile& tile) const {
@@ -398,10 +364,9 @@ struct SplitSchedule {
     tile.kb_begin = piece * k_iters / pieces;
     tile.kb_end = (piece + 1) * k_iters / pieces;
   }
-  // All 128 threads of a consumer warpgroup, after work item t's k-blocks (accumulator rows from
-  // row0 - C's rows, or B's with swapped operands - of which those >= m are skipped): true when
-  // acc holds the tile's whole sum - a whole tile, or the last piece to arrive - and the tile is
-  // to be stored.
+  // All 128 threads of a consumer warpgroup, after work item t's k-blocks (rows from row0, of
+  // which those >= m are skipped): true when acc holds the tile's whole sum - a whole tile, or
+  // the last piece to arrive - and the tile is to be stored.
   template <int kRegs>
   __device__ bool gather(float (&acc)[kRegs], int t, int consumer, int row0, int m) const {
     if (t < whole || pieces == 1) return true;
@@ -454,8 +419,19 @@ struct PlainGemm {
   int m;
   SplitSchedule split;
 
-  __device__ int num_tiles() const { return split.num_items<kSplitK>(raster); }
-  __device__ Tile tile(int t) const { return split.work_item<kSplitK>(raster, t); }
+  __device__ int num_tiles() const {
+    return kSplitK ? split.items(raster.num_tiles()) : raster.num_tiles();
+  }
+  __device__ Tile tile(int t) const {
+    Tile tile{0, 0, 0};
+    if constexpr (kSplitK) {
+      raster.tile(split.tile_of(t), tile.m, tile.n);
+      split.k_range(t, tile);
+    } else {
+      raster.tile(t, tile.m, tile.n);
+    }
+    return tile;
+  }
   struct ConsumerState {};
 
   __device__ void wait_operands(const Tile&) const {}

@@ -124,9 +124,6 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
   if (config.split_k != 0 && config.split_k != 1) {
     invalid("split_k = " + std::to_string(config.split_k) + "; the grouped GEMM does not split K");
   }
-  if (config.tiles == GemmTiles::kTokensNarrow) {
-    invalid("tiles = kTokensNarrow is gemm()'s; the grouped GEMM computes in 128-row tiles");
-  }
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
   gemm_engine::require_device_pointer(a, kOp, "A", device);

@@ -38,22 +38,6 @@ void dispatch(int block_n, bool trans_b, Fn&& fn) {
   }
 }
 
-// Calls fn.template operator()<kWidth>() for a swapped tile's run-time width (8, 16, 32,
-// anything else = 64: the tokens' widths, B [N, K] only).
-template <class Fn>
-void dispatch_narrow(int width, Fn&& fn) {
-  switch (width) {
-    case 8:
-      return fn.template operator()<8>();
-    case 16:
-      return fn.template operator()<16>();
-    case 32:
-      return fn.template operator()<32>();
-    default:
-      return fn.template operator()<64>();
-  }
-}
-
 // gemm_kernel<..., Fusion> with its shared memory allowed on the current device (which also loads
 // the kernel now). The attribute is set once per device (bit d of `done`): every launch asks, and
 // the call costs the host half a microsecond.

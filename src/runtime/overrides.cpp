@@ -88,8 +88,7 @@ const std::vector<OverrideInfo>& override_table() {
       {"MKERNEL_TRACE", "0 or 1",
        "record ag_gemm / gemm_rs / gemm_ar timelines (bench/trace_fused reads them)"},
       {"MKERNEL_GEMM_BLOCK_N", "64, 128, 192 or 256",
-       "GEMM width of 128-row tiles, where the call's config leaves it to the library (set, it "
-       "also keeps decode sizes off the swapped tiles)"},
+       "GEMM tile width, where the call's config leaves it to the library"},
       {"MKERNEL_COMM_CTAS", "integer >= 1", "ag_gemm: CTAs whose spare warps push the shard"},
       {"MKERNEL_PIECE_ROWS", "integer >= 1", "ag_gemm: rows per signalled piece of a shard"},
       {"MKERNEL_BF16_PARTIALS", "0 or 1",

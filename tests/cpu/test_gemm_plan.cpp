@@ -49,14 +49,8 @@ TEST(GemmPlan, HeuristicMatchesTheSweep) {
   EXPECT_EQ(pick(0, 1, 8), 64);  // one tile whatever the width: the cheapest
 }
 
-GemmPlan plan(int64_t m, int64_t n, int64_t k, int block_n = 0, int split_k = 0, int sms = kSms,
-              BLayout layout = BLayout::kNK, GemmTiles tiles = GemmTiles::kAuto) {
-  GemmConfig config;
-  config.block_n = block_n;
-  config.split_k = split_k;
-  config.sms = sms;
-  config.tiles = tiles;
-  return gemm_engine::plan_gemm(m, n, k, layout, config, "test_op");
+GemmPlan plan(int64_t m, int64_t n, int64_t k, int block_n = 0, int split_k = 0, int sms = kSms) {
+  return gemm_engine::plan_gemm(m, n, k, sms, block_n, split_k, "test_op");
 }
 
 // Every plan is launchable: its work items fill at most its CTAs' rounds, its pieces are
@@ -65,13 +59,8 @@ void expect_consistent(const GemmPlan& p, int64_t m, int64_t n, int64_t k, int s
                        bool own_choice = true) {
   SCOPED_TRACE(std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) + ": " +
                p.describe());
-  if (p.swapped) {  // 128 rows of N by the tokens' width
-    EXPECT_EQ(p.block_n, gemm_engine::narrow_width(m));
-    EXPECT_EQ(p.tiles, (n + 127) / 128 * ((m + p.block_n - 1) / p.block_n));
-  } else {
-    EXPECT_TRUE(p.block_n == 64 || p.block_n == 128 || p.block_n == 192 || p.block_n == 256);
-    EXPECT_EQ(p.tiles, (m + 127) / 128 * ((n + p.block_n - 1) / p.block_n));
-  }
+  EXPECT_TRUE(p.block_n == 64 || p.block_n == 128 || p.block_n == 192 || p.block_n == 256);
+  EXPECT_EQ(p.tiles, (m + 127) / 128 * ((n + p.block_n - 1) / p.block_n));
   EXPECT_GE(p.ctas, 1);
   EXPECT_LE(p.ctas, sms);
   EXPECT_GE(p.split_k, 1);
@@ -148,110 +137,14 @@ TEST(GemmPlan, BadSplitNamesOpAndValue) {
 TEST(GemmPlan, RandomShapesPlanConsistently) {
   std::mt19937_64 gen(std::random_device{}());
   for (int i = 0; i < 3000; ++i) {
-    // A third at decode sizes (the swapped tiles where B is [N, K]).
-    const int64_t m = 1 + static_cast<int64_t>(gen() % (i % 3 ? 20000 : 128));
+    const int64_t m = 1 + static_cast<int64_t>(gen() % 20000);
     const int64_t n = 8 * (1 + static_cast<int64_t>(gen() % 4000));
     const int64_t k = 8 * (1 + static_cast<int64_t>(gen() % 4000));
     const int sms = 1 + static_cast<int>(gen() % 132);
     const int block_n = gen() % 3 ? 0 : 64 * (1 + static_cast<int>(gen() % 4));
     const int split_k = gen() % 3 ? 0 : static_cast<int>(gen() % 33);
-    const BLayout layout = gen() % 2 ? BLayout::kNK : BLayout::kKN;
-    const GemmPlan p = plan(m, n, k, block_n, split_k, sms, layout);
-    expect_consistent(p, m, n, k, sms, split_k == 0);
-    EXPECT_EQ(p.swapped, layout == BLayout::kNK && block_n == 0 && m <= 64);
-    if (layout == BLayout::kNK && block_n == 0) {  // forced either way
-      expect_consistent(plan(m, n, k, 0, split_k, sms, layout, GemmTiles::kTokensNarrow), m, n, k,
-                        sms, split_k == 0);
-      expect_consistent(plan(m, n, k, 0, split_k, sms, layout, GemmTiles::kRows), m, n, k, sms,
-                        split_k == 0);
-    }
+    expect_consistent(plan(m, n, k, block_n, split_k, sms), m, n, k, sms, split_k == 0);
   }
-}
-
-// Decode sizes (docs/design/gemm_decode.md): at M <= 64 with B [N, K] the tokens sit on the
-// narrow side of swapped tiles, M rounded up to 8, 16, 32 or 64; not above 64, not with B [K, N],
-// not where a width of 128-row tiles is asked for.
-TEST(GemmPlan, DecodeTakesTheSwappedTile) {
-  for (int64_t m = 1; m <= 80; ++m) {
-    const GemmPlan p = plan(m, 2048, 7168);
-    expect_consistent(p, m, 2048, 7168, kSms);
-    EXPECT_EQ(p.swapped, m <= 64) << m;
-    if (m <= 64) {
-      EXPECT_EQ(p.block_n, m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64) << m;
-      EXPECT_EQ(p.tiles, 16) << m;  // 2048 / 128 rows of N, one tile of tokens
-    }
-    EXPECT_FALSE(plan(m, 2048, 7168, 0, 0, kSms, BLayout::kKN).swapped) << m;
-    EXPECT_FALSE(plan(m, 2048, 7168, 128).swapped) << m;
-    EXPECT_FALSE(plan(m, 2048, 7168, 0, 0, kSms, BLayout::kNK, GemmTiles::kRows).swapped) << m;
-  }
-  // Asked for above 64 tokens: tiles of 64.
-  const GemmPlan wide = plan(200, 520, 4096, 0, 0, kSms, BLayout::kNK, GemmTiles::kTokensNarrow);
-  expect_consistent(wide, 200, 520, 4096, kSms);
-  EXPECT_TRUE(wide.swapped);
-  EXPECT_EQ(wide.block_n, 64);
-  EXPECT_EQ(wide.tiles, 5 * 4);
-}
-
-TEST(GemmPlan, DecodeSplitsKOverTheSms) {
-  // 16 tiles of 128 rows of N: pieces of K put most of the SMs to work (the HBM rate needs them).
-  for (int64_t m : {1, 2, 7, 8, 9, 16, 31, 33, 64}) {
-    const GemmPlan p = plan(m, 2048, 7168);
-    expect_consistent(p, m, 2048, 7168, kSms);
-    EXPECT_TRUE(p.swapped);
-    EXPECT_GT(p.split_k, 1) << p.describe();
-    EXPECT_GE(p.ctas, 64) << p.describe();
-    EXPECT_GE(112 / p.split_k, 8) << p.describe();  // pieces of 8 k-blocks or more
-  }
-  // A requested split or K whole is kept; a few CTAs take the full waves whole.
-  EXPECT_EQ(plan(1, 2048, 7168, 0, 1).split_k, 1);
-  EXPECT_EQ(plan(1, 2048, 7168, 0, 5).split_k, 5);
-  const GemmPlan few = plan(1, 2048, 7168, 0, 4, 3);  // 16 tiles on 3 CTAs: 15 whole, 1 in pieces
-  expect_consistent(few, 1, 2048, 7168, 3, false);
-  EXPECT_TRUE(few.swapped);
-  EXPECT_EQ(few.whole_tiles, 15);
-  EXPECT_EQ(few.split_k, 4);
-  EXPECT_EQ(plan(1, 136, 72, 0, 8).split_k, 2);  // two k-blocks: two pieces at most
-}
-
-TEST(GemmPlan, DescribeSaysTokensOnTheNarrowSide) {
-  const std::string split = plan(1, 2048, 7168).describe();
-  EXPECT_EQ(
-      split.rfind("tokens on the narrow side: 128 x 8 tiles (N x M) of 64 of K: 16, 0 whole", 0),
-      0u)
-      << split;
-  EXPECT_NE(split.find("pieces of K each"), std::string::npos) << split;
-  const std::string whole = plan(16, 2048, 7168, 0, 1).describe();
-  EXPECT_EQ(whole.rfind("tokens on the narrow side: 128 x 16 tiles (N x M) of 64 of K: 16 on 16 "
-                        "CTAs, K whole",
-                        0),
-            0u)
-      << whole;
-  EXPECT_EQ(plan(16, 2048, 7168, 128).describe().rfind("tiles 128x128x64: ", 0), 0u);
-}
-
-TEST(GemmPlan, BadTilesNameTheConflict) {
-  const auto message = [](auto fn) {
-    try {
-      fn();
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-      return std::string(e.what());
-    }
-    ADD_FAILURE() << "expected an error";
-    return std::string();
-  };
-  EXPECT_NE(message([] {
-              plan(8, 2048, 7168, 0, 0, kSms, BLayout::kKN, GemmTiles::kTokensNarrow);
-            }).find("test_op: tiles = kTokensNarrow needs B [N, K]"),
-            std::string::npos);
-  EXPECT_NE(message([] {
-              plan(8, 2048, 7168, 128, 0, kSms, BLayout::kNK, GemmTiles::kTokensNarrow);
-            }).find("test_op: block_n = 128 is a width of 128-row tiles"),
-            std::string::npos);
-  EXPECT_NE(message([] {
-              plan(8, 2048, 7168, 0, 0, kSms, BLayout::kNK, static_cast<GemmTiles>(7));
-            }).find("unknown tiles"),
-            std::string::npos);
 }
 
 }  // namespace

@@ -346,10 +346,6 @@ TEST(GroupedGemm, RejectsBadArgumentsBeforeLaunch) {
                      static_cast<GroupedLayout>(7));
       },
       ErrorCode::kInvalidArgument, "unknown grouped layout");
-  GemmConfig narrow;
-  narrow.tiles = GemmTiles::kTokensNarrow;
-  expect_error([&] { grouped_gemm(q, q, q, rows, 4, 8, 8, 8, BLayout::kNK, nullptr, narrow); },
-               ErrorCode::kInvalidArgument, "tiles = kTokensNarrow is gemm()'s");
   cudaFree(p);
 }
 

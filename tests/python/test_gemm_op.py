@@ -38,8 +38,8 @@ def _reference(a, b, layout):
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
-@pytest.mark.parametrize("shape", [(1, 8, 8), (1, 2048, 7168), (33, 520, 4096), (129, 264, 72),
-                                   (1000, 1000, 1000), (3000, 5120, 3584), (4096, 4096, 4096)])
+@pytest.mark.parametrize("shape", [(1, 8, 8), (129, 264, 72), (1000, 1000, 1000),
+                                   (3000, 5120, 3584), (4096, 4096, 4096)])
 def test_matches_reference(shape, layout):
     m, n, k = shape
     a, b = _inputs(m, n, k, layout, seed=torch.seed() % (1 << 31))

@@ -146,8 +146,5 @@ __device__ __forceinline__ bool named_barrier_or(int id, int threads, bool pred)
 __device__ __forceinline__ void st_shared_u32(void* p, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(smem_addr(p)), "r"(v) : "memory");
 }
-__device__ __forceinline__ void st_shared_u16(void* p, uint16_t v) {
-  asm volatile("st.shared.u16 [%0], %1;" ::"r"(smem_addr(p)), "h"(v) : "memory");
-}
 
 }  // namespace mk::dev

@@ -8,8 +8,6 @@
 //   bits 32-45  stride-dimension byte offset >> 4 = 1024 B: 8 rows x 128 B between core matrices
 //   bits 62-63  swizzle mode: 1 = 128 B
 // Successive K slices of 16 elements start 32 bytes further; the hardware applies the swizzle.
-// The same descriptor serves a narrow B (N = 8: one group of 8 rows, a single 1024-byte swizzle
-// atom, so the stride offset is never used; N = 16, 32: two and four atoms).
 //
 // Accumulator layout per thread (warp w of the warpgroup, lane l), for column block j (8 cols):
 //   d[4j + 0], d[4j + 1] -> row 16w + l/4,     cols 8j + 2(l%4) + {0, 1}
