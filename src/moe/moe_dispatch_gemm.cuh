@@ -211,7 +211,8 @@ struct MoeDispatchGemm {
   }
 
   __device__ void consumer_done(ConsumerState&) const {}
-  __device__ void finish() const {}
+  // Every thread of every CTA, last: the launch's end (the last CTA bumps the epoch).
+  __device__ void finish() const { dev::Launch::begin(comm).end(); }
 
   __device__ int64_t topk_at(int64_t p) const {
     return topk_int64 ? static_cast<const int64_t*>(topk)[p] : static_cast<const int32_t*>(topk)[p];
