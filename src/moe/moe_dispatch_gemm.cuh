@@ -145,8 +145,8 @@ __device__ __forceinline__ int4 load_cg(const int4* p) {
 
 // One warp copies a row of n16 16-byte words, kInFlight per lane (kFresh: src may have been
 // written during the kernel - read through L2). The side warps run on the producer warpgroup's
-// few registers: 32-bit indices, two vectors in flight.
-template <bool kFresh, int kInFlight = 2>
+// few registers: 32-bit indices, four vectors in flight (eight spilled).
+template <bool kFresh, int kInFlight = 4>
 __device__ __forceinline__ void copy_row_warp(const int4* src, int4* dst, int n16, int lane) {
   int i = lane;
   for (; i + 32 * (kInFlight - 1) < n16; i += 32 * kInFlight) {
