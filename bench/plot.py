@@ -198,6 +198,8 @@ def correctness(r):
 def series_style(key, extras, gemm=True):
     if key == "sequential" and not gemm:
         return "sequential (the unfused parts, one after the other)", SERIES[key][1]
+    if key == "gemm_alone" and not gemm:  # MoE: the experts' grouped GEMM alone
+        return "GEMM alone (torch._grouped_mm)", SERIES[key][1]
     if key in SERIES:
         return SERIES[key]
     if key not in extras:
@@ -554,6 +556,11 @@ def overview_rows(kind, doc, rows):
         elif doc.get("kernel") in ("gemm", "grouped_gemm"):  # an engine alone: its library
             base = number(r["ms"].get("gemm_alone" if doc["kernel"] == "gemm"
                                       else "torch_grouped_mm"))
+            sp = base / m if base and m else None
+            label = shape_label(r["shape"])
+        elif doc.get("kernel") == "moe_dispatch_gemm" and r["ms"].get("sequential") is None:
+            # one GPU (no NCCL all-to-all): against torch._grouped_mm on the routed rows
+            base = number(r["ms"].get("gemm_alone"))
             sp = base / m if base and m else None
             label = shape_label(r["shape"])
         else:
