@@ -27,15 +27,7 @@ namespace mk::fused {
 
 constexpr int kMaxReduceRings = 4;
 
-// 16 bytes from L2 (ld.global.cg): coherent, for memory written while the kernel runs.
-__device__ __forceinline__ uint4 load_l2(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
+using dev::load_l2;  // (mkernel/device/sync.cuh)
 
 // A kernel argument: the routes and the communicator's inter-node path as this launch uses it.
 struct NodeLinks {

@@ -133,31 +133,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   launch.end();
 }
 
-// 16 bytes through L2 only: rows written by other GPUs (or other CTAs) during the kernel.
-__device__ __forceinline__ int4 load_cg(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
-
 // One warp copies a row of n16 16-byte words, kInFlight per lane (kFresh: src may have been
 // written during the kernel - read through L2). The side warps run on the producer warpgroup's
 // few registers: 32-bit indices, four vectors in flight (eight spilled).
 template <bool kFresh, int kInFlight = 4>
 __device__ __forceinline__ void copy_row_warp(const int4* src, int4* dst, int n16, int lane) {
+  auto load_fresh = [](const int4* p) {
+    const uint4 v = dev::load_l2(p);
+    return make_int4(static_cast<int>(v.x), static_cast<int>(v.y), static_cast<int>(v.z),
+                     static_cast<int>(v.w));
+  };
   int i = lane;
   for (; i + 32 * (kInFlight - 1) < n16; i += 32 * kInFlight) {
     int4 v[kInFlight];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u)
-      v[u] = kFresh ? load_cg(src + i + 32 * u) : __ldg(src + i + 32 * u);
+      v[u] = kFresh ? load_fresh(src + i + 32 * u) : __ldg(src + i + 32 * u);
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) dst[i + 32 * u] = v[u];
   }
-  for (; i < n16; i += 32) dst[i] = kFresh ? load_cg(src + i) : __ldg(src + i);
+  for (; i < n16; i += 32) dst[i] = kFresh ? load_fresh(src + i) : __ldg(src + i);
 }
 
 template <int kBlockN>

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "mkernel/device_comm.h"
 #include "mkernel/moe.h"
 
 namespace mk::moe {
@@ -58,7 +59,8 @@ constexpr LayoutTables layout_tables(int world, int experts_local) {
 constexpr int64_t dispatch_smem_bytes(int world, int experts_local) {
   return 4 * (static_cast<int64_t>(world) * (experts_local + 1) + 2 * experts_local + 1);
 }
-constexpr int64_t kDispatchSmemMax = dispatch_smem_bytes(1, kMoeMaxExperts) + 4 * 160;
+constexpr int64_t kDispatchSmemMax =
+    dispatch_smem_bytes(1, kMoeMaxExperts) + 4 * static_cast<int64_t>(kMaxChannels);
 
 constexpr int64_t kMinChunkTokens = 64;  // tokens per route chunk, at least
 constexpr int kMaxChunks = 128;          // route chunks (CTAs), at most

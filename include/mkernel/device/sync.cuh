@@ -48,6 +48,17 @@ __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 
+// 16 bytes from L2 (ld.global.cg): coherent, for memory written while the kernel runs (by
+// other SMs or other GPUs).
+__device__ __forceinline__ uint4 load_l2(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
 // Nanoseconds since an arbitrary origin, comparable across the SMs of one GPU.
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
