@@ -6,7 +6,8 @@
 # kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm, grouped_gemm (against
 #         torch._grouped_mm on MoE expert shapes, both layouts), moe_dispatch_gemm (one GPU:
 #         the fused launch, moe_dispatch / moe_combine and dispatch-then-grouped-GEMM against
-#         torch._grouped_mm on the issue's MoE shapes), ag_gemm, gemm_rs, gemm_ar,
+#         torch._grouped_mm on the issue's MoE shapes), attention (one GPU: against torch SDPA's
+#         best backend), ag_gemm, gemm_rs, gemm_ar,
 #         transport (the socket proxy path over loopback; no GPU needed), p2p (NVLink push /
 #         red.add / pull rate per CTA between GPU 0 and 1: what the fused kernels are sized by).
 #         Other fused kernels join as they land. all = collectives, gemm and every fused kernel.
@@ -29,14 +30,14 @@
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 NCCL_NVLS_DISABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-usage() { sed -n '2,28s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+usage() { sed -n '2,29s/^# \{0,1\}//p' "$0" >&2; exit 2; }
 [[ $# -ge 3 ]] || usage
 kernel="$1" mode="$2" nodes="$3" sizes="${4:-}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 build="${BUILD_DIR:-build}"
 
 case "$kernel" in
-  all | collectives | all_gather | reduce_scatter | all_reduce | gemm | grouped_gemm | moe_dispatch_gemm | ag_gemm | gemm_rs | gemm_ar) ;;
+  all | collectives | all_gather | reduce_scatter | all_reduce | gemm | grouped_gemm | moe_dispatch_gemm | attention | ag_gemm | gemm_rs | gemm_ar) ;;
   transport)
     # The inter-node proxy path over loopback (host only, no GPU): latency and bandwidth.
     [[ -x "${BUILD_DIR:-build}/bench/bench_transport" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
@@ -148,7 +149,7 @@ if [[ "$gpus" -eq 0 ]]; then
 fi
 ranks="${MKERNEL_RANKS:-$gpus}"
 if [[ -z "${MKERNEL_RANKS:-}" && "$mode" == check && "$gpus" -eq 1 && "$kernel" != gemm &&
-      "$kernel" != grouped_gemm && "$kernel" != moe_dispatch_gemm ]]; then
+      "$kernel" != grouped_gemm && "$kernel" != moe_dispatch_gemm && "$kernel" != attention ]]; then
   # One GPU: the multi-rank kernels are still checked, with two ranks sharing it.
   ranks=2
   [[ "$kernel" == all ]] ||
@@ -159,10 +160,10 @@ if [[ "$mode" == bench && "$ranks" -gt "$gpus" && "$kernel" != all ]]; then
        "runs with ranks sharing GPUs)" >&2
   exit 2
 fi
-if [[ "$kernel" == grouped_gemm || "$kernel" == moe_dispatch_gemm ]]; then  # Python + torch only
+if [[ "$kernel" == grouped_gemm || "$kernel" == moe_dispatch_gemm || "$kernel" == attention ]]; then  # Python + torch only
   [[ -z "$sizes" ]] || echo "bench/run.sh: $kernel runs its own sweep; sizes ignored" >&2
-  if [[ "$kernel" == moe_dispatch_gemm && "$nodes" -ne 1 ]]; then
-    echo "bench/run.sh: moe_dispatch_gemm runs on one node only so far" >&2
+  if [[ "$kernel" != grouped_gemm && "$nodes" -ne 1 ]]; then
+    echo "bench/run.sh: $kernel runs on one node only" >&2
     exit 2
   fi
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
@@ -173,6 +174,7 @@ if [[ "$kernel" == grouped_gemm || "$kernel" == moe_dispatch_gemm ]]; then  # Py
   }
   script=bench/bench_grouped.py
   [[ "$kernel" == moe_dispatch_gemm ]] && script=bench/bench_moe.py
+  [[ "$kernel" == attention ]] && script=bench/bench_attention.py
   one_gpu_args=(--mode "$mode")
   if [[ "$mode" == bench ]]; then
     mkdir -p bench/results
@@ -195,7 +197,7 @@ fi
 if [[ "$kernel" == all ]]; then
   # Every family in turn; the first failure is the exit status.
   status=0
-  for k in collectives gemm grouped_gemm moe_dispatch_gemm ag_gemm gemm_rs gemm_ar; do
+  for k in collectives gemm grouped_gemm moe_dispatch_gemm attention ag_gemm gemm_rs gemm_ar; do
     bash "$PWD/bench/run.sh" "$k" "$mode" "$nodes" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
   done
   exit "$status"

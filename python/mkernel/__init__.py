@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - exercised on machines without torch
 
 __all__ = ["Communicator", "MkernelError", "init", "gemm", "grouped_gemm", "ag_gemm", "gemm_rs",
            "gemm_ar", "moe_dispatch", "moe_dispatch_gemm", "moe_combine", "MoeHandle",
-           "dtype_name", "DTYPES",
+           "attention", "dtype_name", "DTYPES",
            "ERROR_CODES"]
 __version__ = "0.1.0"
 
@@ -794,9 +794,14 @@ else:  # pragma: no cover - without torch there is no tensor to multiply
         _require_torch("gemm")
 
 if torch is not None:
+    from mkernel.attention_ops import attention  # noqa: E402 - needs the above
     from mkernel.moe import (MoeHandle, moe_combine, moe_dispatch,  # noqa: E402 - needs the above
                              moe_dispatch_gemm)
 else:  # pragma: no cover - without torch there are no tensors to route
+    def attention(q, k, v, **kwargs):
+        """Needs PyTorch; see mkernel.attention_ops."""
+        _require_torch("attention")
+
     MoeHandle = None
 
     def moe_dispatch(x, topk_idx, comm, num_experts, **kwargs):

@@ -21,6 +21,7 @@
 #include <string_view>
 #include <utility>
 
+#include "mkernel/attention.h"
 #include "mkernel/fused.h"
 #include "mkernel/gemm.h"
 #include "mkernel/mkernel.h"
@@ -411,6 +412,40 @@ NB_MODULE(_C, m) {
       "max_rows; padded: each group from a multiple of 128 rows), or each group in a block of "
       "`rows` rows (masked), their counts (int32) in device memory. Stream-ordered; no host "
       "synchronisation.");
+
+  // ---- attention engine ----
+  m.def(
+      "attention",
+      [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o, std::uintptr_t lse,
+         nb::tuple q_strides, nb::tuple k_strides, nb::tuple v_strides, int64_t batch,
+         int64_t seq_q, int64_t seq_kv, int64_t heads, int64_t kv_heads, int64_t head_dim,
+         bool causal, double softmax_scale, std::uintptr_t stream) {
+        auto tensor = [](std::uintptr_t data, const nb::tuple& strides) {
+          if (strides.size() != 3) throw nb::value_error("attention: strides are (batch, seq, head)");
+          return mk::AttentionTensor{as_pointer<const void>(data), nb::cast<int64_t>(strides[0]),
+                                     nb::cast<int64_t>(strides[1]), nb::cast<int64_t>(strides[2])};
+        };
+        const mk::AttentionTensor tq = tensor(q, q_strides), tk = tensor(k, k_strides),
+                                  tv = tensor(v, v_strides);
+        mk::AttentionProblem problem;
+        problem.batch = batch;
+        problem.seq_q = seq_q;
+        problem.seq_kv = seq_kv;
+        problem.heads = heads;
+        problem.kv_heads = kv_heads;
+        problem.head_dim = head_dim;
+        problem.causal = causal;
+        problem.softmax_scale = static_cast<float>(softmax_scale);
+        nb::gil_scoped_release nogil;
+        mk::attention(problem, tq, tk, tv, as_pointer(o), as_pointer<float>(lse), as_stream(stream));
+      },
+      "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "q_strides"_a, "k_strides"_a, "v_strides"_a, "batch"_a,
+      "seq_q"_a, "seq_kv"_a, "heads"_a, "kv_heads"_a, "head_dim"_a, "causal"_a,
+      "softmax_scale"_a, "stream"_a,
+      "O[B, S_q, H, D] = softmax(scale Q K^T [causal, bottom-right]) V, bf16, fp32 softmax; "
+      "q [B, S_q, H, D], k and v [B, S_kv, H_kv, D] with element strides (batch, seq, head) "
+      "(last dimension contiguous); o contiguous; lse [B, H, S_q] fp32 or 0. softmax_scale 0: "
+      "1 / sqrt(D). Stream-ordered; no host synchronisation.");
 
   // ---- fused GEMMs ----
   m.def(

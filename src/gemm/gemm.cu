@@ -30,14 +30,11 @@ constexpr const char* kOp = "gemm";
 
 }  // namespace
 
-namespace {
-
-// Tensor map of `rank` dimensions (innermost first), 128-byte swizzle (boxes 128 bytes wide).
-CUtensorMap encode(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
-                   const cuuint32_t* box,
-                   CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
+CUtensorMap gemm_engine::encode_map(const void* base, int rank, const cuuint64_t* dims,
+                                    const cuuint64_t* strides, const cuuint32_t* box,
+                                    CUtensorMapDataType type) {
   CUtensorMap map{};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
   MK_CU_CHECK(detail::driver().TensorMapEncodeTiled(
       &map, type, rank, const_cast<void*>(base), dims, strides, box, element_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -45,20 +42,18 @@ CUtensorMap encode(const void* base, int rank, const cuuint64_t* dims, const cuu
   return map;
 }
 
-}  // namespace
-
 CUtensorMap gemm_engine::make_map(const void* base, int64_t rows, int64_t cols, int box_rows) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
   const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
-  return encode(base, 2, dims, strides, box);
+  return encode_map(base, 2, dims, strides, box);
 }
 
 CUtensorMap gemm_engine::make_map_fp32(void* base, int64_t rows, int64_t cols, int box_rows) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 4};
   const cuuint32_t box[2] = {32, static_cast<cuuint32_t>(box_rows)};
-  return encode(base, 2, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
+  return encode_map(base, 2, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
 }
 
 CUtensorMap gemm_engine::make_map_fp32_row_pairs(void* base, int64_t rows, int64_t cols) {
@@ -67,7 +62,7 @@ CUtensorMap gemm_engine::make_map_fp32_row_pairs(void* base, int64_t rows, int64
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 2,
                                  static_cast<cuuint64_t>(cols) * 4};
   const cuuint32_t box[3] = {32, 1, 64};
-  return encode(base, 3, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
+  return encode_map(base, 3, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
 }
 
 CUtensorMap gemm_engine::make_map_3d(const void* base, int64_t batches, int64_t rows, int64_t cols,
@@ -77,7 +72,7 @@ CUtensorMap gemm_engine::make_map_3d(const void* base, int64_t batches, int64_t 
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 2,
                                  static_cast<cuuint64_t>(rows * cols) * 2};
   const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};
-  return encode(base, 3, dims, strides, box);
+  return encode_map(base, 3, dims, strides, box);
 }
 
 // [N, K]: boxes of block_n rows x 64 K; [K, N]: boxes of 64 K rows x 64 N.

@@ -15,6 +15,11 @@
 namespace mk {
 
 namespace gemm_engine {
+// Tensor map of `rank` (<= 5) dimensions, innermost first (strides: of dimensions 1.., in bytes),
+// 128-byte swizzle (boxes 128 bytes wide); out-of-bounds reads as zero, writes are dropped.
+CUtensorMap encode_map(const void* base, int rank, const cuuint64_t* dims,
+                       const cuuint64_t* strides, const cuuint32_t* box,
+                       CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16);
 // 2-D tensor map over a row-major [rows, cols] bf16 matrix, boxes of [box_rows, 64 cols] with
 // 128-byte swizzling; out-of-bounds reads as zero, out-of-bounds writes are dropped.
 CUtensorMap make_map(const void* base, int64_t rows, int64_t cols, int box_rows);

@@ -57,6 +57,14 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[kRegs]) {
   for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// The same for register operands (A fragments of wgmma_bf16_rs): kept in their registers, unchanged,
+// until this point - place it after the wgmma_wait that retires the instructions reading them.
+template <int kRegs>
+__device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[kRegs]) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
 // Register budget of a warpgroup role (setmaxnreg; needs __launch_bounds__(threads, 1)).
 template <int kRegs>
 __device__ __forceinline__ void warpgroup_reg_alloc() {

@@ -1,0 +1,66 @@
+// mkernel/attention.h - the attention engine on one GPU: a FlashAttention-style forward (TMA,
+// wgmma, a producer warpgroup and two consumer warpgroups, online softmax). Ring attention feeds
+// the same mainloop chunk by chunk (src/attention/attention_kernel.cuh has the hooks).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+namespace mk {
+
+// A [batch, seq, heads, head_dim] bf16 tensor (the flash-attn layout). Strides in elements, the
+// last dimension contiguous; a stride of 0 means the contiguous layout's. The tensor copy engine
+// needs the pointer 16-byte aligned and every stride a multiple of 8 elements.
+struct AttentionTensor {
+  const void* data = nullptr;
+  int64_t stride_batch = 0;
+  int64_t stride_seq = 0;
+  int64_t stride_head = 0;
+};
+
+struct AttentionProblem {
+  int64_t batch = 1;
+  int64_t seq_q = 0;     // query rows S_q (>= 1)
+  int64_t seq_kv = 0;    // keys S_kv (>= 1)
+  int64_t heads = 0;     // query heads H
+  int64_t kv_heads = 0;  // key / value heads H_kv, dividing H (GQA; 1: MQA); query head h reads
+                         // key head h / (H / H_kv)
+  int64_t head_dim = 128;   // D: 64 or 128
+  bool causal = false;      // bottom-right aligned (flash-attn's convention): query i sees the
+                            // keys j <= i + S_kv - S_q
+  float softmax_scale = 0;  // 0: 1 / sqrt(D)
+};
+
+struct AttentionConfig {
+  int sms = 0;  // persistent CTAs at most; 0 = every SM of the device
+};
+
+// What attention() will run for a problem (describe() prints it; MKERNEL_PRINT_CONFIG=1 too).
+struct AttentionPlan {
+  int head_dim = 0;
+  int block_m = 0;     // query rows per work item (two consumer warpgroups x 64)
+  int block_n = 0;     // keys per KV block
+  int stages = 0;      // K / V blocks in flight per CTA
+  int ctas = 0;        // persistent CTAs
+  int64_t items = 0;   // work items: (batch, head, query tile)
+  int smem_bytes = 0;  // shared memory per CTA
+  std::string describe() const;
+};
+// Throws mk::Error on the problems attention() rejects (the tensors aside).
+AttentionPlan attention_plan(const AttentionProblem& problem, const AttentionConfig& config = {});
+
+// O = softmax(scale * Q K^T, masked if causal) V for every batch and head, bf16 in and out, fp32
+// accumulation, on `stream` (no host synchronisation).
+//   q: [B, S_q, H, D]; k, v: [B, S_kv, H_kv, D] (AttentionTensor: their strides)
+//   o: [B, S_q, H, D] bf16, contiguous; not overlapping the inputs
+//   lse: [B, H, S_q] fp32 contiguous, or nullptr: log(sum_j exp(scale * q_i . k_j)) over the
+//        keys row i sees (natural log)
+// A row that sees no key (causal with S_q > S_kv) gets O = 0 and LSE = -inf. Throws mk::Error
+// before launching on a bad shape, pointer or stride, naming it.
+void attention(const AttentionProblem& problem, const AttentionTensor& q, const AttentionTensor& k,
+               const AttentionTensor& v, void* o, float* lse, cudaStream_t stream,
+               const AttentionConfig& config = {});
+
+}  // namespace mk

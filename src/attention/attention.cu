@@ -1,0 +1,225 @@
+// Host side of the attention engine: validate -> plan -> tensor maps -> launch.
+#include <cuda.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "attention/attention_internal.h"
+#include "attention/attention_kernel.cuh"
+#include "gemm/gemm_internal.h"
+#include "mkernel/attention.h"
+#include "mkernel/error.h"
+#include "runtime/cuda_check.h"
+#include "runtime/overrides.h"
+#include "runtime/validate.h"
+
+namespace mk {
+namespace {
+
+constexpr const char* kOp = "attention";
+constexpr int64_t kMax32 = int64_t{1} << 31;
+
+[[noreturn]] void invalid(const std::string& what) {
+  throw Error(ErrorCode::kInvalidArgument, std::string(kOp) + ": " + what);
+}
+
+template <int kHeadDim>
+using Cfg = attention_engine::AttentionConfig<kHeadDim>;
+
+// Calls fn.template operator()<kHeadDim>() for the run-time head dim (checked: 64 or 128).
+template <class Fn>
+decltype(auto) dispatch_head_dim(int64_t head_dim, Fn&& fn) {
+  if (head_dim == 64) return fn.template operator()<64>();
+  return fn.template operator()<128>();
+}
+
+void require_problem(const AttentionProblem& p) {
+  if (p.head_dim != 64 && p.head_dim != 128) {
+    invalid("head_dim = " + std::to_string(p.head_dim) + "; expected 64 or 128");
+  }
+  if (p.batch < 1 || p.seq_q < 1 || p.seq_kv < 1 || p.heads < 1 || p.kv_heads < 1) {
+    invalid("batch " + std::to_string(p.batch) + ", seq_q " + std::to_string(p.seq_q) +
+            ", seq_kv " + std::to_string(p.seq_kv) + ", heads " + std::to_string(p.heads) +
+            ", kv_heads " + std::to_string(p.kv_heads) + "; expected each >= 1");
+  }
+  if (p.heads % p.kv_heads != 0) {
+    invalid("heads = " + std::to_string(p.heads) + " is not a multiple of kv_heads = " +
+            std::to_string(p.kv_heads));
+  }
+  if (p.batch >= kMax32 || p.seq_q >= kMax32 || p.seq_kv >= kMax32 || p.heads >= kMax32 ||
+      p.batch * p.heads * ((p.seq_q + 127) / 128) >= kMax32) {
+    invalid("the problem is too large (batch x heads x query tiles must be < 2^31)");
+  }
+  if (!(p.softmax_scale >= 0) || !std::isfinite(p.softmax_scale)) {
+    invalid("softmax_scale = " + std::to_string(p.softmax_scale) +
+            "; expected a finite value > 0 (0: 1 / sqrt(head_dim))");
+  }
+}
+
+// The tensor's strides (elements; the contiguous layout's where 0) after checking what the copy
+// engine needs; `bytes` gets the span it covers.
+struct Strides {
+  int64_t batch, seq, head;
+};
+Strides require_tensor(const AttentionTensor& t, const char* name, int64_t seq, int64_t heads,
+                       int64_t batch, int64_t head_dim, int device, std::size_t& bytes) {
+  gemm_engine::require_device_pointer(t.data, kOp, name, device);
+  Strides s{t.stride_batch != 0 ? t.stride_batch : seq * heads * head_dim,
+            t.stride_seq != 0 ? t.stride_seq : heads * head_dim,
+            t.stride_head != 0 ? t.stride_head : head_dim};
+  for (const auto& [what, value] : {std::pair{"batch", s.batch}, std::pair{"seq", s.seq},
+                                    std::pair{"head", s.head}}) {
+    if (value < 0 || value % 8 != 0 || value >= (int64_t{1} << 38)) {
+      invalid(std::string(name) + "'s " + what + " stride = " + std::to_string(value) +
+              " elements; expected a multiple of 8 (16 bytes: the tensor copy engine) below 2^38");
+    }
+  }
+  bytes = static_cast<std::size_t>(((batch - 1) * s.batch + (seq - 1) * s.seq +
+                                    (heads - 1) * s.head + head_dim) *
+                                   2);
+  return s;
+}
+
+// (D, heads, seq, batch) over a [batch, seq, heads, D] tensor: boxes of 64 x 1 x box_rows x 1.
+CUtensorMap make_map(const void* base, const Strides& s, int64_t batch, int64_t seq, int64_t heads,
+                     int64_t head_dim, int box_rows) {
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(seq), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(s.head) * 2,
+                                 static_cast<cuuint64_t>(s.seq) * 2,
+                                 static_cast<cuuint64_t>(s.batch) * 2};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
+  return gemm_engine::encode_map(base, 4, dims, strides, box);
+}
+
+int device_sms(const AttentionConfig& config) {
+  int sms = config.sms;
+  if (sms <= 0) {
+    int device = 0;
+    MK_CUDA_CHECK(cudaGetDevice(&device));
+    MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  }
+  return sms;
+}
+
+// attention_kernel<Cfg, Policy> with its shared memory allowed on the current device (once per
+// device).
+template <class C, class Policy>
+auto prepared_kernel() {
+  auto kernel = attention_engine::attention_kernel<C, Policy>;
+  static std::atomic<uint64_t> done{0};
+  int device = 0;
+  MK_CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit == 0 || (done.load(std::memory_order_acquire) & bit) == 0) {
+    MK_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+    done.fetch_or(bit, std::memory_order_release);
+  }
+  return kernel;
+}
+
+}  // namespace
+
+std::string AttentionPlan::describe() const {
+  return "D " + std::to_string(head_dim) + ", tiles " + std::to_string(block_m) + " queries x " +
+         std::to_string(block_n) + " keys, " + std::to_string(stages) + " KV stages, " +
+         std::to_string(items) + " work items on " + std::to_string(ctas) +
+         " persistent CTAs, " + std::to_string(smem_bytes) + " B shared memory";
+}
+
+AttentionPlan attention_plan(const AttentionProblem& problem, const AttentionConfig& config) {
+  require_problem(problem);
+  return dispatch_head_dim(problem.head_dim, [&]<int kHeadDim>() {
+    using C = Cfg<kHeadDim>;
+    AttentionPlan plan;
+    plan.head_dim = kHeadDim;
+    plan.block_m = C::kBlockM;
+    plan.block_n = C::kBlockN;
+    plan.stages = C::kStages;
+    plan.items = problem.batch * problem.heads * ((problem.seq_q + C::kBlockM - 1) / C::kBlockM);
+    plan.ctas = static_cast<int>(std::min<int64_t>(device_sms(config), plan.items));
+    plan.smem_bytes = C::kSmemBytes;
+    return plan;
+  });
+}
+
+void attention(const AttentionProblem& problem, const AttentionTensor& q, const AttentionTensor& k,
+               const AttentionTensor& v, void* o, float* lse, cudaStream_t stream,
+               const AttentionConfig& config) {
+  require_problem(problem);
+  const AttentionProblem& p = problem;
+  int device = 0;
+  MK_CUDA_CHECK(cudaGetDevice(&device));
+  std::size_t q_bytes = 0, k_bytes = 0, v_bytes = 0;
+  const Strides sq = require_tensor(q, "q", p.seq_q, p.heads, p.batch, p.head_dim, device, q_bytes);
+  const Strides sk =
+      require_tensor(k, "k", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, k_bytes);
+  const Strides sv =
+      require_tensor(v, "v", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, v_bytes);
+  gemm_engine::require_device_pointer(o, kOp, "o", device);
+  if (lse != nullptr) gemm_engine::require_device_pointer(lse, kOp, "lse", device, 4);
+  const std::size_t o_bytes = static_cast<std::size_t>(p.batch * p.seq_q * p.heads * p.head_dim) * 2;
+  const std::size_t lse_bytes = static_cast<std::size_t>(p.batch * p.heads * p.seq_q) * 4;
+  detail::require_disjoint(kOp, {{"q", q.data, q_bytes, false},
+                                 {"k", k.data, k_bytes, false},
+                                 {"v", v.data, v_bytes, false},
+                                 {"o", o, o_bytes, true},
+                                 {"lse", lse, lse_bytes, true}});
+  const AttentionPlan plan = attention_plan(p, config);
+  if (detail::process_overrides().print_config) {
+    std::fprintf(stderr, "[mkernel] attention B%lld H%lld/%lld S%lld/%lld%s: %s\n",
+                 static_cast<long long>(p.batch), static_cast<long long>(p.heads),
+                 static_cast<long long>(p.kv_heads), static_cast<long long>(p.seq_q),
+                 static_cast<long long>(p.seq_kv), p.causal ? " causal" : "",
+                 plan.describe().c_str());
+  }
+  const float scale = p.softmax_scale > 0 ? p.softmax_scale
+                                          : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
+  const float scale_log2 = scale * 1.4426950408889634f;
+  const Strides so{p.seq_q * p.heads * p.head_dim, p.heads * p.head_dim, p.head_dim};
+  dispatch_head_dim(p.head_dim, [&]<int kHeadDim>() {
+    using C = Cfg<kHeadDim>;
+    using Policy = attention_engine::PlainAttention<kHeadDim>;
+    Policy policy{};
+    policy.q = make_map(q.data, sq, p.batch, p.seq_q, p.heads, kHeadDim, C::kBlockM);
+    policy.k = make_map(k.data, sk, p.batch, p.seq_kv, p.kv_heads, kHeadDim, C::kBlockN);
+    policy.v = make_map(v.data, sv, p.batch, p.seq_kv, p.kv_heads, kHeadDim, C::kBlockN);
+    policy.o = make_map(o, so, p.batch, p.seq_q, p.heads, kHeadDim, 64);
+    policy.lse = lse;
+    policy.heads = static_cast<int>(p.heads);
+    policy.group = static_cast<int>(p.heads / p.kv_heads);
+    policy.seq_q = static_cast<int>(p.seq_q);
+    policy.seq_kv = static_cast<int>(p.seq_kv);
+    policy.m_tiles = static_cast<int>((p.seq_q + C::kBlockM - 1) / C::kBlockM);
+    policy.kv_blocks = static_cast<int>((p.seq_kv + C::kBlockN - 1) / C::kBlockN);
+    policy.items = static_cast<int>(plan.items);
+    policy.causal = p.causal;
+    auto kernel = prepared_kernel<C, Policy>();
+    kernel<<<plan.ctas, C::kThreads, C::kSmemBytes, stream>>>(policy, scale_log2);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) {
+      throw Error(ErrorCode::kCuda, std::string(kOp) + ": launch failed: " + cudaGetErrorString(err));
+    }
+  });
+}
+
+std::vector<GemmKernelResources> detail::attention_kernel_resources() {
+  std::vector<GemmKernelResources> out;
+  auto add = [&]<int kHeadDim>() {
+    auto kernel = prepared_kernel<Cfg<kHeadDim>, attention_engine::PlainAttention<kHeadDim>>();
+    cudaFuncAttributes attr{};
+    MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    out.push_back({"attention D" + std::to_string(kHeadDim), attr.numRegs,
+                   static_cast<int64_t>(attr.localSizeBytes),
+                   static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
+  };
+  add.template operator()<64>();
+  add.template operator()<128>();
+  return out;
+}
+
+}  // namespace mk
