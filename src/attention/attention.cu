@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "attention/attention_internal.h"
@@ -107,9 +108,9 @@ int device_sms(const AttentionConfig& config) {
 
 // attention_kernel<Cfg, Policy> with its shared memory allowed on the current device (once per
 // device).
-template <class C, class Policy>
+template <class C, class Policy, bool kPingPong>
 auto prepared_kernel() {
-  auto kernel = attention_engine::attention_kernel<C, Policy>;
+  auto kernel = attention_engine::attention_kernel<C, Policy, kPingPong>;
   static std::atomic<uint64_t> done{0};
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
@@ -198,7 +199,12 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
     policy.kv_blocks = static_cast<int>((p.seq_kv + C::kBlockN - 1) / C::kBlockN);
     policy.items = static_cast<int>(plan.items);
     policy.causal = p.causal;
-    auto kernel = prepared_kernel<C, Policy>();
+    // EXPERIMENT (ping-pong A/B): removed once measured.
+    static const bool ping_pong = [] {
+      const char* e = std::getenv("MKERNEL_ATTENTION_PINGPONG");
+      return e != nullptr && e[0] == '1';
+    }();
+    auto kernel = ping_pong ? prepared_kernel<C, Policy, true>() : prepared_kernel<C, Policy, false>();
     kernel<<<plan.ctas, C::kThreads, C::kSmemBytes, stream>>>(policy, scale_log2);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) {
@@ -210,7 +216,7 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
 std::vector<GemmKernelResources> detail::attention_kernel_resources() {
   std::vector<GemmKernelResources> out;
   auto add = [&]<int kHeadDim>() {
-    auto kernel = prepared_kernel<Cfg<kHeadDim>, attention_engine::PlainAttention<kHeadDim>>();
+    auto kernel = prepared_kernel<Cfg<kHeadDim>, attention_engine::PlainAttention<kHeadDim>, false>();
     cudaFuncAttributes attr{};
     MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
     out.push_back({"attention D" + std::to_string(kHeadDim), attr.numRegs,

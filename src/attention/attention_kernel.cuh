@@ -21,7 +21,8 @@
 // The kernel is the mainloop; a Policy (PlainAttention below, or ring attention's) supplies the
 // rest, the way the GEMM engine's Fusion policies do:
 //   num_items(), item(t)          scheduler: the t-th work item (batch, head, query tile, the
-//                                 number of KV blocks it visits)
+//                                 number of KV blocks it visits); CTAs take them in a snake
+//                                 over waves (snake_item)
 //   load_q(dst, bar, item)        TMA of the item's Q tile (kChunks boxes of 128 rows x 64)
 //   load_kv(dst, bar, item, i, which)  TMA of its i-th KV block, K (which 0) or V (1) - the policy
 //                                 knows where block i lives, and may wait for it to arrive first
@@ -78,9 +79,30 @@ struct AttentionConfig {
                 "setmaxnreg split beyond the CTA's registers");
 };
 
-// Named barriers (id 0 is __syncthreads): each consumer warpgroup's own (store_slice uses
-// 1 + consumer).
-enum NamedBarrier : int { kConsumerBarrier0 = 1 };
+// Named barriers (id 0 is __syncthreads): each consumer warpgroup's own for its epilogue
+// (gemm_engine::store_slice uses 1 + consumer), and each one's turn to issue (ping-pong).
+enum NamedBarrier : int { kEpilogueBarrier0 = 1, kTurnBarrier0 = 3 };
+
+// Ping-pong (FlashAttention-3): the two consumer warpgroups take turns to issue their tensor-core
+// work, so that one's softmax runs while the other's GEMMs do. Turn p of consumer c waits for the
+// other's turn p (c = 1) or p - 1 (c = 0) to have issued. Consumer 0's first turn waits for
+// nothing and consumer 1's last signals nobody, so no arrival is left over at exit.
+template <bool kEnabled>
+struct Turns {
+  int turn = 0;
+  int total = 0;  // turns of this CTA (the same for both consumers)
+  __device__ void begin(int consumer) const {
+    if (kEnabled && (consumer == 1 || turn > 0)) {
+      dev::named_barrier_sync(kTurnBarrier0 + consumer, 256);
+    }
+  }
+  __device__ void end(int consumer) {
+    if (kEnabled && (consumer == 0 || turn < total - 1)) {
+      dev::named_barrier_arrive(kTurnBarrier0 + 1 - consumer, 256);
+    }
+    ++turn;
+  }
+};
 
 // One work item: query tile `m` (rows 128 m ..) of (batch, head), reading key head kv_head, and
 // the number of KV blocks it visits (0: it sees no key; its rows get O = 0, LSE = -inf).
@@ -271,7 +293,17 @@ struct PlainAttention {
   }
 };
 
-template <class Cfg, class Policy>
+// The work item a CTA takes in wave w (items [w G, (w + 1) G) on G CTAs): the c-th on even waves,
+// the (G - 1 - c)-th on odd ones. Causal items come longest first within a head, so a CTA that
+// drew a long item in one wave draws a short one in the next: with plain round robin, the CTAs'
+// totals differed by up to a third at 8 query tiles a head; the snake keeps them within a few
+// percent, and consecutive items (one head's K and V in L2) still run side by side.
+__device__ __forceinline__ int snake_item(int wave) {
+  const int g = static_cast<int>(gridDim.x), c = static_cast<int>(blockIdx.x);
+  return wave * g + (wave % 2 == 0 ? c : g - 1 - c);
+}
+
+template <class Cfg, class Policy, bool kPingPong>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_kernel(const __grid_constant__ Policy policy, float scale_log2) {
   static_assert(AttentionPolicy<Policy, Cfg::kORegs>, "a policy needs num_items, item, load_q, load_kv, mask and store with the engine's signatures");
@@ -310,7 +342,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x != 0) return;
     int it = 0;     // KV blocks loaded by this CTA across items: position in the stage ring
     int tiles = 0;  // Q tiles loaded
-    for (int t = blockIdx.x; t < policy.num_items(); t += gridDim.x) {
+    for (int wave = 0; wave * static_cast<int>(gridDim.x) < policy.num_items(); ++wave) {
+      const int t = snake_item(wave);
+      if (t >= policy.num_items()) continue;
       const WorkItem w = policy.item(t);
       if (w.blocks == 0) continue;
       dev::mbarrier_wait(q_empty, (tiles & 1) ^ 1);  // the first passes at once
@@ -364,8 +398,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     dev::wgmma_commit();
   };
 
+  Turns<kPingPong> turns;  // an item of n blocks issues in n + 1 turns
+  if constexpr (kPingPong) {
+    for (int wave = 0; wave * static_cast<int>(gridDim.x) < policy.num_items(); ++wave) {
+      const int t = snake_item(wave);
+      if (t >= policy.num_items()) continue;
+      const int blocks = policy.item(t).blocks;
+      turns.total += blocks > 0 ? blocks + 1 : 0;
+    }
+  }
   int it = 0, tiles = 0;
-  for (int t = blockIdx.x; t < policy.num_items(); t += gridDim.x) {
+  for (int wave = 0; wave * static_cast<int>(gridDim.x) < policy.num_items(); ++wave) {
+    const int t = snake_item(wave);
+    if (t >= policy.num_items()) continue;
     const WorkItem w = policy.item(t);
     float o[Cfg::kORegs];
 #pragma unroll
@@ -380,7 +425,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // Block 0: S, softmax, P.
       int stage = it % kStages;
       dev::mbarrier_wait(&k_full[stage], (it / kStages) & 1);
+      turns.begin(consumer);
       issue_s(s, stage);
+      turns.end(consumer);
       dev::wgmma_wait<0>();
       dev::wgmma_fence_operands(s);
       if (leader) {
@@ -395,9 +442,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const int prev = stage;
         stage = (it + i) % kStages;
         dev::mbarrier_wait(&k_full[stage], ((it + i) / kStages) & 1);
-        issue_s(s, stage);
         dev::mbarrier_wait(&v_full[prev], ((it + i - 1) / kStages) & 1);
+        turns.begin(consumer);
+        issue_s(s, stage);
         issue_pv(o, p, prev);
+        turns.end(consumer);
         dev::wgmma_wait<1>();  // S is done
         dev::wgmma_fence_operands(s);
         if (leader) {
@@ -422,7 +471,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         to_fragments(s, p);
       }
       dev::mbarrier_wait(&v_full[stage], ((it + w.blocks - 1) / kStages) & 1);
+      turns.begin(consumer);
       issue_pv(o, p, stage);
+      turns.end(consumer);
       dev::wgmma_wait<0>();
       dev::wgmma_fence_operands(o);
 #pragma unroll
