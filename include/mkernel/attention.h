@@ -22,11 +22,11 @@ struct AttentionTensor {
 
 struct AttentionProblem {
   int64_t batch = 1;
-  int64_t seq_q = 0;     // query rows S_q (>= 1)
-  int64_t seq_kv = 0;    // keys S_kv (>= 1)
-  int64_t heads = 0;     // query heads H
-  int64_t kv_heads = 0;  // key / value heads H_kv, dividing H (GQA; 1: MQA); query head h reads
-                         // key head h / (H / H_kv)
+  int64_t seq_q = 0;        // query rows S_q (>= 1)
+  int64_t seq_kv = 0;       // keys S_kv (>= 1)
+  int64_t heads = 0;        // query heads H
+  int64_t kv_heads = 0;     // key / value heads H_kv, dividing H (GQA; 1: MQA); query head h reads
+                            // key head h / (H / H_kv)
   int64_t head_dim = 128;   // D: 64 or 128
   bool causal = false;      // bottom-right aligned (flash-attn's convention): query i sees the
                             // keys j <= i + S_kv - S_q

@@ -5,7 +5,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include "attention/attention_internal.h"
@@ -47,8 +46,8 @@ void require_problem(const AttentionProblem& p) {
             ", kv_heads " + std::to_string(p.kv_heads) + "; expected each >= 1");
   }
   if (p.heads % p.kv_heads != 0) {
-    invalid("heads = " + std::to_string(p.heads) + " is not a multiple of kv_heads = " +
-            std::to_string(p.kv_heads));
+    invalid("heads = " + std::to_string(p.heads) +
+            " is not a multiple of kv_heads = " + std::to_string(p.kv_heads));
   }
   if (p.batch >= kMax32 || p.seq_q >= kMax32 || p.seq_kv >= kMax32 || p.heads >= kMax32 ||
       p.batch * p.heads * ((p.seq_q + 127) / 128) >= kMax32) {
@@ -71,16 +70,15 @@ Strides require_tensor(const AttentionTensor& t, const char* name, int64_t seq, 
   Strides s{t.stride_batch != 0 ? t.stride_batch : seq * heads * head_dim,
             t.stride_seq != 0 ? t.stride_seq : heads * head_dim,
             t.stride_head != 0 ? t.stride_head : head_dim};
-  for (const auto& [what, value] : {std::pair{"batch", s.batch}, std::pair{"seq", s.seq},
-                                    std::pair{"head", s.head}}) {
+  for (const auto& [what, value] :
+       {std::pair{"batch", s.batch}, std::pair{"seq", s.seq}, std::pair{"head", s.head}}) {
     if (value < 0 || value % 8 != 0 || value >= (int64_t{1} << 38)) {
       invalid(std::string(name) + "'s " + what + " stride = " + std::to_string(value) +
               " elements; expected a multiple of 8 (16 bytes: the tensor copy engine) below 2^38");
     }
   }
-  bytes = static_cast<std::size_t>(((batch - 1) * s.batch + (seq - 1) * s.seq +
-                                    (heads - 1) * s.head + head_dim) *
-                                   2);
+  bytes = static_cast<std::size_t>(
+      ((batch - 1) * s.batch + (seq - 1) * s.seq + (heads - 1) * s.head + head_dim) * 2);
   return s;
 }
 
@@ -108,9 +106,9 @@ int device_sms(const AttentionConfig& config) {
 
 // attention_kernel<Cfg, Policy> with its shared memory allowed on the current device (once per
 // device).
-template <class C, class Policy, bool kPingPong>
+template <class C, class Policy>
 auto prepared_kernel() {
-  auto kernel = attention_engine::attention_kernel<C, Policy, kPingPong>;
+  auto kernel = attention_engine::attention_kernel<C, Policy>;
   static std::atomic<uint64_t> done{0};
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
@@ -128,8 +126,8 @@ auto prepared_kernel() {
 std::string AttentionPlan::describe() const {
   return "D " + std::to_string(head_dim) + ", tiles " + std::to_string(block_m) + " queries x " +
          std::to_string(block_n) + " keys, " + std::to_string(stages) + " KV stages, " +
-         std::to_string(items) + " work items on " + std::to_string(ctas) +
-         " persistent CTAs, " + std::to_string(smem_bytes) + " B shared memory";
+         std::to_string(items) + " work items on " + std::to_string(ctas) + " persistent CTAs, " +
+         std::to_string(smem_bytes) + " B shared memory";
 }
 
 AttentionPlan attention_plan(const AttentionProblem& problem, const AttentionConfig& config) {
@@ -163,7 +161,8 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
       require_tensor(v, "v", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, v_bytes);
   gemm_engine::require_device_pointer(o, kOp, "o", device);
   if (lse != nullptr) gemm_engine::require_device_pointer(lse, kOp, "lse", device, 4);
-  const std::size_t o_bytes = static_cast<std::size_t>(p.batch * p.seq_q * p.heads * p.head_dim) * 2;
+  const std::size_t o_bytes =
+      static_cast<std::size_t>(p.batch * p.seq_q * p.heads * p.head_dim) * 2;
   const std::size_t lse_bytes = static_cast<std::size_t>(p.batch * p.heads * p.seq_q) * 4;
   detail::require_disjoint(kOp, {{"q", q.data, q_bytes, false},
                                  {"k", k.data, k_bytes, false},
@@ -178,8 +177,8 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
                  static_cast<long long>(p.seq_kv), p.causal ? " causal" : "",
                  plan.describe().c_str());
   }
-  const float scale = p.softmax_scale > 0 ? p.softmax_scale
-                                          : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
+  const float scale =
+      p.softmax_scale > 0 ? p.softmax_scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
   const float scale_log2 = scale * 1.4426950408889634f;
   const Strides so{p.seq_q * p.heads * p.head_dim, p.heads * p.head_dim, p.head_dim};
   dispatch_head_dim(p.head_dim, [&]<int kHeadDim>() {
@@ -199,16 +198,12 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
     policy.kv_blocks = static_cast<int>((p.seq_kv + C::kBlockN - 1) / C::kBlockN);
     policy.items = static_cast<int>(plan.items);
     policy.causal = p.causal;
-    // EXPERIMENT (ping-pong A/B): removed once measured.
-    static const bool ping_pong = [] {
-      const char* e = std::getenv("MKERNEL_ATTENTION_PINGPONG");
-      return e != nullptr && e[0] == '1';
-    }();
-    auto kernel = ping_pong ? prepared_kernel<C, Policy, true>() : prepared_kernel<C, Policy, false>();
+    auto kernel = prepared_kernel<C, Policy>();
     kernel<<<plan.ctas, C::kThreads, C::kSmemBytes, stream>>>(policy, scale_log2);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) {
-      throw Error(ErrorCode::kCuda, std::string(kOp) + ": launch failed: " + cudaGetErrorString(err));
+      throw Error(ErrorCode::kCuda,
+                  std::string(kOp) + ": launch failed: " + cudaGetErrorString(err));
     }
   });
 }
@@ -216,7 +211,7 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
 std::vector<GemmKernelResources> detail::attention_kernel_resources() {
   std::vector<GemmKernelResources> out;
   auto add = [&]<int kHeadDim>() {
-    auto kernel = prepared_kernel<Cfg<kHeadDim>, attention_engine::PlainAttention<kHeadDim>, false>();
+    auto kernel = prepared_kernel<Cfg<kHeadDim>, attention_engine::PlainAttention<kHeadDim>>();
     cudaFuncAttributes attr{};
     MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
     out.push_back({"attention D" + std::to_string(kHeadDim), attr.numRegs,

@@ -62,8 +62,7 @@ struct AttentionConfig {
   static constexpr int kEpilogueBytes = kConsumers * 2 * 64 * 64 * 2;
   static constexpr int kSmemLimit = 227 * 1024;
   static constexpr int kMaxStages = 4;
-  static constexpr int kFit =
-      (kSmemLimit - 1024 - kQBytes - kEpilogueBytes - 256) / (2 * kKvBytes);
+  static constexpr int kFit = (kSmemLimit - 1024 - kQBytes - kEpilogueBytes - 256) / (2 * kKvBytes);
   static constexpr int kStages = kFit < kMaxStages ? kFit : kMaxStages;
   // Barriers: q_full, q_empty, k_full[S], k_empty[S], v_full[S], v_empty[S].
   static constexpr int kSmemBytes =
@@ -80,29 +79,8 @@ struct AttentionConfig {
 };
 
 // Named barriers (id 0 is __syncthreads): each consumer warpgroup's own for its epilogue
-// (gemm_engine::store_slice uses 1 + consumer), and each one's turn to issue (ping-pong).
-enum NamedBarrier : int { kEpilogueBarrier0 = 1, kTurnBarrier0 = 3 };
-
-// Ping-pong (FlashAttention-3): the two consumer warpgroups take turns to issue their tensor-core
-// work, so that one's softmax runs while the other's GEMMs do. Turn p of consumer c waits for the
-// other's turn p (c = 1) or p - 1 (c = 0) to have issued. Consumer 0's first turn waits for
-// nothing and consumer 1's last signals nobody, so no arrival is left over at exit.
-template <bool kEnabled>
-struct Turns {
-  int turn = 0;
-  int total = 0;  // turns of this CTA (the same for both consumers)
-  __device__ void begin(int consumer) const {
-    if (kEnabled && (consumer == 1 || turn > 0)) {
-      dev::named_barrier_sync(kTurnBarrier0 + consumer, 256);
-    }
-  }
-  __device__ void end(int consumer) {
-    if (kEnabled && (consumer == 0 || turn < total - 1)) {
-      dev::named_barrier_arrive(kTurnBarrier0 + 1 - consumer, 256);
-    }
-    ++turn;
-  }
-};
+// (gemm_engine::store_slice uses 1 + consumer).
+enum NamedBarrier : int { kEpilogueBarrier0 = 1 };
 
 // One work item: query tile `m` (rows 128 m ..) of (batch, head), reading key head kv_head, and
 // the number of KV blocks it visits (0: it sees no key; its rows get O = 0, LSE = -inf).
@@ -125,9 +103,9 @@ struct BlockMask {
 
 // The hooks every policy has, with their signatures (kORegs: a consumer's O registers).
 template <class P, int kORegs>
-concept AttentionPolicy = requires(const P p, const WorkItem& item, int i, void* dst,
-                                   uint64_t* bar, const float (&o)[kORegs],
-                                   const float (&lse)[2], uint8_t* scratch) {
+concept AttentionPolicy = requires(const P p, const WorkItem& item, int i, void* dst, uint64_t* bar,
+                                   const float (&o)[kORegs], const float (&lse)[2],
+                                   uint8_t* scratch) {
   { p.num_items() } -> std::same_as<int>;
   { p.item(i) } -> std::same_as<WorkItem>;
   { p.load_q(dst, bar, item) } -> std::same_as<void>;
@@ -168,7 +146,8 @@ struct OnlineSoftmax {
     for (int h = 0; h < 2; ++h) {
       float mx = m[h];
 #pragma unroll
-      for (int j = 0; j < kSRegs / 4; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      for (int j = 0; j < kSRegs / 4; ++j)
+        mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
       mx = quad_max(mx);
       // A row with no visible key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN.
       const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
@@ -192,7 +171,8 @@ struct OnlineSoftmax {
 // Sets the scores of the keys a row does not see to -inf (thread's rows r, r + 8 of consumer
 // `consumer`'s 64; columns as in the wgmma accumulator layout).
 template <int kSRegs>
-__device__ __forceinline__ void apply_mask(float (&s)[kSRegs], const BlockMask& mask, int consumer) {
+__device__ __forceinline__ void apply_mask(float (&s)[kSRegs], const BlockMask& mask,
+                                           int consumer) {
   const int t = threadIdx.x % 128;
   const int row = consumer * 64 + (t / 32) * 16 + (t % 32) / 4;
   const int col = 2 * (t % 4);
@@ -211,11 +191,13 @@ __device__ __forceinline__ void apply_mask(float (&s)[kSRegs], const BlockMask& 
 
 // P (fp32 probabilities in the S accumulator layout) -> bf16 A fragments, one per 16 keys.
 template <int kSRegs>
-__device__ __forceinline__ void to_fragments(const float (&s)[kSRegs], uint32_t (&p)[kSRegs / 8][4]) {
+__device__ __forceinline__ void to_fragments(const float (&s)[kSRegs],
+                                             uint32_t (&p)[kSRegs / 8][4]) {
 #pragma unroll
   for (int kk = 0; kk < kSRegs / 8; ++kk) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) p[kk][i] = gemm_engine::pack_bf16(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+    for (int i = 0; i < 4; ++i)
+      p[kk][i] = gemm_engine::pack_bf16(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
   }
 }
 
@@ -230,7 +212,7 @@ struct PlainAttention {
   CUtensorMap o;  // (D, H, S_q, B): boxes of 64 x 1 x 64 x 1
   float* lse;     // [B, H, S_q] or null
   int heads;
-  int group;      // H / H_kv
+  int group;  // H / H_kv
   int seq_q;
   int seq_kv;
   int m_tiles;
@@ -303,18 +285,20 @@ __device__ __forceinline__ int snake_item(int wave) {
   return wave * g + (wave % 2 == 0 ? c : g - 1 - c);
 }
 
-template <class Cfg, class Policy, bool kPingPong>
+template <class Cfg, class Policy>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_kernel(const __grid_constant__ Policy policy, float scale_log2) {
-  static_assert(AttentionPolicy<Policy, Cfg::kORegs>, "a policy needs num_items, item, load_q, load_kv, mask and store with the engine's signatures");
+  static_assert(AttentionPolicy<Policy, Cfg::kORegs>,
+                "a policy needs num_items, item, load_q, load_kv, mask and store with the engine's "
+                "signatures");
   constexpr int kStages = Cfg::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint8_t* q_smem = smem;                                           // (kChunks, 128, 64)
-  uint8_t* k_smem = q_smem + Cfg::kQBytes;                          // (stages, kChunks, 128, 64)
-  uint8_t* v_smem = k_smem + kStages * Cfg::kKvBytes;               // (stages, kChunks, 128, 64)
-  uint8_t* epilogue_smem = v_smem + kStages * Cfg::kKvBytes;        // (consumers, 2, 64, 64)
+  uint8_t* q_smem = smem;                                     // (kChunks, 128, 64)
+  uint8_t* k_smem = q_smem + Cfg::kQBytes;                    // (stages, kChunks, 128, 64)
+  uint8_t* v_smem = k_smem + kStages * Cfg::kKvBytes;         // (stages, kChunks, 128, 64)
+  uint8_t* epilogue_smem = v_smem + kStages * Cfg::kKvBytes;  // (consumers, 2, 64, 64)
   uint64_t* q_full = reinterpret_cast<uint64_t*>(epilogue_smem + Cfg::kEpilogueBytes);
   uint64_t* q_empty = q_full + 1;
   uint64_t* k_full = q_empty + 1;
@@ -371,22 +355,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const bool leader = threadIdx.x % 128 == 0;
   uint8_t* scratch = epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers);
   // Q K^T: A = this consumer's 64 Q rows, B = a K block, both K-major (D along the swizzle rows).
-  auto issue_s = [&](float (&s)[Cfg::kSRegs], int stage) {
+  auto issue_s = [&](float(&s)[Cfg::kSRegs], int stage) {
     dev::wgmma_fence_operands(s);
     dev::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
       const int chunk = kk / 4, col = (kk % 4) * 32;
-      const uint64_t da = dev::wgmma_desc_sw128(q_smem + chunk * Cfg::kQChunkBytes +
-                                                consumer * 64 * 128 + col);
-      const uint64_t db = dev::wgmma_desc_sw128(k_smem + stage * Cfg::kKvBytes +
-                                                chunk * Cfg::kKvChunkBytes + col);
+      const uint64_t da =
+          dev::wgmma_desc_sw128(q_smem + chunk * Cfg::kQChunkBytes + consumer * 64 * 128 + col);
+      const uint64_t db =
+          dev::wgmma_desc_sw128(k_smem + stage * Cfg::kKvBytes + chunk * Cfg::kKvChunkBytes + col);
       dev::wgmma_bf16<Cfg::kBlockN, false>(s, da, db, kk > 0);
     }
     dev::wgmma_commit();
   };
   // O += P V: A = P (registers), B = a V block, N-major (D along the swizzle rows, keys = K).
-  auto issue_pv = [&](float (&o)[Cfg::kORegs], uint32_t (&p)[Cfg::kBlockN / 16][4], int stage) {
+  auto issue_pv = [&](float(&o)[Cfg::kORegs], uint32_t(&p)[Cfg::kBlockN / 16][4], int stage) {
     dev::wgmma_fence_operands(o);
     dev::wgmma_fence();
 #pragma unroll
@@ -398,15 +382,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     dev::wgmma_commit();
   };
 
-  Turns<kPingPong> turns;  // an item of n blocks issues in n + 1 turns
-  if constexpr (kPingPong) {
-    for (int wave = 0; wave * static_cast<int>(gridDim.x) < policy.num_items(); ++wave) {
-      const int t = snake_item(wave);
-      if (t >= policy.num_items()) continue;
-      const int blocks = policy.item(t).blocks;
-      turns.total += blocks > 0 ? blocks + 1 : 0;
-    }
-  }
   int it = 0, tiles = 0;
   for (int wave = 0; wave * static_cast<int>(gridDim.x) < policy.num_items(); ++wave) {
     const int t = snake_item(wave);
@@ -425,9 +400,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // Block 0: S, softmax, P.
       int stage = it % kStages;
       dev::mbarrier_wait(&k_full[stage], (it / kStages) & 1);
-      turns.begin(consumer);
       issue_s(s, stage);
-      turns.end(consumer);
       dev::wgmma_wait<0>();
       dev::wgmma_fence_operands(s);
       if (leader) {
@@ -443,10 +416,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         stage = (it + i) % kStages;
         dev::mbarrier_wait(&k_full[stage], ((it + i) / kStages) & 1);
         dev::mbarrier_wait(&v_full[prev], ((it + i - 1) / kStages) & 1);
-        turns.begin(consumer);
         issue_s(s, stage);
         issue_pv(o, p, prev);
-        turns.end(consumer);
         dev::wgmma_wait<1>();  // S is done
         dev::wgmma_fence_operands(s);
         if (leader) {
@@ -471,9 +442,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         to_fragments(s, p);
       }
       dev::mbarrier_wait(&v_full[stage], ((it + w.blocks - 1) / kStages) & 1);
-      turns.begin(consumer);
       issue_pv(o, p, stage);
-      turns.end(consumer);
       dev::wgmma_wait<0>();
       dev::wgmma_fence_operands(o);
 #pragma unroll

@@ -20,8 +20,8 @@ struct View {
 
 View view(const AttentionTensor& t, int64_t seq, int64_t heads, int64_t d) {
   return {static_cast<const __nv_bfloat16*>(t.data),
-          t.stride_batch ? t.stride_batch : seq * heads * d, t.stride_seq ? t.stride_seq : heads * d,
-          t.stride_head ? t.stride_head : d};
+          t.stride_batch ? t.stride_batch : seq * heads * d,
+          t.stride_seq ? t.stride_seq : heads * d, t.stride_head ? t.stride_head : d};
 }
 
 __device__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
@@ -78,7 +78,8 @@ __global__ void reference_kernel(View q, View k, View v, int64_t seq_q, int64_t 
   }
   l = block_reduce(l, false, tmp);
   l_low = block_reduce(l_low, false, tmp);
-  if (threadIdx.x == 0) lse[(static_cast<int64_t>(b) * heads + h) * nrows + r] = limit < 0 ? -INFINITY : m + logf(l);
+  if (threadIdx.x == 0)
+    lse[(static_cast<int64_t>(b) * heads + h) * nrows + r] = limit < 0 ? -INFINITY : m + logf(l);
   float o_exact = 0.f, o_low = 0.f;  // column d = threadIdx.x
   for (int64_t j0 = 0; j0 <= limit; j0 += kThreads) {
     const int64_t j = j0 + threadIdx.x;

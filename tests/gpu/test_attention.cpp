@@ -24,7 +24,8 @@ uint64_t fresh_seed() { return (uint64_t{std::random_device{}()} << 32) | std::r
 struct Case {
   int64_t batch, seq_q, seq_kv, heads, kv_heads, head_dim;
   bool causal;
-  bool packed = false;  // q, k, v views of one [B, S, 3, H, D] tensor (needs S_q == S_kv, H == H_kv)
+  bool packed =
+      false;  // q, k, v views of one [B, S, 3, H, D] tensor (needs S_q == S_kv, H == H_kv)
 };
 
 std::string describe(const Case& c) {
@@ -81,10 +82,13 @@ struct Buffers {
   }
   void refill(const Case& c, uint64_t seed, cudaStream_t s) {
     const int64_t d = c.head_dim;
-    const int64_t total = c.packed ? 3 * o_count : o_count + 2 * c.batch * c.seq_kv * c.kv_heads * d;
+    const int64_t total =
+        c.packed ? 3 * o_count : o_count + 2 * c.batch * c.seq_kv * c.kv_heads * d;
     // q and k in [-2, 2): scores of standard deviation about 1.3 at D 128; v in [-1, 1).
     fill_random_bf16_scaled(storage, total, 2.0f, seed, s);
-    if (!c.packed) fill_random_bf16_scaled(const_cast<void*>(v.data), c.batch * c.seq_kv * c.kv_heads * d, 1.0f, seed ^ 0x77, s);
+    if (!c.packed)
+      fill_random_bf16_scaled(const_cast<void*>(v.data), c.batch * c.seq_kv * c.kv_heads * d, 1.0f,
+                              seed ^ 0x77, s);
     cudaMemsetAsync(o, 0xFF, o_count * 2, s);  // NaN
     cudaMemsetAsync(lse, 0xFF, lse_count * 4, s);
   }
@@ -180,8 +184,8 @@ void check_against_reference(const Case& c, const Buffers& buf, const Result& ou
     }
   }
   // The tolerance rule (../shared/STYLE.md).
-  EXPECT_LE(err_ours, 2 * err_low + 1e-5) << "O error " << err_ours << ", bf16 computation's "
-                                          << err_low;
+  EXPECT_LE(err_ours, 2 * err_low + 1e-5)
+      << "O error " << err_ours << ", bf16 computation's " << err_low;
   EXPECT_LE(err_lse, 1e-3) << "LSE error";
   EXPECT_EQ(lse_mismatch, 0) << "rows whose LSE should be (or is) -inf";
 }
@@ -226,8 +230,9 @@ TEST(Attention, GroupedQueryHeads) {
   MKT_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  for (const Case& c : {Case{1, 2048, 2048, 16, 4, 128, true}, Case{2, 1024, 1024, 16, 2, 64, true},
-                        Case{1, 1536, 1536, 8, 1, 128, false}, Case{2, 640, 640, 32, 4, 128, false}}) {
+  for (const Case& c :
+       {Case{1, 2048, 2048, 16, 4, 128, true}, Case{2, 1024, 1024, 16, 2, 64, true},
+        Case{1, 1536, 1536, 8, 1, 128, false}, Case{2, 640, 640, 32, 4, 128, false}}) {
     expect_attention_matches(c, seed);
   }
 }
@@ -244,8 +249,9 @@ TEST(Attention, LongSequences) {
   MKT_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  for (const Case& c : {Case{1, 32768, 32768, 2, 1, 128, true}, Case{1, 16384, 16384, 2, 2, 64, false},
-                        Case{1, 8191, 8193, 4, 4, 128, false}, Case{1, 4096, 12288, 2, 2, 128, true}}) {
+  for (const Case& c :
+       {Case{1, 32768, 32768, 2, 1, 128, true}, Case{1, 16384, 16384, 2, 2, 64, false},
+        Case{1, 8191, 8193, 4, 4, 128, false}, Case{1, 4096, 12288, 2, 2, 128, true}}) {
     expect_attention_matches(c, seed);
   }
 }
@@ -313,15 +319,16 @@ TEST(Attention, RejectsBadArguments) {
                  "not a multiple of kv_heads");
     bad = p;
     bad.seq_q = 0;
-    expect_error([&] { run(bad, buf.q, buf.o); }, ErrorCode::kInvalidArgument, "expected each >= 1");
+    expect_error([&] { run(bad, buf.q, buf.o); }, ErrorCode::kInvalidArgument,
+                 "expected each >= 1");
     AttentionTensor q = buf.q;
     q.data = static_cast<const char*>(q.data) + 2;
     expect_error([&] { run(p, q, buf.o); }, ErrorCode::kInvalidArgument, "16-byte aligned");
     q = buf.q;
     q.stride_seq = 4 * 128 + 4;
     expect_error([&] { run(p, q, buf.o); }, ErrorCode::kInvalidArgument, "seq stride");
-    expect_error([&] { run(p, buf.q, const_cast<void*>(buf.q.data)); },
-                 ErrorCode::kInvalidArgument, "o");
+    expect_error([&] { run(p, buf.q, const_cast<void*>(buf.q.data)); }, ErrorCode::kInvalidArgument,
+                 "o");
     std::vector<float> host(16);
     expect_error([&] { run(p, {host.data()}, buf.o); }, ErrorCode::kInvalidArgument, "q");
     // Nothing was written: O and LSE still hold the poison.

@@ -151,13 +151,6 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Arrives at hardware barrier `id` without waiting: with `threads` counting both sides, the
-// threads that bar.sync there wait for these (a one-way signal between warpgroups).
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  __syncwarp();
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 // The same, and true on every participant if `pred` was true on any.
 __device__ __forceinline__ bool named_barrier_or(int id, int threads, bool pred) {
   __syncwarp();
