@@ -7,7 +7,8 @@
 #         torch._grouped_mm on MoE expert shapes, both layouts), moe_dispatch_gemm (one GPU:
 #         the fused launch, moe_dispatch / moe_combine and dispatch-then-grouped-GEMM against
 #         torch._grouped_mm on the issue's MoE shapes), attention (one GPU: against torch SDPA's
-#         best backend), ag_gemm, gemm_rs, gemm_ar,
+#         best backend), ring_attention (one GPU: ranks as threads, against the engine on the
+#         same work and SMs), ag_gemm, gemm_rs, gemm_ar,
 #         transport (the socket proxy path over loopback; no GPU needed), p2p (NVLink push /
 #         red.add / pull rate per CTA between GPU 0 and 1: what the fused kernels are sized by).
 #         Other fused kernels join as they land. all = collectives, gemm and every fused kernel.
@@ -30,7 +31,7 @@
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 NCCL_NVLS_DISABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-usage() { sed -n '2,29s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+usage() { sed -n '2,31s/^# \{0,1\}//p' "$0" >&2; exit 2; }
 [[ $# -ge 3 ]] || usage
 kernel="$1" mode="$2" nodes="$3" sizes="${4:-}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -45,7 +46,19 @@ case "$kernel" in
   p2p)
     [[ -x "${BUILD_DIR:-build}/bench/bench_p2p" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
     exec "${BUILD_DIR:-build}/bench/bench_p2p" ;;
-  moe_layer | ring_attention)
+  ring_attention)
+    # One GPU so far: the ranks as threads sharing it (the SM-side cost of the ring; no NVLink).
+    [[ "$3" == 1 ]] || { echo "bench/run.sh: ring_attention runs on one node only so far" >&2; exit 2; }
+    [[ -x "${BUILD_DIR:-build}/bench/bench_ring_attention" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
+    ring_args=(--ranks "${MKERNEL_RANKS:-2}")
+    if [[ "$2" == bench ]]; then
+      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
+      mkdir -p bench/results
+      ring_args+=(--json "bench/results/ring_attention-${gpu}-w1.json")
+    fi
+    export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+    exec "${BUILD_DIR:-build}/bench/bench_ring_attention" "${ring_args[@]}" ;;
+  moe_layer)
     echo "bench/run.sh: $kernel is not implemented yet (see the open issues)" >&2; exit 2 ;;
   *) echo "bench/run.sh: unknown kernel '$kernel'" >&2; usage ;;
 esac

@@ -5,8 +5,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
+
+#include "mkernel/communicator.h"
 
 namespace mk {
 
@@ -62,5 +65,30 @@ AttentionPlan attention_plan(const AttentionProblem& problem, const AttentionCon
 void attention(const AttentionProblem& problem, const AttentionTensor& q, const AttentionTensor& k,
                const AttentionTensor& v, void* o, float* lse, cudaStream_t stream,
                const AttentionConfig& config = {});
+
+// ---- ring attention: sequence parallelism over the communicator's ranks (one node) ----------
+//
+// Every rank holds S_local = problem.seq_q = problem.seq_kv consecutive positions of q, k and v
+// (non-causal: rank r holds positions [r S_local, (r + 1) S_local)) or, causal, its zigzag share:
+// of 2 w equal chunks of the sequence, chunks r and 2 w - 1 - r, in that order (S_local even;
+// every rank then does the same work). O [B, S_local, H, D] and LSE [B, H, S_local] are attention
+// of this rank's queries over the whole sequence, in the same order. One launch per call: key /
+// value chunks travel between the ranks (NVLink, pulled into kRingSlots = 2 workspace slots)
+// while the attention engine works on the chunk that has arrived; each query tile's softmax state
+// carries across the chunks, so no merge pass follows. Stream-ordered, no host synchronisation,
+// CUDA graphs. Calls on one communicator must be issued in the same order on every rank.
+//
+// Workspace: symmetric memory (Communicator::alloc) of ring_attention_workspace_bytes(), at the
+// same offset on every rank: 6 x the local K (home K/V and two slots) plus 2 x the local O in
+// fp32 (the carried state) - independent of the world size.
+std::size_t ring_attention_workspace_bytes(const Communicator& comm, const AttentionProblem& local);
+// What ring_attention() will run (the engine's tiles; ctas = the communicator's SM budget).
+AttentionPlan ring_attention_plan(const Communicator& comm, const AttentionProblem& local,
+                                  const AttentionConfig& config = {});
+// Throws mk::Error before launching on a bad argument (naming it) and kUnsupported for a
+// communicator that spans nodes (not implemented yet).
+void ring_attention(Communicator& comm, const AttentionProblem& local, const AttentionTensor& q,
+                    const AttentionTensor& k, const AttentionTensor& v, void* o, float* lse,
+                    void* workspace, cudaStream_t stream, const AttentionConfig& config = {});
 
 }  // namespace mk

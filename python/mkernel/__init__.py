@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - exercised on machines without torch
 
 __all__ = ["Communicator", "MkernelError", "init", "gemm", "grouped_gemm", "ag_gemm", "gemm_rs",
            "gemm_ar", "moe_dispatch", "moe_dispatch_gemm", "moe_combine", "MoeHandle",
-           "attention", "dtype_name", "DTYPES",
+           "attention", "ring_attention", "zigzag_shard", "zigzag_unshard", "dtype_name", "DTYPES",
            "ERROR_CODES"]
 __version__ = "0.1.0"
 
@@ -794,13 +794,26 @@ else:  # pragma: no cover - without torch there is no tensor to multiply
         _require_torch("gemm")
 
 if torch is not None:
-    from mkernel.attention_ops import attention  # noqa: E402 - needs the above
+    from mkernel.attention_ops import (attention, ring_attention,  # noqa: E402 - needs the above
+                                       zigzag_shard, zigzag_unshard)
     from mkernel.moe import (MoeHandle, moe_combine, moe_dispatch,  # noqa: E402 - needs the above
                              moe_dispatch_gemm)
 else:  # pragma: no cover - without torch there are no tensors to route
     def attention(q, k, v, **kwargs):
         """Needs PyTorch; see mkernel.attention_ops."""
         _require_torch("attention")
+
+    def ring_attention(q, k, v, comm, **kwargs):
+        """Needs PyTorch; see mkernel.attention_ops."""
+        _require_torch("ring_attention")
+
+    def zigzag_shard(x, comm, dim=1):
+        """Needs PyTorch; see mkernel.attention_ops."""
+        _require_torch("zigzag_shard")
+
+    def zigzag_unshard(x, comm, dim=1):
+        """Needs PyTorch; see mkernel.attention_ops."""
+        _require_torch("zigzag_unshard")
 
     MoeHandle = None
 

@@ -447,6 +447,56 @@ NB_MODULE(_C, m) {
       "(last dimension contiguous); o contiguous; lse [B, H, S_q] fp32 or 0. softmax_scale 0: "
       "1 / sqrt(D). Stream-ordered; no host synchronisation.");
 
+  auto ring_problem = [](int64_t batch, int64_t seq_local, int64_t heads, int64_t kv_heads,
+                         int64_t head_dim, bool causal, double softmax_scale) {
+    mk::AttentionProblem p;
+    p.batch = batch;
+    p.seq_q = p.seq_kv = seq_local;
+    p.heads = heads;
+    p.kv_heads = kv_heads;
+    p.head_dim = head_dim;
+    p.causal = causal;
+    p.softmax_scale = static_cast<float>(softmax_scale);
+    return p;
+  };
+  m.def(
+      "ring_attention_workspace_bytes",
+      [ring_problem](const mk::Communicator& comm, int64_t batch, int64_t seq_local, int64_t heads,
+                     int64_t kv_heads, int64_t head_dim, bool causal) {
+        return mk::ring_attention_workspace_bytes(
+            comm, ring_problem(batch, seq_local, heads, kv_heads, head_dim, causal, 0.0));
+      },
+      "comm"_a, "batch"_a, "seq_local"_a, "heads"_a, "kv_heads"_a, "head_dim"_a, "causal"_a);
+  m.def(
+      "ring_attention",
+      [ring_problem](mk::Communicator& comm, std::uintptr_t q, std::uintptr_t k, std::uintptr_t v,
+                     std::uintptr_t o, std::uintptr_t lse, nb::tuple q_strides,
+                     nb::tuple kv_strides, int64_t batch, int64_t seq_local, int64_t heads,
+                     int64_t kv_heads, int64_t head_dim, bool causal, double softmax_scale,
+                     std::uintptr_t workspace, std::uintptr_t stream) {
+        auto tensor = [](std::uintptr_t data, const nb::tuple& strides) {
+          if (strides.size() != 3) {
+            throw nb::value_error("ring_attention: strides are (batch, seq, head)");
+          }
+          return mk::AttentionTensor{as_pointer<const void>(data), nb::cast<int64_t>(strides[0]),
+                                     nb::cast<int64_t>(strides[1]), nb::cast<int64_t>(strides[2])};
+        };
+        const mk::AttentionTensor tq = tensor(q, q_strides), tk = tensor(k, kv_strides),
+                                  tv = tensor(v, kv_strides);
+        const mk::AttentionProblem p =
+            ring_problem(batch, seq_local, heads, kv_heads, head_dim, causal, softmax_scale);
+        nb::gil_scoped_release nogil;
+        mk::ring_attention(comm, p, tq, tk, tv, as_pointer(o), as_pointer<float>(lse),
+                           as_pointer(workspace), as_stream(stream));
+      },
+      "comm"_a, "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "q_strides"_a, "kv_strides"_a, "batch"_a,
+      "seq_local"_a, "heads"_a, "kv_heads"_a, "head_dim"_a, "causal"_a, "softmax_scale"_a,
+      "workspace"_a, "stream"_a,
+      "Attention of this rank's S_local queries over the whole sequence (the ranks' shares: "
+      "contiguous, or causal: zigzag chunks r and 2w - 1 - r) in one launch; k and v with the "
+      "same strides; o contiguous; lse [B, H, S_local] fp32 or 0; workspace symmetric "
+      "(ring_attention_workspace_bytes). Stream-ordered; no host synchronisation.");
+
   // ---- fused GEMMs ----
   m.def(
       "ag_gemm",

@@ -1,7 +1,11 @@
-"""The attention engine (mkernel/attention.h) as a PyTorch custom op.
+"""The attention engine (mkernel/attention.h) and ring attention as PyTorch custom ops.
 
     o = mkernel.attention(q, k, v, causal=True)
     o, lse = mkernel.attention(q, k, v, return_lse=True)
+
+    q_local = mkernel.zigzag_shard(q, comm)                         # this rank's share
+    o_local = mkernel.ring_attention(q_local, k_local, v_local, comm, causal=True)
+    o = mkernel.zigzag_unshard(o_local, comm)                        # every rank's, in order
 
 q [B, S_q, H, D], k and v [B, S_kv, H_kv, D] bf16 on one Hopper GPU (the flash-attn layout; the
 last dimension contiguous, other strides as they come where the copy engine can read them - a
@@ -18,11 +22,11 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from mkernel import _C, _current_device, _current_raw_stream, _direct
+from mkernel import _C, _check_device, _communicator, _current_device, _current_raw_stream, _direct
 
 import torch
 
-__all__ = ["attention"]
+__all__ = ["attention", "ring_attention", "zigzag_shard", "zigzag_unshard"]
 
 _HEAD_DIMS = (64, 128)
 
@@ -110,3 +114,101 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     op = _attention_impl if _direct(q, k, v) else _attention_op
     o, lse = op(q, k, v, causal, softmax_scale, return_lse)
     return (o, lse) if return_lse else o
+
+
+# ---- ring attention --------------------------------------------------------------------------
+
+def _ring_shapes(q, k, v, world):
+    b, s_q, s_kv, h, h_kv, d = _attention_shapes(q, k, v)
+    if s_q != s_kv:
+        raise ValueError(f"mkernel.ring_attention: q has {s_q} rows and k {s_kv}; expected both "
+                         "= S_local, this rank's share of the sequence")
+    return b, s_q, h, h_kv, d
+
+
+def _ring_impl(q, k, v, comm, causal, softmax_scale, return_lse):
+    c = _communicator(comm, "ring_attention")
+    b, s, h, h_kv, d = _ring_shapes(q, k, v, c.world_size)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"mkernel.ring_attention: {name} has dtype {x.dtype}; expected "
+                             "bfloat16")
+        _check_device("ring_attention", name, x, c._device)
+    if causal and s % 2 != 0:
+        raise ValueError(f"mkernel.ring_attention: causal with S_local = {s}; expected an even "
+                         "S_local (the zigzag share: two chunks of S_local / 2)")
+    if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"mkernel.ring_attention: softmax_scale = {softmax_scale}; expected a "
+                         "finite value > 0 (None: 1 / sqrt(head_dim))")
+    o = torch.empty((b, s, h, d), dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((b, h, s) if return_lse else (0,), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    q2, k2, v2 = _readable(q), _readable(k), _readable(v)
+    if k2.stride() != v2.stride():
+        k2, v2 = k2.contiguous(), v2.contiguous()
+    ws = c._workspace(_C.ring_attention_workspace_bytes(c._impl, b, s, h, h_kv, d, causal),
+                      "ring_attention", "ring")
+    _C.ring_attention(c._impl, q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), o.data_ptr(),
+                      lse.data_ptr() if return_lse else 0, tuple(q2.stride()[:3]),
+                      tuple(k2.stride()[:3]), b, s, h, h_kv, d, causal,
+                      0.0 if softmax_scale is None else float(softmax_scale), ws.data_ptr(),
+                      c._stream())
+    return o, lse
+
+
+_ring_op = torch.library.custom_op(
+    "mkernel::ring_attention", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, int comm, bool causal, float? softmax_scale, "
+           "bool return_lse) -> (Tensor, Tensor)",
+)(_ring_impl)
+
+
+@_ring_op.register_fake
+def _ring_fake(q, k, v, comm, causal, softmax_scale, return_lse):
+    b, s_q, _, h, _, d = _attention_shapes(q, k, v)
+    return q.new_empty((b, s_q, h, d)), q.new_empty((b, h, s_q) if return_lse else (0,),
+                                                    dtype=torch.float32)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, causal: bool = True,
+                   softmax_scale: Optional[float] = None, return_lse: bool = False):
+    """Sequence-parallel attention: this rank's queries over the whole sequence, one launch.
+
+    q [B, S_local, H, D], k and v [B, S_local, H_kv, D] bf16: this rank's share of the sequence -
+    causal: its zigzag share (zigzag_shard: chunks r and 2w - 1 - r of 2w, S_local even), else
+    the contiguous r-th share. Returns O [B, S_local, H, D] bf16 in the same order (and LSE
+    [B, H, S_local] fp32 with return_lse=True). One node (any world size); key / value chunks
+    travel between the GPUs while the attention engine works on the one that has arrived.
+    Every rank calls it (same shapes, same order). torch.ops.mkernel.ring_attention: current
+    stream, torch.compile, CUDA graphs (make one call with the shape before capturing: the
+    first allocates the communicator's workspace, collectively).
+    """
+    op = _ring_impl if _direct(q, k, v) else _ring_op
+    o, lse = op(q, k, v, comm._id, causal, softmax_scale, return_lse)
+    return (o, lse) if return_lse else o
+
+
+def zigzag_shard(x: torch.Tensor, comm, dim: int = 1) -> torch.Tensor:
+    """This rank's zigzag share of a full sequence along `dim`: of 2 w equal chunks, chunks r and
+    2 w - 1 - r, concatenated (a copy). The length along dim must be a multiple of 2 w."""
+    w, r = comm.world_size, comm.rank
+    if x.shape[dim] % (2 * w) != 0:
+        raise ValueError(f"mkernel.zigzag_shard: length {x.shape[dim]} along dim {dim} is not a "
+                         f"multiple of 2 x world = {2 * w}")
+    chunks = x.chunk(2 * w, dim=dim)
+    return torch.cat([chunks[r], chunks[2 * w - 1 - r]], dim=dim)
+
+
+def zigzag_unshard(x: torch.Tensor, comm, dim: int = 1) -> torch.Tensor:
+    """The full sequence from every rank's zigzag share along `dim` (all_gather over the default
+    process group, then the chunks put back in order); the inverse of zigzag_shard."""
+    import torch.distributed as dist
+    w = comm.world_size
+    parts = [torch.empty_like(x) for _ in range(w)]
+    dist.all_gather(parts, x.contiguous())
+    chunks = [None] * (2 * w)
+    for r, part in enumerate(parts):
+        first, second = part.chunk(2, dim=dim)
+        chunks[r], chunks[2 * w - 1 - r] = first, second
+    return torch.cat(chunks, dim=dim)

@@ -22,8 +22,8 @@ namespace {
 constexpr const char* kOp = "attention";
 constexpr int64_t kMax32 = int64_t{1} << 31;
 
-[[noreturn]] void invalid(const std::string& what) {
-  throw Error(ErrorCode::kInvalidArgument, std::string(kOp) + ": " + what);
+[[noreturn]] void invalid(const char* op, const std::string& what) {
+  throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": " + what);
 }
 
 template <int kHeadDim>
@@ -36,44 +36,45 @@ decltype(auto) dispatch_head_dim(int64_t head_dim, Fn&& fn) {
   return fn.template operator()<128>();
 }
 
-void require_problem(const AttentionProblem& p) {
+}  // namespace
+
+void attention_host::require_problem(const AttentionProblem& p, const char* op) {
   if (p.head_dim != 64 && p.head_dim != 128) {
-    invalid("head_dim = " + std::to_string(p.head_dim) + "; expected 64 or 128");
+    invalid(op, "head_dim = " + std::to_string(p.head_dim) + "; expected 64 or 128");
   }
   if (p.batch < 1 || p.seq_q < 1 || p.seq_kv < 1 || p.heads < 1 || p.kv_heads < 1) {
-    invalid("batch " + std::to_string(p.batch) + ", seq_q " + std::to_string(p.seq_q) +
-            ", seq_kv " + std::to_string(p.seq_kv) + ", heads " + std::to_string(p.heads) +
-            ", kv_heads " + std::to_string(p.kv_heads) + "; expected each >= 1");
+    invalid(op, "batch " + std::to_string(p.batch) + ", seq_q " + std::to_string(p.seq_q) +
+                    ", seq_kv " + std::to_string(p.seq_kv) + ", heads " + std::to_string(p.heads) +
+                    ", kv_heads " + std::to_string(p.kv_heads) + "; expected each >= 1");
   }
   if (p.heads % p.kv_heads != 0) {
-    invalid("heads = " + std::to_string(p.heads) +
-            " is not a multiple of kv_heads = " + std::to_string(p.kv_heads));
+    invalid(op, "heads = " + std::to_string(p.heads) +
+                    " is not a multiple of kv_heads = " + std::to_string(p.kv_heads));
   }
   if (p.batch >= kMax32 || p.seq_q >= kMax32 || p.seq_kv >= kMax32 || p.heads >= kMax32 ||
       p.batch * p.heads * ((p.seq_q + 127) / 128) >= kMax32) {
-    invalid("the problem is too large (batch x heads x query tiles must be < 2^31)");
+    invalid(op, "the problem is too large (batch x heads x query tiles must be < 2^31)");
   }
   if (!(p.softmax_scale >= 0) || !std::isfinite(p.softmax_scale)) {
-    invalid("softmax_scale = " + std::to_string(p.softmax_scale) +
-            "; expected a finite value > 0 (0: 1 / sqrt(head_dim))");
+    invalid(op, "softmax_scale = " + std::to_string(p.softmax_scale) +
+                    "; expected a finite value > 0 (0: 1 / sqrt(head_dim))");
   }
 }
 
-// The tensor's strides (elements; the contiguous layout's where 0) after checking what the copy
-// engine needs; `bytes` gets the span it covers.
-struct Strides {
-  int64_t batch, seq, head;
-};
-Strides require_tensor(const AttentionTensor& t, const char* name, int64_t seq, int64_t heads,
-                       int64_t batch, int64_t head_dim, int device, std::size_t& bytes) {
-  gemm_engine::require_device_pointer(t.data, kOp, name, device);
+attention_host::Strides attention_host::require_tensor(const AttentionTensor& t, const char* op,
+                                                       const char* name, int64_t seq, int64_t heads,
+                                                       int64_t batch, int64_t head_dim, int device,
+                                                       std::size_t& bytes) {
+  gemm_engine::require_device_pointer(t.data, op, name, device);
   Strides s{t.stride_batch != 0 ? t.stride_batch : seq * heads * head_dim,
             t.stride_seq != 0 ? t.stride_seq : heads * head_dim,
             t.stride_head != 0 ? t.stride_head : head_dim};
   for (const auto& [what, value] :
        {std::pair{"batch", s.batch}, std::pair{"seq", s.seq}, std::pair{"head", s.head}}) {
     if (value < 0 || value % 8 != 0 || value >= (int64_t{1} << 38)) {
-      invalid(std::string(name) + "'s " + what + " stride = " + std::to_string(value) +
+      invalid(
+          op,
+          std::string(name) + "'s " + what + " stride = " + std::to_string(value) +
               " elements; expected a multiple of 8 (16 bytes: the tensor copy engine) below 2^38");
     }
   }
@@ -82,9 +83,8 @@ Strides require_tensor(const AttentionTensor& t, const char* name, int64_t seq, 
   return s;
 }
 
-// (D, heads, seq, batch) over a [batch, seq, heads, D] tensor: boxes of 64 x 1 x box_rows x 1.
-CUtensorMap make_map(const void* base, const Strides& s, int64_t batch, int64_t seq, int64_t heads,
-                     int64_t head_dim, int box_rows) {
+CUtensorMap attention_host::make_map(const void* base, const Strides& s, int64_t batch, int64_t seq,
+                                     int64_t heads, int64_t head_dim, int box_rows) {
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(seq), static_cast<cuuint64_t>(batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(s.head) * 2,
@@ -93,6 +93,27 @@ CUtensorMap make_map(const void* base, const Strides& s, int64_t batch, int64_t 
   const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
   return gemm_engine::encode_map(base, 4, dims, strides, box);
 }
+
+CUtensorMap attention_host::make_map_parts(const void* base, const Strides& s, int64_t batch,
+                                           int64_t parts, int64_t part_len, int64_t heads,
+                                           int64_t head_dim, int box_rows) {
+  const cuuint64_t dims[5] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(part_len), static_cast<cuuint64_t>(parts),
+                              static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[4] = {
+      static_cast<cuuint64_t>(s.head) * 2, static_cast<cuuint64_t>(s.seq) * 2,
+      static_cast<cuuint64_t>(s.seq * part_len) * 2, static_cast<cuuint64_t>(s.batch) * 2};
+  const cuuint32_t box[5] = {64, 1, static_cast<cuuint32_t>(box_rows), 1, 1};
+  return gemm_engine::encode_map(base, 5, dims, strides, box);
+}
+
+float attention_host::scale_log2(const AttentionProblem& p) {
+  const float scale =
+      p.softmax_scale > 0 ? p.softmax_scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
+  return scale * 1.4426950408889634f;
+}
+
+namespace {
 
 int device_sms(const AttentionConfig& config) {
   int sms = config.sms;
@@ -104,23 +125,6 @@ int device_sms(const AttentionConfig& config) {
   return sms;
 }
 
-// attention_kernel<Cfg, Policy> with its shared memory allowed on the current device (once per
-// device).
-template <class C, class Policy>
-auto prepared_kernel() {
-  auto kernel = attention_engine::attention_kernel<C, Policy>;
-  static std::atomic<uint64_t> done{0};
-  int device = 0;
-  MK_CUDA_CHECK(cudaGetDevice(&device));
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (bit == 0 || (done.load(std::memory_order_acquire) & bit) == 0) {
-    MK_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
-    done.fetch_or(bit, std::memory_order_release);
-  }
-  return kernel;
-}
-
 }  // namespace
 
 std::string AttentionPlan::describe() const {
@@ -130,8 +134,7 @@ std::string AttentionPlan::describe() const {
          std::to_string(smem_bytes) + " B shared memory";
 }
 
-AttentionPlan attention_plan(const AttentionProblem& problem, const AttentionConfig& config) {
-  require_problem(problem);
+AttentionPlan attention_host::plan(const AttentionProblem& problem, int sms) {
   return dispatch_head_dim(problem.head_dim, [&]<int kHeadDim>() {
     using C = Cfg<kHeadDim>;
     AttentionPlan plan;
@@ -140,25 +143,33 @@ AttentionPlan attention_plan(const AttentionProblem& problem, const AttentionCon
     plan.block_n = C::kBlockN;
     plan.stages = C::kStages;
     plan.items = problem.batch * problem.heads * ((problem.seq_q + C::kBlockM - 1) / C::kBlockM);
-    plan.ctas = static_cast<int>(std::min<int64_t>(device_sms(config), plan.items));
+    plan.ctas = sms;
     plan.smem_bytes = C::kSmemBytes;
     return plan;
   });
 }
 
+AttentionPlan attention_plan(const AttentionProblem& problem, const AttentionConfig& config) {
+  attention_host::require_problem(problem, kOp);
+  AttentionPlan plan = attention_host::plan(problem, device_sms(config));
+  plan.ctas = static_cast<int>(std::min<int64_t>(plan.ctas, plan.items));
+  return plan;
+}
+
 void attention(const AttentionProblem& problem, const AttentionTensor& q, const AttentionTensor& k,
                const AttentionTensor& v, void* o, float* lse, cudaStream_t stream,
                const AttentionConfig& config) {
-  require_problem(problem);
+  attention_host::require_problem(problem, kOp);
   const AttentionProblem& p = problem;
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
   std::size_t q_bytes = 0, k_bytes = 0, v_bytes = 0;
-  const Strides sq = require_tensor(q, "q", p.seq_q, p.heads, p.batch, p.head_dim, device, q_bytes);
-  const Strides sk =
-      require_tensor(k, "k", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, k_bytes);
-  const Strides sv =
-      require_tensor(v, "v", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, v_bytes);
+  const attention_host::Strides sq = attention_host::require_tensor(
+      q, kOp, "q", p.seq_q, p.heads, p.batch, p.head_dim, device, q_bytes);
+  const attention_host::Strides sk = attention_host::require_tensor(
+      k, kOp, "k", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, k_bytes);
+  const attention_host::Strides sv = attention_host::require_tensor(
+      v, kOp, "v", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, v_bytes);
   gemm_engine::require_device_pointer(o, kOp, "o", device);
   if (lse != nullptr) gemm_engine::require_device_pointer(lse, kOp, "lse", device, 4);
   const std::size_t o_bytes =
@@ -180,11 +191,13 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
   const float scale =
       p.softmax_scale > 0 ? p.softmax_scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
   const float scale_log2 = scale * 1.4426950408889634f;
-  const Strides so{p.seq_q * p.heads * p.head_dim, p.heads * p.head_dim, p.head_dim};
+  const attention_host::Strides so{p.seq_q * p.heads * p.head_dim, p.heads * p.head_dim,
+                                   p.head_dim};
   dispatch_head_dim(p.head_dim, [&]<int kHeadDim>() {
     using C = Cfg<kHeadDim>;
     using Policy = attention_engine::PlainAttention<kHeadDim>;
     Policy policy{};
+    using attention_host::make_map;
     policy.q = make_map(q.data, sq, p.batch, p.seq_q, p.heads, kHeadDim, C::kBlockM);
     policy.k = make_map(k.data, sk, p.batch, p.seq_kv, p.kv_heads, kHeadDim, C::kBlockN);
     policy.v = make_map(v.data, sv, p.batch, p.seq_kv, p.kv_heads, kHeadDim, C::kBlockN);
@@ -198,7 +211,8 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
     policy.kv_blocks = static_cast<int>((p.seq_kv + C::kBlockN - 1) / C::kBlockN);
     policy.items = static_cast<int>(plan.items);
     policy.causal = p.causal;
-    auto kernel = prepared_kernel<C, Policy>();
+    auto kernel =
+        attention_host::prepared<C, Policy>(attention_engine::attention_kernel<C, Policy>);
     kernel<<<plan.ctas, C::kThreads, C::kSmemBytes, stream>>>(policy, scale_log2);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) {
@@ -211,7 +225,10 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
 std::vector<GemmKernelResources> detail::attention_kernel_resources() {
   std::vector<GemmKernelResources> out;
   auto add = [&]<int kHeadDim>() {
-    auto kernel = prepared_kernel<Cfg<kHeadDim>, attention_engine::PlainAttention<kHeadDim>>();
+    using C = Cfg<kHeadDim>;
+    using Policy = attention_engine::PlainAttention<kHeadDim>;
+    auto kernel =
+        attention_host::prepared<C, Policy>(attention_engine::attention_kernel<C, Policy>);
     cudaFuncAttributes attr{};
     MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
     out.push_back({"attention D" + std::to_string(kHeadDim), attr.numRegs,
@@ -220,6 +237,7 @@ std::vector<GemmKernelResources> detail::attention_kernel_resources() {
   };
   add.template operator()<64>();
   add.template operator()<128>();
+  add_ring_attention_resources(out);
   return out;
 }
 

@@ -1,11 +1,69 @@
-// Internal interface of the attention engine, for the tests.
+// Internal interface of the attention engine: the host pieces attention() and ring_attention()
+// share, and the tests' view of the kernels.
 #pragma once
 
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
 #include <vector>
 
-#include "gemm/gemm_internal.h"  // GemmKernelResources
+#include "gemm/gemm_internal.h"  // GemmKernelResources, encode_map
+#include "mkernel/attention.h"
+#include "runtime/cuda_check.h"
 
-namespace mk::detail {
-// Every attention kernel instantiation the library launches, with its compiled resources.
+namespace mk {
+
+namespace attention_host {
+
+// Element strides of a [batch, seq, heads, D] tensor.
+struct Strides {
+  int64_t batch, seq, head;
+};
+// The checks every attention op makes on a problem (errors name `op`).
+void require_problem(const AttentionProblem& p, const char* op);
+// The tensor's strides (the contiguous layout's where 0) after checking what the copy engine
+// needs; `bytes` gets the span it covers.
+Strides require_tensor(const AttentionTensor& t, const char* op, const char* name, int64_t seq,
+                       int64_t heads, int64_t batch, int64_t head_dim, int device,
+                       std::size_t& bytes);
+// (D, heads, seq, batch) over the tensor: boxes of 64 x 1 x box_rows x 1.
+CUtensorMap make_map(const void* base, const Strides& s, int64_t batch, int64_t seq, int64_t heads,
+                     int64_t head_dim, int box_rows);
+// (D, heads, part_len, parts, batch): the sequence as `parts` parts of part_len rows (boxes clip
+// at a part's end).
+CUtensorMap make_map_parts(const void* base, const Strides& s, int64_t batch, int64_t parts,
+                           int64_t part_len, int64_t heads, int64_t head_dim, int box_rows);
+// softmax_scale (or 1 / sqrt(D)) x log2(e).
+float scale_log2(const AttentionProblem& p);
+// The engine's tiles for a checked problem on `sms` CTAs (items: query tiles of seq_q).
+AttentionPlan plan(const AttentionProblem& p, int sms);
+
+// attention_kernel<C, Policy> with its shared memory allowed on the current device (once per
+// device; the call also loads the kernel).
+template <class C, class Policy, class Kernel>
+Kernel prepared(Kernel kernel) {
+  static std::atomic<uint64_t> done{0};
+  int device = 0;
+  MK_CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit == 0 || (done.load(std::memory_order_acquire) & bit) == 0) {
+    MK_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+    done.fetch_or(bit, std::memory_order_release);
+  }
+  return kernel;
+}
+
+}  // namespace attention_host
+
+namespace detail {
+// Every attention kernel instantiation the library launches (plain and ring), with its compiled
+// resources.
 std::vector<GemmKernelResources> attention_kernel_resources();
-}  // namespace mk::detail
+void add_ring_attention_resources(std::vector<GemmKernelResources>& out);
+}  // namespace detail
+
+}  // namespace mk

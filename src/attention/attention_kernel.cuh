@@ -69,27 +69,32 @@ struct AttentionConfig {
       1024 + kQBytes + 2 * kStages * kKvBytes + kEpilogueBytes + (2 + 4 * kStages) * 8;
   static constexpr int kORegs = kHeadDim / 2;  // O accumulator registers per consumer thread
   static constexpr int kSRegs = kBlockN / 2;   // S accumulator registers per consumer thread
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the engine");
   static_assert(kStages >= 2, "too few KV stages fit");
   static_assert(kSmemBytes <= kSmemLimit, "shared memory per CTA on sm_90");
-  static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * 168,
-                "setmaxnreg split beyond the CTA's registers");
 };
 
 // Named barriers (id 0 is __syncthreads): each consumer warpgroup's own for its epilogue
 // (gemm_engine::store_slice uses 1 + consumer).
 enum NamedBarrier : int { kEpilogueBarrier0 = 1 };
 
-// One work item: query tile `m` (rows 128 m ..) of (batch, head), reading key head kv_head, and
-// the number of KV blocks it visits (0: it sees no key; its rows get O = 0, LSE = -inf).
+// One work item: query tile `m` (rows 128 m ..) of (batch, head), reading key head kv_head, at
+// step `step`, and the number of KV blocks it visits there (0: none). carry_in: the tile's
+// softmax state (O, m, l) comes from an earlier step (load_state); carry_out: a later step goes
+// on from it (store_state) instead of this item writing O and LSE. A tile that sees no key at
+// all gets O = 0 and LSE = -inf.
 struct WorkItem {
+  int step;
+  int index;  // t: the item's place among the step's items (the same tile at every step)
   int batch;
   int head;
   int kv_head;
+  int part;  // the query rows' part (ring attention's zigzag halves; 0 otherwise)
   int m;
   int blocks;
+  int kv_split;  // blocks [0, kv_split) come from the KV's part 0, the rest from part 1
+  bool carry_in;
+  bool carry_out;
 };
 
 // Which keys of a KV block each query row of the tile sees: key column c (0..127 in the block)
@@ -101,17 +106,27 @@ struct BlockMask {
   int diag;
 };
 
-// The hooks every policy has, with their signatures (kORegs: a consumer's O registers).
+// The hooks every policy has, with their signatures (kORegs: a consumer's O registers), and its
+// register split (setmaxnreg) as kProducerRegs / kConsumerRegs.
 template <class P, int kORegs>
 concept AttentionPolicy = requires(const P p, const WorkItem& item, int i, void* dst, uint64_t* bar,
-                                   const float (&o)[kORegs], const float (&lse)[2],
-                                   uint8_t* scratch) {
+                                   float (&o)[kORegs], const float (&co)[kORegs], float (&row)[2],
+                                   const float (&crow)[2], uint8_t* scratch) {
+  { P::kProducerRegs } -> std::convertible_to<int>;
+  { P::kConsumerRegs } -> std::convertible_to<int>;
+  { p.num_steps() } -> std::same_as<int>;
   { p.num_items() } -> std::same_as<int>;
-  { p.item(i) } -> std::same_as<WorkItem>;
+  { p.item(i, i) } -> std::same_as<WorkItem>;
+  { p.wait_step(i) } -> std::same_as<void>;
   { p.load_q(dst, bar, item) } -> std::same_as<void>;
   { p.load_kv(dst, bar, item, i, i) } -> std::same_as<void>;
   { p.mask(item, i) } -> std::same_as<BlockMask>;
-  { p.store(o, lse, item, i, scratch) } -> std::same_as<void>;
+  { p.load_state(o, row, row, item, i) } -> std::same_as<void>;
+  { p.store_state(co, crow, crow, item, i) } -> std::same_as<void>;
+  { p.store(co, crow, item, i, scratch) } -> std::same_as<void>;
+  { p.step_done(i) } -> std::same_as<void>;
+  { p.side_task(i, i) } -> std::same_as<void>;
+  { p.finish() } -> std::same_as<void>;
 };
 
 __device__ __forceinline__ float exp2_approx(float x) {
@@ -220,9 +235,13 @@ struct PlainAttention {
   int items;
   bool causal;
 
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+
+  __device__ int num_steps() const { return 1; }
   __device__ int num_items() const { return items; }
-  __device__ WorkItem item(int t) const {
-    WorkItem w;
+  __device__ WorkItem item(int, int t) const {
+    WorkItem w{};
     const int bh = t / m_tiles;
     const int in_head = t % m_tiles;
     w.m = causal ? m_tiles - 1 - in_head : in_head;
@@ -233,8 +252,11 @@ struct PlainAttention {
     const int last_row = min(seq_q, (w.m + 1) * 128) - 1;
     const int last_key = causal ? min(seq_kv - 1, last_row + seq_kv - seq_q) : seq_kv - 1;
     w.blocks = last_key < 0 ? 0 : last_key / 128 + 1;
+    w.kv_split = w.blocks;
+    w.index = t;
     return w;
   }
+  __device__ void wait_step(int) const {}
   // Block i of an item is KV block blocks - 1 - i.
   __device__ void load_q(void* dst, uint64_t* bar, const WorkItem& w) const {
 #pragma unroll
@@ -273,6 +295,14 @@ struct PlainAttention {
       if (r + 8 < seq_q) out[r + 8] = row_lse[1];
     }
   }
+  // One step, no carried state, no side work.
+  __device__ void load_state(float (&)[kHeadDim / 2], float (&)[2], float (&)[2], const WorkItem&,
+                             int) const {}
+  __device__ void store_state(const float (&)[kHeadDim / 2], const float (&)[2], const float (&)[2],
+                              const WorkItem&, int) const {}
+  __device__ void step_done(int) const {}
+  __device__ void side_task(int, int) const {}
+  __device__ void finish() const {}
 };
 
 // The work item a CTA takes in wave w (items [w G, (w + 1) G) on G CTAs): the c-th on even waves,
@@ -289,8 +319,11 @@ template <class Cfg, class Policy>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_kernel(const __grid_constant__ Policy policy, float scale_log2) {
   static_assert(AttentionPolicy<Policy, Cfg::kORegs>,
-                "a policy needs num_items, item, load_q, load_kv, mask and store with the engine's "
-                "signatures");
+                "a policy needs the engine's hooks with their signatures (AttentionPolicy)");
+  static_assert(Policy::kProducerRegs % 8 == 0 && Policy::kConsumerRegs % 8 == 0 &&
+                    Policy::kProducerRegs + Cfg::kConsumers * Policy::kConsumerRegs <=
+                        (1 + Cfg::kConsumers) * 168,
+                "setmaxnreg split beyond the CTA's registers");
   constexpr int kStages = Cfg::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -319,153 +352,180 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
   __syncthreads();
 
+  // This CTA's items of a step, in order (the same tiles at every step).
+  const int items = policy.num_items();
+  auto for_each_item = [&](int step, auto&& fn) {
+    for (int wave = 0; wave * static_cast<int>(gridDim.x) < items; ++wave) {
+      const int t = snake_item(wave);
+      if (t < items) fn(policy.item(step, t));
+    }
+  };
+
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     // ---- producer ----
-    dev::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    int it = 0;     // KV blocks loaded by this CTA across items: position in the stage ring
-    int tiles = 0;  // Q tiles loaded
-    for (int wave = 0; wave * static_cast<int>(gridDim.x) < policy.num_items(); ++wave) {
-      const int t = snake_item(wave);
-      if (t >= policy.num_items()) continue;
-      const WorkItem w = policy.item(t);
-      if (w.blocks == 0) continue;
-      dev::mbarrier_wait(q_empty, (tiles & 1) ^ 1);  // the first passes at once
-      dev::mbarrier_arrive_expect_tx(q_full, Cfg::kQBytes);
-      policy.load_q(q_smem, q_full, w);
-      ++tiles;
-      for (int i = 0; i < w.blocks; ++i, ++it) {
-        const int s = it % kStages;
-        const uint32_t phase = ((it / kStages) & 1) ^ 1;
-        dev::mbarrier_wait(&k_empty[s], phase);
-        dev::mbarrier_arrive_expect_tx(&k_full[s], Cfg::kKvBytes);
-        policy.load_kv(k_smem + s * Cfg::kKvBytes, &k_full[s], w, i, 0);
-        dev::mbarrier_wait(&v_empty[s], phase);
-        dev::mbarrier_arrive_expect_tx(&v_full[s], Cfg::kKvBytes);
-        policy.load_kv(v_smem + s * Cfg::kKvBytes, &v_full[s], w, i, 1);
+    dev::warpgroup_reg_dealloc<Policy::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      int it = 0;     // KV blocks loaded by this CTA across items: position in the stage ring
+      int tiles = 0;  // Q tiles loaded
+      for (int step = 0; step < policy.num_steps(); ++step) {
+        policy.wait_step(step);
+        for_each_item(step, [&](const WorkItem& w) {
+          if (w.blocks == 0) return;
+          dev::mbarrier_wait(q_empty, (tiles & 1) ^ 1);  // the first passes at once
+          dev::mbarrier_arrive_expect_tx(q_full, Cfg::kQBytes);
+          policy.load_q(q_smem, q_full, w);
+          ++tiles;
+          for (int i = 0; i < w.blocks; ++i, ++it) {
+            const int s = it % kStages;
+            const uint32_t phase = ((it / kStages) & 1) ^ 1;
+            dev::mbarrier_wait(&k_empty[s], phase);
+            dev::mbarrier_arrive_expect_tx(&k_full[s], Cfg::kKvBytes);
+            policy.load_kv(k_smem + s * Cfg::kKvBytes, &k_full[s], w, i, 0);
+            dev::mbarrier_wait(&v_empty[s], phase);
+            dev::mbarrier_arrive_expect_tx(&v_full[s], Cfg::kKvBytes);
+            policy.load_kv(v_smem + s * Cfg::kKvBytes, &v_full[s], w, i, 1);
+          }
+        });
       }
+    } else if (threadIdx.x >= 32) {
+      policy.side_task(threadIdx.x - 32, 96);
     }
-    return;
-  }
-
-  // ---- consumers ----
-  dev::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
-  const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
-  const bool leader = threadIdx.x % 128 == 0;
-  uint8_t* scratch = epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers);
-  // Q K^T: A = this consumer's 64 Q rows, B = a K block, both K-major (D along the swizzle rows).
-  auto issue_s = [&](float(&s)[Cfg::kSRegs], int stage) {
-    dev::wgmma_fence_operands(s);
-    dev::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
-      const int chunk = kk / 4, col = (kk % 4) * 32;
-      const uint64_t da =
-          dev::wgmma_desc_sw128(q_smem + chunk * Cfg::kQChunkBytes + consumer * 64 * 128 + col);
-      const uint64_t db =
-          dev::wgmma_desc_sw128(k_smem + stage * Cfg::kKvBytes + chunk * Cfg::kKvChunkBytes + col);
-      dev::wgmma_bf16<Cfg::kBlockN, false>(s, da, db, kk > 0);
-    }
-    dev::wgmma_commit();
-  };
-  // O += P V: A = P (registers), B = a V block, N-major (D along the swizzle rows, keys = K).
-  auto issue_pv = [&](float(&o)[Cfg::kORegs], uint32_t(&p)[Cfg::kBlockN / 16][4], int stage) {
-    dev::wgmma_fence_operands(o);
-    dev::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
-      const uint64_t db = dev::wgmma_desc_sw128_mn(v_smem + stage * Cfg::kKvBytes + kk * 16 * 128,
-                                                   Cfg::kKvChunkBytes);
-      dev::wgmma_bf16_rs<Cfg::kHeadDim, true>(o, p[kk], db, true);
-    }
-    dev::wgmma_commit();
-  };
-
-  int it = 0, tiles = 0;
-  for (int wave = 0; wave * static_cast<int>(gridDim.x) < policy.num_items(); ++wave) {
-    const int t = snake_item(wave);
-    if (t >= policy.num_items()) continue;
-    const WorkItem w = policy.item(t);
-    float o[Cfg::kORegs];
-#pragma unroll
-    for (int i = 0; i < Cfg::kORegs; ++i) o[i] = 0.f;
-    OnlineSoftmax<Cfg::kSRegs> softmax;
-    if (w.blocks > 0) {
-      dev::mbarrier_wait(q_full, tiles & 1);
-      ++tiles;
-      float s[Cfg::kSRegs];
-      uint32_t p[Cfg::kBlockN / 16][4];
-      float rescale[2];
-      // Block 0: S, softmax, P.
-      int stage = it % kStages;
-      dev::mbarrier_wait(&k_full[stage], (it / kStages) & 1);
-      issue_s(s, stage);
-      dev::wgmma_wait<0>();
+  } else {
+    // ---- consumers ----
+    dev::warpgroup_reg_alloc<Policy::kConsumerRegs>();
+    const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
+    const bool leader = threadIdx.x % 128 == 0;
+    uint8_t* scratch = epilogue_smem + consumer * (Cfg::kEpilogueBytes / Cfg::kConsumers);
+    // Q K^T: A = this consumer's 64 Q rows, B = a K block, both K-major (D along the swizzle
+    // rows).
+    auto issue_s = [&](float(&s)[Cfg::kSRegs], int stage) {
       dev::wgmma_fence_operands(s);
-      if (leader) {
-        dev::mbarrier_arrive(&k_empty[stage]);
-        if (w.blocks == 1) dev::mbarrier_arrive(q_empty);
-      }
-      BlockMask mask = policy.mask(w, 0);
-      if (mask.active) apply_mask(s, mask, consumer);
-      softmax.step(s, scale_log2, rescale);
-      to_fragments(s, p);
-      for (int i = 1; i < w.blocks; ++i) {
-        const int prev = stage;
-        stage = (it + i) % kStages;
-        dev::mbarrier_wait(&k_full[stage], ((it + i) / kStages) & 1);
-        dev::mbarrier_wait(&v_full[prev], ((it + i - 1) / kStages) & 1);
-        issue_s(s, stage);
-        issue_pv(o, p, prev);
-        dev::wgmma_wait<1>();  // S is done
-        dev::wgmma_fence_operands(s);
-        if (leader) {
-          dev::mbarrier_arrive(&k_empty[stage]);
-          if (i == w.blocks - 1) dev::mbarrier_arrive(q_empty);  // the tile's last Q K^T
-        }
-        mask = policy.mask(w, i);
-        if (mask.active) apply_mask(s, mask, consumer);
-        softmax.step(s, scale_log2, rescale);
-        dev::wgmma_wait<0>();  // P V is done: O and P may change
-        dev::wgmma_fence_operands(o);
+      dev::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) dev::wgmma_fence_operands(p[kk]);
-        if (leader) dev::mbarrier_arrive(&v_empty[prev]);
-#pragma unroll
-        for (int j = 0; j < Cfg::kORegs / 4; ++j) {
-          o[4 * j] *= rescale[0];
-          o[4 * j + 1] *= rescale[0];
-          o[4 * j + 2] *= rescale[1];
-          o[4 * j + 3] *= rescale[1];
-        }
-        to_fragments(s, p);
+      for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+        const int chunk = kk / 4, col = (kk % 4) * 32;
+        const uint64_t da =
+            dev::wgmma_desc_sw128(q_smem + chunk * Cfg::kQChunkBytes + consumer * 64 * 128 + col);
+        const uint64_t db = dev::wgmma_desc_sw128(k_smem + stage * Cfg::kKvBytes +
+                                                  chunk * Cfg::kKvChunkBytes + col);
+        dev::wgmma_bf16<Cfg::kBlockN, false>(s, da, db, kk > 0);
       }
-      dev::mbarrier_wait(&v_full[stage], ((it + w.blocks - 1) / kStages) & 1);
-      issue_pv(o, p, stage);
-      dev::wgmma_wait<0>();
+      dev::wgmma_commit();
+    };
+    // O += P V: A = P (registers), B = a V block, N-major (D along the swizzle rows, keys = K).
+    auto issue_pv = [&](float(&o)[Cfg::kORegs], uint32_t(&p)[Cfg::kBlockN / 16][4], int stage) {
       dev::wgmma_fence_operands(o);
+      dev::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) dev::wgmma_fence_operands(p[kk]);
-      if (leader) dev::mbarrier_arrive(&v_empty[stage]);
-      it += w.blocks;
-    }
-    // Normalise: l over the quad; a row that saw no key keeps O = 0 and gets LSE = -inf.
-    float row_lse[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float l = quad_sum(softmax.l[h]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      row_lse[h] = l > 0.f ? (softmax.m[h] * scale_log2 + __log2f(l)) * 0.69314718056f : -INFINITY;
+      for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+        const uint64_t db = dev::wgmma_desc_sw128_mn(v_smem + stage * Cfg::kKvBytes + kk * 16 * 128,
+                                                     Cfg::kKvChunkBytes);
+        dev::wgmma_bf16_rs<Cfg::kHeadDim, true>(o, p[kk], db, true);
+      }
+      dev::wgmma_commit();
+    };
+    auto rescale_o = [&](float(&o)[Cfg::kORegs], const float(&rescale)[2]) {
 #pragma unroll
       for (int j = 0; j < Cfg::kORegs / 4; ++j) {
-        o[4 * j + 2 * h] *= inv;
-        o[4 * j + 2 * h + 1] *= inv;
+        o[4 * j] *= rescale[0];
+        o[4 * j + 1] *= rescale[0];
+        o[4 * j + 2] *= rescale[1];
+        o[4 * j + 3] *= rescale[1];
       }
+    };
+
+    int it = 0, tiles = 0;
+    for (int step = 0; step < policy.num_steps(); ++step) {
+      for_each_item(step, [&](const WorkItem& w) {
+        if (w.blocks == 0 && w.carry_out) return;  // nothing to add, nothing to write yet
+        float o[Cfg::kORegs];
+        OnlineSoftmax<Cfg::kSRegs> softmax;
+        if (w.carry_in) {  // the state an earlier step of this tile left
+          policy.load_state(o, softmax.m, softmax.l, w, consumer);
+        } else {
+#pragma unroll
+          for (int i = 0; i < Cfg::kORegs; ++i) o[i] = 0.f;
+        }
+        if (w.blocks > 0) {
+          dev::mbarrier_wait(q_full, tiles & 1);
+          ++tiles;
+          float s[Cfg::kSRegs];
+          uint32_t p[Cfg::kBlockN / 16][4];
+          float rescale[2];
+          // Block 0: S, softmax, P.
+          int stage = it % kStages;
+          dev::mbarrier_wait(&k_full[stage], (it / kStages) & 1);
+          issue_s(s, stage);
+          dev::wgmma_wait<0>();
+          dev::wgmma_fence_operands(s);
+          if (leader) {
+            dev::mbarrier_arrive(&k_empty[stage]);
+            if (w.blocks == 1) dev::mbarrier_arrive(q_empty);
+          }
+          BlockMask mask = policy.mask(w, 0);
+          if (mask.active) apply_mask(s, mask, consumer);
+          softmax.step(s, scale_log2, rescale);
+          if (w.carry_in) rescale_o(o, rescale);
+          to_fragments(s, p);
+          for (int i = 1; i < w.blocks; ++i) {
+            const int prev = stage;
+            stage = (it + i) % kStages;
+            dev::mbarrier_wait(&k_full[stage], ((it + i) / kStages) & 1);
+            dev::mbarrier_wait(&v_full[prev], ((it + i - 1) / kStages) & 1);
+            issue_s(s, stage);
+            issue_pv(o, p, prev);
+            dev::wgmma_wait<1>();  // S is done
+            dev::wgmma_fence_operands(s);
+            if (leader) {
+              dev::mbarrier_arrive(&k_empty[stage]);
+              if (i == w.blocks - 1) dev::mbarrier_arrive(q_empty);  // the tile's last Q K^T
+            }
+            mask = policy.mask(w, i);
+            if (mask.active) apply_mask(s, mask, consumer);
+            softmax.step(s, scale_log2, rescale);
+            dev::wgmma_wait<0>();  // P V is done: O and P may change
+            dev::wgmma_fence_operands(o);
+#pragma unroll
+            for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) dev::wgmma_fence_operands(p[kk]);
+            if (leader) dev::mbarrier_arrive(&v_empty[prev]);
+            rescale_o(o, rescale);
+            to_fragments(s, p);
+          }
+          dev::mbarrier_wait(&v_full[stage], ((it + w.blocks - 1) / kStages) & 1);
+          issue_pv(o, p, stage);
+          dev::wgmma_wait<0>();
+          dev::wgmma_fence_operands(o);
+#pragma unroll
+          for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) dev::wgmma_fence_operands(p[kk]);
+          if (leader) dev::mbarrier_arrive(&v_empty[stage]);
+          it += w.blocks;
+        }
+        if (w.carry_out) {  // a later step of this tile goes on from here
+          policy.store_state(o, softmax.m, softmax.l, w, consumer);
+          return;
+        }
+        // Normalise: l over the quad; a row that saw no key keeps O = 0 and gets LSE = -inf.
+        float row_lse[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float l = quad_sum(softmax.l[h]);
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          row_lse[h] =
+              l > 0.f ? (softmax.m[h] * scale_log2 + __log2f(l)) * 0.69314718056f : -INFINITY;
+#pragma unroll
+          for (int j = 0; j < Cfg::kORegs / 4; ++j) {
+            o[4 * j + 2 * h] *= inv;
+            o[4 * j + 2 * h + 1] *= inv;
+          }
+        }
+        policy.store(o, row_lse, w, consumer, scratch);
+      });
+      if (leader) policy.step_done(step);  // this warpgroup read the step's last KV block
     }
-    policy.store(o, row_lse, w, consumer, scratch);
+    if (leader) dev::bulk_wait_group<0>();  // the last stores have landed
   }
-  if (leader) dev::bulk_wait_group<0>();  // the last stores have landed
+  policy.finish();
 }
 
 }  // namespace mk::attention_engine

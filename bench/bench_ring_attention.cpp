@@ -1,0 +1,281 @@
+// ring_attention on one GPU: the ranks as threads of this process, their ring launches side by
+// side on the GPU's SMs (each rank its communicator's SM budget), against the attention engine
+// alone on the same work and the same number of SMs - the SM-side cost of the ring machinery
+// (issue 32's one-GPU target: <= 1.05x). The "peer" copies stay in this GPU's memory: NVLink is
+// not measured here.
+//   bench_ring_attention [--ranks 2] [--iters 10] [--json FILE] [--commit SHA]
+// Shapes: S_local 4096 and 8192, D 128, (B, H, H_kv) (1, 32, 8) and (4, 16, 16), causal (zigzag)
+// and not. engine_same_work: rank 0's queries against world x S_local keys (non-causal) or
+// against world x S_local / 2 keys non-causal (causal: the same FLOPs as a zigzag share; its
+// blocks all whole), with AttentionConfig::sms = the ring's CTAs. Correctness at every point:
+// each rank's rows of the ring's O against mk::attention over the whole sequence (causal), as
+// bf16: max |ring - engine| <= 4 bf16 steps at the largest |O|.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench_check.h"
+#include "bench_kernels.h"
+#include "mkernel/attention.h"
+#include "mkernel/mkernel.h"
+
+namespace {
+
+using namespace mk;
+
+struct Point {
+  int64_t batch, heads, kv_heads, seq_local, head_dim;
+  bool causal;
+};
+
+struct Result {
+  double ring_ms = 0, engine_ms = 0;
+  bool correct = false;
+  double max_diff = 0, max_abs = 0;
+};
+
+// Rows [part * len, (part + 1) * len) of a rank's share <-> the full sequence.
+int64_t first_row(const Point& p, int world, int rank, int part) {
+  if (!p.causal) return rank * p.seq_local;
+  const int64_t len = p.seq_local / 2;
+  return (part == 0 ? rank : 2 * world - 1 - rank) * len;
+}
+
+void copy_rows(void* local, const void* full, const Point& p, int world, int rank, int64_t heads,
+               bool to_full, cudaStream_t s) {
+  const int parts = p.causal ? 2 : 1;
+  const int64_t len = p.seq_local / parts, row = heads * p.head_dim * 2;
+  const int64_t full_s = world * p.seq_local;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int part = 0; part < parts; ++part) {
+      char* l = static_cast<char*>(local) + (b * p.seq_local + part * len) * row;
+      char* f = static_cast<char*>(const_cast<void*>(full)) +
+                (b * full_s + first_row(p, world, rank, part)) * row;
+      CK(cudaMemcpyAsync(to_full ? f : l, to_full ? l : f, len * row, cudaMemcpyDefault, s));
+    }
+  }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+Result run_point(const Point& p, int world, int iters) {
+  const int64_t full_s = world * p.seq_local;
+  const int64_t q_full = p.batch * full_s * p.heads * p.head_dim;
+  const int64_t kv_full = p.batch * full_s * p.kv_heads * p.head_dim;
+  void *q, *k, *v, *o_ring, *o_ref;
+  CK(cudaMalloc(&q, q_full * 2));
+  CK(cudaMalloc(&k, kv_full * 2));
+  CK(cudaMalloc(&v, kv_full * 2));
+  CK(cudaMalloc(&o_ring, q_full * 2));
+  CK(cudaMalloc(&o_ref, q_full * 2));
+  const uint64_t seed = static_cast<uint64_t>(std::time(nullptr));
+  bench::launch_fill(q, q_full, seed, 0, nullptr);
+  bench::launch_fill(k, kv_full, seed, 1, nullptr);
+  bench::launch_fill(v, kv_full, seed, 2, nullptr);
+  CK(cudaDeviceSynchronize());
+
+  Result result;
+  std::vector<double> rank_ms(world, 0);
+  InProcessGroup group(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      CK(cudaSetDevice(0));
+      auto comm = Communicator::create(group.bootstrap(r));
+      AttentionProblem local;
+      local.batch = p.batch;
+      local.seq_q = local.seq_kv = p.seq_local;
+      local.heads = p.heads;
+      local.kv_heads = p.kv_heads;
+      local.head_dim = p.head_dim;
+      local.causal = p.causal;
+      cudaStream_t s;
+      CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      const int64_t q_n = p.batch * p.seq_local * p.heads * p.head_dim;
+      const int64_t kv_n = p.batch * p.seq_local * p.kv_heads * p.head_dim;
+      void *lq, *lk, *lv, *lo;
+      CK(cudaMalloc(&lq, q_n * 2));
+      CK(cudaMalloc(&lk, kv_n * 2));
+      CK(cudaMalloc(&lv, kv_n * 2));
+      CK(cudaMalloc(&lo, q_n * 2));
+      copy_rows(lq, q, p, world, r, p.heads, false, s);
+      copy_rows(lk, k, p, world, r, p.kv_heads, false, s);
+      copy_rows(lv, v, p, world, r, p.kv_heads, false, s);
+      SymmetricBuffer ws = comm->alloc(ring_attention_workspace_bytes(*comm, local));
+      auto ring = [&] {
+        ring_attention(*comm, local, {lq}, {lk}, {lv}, lo, nullptr, ws.data(), s);
+      };
+      ring();
+      comm->synchronize(s);
+      copy_rows(lo, o_ring, p, world, r, p.heads, true, s);
+      CK(cudaStreamSynchronize(s));
+      cudaEvent_t start, stop;
+      CK(cudaEventCreate(&start));
+      CK(cudaEventCreate(&stop));
+      std::vector<double> rounds;
+      for (int round = 0; round < 5; ++round) {
+        comm->bootstrap().barrier();
+        CK(cudaEventRecord(start, s));
+        for (int i = 0; i < iters; ++i) ring();
+        CK(cudaEventRecord(stop, s));
+        comm->synchronize(s);
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, start, stop));
+        rounds.push_back(ms / iters);
+      }
+      rank_ms[r] = median(rounds);
+      comm->bootstrap().barrier();
+      if (r == 0) {
+        // The engine alone, the same work on the same SMs, the other ranks idle.
+        AttentionProblem same = local;
+        same.causal = false;
+        same.seq_kv = p.causal ? full_s / 2 : full_s;
+        AttentionConfig config;
+        config.sms = ring_attention_plan(*comm, local).ctas;
+        const AttentionTensor kk{k}, vv{v};
+        auto engine = [&] { attention(same, {lq}, kk, vv, lo, nullptr, s, config); };
+        engine();
+        std::vector<double> e_rounds;
+        for (int round = 0; round < 5; ++round) {
+          CK(cudaEventRecord(start, s));
+          for (int i = 0; i < iters; ++i) engine();
+          CK(cudaEventRecord(stop, s));
+          CK(cudaEventSynchronize(stop));
+          float ms = 0;
+          CK(cudaEventElapsedTime(&ms, start, stop));
+          e_rounds.push_back(ms / iters);
+        }
+        result.engine_ms = median(e_rounds);
+      }
+      comm->bootstrap().barrier();
+      CK(cudaEventDestroy(start));
+      CK(cudaEventDestroy(stop));
+      for (void* x : {lq, lk, lv, lo}) CK(cudaFree(x));
+      CK(cudaStreamDestroy(s));
+    });
+  }
+  for (auto& t : threads) t.join();
+  result.ring_ms = *std::max_element(rank_ms.begin(), rank_ms.end());
+
+  // The whole sequence through the engine, against the ranks' rows put back in order.
+  AttentionProblem full;
+  full.batch = p.batch;
+  full.seq_q = full.seq_kv = full_s;
+  full.heads = p.heads;
+  full.kv_heads = p.kv_heads;
+  full.head_dim = p.head_dim;
+  full.causal = p.causal;
+  attention(full, {q}, {k}, {v}, o_ref, nullptr, nullptr);
+  unsigned int* out;
+  CK(cudaMalloc(reinterpret_cast<void**>(&out), 8));
+  CK(cudaMemset(out, 0, 8));
+  bench::launch_max_diff_bf16(o_ring, o_ref, q_full, out, nullptr);
+  unsigned int bits[2];
+  CK(cudaMemcpy(bits, out, 8, cudaMemcpyDeviceToHost));
+  float diff, mag;
+  std::memcpy(&diff, &bits[0], 4);
+  std::memcpy(&mag, &bits[1], 4);
+  result.max_diff = diff;
+  result.max_abs = mag;
+  result.correct = diff <= 4 * std::ldexp(mag, -8);
+  for (void* x : {q, k, v, o_ring, o_ref, static_cast<void*>(out)}) CK(cudaFree(x));
+  return result;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int world = 2, iters = 10;
+  std::string json, commit = "unknown";
+  if (const char* c = std::getenv("MKERNEL_COMMIT")) commit = c;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string key = argv[i], value = argv[i + 1];
+    if (key == "--ranks") {
+      world = std::atoi(value.c_str());
+    } else if (key == "--iters") {
+      iters = std::atoi(value.c_str());
+    } else if (key == "--json") {
+      json = value;
+    } else if (key == "--commit") {
+      commit = value;
+    } else {
+      std::fprintf(stderr, "usage: %s [--ranks 2] [--iters 10] [--json FILE] [--commit SHA]\n",
+                   argv[0]);
+      return 2;
+    }
+  }
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);  // a queue per rank's stream
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::vector<Point> points;
+  for (int64_t s : {4096, 8192}) {
+    for (bool causal : {false, true}) {
+      points.push_back({1, 32, 8, s, 128, causal});
+      points.push_back({4, 16, 16, s, 128, causal});
+    }
+  }
+  std::printf("ring_attention in-process, %d ranks on one %s\n", world, prop.name);
+  std::printf("%2s %3s %3s %6s %4s %6s %9s %9s %7s %8s  check\n", "B", "H", "Hkv", "S_loc", "D",
+              "causal", "ring ms", "engine", "ratio", "TFLOP/s");
+  std::string rows;
+  bool all_ok = true;
+  for (const Point& p : points) {
+    const Result r = run_point(p, world, iters);
+    // This rank's FLOPs: its queries against every key (half of them, causal).
+    const double flops = 4.0 * p.batch * p.heads * p.seq_local * (world * p.seq_local) *
+                         p.head_dim / (p.causal ? 2 : 1);
+    const double ratio = r.ring_ms / r.engine_ms;
+    all_ok = all_ok && r.correct;
+    std::printf(
+        "%2lld %3lld %3lld %6lld %4lld %6s %9.4f %9.4f %7.3f %8.1f  %s (diff %.2e, |O| %.2e)\n",
+        static_cast<long long>(p.batch), static_cast<long long>(p.heads),
+        static_cast<long long>(p.kv_heads), static_cast<long long>(p.seq_local),
+        static_cast<long long>(p.head_dim), p.causal ? "True" : "False", r.ring_ms, r.engine_ms,
+        ratio, flops / r.ring_ms * 1e-9, r.correct ? "ok" : "WRONG", r.max_diff, r.max_abs);
+    char row[1024];
+    std::snprintf(row, sizeof(row),
+                  "%s    {\"shape\": {\"batch\": %lld, \"heads\": %lld, \"kv_heads\": %lld, "
+                  "\"seq_local\": %lld, \"head_dim\": %lld, \"causal\": %s, \"world\": %d}, "
+                  "\"dtype\": \"bf16\", \"ms\": {\"mkernel\": %.5f, \"engine_same_work\": %.5f, "
+                  "\"torch_sdpa\": null, \"sequential\": null}, \"limit_ms\": %.5f, "
+                  "\"ratio_to_limit\": %.4f, \"ring_vs_engine\": %.4f, \"tflops\": %.1f, "
+                  "\"correct\": %s}",
+                  rows.empty() ? "" : ",\n", static_cast<long long>(p.batch),
+                  static_cast<long long>(p.heads), static_cast<long long>(p.kv_heads),
+                  static_cast<long long>(p.seq_local), static_cast<long long>(p.head_dim),
+                  p.causal ? "true" : "false", world, r.ring_ms, r.engine_ms, r.engine_ms, ratio,
+                  ratio, flops / r.ring_ms * 1e-9, r.correct ? "true" : "false");
+    rows += row;
+  }
+  if (!json.empty()) {
+    char date[32];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    FILE* f = std::fopen(json.c_str(), "w");
+    if (f == nullptr) {
+      std::perror(json.c_str());
+      return 2;
+    }
+    std::fprintf(
+        f,
+        "{\n  \"kernel\": \"ring_attention\",\n  \"commit\": \"%s\",\n  \"date\": \"%s\",\n"
+        "  \"device\": \"%s\",\n  \"world_size\": %d,\n  \"num_nodes\": 1,\n"
+        "  \"transport\": \"in-process (one GPU: ranks share it, peer copies stay in its "
+        "memory)\",\n  \"rows\": [\n%s\n  ]\n}\n",
+        commit.c_str(), date, prop.name, world, rows.c_str());
+    std::fclose(f);
+  }
+  return all_ok ? 0 : 1;
+}

@@ -1,0 +1,259 @@
+// Host side of ring attention: validate -> plan -> workspace layout -> tensor maps -> launch.
+#include <cuda.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+
+#include "attention/attention_internal.h"
+#include "attention/ring_attention.cuh"
+#include "mkernel/attention.h"
+#include "mkernel/error.h"
+#include "runtime/cuda_check.h"
+#include "runtime/device_guard.h"
+#include "runtime/kernel_preload.h"
+#include "runtime/overrides.h"
+#include "runtime/validate.h"
+
+namespace mk {
+namespace {
+
+constexpr const char* kOp = "ring_attention";
+
+[[noreturn]] void invalid(const std::string& what) {
+  throw Error(ErrorCode::kInvalidArgument, std::string(kOp) + ": " + what);
+}
+
+template <int kHeadDim>
+using Cfg = attention_engine::AttentionConfig<kHeadDim>;
+template <int kHeadDim>
+using Policy = attention_engine::RingAttention<kHeadDim>;
+
+constexpr std::size_t align256(std::size_t x) { return (x + 255) / 256 * 256; }
+
+// The workspace's regions (byte offsets) for a checked problem.
+struct Layout {
+  int parts = 1;
+  int64_t part_len = 0;
+  int64_t tiles_per_part = 0;
+  int64_t items = 0;
+  std::size_t chunk = 0;  // bytes of the local K (or V)
+  std::size_t home = 0, slots = 0, state_o = 0, state_ml = 0, counters = 0, total = 0;
+};
+
+Layout layout_of(const AttentionProblem& p, int world) {
+  Layout l;
+  l.parts = p.causal ? 2 : 1;
+  l.part_len = p.seq_q / l.parts;
+  l.tiles_per_part = (l.part_len + 127) / 128;
+  l.items = p.batch * p.heads * l.parts * l.tiles_per_part;
+  l.chunk = static_cast<std::size_t>(p.batch * p.seq_kv * p.kv_heads * p.head_dim) * 2;
+  std::size_t at = 0;
+  auto take = [&](std::size_t bytes) {
+    const std::size_t here = at;
+    at += align256(bytes);
+    return here;
+  };
+  l.home = take(2 * l.chunk);
+  l.slots = take(2 * attention_engine::kRingSlots * l.chunk);
+  l.state_o = take(static_cast<std::size_t>(l.items) * 128 * p.head_dim * 4);
+  l.state_ml = take(static_cast<std::size_t>(l.items) * 2 * 128 * 16);
+  l.counters = take(2 * static_cast<std::size_t>(world) * 8);
+  l.total = at;
+  return l;
+}
+
+// The checks every entry makes on the communicator and the problem.
+void require_ring_problem(const Communicator& comm, const AttentionProblem& p, const char* op) {
+  detail::require_usable(comm, op);
+  if (comm.topology().num_nodes != 1) {
+    throw Error(ErrorCode::kUnsupported,
+                std::string(op) + ": the communicator spans " +
+                    std::to_string(comm.topology().num_nodes) +
+                    " nodes; ring attention across nodes is not implemented yet (expected 1 node)");
+  }
+  attention_host::require_problem(p, op);
+  if (p.seq_q != p.seq_kv) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(op) + ": seq_q = " + std::to_string(p.seq_q) +
+                    " and seq_kv = " + std::to_string(p.seq_kv) +
+                    "; expected both = S_local, this rank's share of the sequence");
+  }
+  if (p.causal && p.seq_q % 2 != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(op) + ": causal with S_local = " + std::to_string(p.seq_q) +
+                    "; expected an even S_local (the zigzag share: two chunks of S_local / 2)");
+  }
+}
+
+int ring_ctas(const Communicator& comm, const AttentionConfig& config) {
+  const int budget = comm.topology().sm_budget();
+  return config.sms > 0 ? std::min(config.sms, budget) : budget;
+}
+
+template <int kHeadDim>
+void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor& q,
+            const attention_host::Strides& sq, const AttentionTensor& k,
+            const attention_host::Strides& sk, const AttentionTensor& v, void* o, float* lse,
+            void* workspace, const SymmetricRange& ws, const Layout& l, int ctas,
+            cudaStream_t stream) {
+  using C = Cfg<kHeadDim>;
+  using attention_host::make_map_parts;
+  Policy<kHeadDim> policy{};
+  policy.comm = comm.device_comm();
+  const attention_host::Strides so{p.seq_q * p.heads * p.head_dim, p.heads * p.head_dim,
+                                   p.head_dim};
+  const attention_host::Strides sw{p.seq_kv * p.kv_heads * p.head_dim, p.kv_heads * p.head_dim,
+                                   p.head_dim};
+  policy.q = make_map_parts(q.data, sq, p.batch, l.parts, l.part_len, p.heads, kHeadDim, 128);
+  policy.o = make_map_parts(o, so, p.batch, l.parts, l.part_len, p.heads, kHeadDim, 64);
+  policy.k_local =
+      make_map_parts(k.data, sk, p.batch, l.parts, l.part_len, p.kv_heads, kHeadDim, 128);
+  policy.v_local =
+      make_map_parts(v.data, sk, p.batch, l.parts, l.part_len, p.kv_heads, kHeadDim, 128);
+  auto* base = static_cast<uint8_t*>(workspace);  // this rank's copy
+  for (int i = 0; i < attention_engine::kRingSlots; ++i) {
+    uint8_t* slot = base + l.slots + 2 * i * l.chunk;
+    policy.k_slot[i] =
+        make_map_parts(slot, sw, p.batch, l.parts, l.part_len, p.kv_heads, kHeadDim, 128);
+    policy.v_slot[i] =
+        make_map_parts(slot + l.chunk, sw, p.batch, l.parts, l.part_len, p.kv_heads, kHeadDim, 128);
+  }
+  policy.lse = lse;
+  policy.peers = reinterpret_cast<uint8_t* const*>(ws.device_peers);
+  policy.offset = ws.offset;
+  policy.home = l.home;
+  policy.slots = l.slots;
+  policy.state_o = l.state_o;
+  policy.state_ml = l.state_ml;
+  policy.counters = l.counters;
+  policy.k_src = static_cast<const __nv_bfloat16*>(k.data);
+  policy.v_src = static_cast<const __nv_bfloat16*>(v.data);
+  policy.kv_stride_batch = sk.batch;
+  policy.kv_stride_seq = sk.seq;
+  policy.kv_stride_head = sk.head;
+  policy.chunk_vectors = static_cast<int64_t>(l.chunk / 16);
+  policy.batch = static_cast<int>(p.batch);
+  policy.heads = static_cast<int>(p.heads);
+  policy.kv_heads = static_cast<int>(p.kv_heads);
+  policy.group = static_cast<int>(p.heads / p.kv_heads);
+  policy.seq_local = static_cast<int>(p.seq_q);
+  policy.parts = l.parts;
+  policy.part_len = static_cast<int>(l.part_len);
+  policy.tiles_per_part = static_cast<int>(l.tiles_per_part);
+  policy.blocks_per_part = static_cast<int>((l.part_len + C::kBlockN - 1) / C::kBlockN);
+  policy.items = static_cast<int>(l.items);
+  policy.causal = p.causal;
+  // The step counters start at zero (a memset node in a captured graph).
+  MK_CUDA_CHECK(
+      cudaMemsetAsync(base + l.counters, 0, 2 * sizeof(uint64_t) * comm.world_size(), stream));
+  auto kernel = attention_host::prepared<C, Policy<kHeadDim>>(
+      attention_engine::attention_kernel<C, Policy<kHeadDim>>);
+  kernel<<<ctas, C::kThreads, C::kSmemBytes, stream>>>(policy, attention_host::scale_log2(p));
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw Error(ErrorCode::kCuda, std::string(kOp) + ": launch failed: " + cudaGetErrorString(err));
+  }
+}
+
+}  // namespace
+
+std::size_t ring_attention_workspace_bytes(const Communicator& comm,
+                                           const AttentionProblem& local) {
+  require_ring_problem(comm, local, "ring_attention_workspace_bytes");
+  return layout_of(local, comm.world_size()).total;
+}
+
+AttentionPlan ring_attention_plan(const Communicator& comm, const AttentionProblem& local,
+                                  const AttentionConfig& config) {
+  require_ring_problem(comm, local, "ring_attention_plan");
+  AttentionPlan plan = attention_host::plan(local, ring_ctas(comm, config));
+  plan.items = layout_of(local, comm.world_size()).items * comm.world_size();
+  return plan;
+}
+
+void ring_attention(Communicator& comm, const AttentionProblem& local, const AttentionTensor& q,
+                    const AttentionTensor& k, const AttentionTensor& v, void* o, float* lse,
+                    void* workspace, cudaStream_t stream, const AttentionConfig& config) {
+  detail::DeviceGuard guard(comm.device());
+  require_ring_problem(comm, local, kOp);
+  detail::require_stream(comm, stream, kOp);
+  const AttentionProblem& p = local;
+  const int device = comm.device();
+  std::size_t q_bytes = 0, k_bytes = 0, v_bytes = 0;
+  const attention_host::Strides sq = attention_host::require_tensor(
+      q, kOp, "q", p.seq_q, p.heads, p.batch, p.head_dim, device, q_bytes);
+  const attention_host::Strides sk = attention_host::require_tensor(
+      k, kOp, "k", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, k_bytes);
+  const attention_host::Strides sv = attention_host::require_tensor(
+      v, kOp, "v", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, v_bytes);
+  if (sk.batch != sv.batch || sk.seq != sv.seq || sk.head != sv.head) {
+    invalid("k and v have different strides; expected the same layout");
+  }
+  gemm_engine::require_device_pointer(o, kOp, "o", device);
+  if (lse != nullptr) gemm_engine::require_device_pointer(lse, kOp, "lse", device, 4);
+  const Layout l = layout_of(p, comm.world_size());
+  detail::require_device_pointer(comm, workspace, 256, kOp, "workspace");
+  const SymmetricRange ws = detail::require_symmetric(comm, workspace, l.total, kOp, "workspace");
+  if (ws.offset % 256 != 0) {
+    invalid("the workspace's offset in its symmetric buffer (" + std::to_string(ws.offset) +
+            ") is not a multiple of 256");
+  }
+  const std::size_t o_bytes =
+      static_cast<std::size_t>(p.batch * p.seq_q * p.heads * p.head_dim) * 2;
+  const std::size_t lse_bytes = static_cast<std::size_t>(p.batch * p.heads * p.seq_q) * 4;
+  detail::require_disjoint(kOp, {{"q", q.data, q_bytes, false},
+                                 {"k", k.data, k_bytes, false},
+                                 {"v", v.data, v_bytes, false},
+                                 {"o", o, o_bytes, true},
+                                 {"lse", lse, lse_bytes, true},
+                                 {"workspace", workspace, l.total, true}});
+  const int ctas = ring_ctas(comm, config);
+  if (comm.overrides().print_config && comm.rank() == 0) {
+    std::fprintf(stderr, "[mkernel] ring_attention w%d B%lld H%lld/%lld S_local %lld%s: %s\n",
+                 comm.world_size(), static_cast<long long>(p.batch),
+                 static_cast<long long>(p.heads), static_cast<long long>(p.kv_heads),
+                 static_cast<long long>(p.seq_q), p.causal ? " causal (zigzag)" : "",
+                 ring_attention_plan(comm, p, config).describe().c_str());
+  }
+  if (p.head_dim == 64) {
+    launch<64>(comm, p, q, sq, k, sk, v, o, lse, workspace, ws, l, ctas, stream);
+  } else {
+    launch<128>(comm, p, q, sq, k, sk, v, o, lse, workspace, ws, l, ctas, stream);
+  }
+}
+
+namespace detail {
+namespace {
+
+template <int kHeadDim>
+void prepare() {
+  attention_host::prepared<Cfg<kHeadDim>, Policy<kHeadDim>>(
+      attention_engine::attention_kernel<Cfg<kHeadDim>, Policy<kHeadDim>>);
+}
+
+// The ring kernels, loaded up front (runtime/kernel_preload.h).
+const bool kPreloadRegistered = register_kernel_preload([](bool) {
+  prepare<64>();
+  prepare<128>();
+});
+
+}  // namespace
+
+void add_ring_attention_resources(std::vector<GemmKernelResources>& out) {
+  auto add = [&]<int kHeadDim>() {
+    prepare<kHeadDim>();
+    cudaFuncAttributes attr{};
+    MK_CUDA_CHECK(cudaFuncGetAttributes(
+        &attr, attention_engine::attention_kernel<Cfg<kHeadDim>, Policy<kHeadDim>>));
+    out.push_back({"ring_attention D" + std::to_string(kHeadDim), attr.numRegs,
+                   static_cast<int64_t>(attr.localSizeBytes),
+                   static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
+  };
+  add.template operator()<64>();
+  add.template operator()<128>();
+}
+
+}  // namespace detail
+
+}  // namespace mk
