@@ -24,8 +24,9 @@
 //                                 number of KV blocks it visits); CTAs take them in a snake
 //                                 over waves (snake_item)
 //   load_q(dst, bar, item)        TMA of the item's Q tile (kChunks boxes of 128 rows x 64)
+//   wait_kv(item, i)              producer, before block i's loads: the block has arrived (ring)
 //   load_kv(dst, bar, item, i, which)  TMA of its i-th KV block, K (which 0) or V (1) - the policy
-//                                 knows where block i lives, and may wait for it to arrive first
+//                                 knows where block i lives
 //   mask(item, i)                 which keys of block i each query row of the tile sees
 //   store(o, lse, item, consumer, scratch)  epilogue: the normalised rows and their LSE
 //
@@ -79,10 +80,10 @@ struct AttentionConfig {
 enum NamedBarrier : int { kEpilogueBarrier0 = 1 };
 
 // One work item: query tile `m` (rows 128 m ..) of (batch, head), reading key head kv_head, at
-// step `step`, and the number of KV blocks it visits there (0: none). carry_in: the tile's
-// softmax state (O, m, l) comes from an earlier step (load_state); carry_out: a later step goes
-// on from it (store_state) instead of this item writing O and LSE. A tile that sees no key at
-// all gets O = 0 and LSE = -inf.
+// step `step` (ring attention: a round of chunks), and the number of KV blocks it visits there
+// (0: none). carry_in: the tile's softmax state (O, m, l) comes from an earlier step
+// (load_state); carry_out: a later step goes on from it (store_state) instead of this item
+// writing O and LSE. A tile that sees no key at all gets O = 0 and LSE = -inf.
 struct WorkItem {
   int step;
   int index;  // t: the item's place among the step's items (the same tile at every step)
@@ -92,7 +93,6 @@ struct WorkItem {
   int part;  // the query rows' part (ring attention's zigzag halves; 0 otherwise)
   int m;
   int blocks;
-  int kv_split;  // blocks [0, kv_split) come from the KV's part 0, the rest from part 1
   bool carry_in;
   bool carry_out;
 };
@@ -117,7 +117,7 @@ concept AttentionPolicy = requires(const P p, const WorkItem& item, int i, void*
   { p.num_steps() } -> std::same_as<int>;
   { p.num_items() } -> std::same_as<int>;
   { p.item(i, i) } -> std::same_as<WorkItem>;
-  { p.wait_step(i) } -> std::same_as<void>;
+  { p.wait_kv(item, i) } -> std::same_as<void>;
   { p.load_q(dst, bar, item) } -> std::same_as<void>;
   { p.load_kv(dst, bar, item, i, i) } -> std::same_as<void>;
   { p.mask(item, i) } -> std::same_as<BlockMask>;
@@ -252,11 +252,10 @@ struct PlainAttention {
     const int last_row = min(seq_q, (w.m + 1) * 128) - 1;
     const int last_key = causal ? min(seq_kv - 1, last_row + seq_kv - seq_q) : seq_kv - 1;
     w.blocks = last_key < 0 ? 0 : last_key / 128 + 1;
-    w.kv_split = w.blocks;
     w.index = t;
     return w;
   }
-  __device__ void wait_step(int) const {}
+  __device__ void wait_kv(const WorkItem&, int) const {}
   // Block i of an item is KV block blocks - 1 - i.
   __device__ void load_q(void* dst, uint64_t* bar, const WorkItem& w) const {
 #pragma unroll
@@ -369,7 +368,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       int it = 0;     // KV blocks loaded by this CTA across items: position in the stage ring
       int tiles = 0;  // Q tiles loaded
       for (int step = 0; step < policy.num_steps(); ++step) {
-        policy.wait_step(step);
         for_each_item(step, [&](const WorkItem& w) {
           if (w.blocks == 0) return;
           dev::mbarrier_wait(q_empty, (tiles & 1) ^ 1);  // the first passes at once
@@ -379,6 +377,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           for (int i = 0; i < w.blocks; ++i, ++it) {
             const int s = it % kStages;
             const uint32_t phase = ((it / kStages) & 1) ^ 1;
+            policy.wait_kv(w, i);
             dev::mbarrier_wait(&k_empty[s], phase);
             dev::mbarrier_arrive_expect_tx(&k_full[s], Cfg::kKvBytes);
             policy.load_kv(k_smem + s * Cfg::kKvBytes, &k_full[s], w, i, 0);

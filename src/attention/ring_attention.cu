@@ -31,6 +31,12 @@ using Policy = attention_engine::RingAttention<kHeadDim>;
 
 constexpr std::size_t align256(std::size_t x) { return (x + 255) / 256 * 256; }
 
+// Rounds of steps (ring_attention.cuh): step 0 and kRingSlots chunks, then kRingSlots at a time.
+constexpr int rounds_of(int world) {
+  const int later = std::max(0, world - 1 - attention_engine::kRingSlots);
+  return 1 + (later + attention_engine::kRingSlots - 1) / attention_engine::kRingSlots;
+}
+
 // The workspace's regions (byte offsets) for a checked problem.
 struct Layout {
   int parts = 1;
@@ -143,6 +149,7 @@ void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor
   policy.tiles_per_part = static_cast<int>(l.tiles_per_part);
   policy.blocks_per_part = static_cast<int>((l.part_len + C::kBlockN - 1) / C::kBlockN);
   policy.items = static_cast<int>(l.items);
+  policy.rounds = rounds_of(comm.world_size());
   policy.causal = p.causal;
   // The step counters start at zero (a memset node in a captured graph).
   MK_CUDA_CHECK(
@@ -168,7 +175,7 @@ AttentionPlan ring_attention_plan(const Communicator& comm, const AttentionProbl
                                   const AttentionConfig& config) {
   require_ring_problem(comm, local, "ring_attention_plan");
   AttentionPlan plan = attention_host::plan(local, ring_ctas(comm, config));
-  plan.items = layout_of(local, comm.world_size()).items * comm.world_size();
+  plan.items = layout_of(local, comm.world_size()).items * rounds_of(comm.world_size());
   return plan;
 }
 

@@ -4,32 +4,37 @@
 // Rank r holds S_local queries, keys and values. Non-causal: contiguous shards; causal: zigzag -
 // of 2w equal chunks of the sequence rank r holds chunks r and 2w - 1 - r (its two "parts"), so
 // that every rank does the same work. Step j (0 .. w - 1) attends this rank's queries to the keys
-// of rank s = (r - j) mod w:
+// of rank s = (r - j) mod w, found
 //
-//   step 0       the local k, v (the user's tensors, read by TMA where they are)
-//   step j >= 1  slot (j - 1) % kSlots of the workspace, into which this rank's side warps copied
-//                rank s's chunk (pulled from s's "home", the copy of its k, v it published)
+//   step 0       in the local k, v (the user's tensors, read by TMA where they are)
+//   step j >= 1  in slot (j - 1) % kRingSlots of the workspace, into which this rank's side
+//                warps copied rank s's chunk (pulled from s's "home", the copy of its k, v it
+//                published)
+//
+// The steps go in rounds: round 0 = steps 0 .. kRingSlots, round q >= 1 = the next kRingSlots
+// steps (as many as the slots hold). A work item is a query tile over one round: its blocks are
+// the visible blocks of the round's chunks, one after the other, so the softmax state stays in
+// registers across them; between rounds it goes through the workspace (state_o, state_ml: each
+// thread its own registers, written and read back by the same thread, as CTA c takes the same
+// tiles in every round). At two and three ranks there is one round: no state leaves the SM.
 //
 //   side warps of CTA c (the producer warpgroup's warps 1-3):
 //     entry barrier on channel c (every peer finished its last launch, which read this home)
 //     share c of the local k, v -> home; signal kOp + c to every peer ("share c published")
-//     for j = 1 .. w - 1: wait until the slot is free (done[j - kSlots] = every consumer of every
-//       CTA finished step j - kSlots), wait for rank s's share c, copy it into the slot,
+//     for j = 1 .. w - 1: wait until the slot is free (round q >= 1: done[q - 1] = every consumer
+//       of every CTA finished round q - 1), wait for rank s's share c, copy it into the slot,
 //       arrive[j] += 1
-//   producer: before step j's first KV load, waits for arrive[j] = CTAs (the whole chunk), then
-//             orders that acquire before its TMA reads (proxy fence)
-//   consumers: per step, each of their query tiles against the chunk's visible blocks. A tile's
-//              softmax state (O, m, l) carries across steps through the workspace (state_o,
-//              state_ml: each thread its own registers, written and read back by the same
-//              thread, as CTA c takes the same tiles at every step); the last step that sees
-//              the tile normalises and stores O and LSE. After a step, done[j] += 1.
+//   producer: before a step's first block in an item, waits for rank s's share c (a missing
+//             peer is named), then for arrive[j] = CTAs (the whole chunk), then orders that
+//             acquire before its TMA reads (proxy fence)
+//   consumers: after a round, done[q] += 1
 //
 // Causal, zigzag: the query part of chunk cq and the key part of chunk ck: ck < cq all visible,
 // ck == cq (step 0, same part) causal within the chunk, ck > cq nothing. So a step visits half
 // the blocks of the full square at every rank.
 //
-// Workspace (ring_attention_workspace_bytes): home K, V; kSlots x (K, V); state_o, state_ml; the
-// step counters (zeroed before each launch). None of it grows with the world size.
+// Workspace (ring_attention_workspace_bytes): home K, V; kRingSlots x (K, V); state_o,
+// state_ml; the counters (zeroed before each launch). None of it grows with the world size.
 #pragma once
 
 #include <cuda.h>
@@ -86,6 +91,7 @@ struct RingAttention {
   int tiles_per_part;
   int blocks_per_part;
   int items;
+  int rounds;
   bool causal;
 
   __device__ uint8_t* at(int local_rank, uint64_t field) const {
@@ -101,11 +107,28 @@ struct RingAttention {
     return (comm.rank - step + comm.world_size) % comm.world_size;
   }
 
-  __device__ int num_steps() const { return comm.world_size; }
+  // Rounds of steps (see the header).
+  __device__ int num_steps() const { return rounds; }
+  __device__ int first_step(int round) const { return round == 0 ? 0 : 1 + round * kRingSlots; }
+  __device__ int last_step(int round) const {
+    return min(comm.world_size - 1, (round + 1) * kRingSlots);
+  }
+  // Visible blocks of query tile (part pq, m) in step j's chunk, per key part.
+  __device__ void step_blocks(int pq, int m, int step, int (&n)[2]) const {
+    n[0] = blocks_per_part;
+    n[1] = 0;
+    if (!causal) return;
+    const int cq = chunk_of(comm.rank, pq), s = source(step);
+    const int last_row = min(part_len, (m + 1) * 128) - 1;
+    for (int pk = 0; pk < 2; ++pk) {
+      const int ck = chunk_of(s, pk);
+      n[pk] = ck < cq ? blocks_per_part : ck == cq ? last_row / 128 + 1 : 0;
+    }
+  }
   __device__ int num_items() const { return items; }
-  __device__ WorkItem item(int step, int t) const {
+  __device__ WorkItem item(int round, int t) const {
     WorkItem w{};
-    w.step = step;
+    w.step = round;
     w.index = t;
     const int per_head = parts * tiles_per_part;
     const int bh = t / per_head;
@@ -116,29 +139,46 @@ struct RingAttention {
     w.kv_head = w.head / group;
     w.part = in_head / tiles_per_part;
     w.m = in_head % tiles_per_part;
-    int n[2] = {blocks_per_part, 0};
-    if (causal) {
-      const int cq = chunk_of(comm.rank, w.part), s = source(step);
-      const int last_row = min(part_len, (w.m + 1) * 128) - 1;
-      for (int pk = 0; pk < 2; ++pk) {
-        const int ck = chunk_of(s, pk);
-        n[pk] = ck < cq ? blocks_per_part : ck == cq ? last_row / 128 + 1 : 0;
-      }
+    for (int j = first_step(round); j <= last_step(round); ++j) {
+      int n[2];
+      step_blocks(w.part, w.m, j, n);
+      w.blocks += n[0] + n[1];
     }
-    w.kv_split = n[0];
-    w.blocks = n[0] + n[1];
-    // The tile's first and last steps with blocks: step 0 always has some (the diagonal, or all).
-    w.carry_in = step > 0;
-    w.carry_out = step < comm.world_size - 1;
+    // Round 0 always has blocks (step 0: the diagonal, or everything).
+    w.carry_in = round > 0;
+    w.carry_out = round < rounds - 1;
     return w;
   }
+  // Block i of an item: its step, key part and block (each part's from the last down), and
+  // whether it is the step's first in the item.
+  struct Block {
+    int step, part, n;
+    bool first;
+  };
+  __device__ Block block_of(const WorkItem& w, int i) const {
+    for (int j = first_step(w.step);; ++j) {
+      int n[2];
+      step_blocks(w.part, w.m, j, n);
+      if (i < n[0] + n[1] || j == last_step(w.step)) {
+        const bool first = i == 0;
+        return i < n[0] ? Block{j, 0, n[0] - 1 - i, first}
+                        : Block{j, 1, n[0] + n[1] - 1 - i, first};
+      }
+      i -= n[0] + n[1];
+    }
+  }
 
-  // Producer: step j's chunk is all in its slot.
-  __device__ void wait_step(int step) const {
-    if (step == 0) return;
+  // Producer, before block i: step j >= 1's chunk is all in its slot.
+  __device__ void wait_kv(const WorkItem& w, int i) const {
+    const Block blk = block_of(w, i);
+    if (!blk.first || blk.step == 0) return;
     const dev::Launch launch = dev::Launch::begin(comm);
-    launch.wait_local(arrive() + step, static_cast<uint64_t>(gridDim.x),
-                      static_cast<uint32_t>(step));
+    // Rank s published its share for this channel (the wait that names a missing peer), then
+    // every CTA's copy of its share has landed.
+    if (launch.wait(source(blk.step), dev::signal_index(SignalId::kOp, blockIdx.x), 1)) {
+      launch.wait_local(arrive() + blk.step, static_cast<uint64_t>(gridDim.x),
+                        static_cast<uint32_t>(blk.step));
+    }
     dev::fence_proxy_async_global();  // the acquire above before the TMA reads of the slot
   }
   __device__ void load_q(void* dst, uint64_t* bar, const WorkItem& w) const {
@@ -148,22 +188,12 @@ struct RingAttention {
                        w.m * 128, w.part, w.batch);
     }
   }
-  // Block i: part 0's blocks from the last down, then part 1's.
-  __device__ void block_of(const WorkItem& w, int i, int& part, int& n) const {
-    if (i < w.kv_split) {
-      part = 0;
-      n = w.kv_split - 1 - i;
-    } else {
-      part = 1;
-      n = w.blocks - 1 - i;
-    }
-  }
   __device__ void load_kv(void* dst, uint64_t* bar, const WorkItem& w, int i, int which) const {
-    int part, n;
-    block_of(w, i, part, n);
-    const CUtensorMap* map = w.step == 0 ? (which == 0 ? &k_local : &v_local)
-                                         : (which == 0 ? &k_slot[(w.step - 1) % kRingSlots]
-                                                       : &v_slot[(w.step - 1) % kRingSlots]);
+    const Block blk = block_of(w, i);
+    const int part = blk.part, n = blk.n;
+    const int slot = (blk.step - 1) % kRingSlots;
+    const CUtensorMap* map = blk.step == 0 ? (which == 0 ? &k_local : &v_local)
+                                           : (which == 0 ? &k_slot[slot] : &v_slot[slot]);
 #pragma unroll
     for (int c = 0; c < kHeadDim / 64; ++c) {
       dev::tma_load_5d(static_cast<uint8_t*>(dst) + c * 128 * 128, map, bar, 64 * c, w.kv_head,
@@ -171,10 +201,11 @@ struct RingAttention {
     }
   }
   __device__ BlockMask mask(const WorkItem& w, int i) const {
-    int part, n;
-    block_of(w, i, part, n);
+    const Block blk = block_of(w, i);
+    const int n = blk.n;
     const int kv_len = part_len - n * 128;
-    const bool diagonal = causal && chunk_of(source(w.step), part) == chunk_of(comm.rank, w.part);
+    const bool diagonal =
+        causal && chunk_of(source(blk.step), blk.part) == chunk_of(comm.rank, w.part);
     const int diag = diagonal ? (w.m - n) * 128 : (1 << 30);
     return {kv_len < 128 || diag < 127, kv_len, diag};
   }
@@ -228,11 +259,11 @@ struct RingAttention {
       if (r + 8 < part_len) out[r + 8] = row_lse[1];
     }
   }
-  // A consumer warpgroup's leader, after its last item of `step`: its TMA reads of the step's
-  // slot are all consumed.
-  __device__ void step_done(int step) const {
+  // A consumer warpgroup's leader, after its last item of round `round`: its TMA reads of the
+  // round's slots are all consumed.
+  __device__ void step_done(int round) const {
     __threadfence();
-    atomicAdd(reinterpret_cast<unsigned long long*>(done() + step), 1ull);
+    atomicAdd(reinterpret_cast<unsigned long long*>(done() + round), 1ull);
   }
 
   // The copies (see the header). Vector v of a chunk is element 8 v of [B, S_local, H_kv, D].
@@ -277,11 +308,12 @@ struct RingAttention {
     }
     for (int step = 1; step < world; ++step) {
       const int slot = (step - 1) % kRingSlots;
-      // The slot's last reader, step - kRingSlots, is done on every CTA; rank s published.
+      // The slot's last readers, the previous round, are done on every CTA; rank s published.
+      const int round = (step - 1) / kRingSlots;
       ok = true;
-      if (thread == 0 && step - kRingSlots >= 1) {
-        ok = launch.wait_local(done() + step - kRingSlots, 2ull * gridDim.x,
-                               kDoneCounter + static_cast<uint32_t>(step - kRingSlots));
+      if (thread == 0 && round >= 1) {
+        ok = launch.wait_local(done() + round - 1, 2ull * gridDim.x,
+                               kDoneCounter + static_cast<uint32_t>(round - 1));
       }
       const int s = source(step);  // one node: local rank = rank
       if (thread == 0 && ok) ok = launch.wait(s, published, 1);
