@@ -31,10 +31,9 @@ using Policy = attention_engine::RingAttention<kHeadDim>;
 
 constexpr std::size_t align256(std::size_t x) { return (x + 255) / 256 * 256; }
 
-// Rounds of steps (ring_attention.cuh): step 0 and kRingSlots chunks, then kRingSlots at a time.
+// Rounds of steps (ring_attention.cuh): step 0, then kRingSlots chunks at a time.
 constexpr int rounds_of(int world) {
-  const int later = std::max(0, world - 1 - attention_engine::kRingSlots);
-  return 1 + (later + attention_engine::kRingSlots - 1) / attention_engine::kRingSlots;
+  return 1 + (world - 1 + attention_engine::kRingSlots - 1) / attention_engine::kRingSlots;
 }
 
 // The workspace's regions (byte offsets) for a checked problem.

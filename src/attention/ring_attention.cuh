@@ -11,17 +11,19 @@
 //                warps copied rank s's chunk (pulled from s's "home", the copy of its k, v it
 //                published)
 //
-// The steps go in rounds: round 0 = steps 0 .. kRingSlots, round q >= 1 = the next kRingSlots
-// steps (as many as the slots hold). A work item is a query tile over one round: its blocks are
-// the visible blocks of the round's chunks, one after the other, so the softmax state stays in
-// registers across them; between rounds it goes through the workspace (state_o, state_ml: each
-// thread its own registers, written and read back by the same thread, as CTA c takes the same
-// tiles in every round). At two and three ranks there is one round: no state leaves the SM.
+// The steps go in rounds: round 0 = step 0 alone (the local chunk: while it runs, the side warps
+// publish this rank's home and pull the first chunks), round q >= 1 = steps 1 + (q - 1) kRingSlots
+// .. q kRingSlots (as many chunks as the slots hold). A work item is a query tile over one round:
+// its blocks are the visible blocks of the round's chunks one after the other, so the softmax
+// state stays in registers across them; between rounds it goes through the workspace (state_o,
+// state_ml: each thread its own registers, written and read back by the same thread, as CTA c
+// takes the same tiles in every round). (Round 0 holding steps 0 .. kRingSlots too measured
+// slower: every CTA's first tile reached step 1 within tens of microseconds, before the copies.)
 //
 //   side warps of CTA c (the producer warpgroup's warps 1-3):
 //     entry barrier on channel c (every peer finished its last launch, which read this home)
 //     share c of the local k, v -> home; signal kOp + c to every peer ("share c published")
-//     for j = 1 .. w - 1: wait until the slot is free (round q >= 1: done[q - 1] = every consumer
+//     for j = 1 .. w - 1: wait until the slot is free (round q >= 2: done[q - 1] = every consumer
 //       of every CTA finished round q - 1), wait for rank s's share c, copy it into the slot,
 //       arrive[j] += 1
 //   producer: before a step's first block in an item, waits for rank s's share c (a missing
@@ -109,9 +111,11 @@ struct RingAttention {
 
   // Rounds of steps (see the header).
   __device__ int num_steps() const { return rounds; }
-  __device__ int first_step(int round) const { return round == 0 ? 0 : 1 + round * kRingSlots; }
+  __device__ int first_step(int round) const {
+    return round == 0 ? 0 : 1 + (round - 1) * kRingSlots;
+  }
   __device__ int last_step(int round) const {
-    return min(comm.world_size - 1, (round + 1) * kRingSlots);
+    return round == 0 ? 0 : min(comm.world_size - 1, round * kRingSlots);
   }
   // Visible blocks of query tile (part pq, m) in step j's chunk, per key part.
   __device__ void step_blocks(int pq, int m, int step, int (&n)[2]) const {
@@ -309,9 +313,9 @@ struct RingAttention {
     for (int step = 1; step < world; ++step) {
       const int slot = (step - 1) % kRingSlots;
       // The slot's last readers, the previous round, are done on every CTA; rank s published.
-      const int round = (step - 1) / kRingSlots;
+      const int round = (step - 1) / kRingSlots + 1;
       ok = true;
-      if (thread == 0 && round >= 1) {
+      if (thread == 0 && round >= 2) {
         ok = launch.wait_local(done() + round - 1, 2ull * gridDim.x,
                                kDoneCounter + static_cast<uint32_t>(round - 1));
       }

@@ -285,6 +285,12 @@ TEST(InProcessRingAttention, GraphReplays100TimesWithNewInputs) {
   });
 }
 
+// A small case for compute-sanitizer (scripts/device_run.sh sanitize).
+TEST(SanitizeRingAttention, Small) {
+  MKT_REQUIRE_GPU();
+  expect_ring_matches(2, {1, 256, 2, 1, 128, true}, fresh_seed());
+}
+
 TEST(InProcessRingAttention, MissingRankTimesOut) {
   MKT_REQUIRE_GPU();
   CommOptions options;
