@@ -281,7 +281,7 @@ int main(int argc, char** argv) {
     std::fprintf(
         f,
         "{\n  \"kernel\": \"ring_attention\",\n  \"commit\": \"%s\",\n  \"date\": \"%s\",\n"
-        "  \"device\": \"%s\",\n  \"world_size\": %d,\n  \"num_nodes\": 1,\n"
+        "  \"device\": \"%s\",\n  \"world_size\": %d,\n  \"gpus\": 1,\n  \"num_nodes\": 1,\n"
         "  \"transport\": \"in-process (one GPU: ranks share it, peer copies stay in its "
         "memory)\",\n  \"rows\": [\n%s\n  ]\n}\n",
         commit.c_str(), date, prop.name, world, rows.c_str());

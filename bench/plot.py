@@ -49,6 +49,10 @@ SERIES = {
     "nccl": ("NCCL", "#ff7f0e"),
     "mkernel_gemm": ("mkernel's GEMM engine alone (reference)", "#9467bd"),
     "mkernel_graph": ("mkernel replayed from a CUDA graph (no host work per call)", "#aec7e8"),
+    "torch_sdpa": ("torch SDPA (its fastest backend)", "#9e9e9e"),
+    "engine_same_work": ("attention engine on the same work and SMs (ranks side by side)",
+                         "#9e9e9e"),
+    "engine_alone": ("attention engine on the same work and SMs (alone)", "#c7c7c7"),
 }
 SERIES_ORDER = ["mkernel", "gemm_alone", "comm_alone", "sequential", "torch_async_tp"]
 EXTRA_COLORS = ["#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
@@ -135,6 +139,10 @@ def shape_label(shape):
         return f"{shape['M']}x{shape['N']}x{shape['K']}"
     if "bytes_per_rank" in shape:
         return fmt_bytes(shape["bytes_per_rank"])
+    if all(k in shape for k in ("batch", "heads", "kv_heads", "seq_local", "head_dim")):
+        return (f"B{shape['batch']} H{shape['heads']}/{shape['kv_heads']} S{shape['seq_local']} "
+                f"D{shape['head_dim']}" + (" causal" if shape.get("causal") else "")
+                + (f" w{shape['world']}" if shape.get("world", 1) > 1 else ""))
     return ", ".join(f"{k}={v}" for k, v in shape.items())
 
 
@@ -165,7 +173,8 @@ def provenance(doc, rows):
     """'2x NVIDIA H200, 1 node, nvlink' and 'commit 94cdea8, 2026-11-30 06:14 UTC, bf16'."""
     world = doc.get("world_size")
     nodes = doc.get("num_nodes")
-    where = f"{world}x " if isinstance(world, int) else ""
+    gpus = doc.get("gpus", world)  # ranks sharing GPUs (in-process): fewer GPUs than ranks
+    where = f"{gpus}x " if isinstance(gpus, int) else ""
     where += str(doc.get("device") or "unknown device")
     if isinstance(world, int):
         where += f" (world size {world}"
@@ -556,6 +565,13 @@ def overview_rows(kind, doc, rows):
         elif doc.get("kernel") in ("gemm", "grouped_gemm"):  # an engine alone: its library
             base = number(r["ms"].get("gemm_alone" if doc["kernel"] == "gemm"
                                       else "torch_grouped_mm"))
+            sp = base / m if base and m else None
+            label = shape_label(r["shape"])
+        elif doc.get("kernel") in ("attention", "ring_attention") and \
+                r["ms"].get("sequential") is None:
+            # one GPU: against torch SDPA (attention) or the engine on the same work (ring)
+            base = number(r["ms"].get("torch_sdpa" if doc["kernel"] == "attention"
+                                      else "engine_same_work"))
             sp = base / m if base and m else None
             label = shape_label(r["shape"])
         elif doc.get("kernel") == "moe_dispatch_gemm" and r["ms"].get("sequential") is None:
