@@ -20,8 +20,6 @@ plus 1e-5.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import sys
@@ -33,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import mkernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_grouped import time_ops  # noqa: E402
+from bench_grouped import time_ops, write_results  # noqa: E402
 
 SHAPES = [(1, 32, 32, 8192, 128), (1, 32, 8, 16384, 128), (4, 16, 16, 4096, 128),
           (2, 32, 8, 4096, 128), (8, 16, 16, 1024, 128), (1, 32, 32, 2048, 64),
@@ -151,18 +149,7 @@ def main():
     print(f"geometric mean vs SDPA: {math.exp(sum(logs) / len(logs)):.3f}, "
           f"worst {math.exp(min(logs)):.3f}", flush=True)
     if args.json and args.mode == "bench":
-        doc = {
-            "kernel": "attention",
-            "commit": os.environ.get("MKERNEL_COMMIT", "unknown"),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "device": torch.cuda.get_device_name(),
-            "world_size": 1,
-            "num_nodes": 1,
-            "transport": "none",
-            "rows": results,
-        }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
+        write_results(args.json, "attention", results)
     return 0 if all_ok else 1
 
 

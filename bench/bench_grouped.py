@@ -58,6 +58,23 @@ def counts_for(experts, rows, skew, cpu_gen):
     return counts
 
 
+def write_results(path, kernel, rows):
+    """A one-GPU results file (../shared/BENCH_SCHEMA.md) stamped with MKERNEL_COMMIT, the date
+    and this GPU."""
+    doc = {
+        "kernel": kernel,
+        "commit": os.environ.get("MKERNEL_COMMIT", "unknown"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": torch.cuda.get_device_name(),
+        "world_size": 1,
+        "num_nodes": 1,
+        "transport": "none",
+        "rows": rows,
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+
+
 def time_ops(fns, iters, rounds):
     """{name: ms per call}: `iters` calls of each op captured in one CUDA graph, the median over
     rounds of a replay's events."""
@@ -225,18 +242,7 @@ def main():
               f"{math.exp(sum(logs) / len(logs)):.3f}, worst {math.exp(min(logs)):.3f}",
               flush=True)
     if args.json and args.mode == "bench":
-        doc = {
-            "kernel": "grouped_gemm",
-            "commit": os.environ.get("MKERNEL_COMMIT", "unknown"),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "device": torch.cuda.get_device_name(),
-            "world_size": 1,
-            "num_nodes": 1,
-            "transport": "none",
-            "rows": results,
-        }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
+        write_results(args.json, "grouped_gemm", results)
     return 0 if all_ok else 1
 
 

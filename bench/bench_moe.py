@@ -22,8 +22,6 @@ gather of the routing, the combine against its fp32 sum, the GEMM within twice t
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import sys
@@ -34,7 +32,7 @@ import torch.distributed as dist
 import mkernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_grouped import time_ops  # noqa: E402
+from bench_grouped import time_ops, write_results  # noqa: E402
 
 MODELS = {  # hidden, N (the expert's intermediate), experts, top-k
     "deepseek_v3": (7168, 2048, 256, 8),
@@ -176,18 +174,7 @@ def main():
     print(f"geometric mean (moe_dispatch_gemm) vs torch._grouped_mm alone: "
           f"{math.exp(sum(logs) / len(logs)):.3f}, worst {math.exp(min(logs)):.3f}", flush=True)
     if args.json and args.mode == "bench":
-        doc = {
-            "kernel": "moe_dispatch_gemm",
-            "commit": os.environ.get("MKERNEL_COMMIT", "unknown"),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "device": torch.cuda.get_device_name(),
-            "world_size": 1,
-            "num_nodes": 1,
-            "transport": "none",
-            "rows": results,
-        }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
+        write_results(args.json, "moe_dispatch_gemm", results)
     comm.synchronize()
     dist.destroy_process_group()
     return 0 if all_ok else 1

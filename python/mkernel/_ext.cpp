@@ -97,6 +97,13 @@ T* as_pointer(std::uintptr_t address) {
 
 cudaStream_t as_stream(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 
+// A [batch, seq, heads, D] tensor from its address and element strides (batch, seq, head).
+mk::AttentionTensor attention_tensor(std::uintptr_t data, const nb::tuple& strides) {
+  if (strides.size() != 3) throw nb::value_error("attention strides are (batch, seq, head)");
+  return mk::AttentionTensor{as_pointer<const void>(data), nb::cast<int64_t>(strides[0]),
+                             nb::cast<int64_t>(strides[1]), nb::cast<int64_t>(strides[2])};
+}
+
 mk::BLayout parse_layout(std::string_view name, const char* op) {
   if (name == "nk") return mk::BLayout::kNK;
   if (name == "kn") return mk::BLayout::kKN;
@@ -420,13 +427,9 @@ NB_MODULE(_C, m) {
          nb::tuple q_strides, nb::tuple k_strides, nb::tuple v_strides, int64_t batch,
          int64_t seq_q, int64_t seq_kv, int64_t heads, int64_t kv_heads, int64_t head_dim,
          bool causal, double softmax_scale, std::uintptr_t stream) {
-        auto tensor = [](std::uintptr_t data, const nb::tuple& strides) {
-          if (strides.size() != 3) throw nb::value_error("attention: strides are (batch, seq, head)");
-          return mk::AttentionTensor{as_pointer<const void>(data), nb::cast<int64_t>(strides[0]),
-                                     nb::cast<int64_t>(strides[1]), nb::cast<int64_t>(strides[2])};
-        };
-        const mk::AttentionTensor tq = tensor(q, q_strides), tk = tensor(k, k_strides),
-                                  tv = tensor(v, v_strides);
+        const mk::AttentionTensor tq = attention_tensor(q, q_strides),
+                                  tk = attention_tensor(k, k_strides),
+                                  tv = attention_tensor(v, v_strides);
         mk::AttentionProblem problem;
         problem.batch = batch;
         problem.seq_q = seq_q;
@@ -437,11 +440,12 @@ NB_MODULE(_C, m) {
         problem.causal = causal;
         problem.softmax_scale = static_cast<float>(softmax_scale);
         nb::gil_scoped_release nogil;
-        mk::attention(problem, tq, tk, tv, as_pointer(o), as_pointer<float>(lse), as_stream(stream));
+        mk::attention(problem, tq, tk, tv, as_pointer(o), as_pointer<float>(lse),
+                      as_stream(stream));
       },
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "q_strides"_a, "k_strides"_a, "v_strides"_a, "batch"_a,
-      "seq_q"_a, "seq_kv"_a, "heads"_a, "kv_heads"_a, "head_dim"_a, "causal"_a,
-      "softmax_scale"_a, "stream"_a,
+      "seq_q"_a, "seq_kv"_a, "heads"_a, "kv_heads"_a, "head_dim"_a, "causal"_a, "softmax_scale"_a,
+      "stream"_a,
       "O[B, S_q, H, D] = softmax(scale Q K^T [causal, bottom-right]) V, bf16, fp32 softmax; "
       "q [B, S_q, H, D], k and v [B, S_kv, H_kv, D] with element strides (batch, seq, head) "
       "(last dimension contiguous); o contiguous; lse [B, H, S_q] fp32 or 0. softmax_scale 0: "
@@ -474,15 +478,9 @@ NB_MODULE(_C, m) {
                      nb::tuple kv_strides, int64_t batch, int64_t seq_local, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, bool causal, double softmax_scale,
                      std::uintptr_t workspace, std::uintptr_t stream) {
-        auto tensor = [](std::uintptr_t data, const nb::tuple& strides) {
-          if (strides.size() != 3) {
-            throw nb::value_error("ring_attention: strides are (batch, seq, head)");
-          }
-          return mk::AttentionTensor{as_pointer<const void>(data), nb::cast<int64_t>(strides[0]),
-                                     nb::cast<int64_t>(strides[1]), nb::cast<int64_t>(strides[2])};
-        };
-        const mk::AttentionTensor tq = tensor(q, q_strides), tk = tensor(k, kv_strides),
-                                  tv = tensor(v, kv_strides);
+        const mk::AttentionTensor tq = attention_tensor(q, q_strides),
+                                  tk = attention_tensor(k, kv_strides),
+                                  tv = attention_tensor(v, kv_strides);
         const mk::AttentionProblem p =
             ring_problem(batch, seq_local, heads, kv_heads, head_dim, causal, softmax_scale);
         nb::gil_scoped_release nogil;

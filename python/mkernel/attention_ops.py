@@ -60,19 +60,31 @@ def _readable(x):
     return x if ok else x.contiguous()
 
 
-def _attention_impl(q, k, v, causal, softmax_scale, return_lse):
-    b, s_q, s_kv, h, h_kv, d = _attention_shapes(q, k, v)
+def _check_inputs(op, q, k, v, softmax_scale):
+    """dtypes and the scale, or ValueError naming the op."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype != torch.bfloat16:
-            raise ValueError(f"mkernel.attention: {name} has dtype {x.dtype}; expected bfloat16")
+            raise ValueError(f"mkernel.{op}: {name} has dtype {x.dtype}; expected bfloat16")
+    if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"mkernel.{op}: softmax_scale = {softmax_scale}; expected a finite "
+                         "value > 0 (None: 1 / sqrt(head_dim))")
+
+
+def _outputs(q, b, s_q, h, d, return_lse):
+    """O [B, S_q, H, D] bf16 and LSE [B, H, S_q] fp32 (or an empty one)."""
+    return (torch.empty((b, s_q, h, d), dtype=torch.bfloat16, device=q.device),
+            torch.empty((b, h, s_q) if return_lse else (0,), dtype=torch.float32,
+                        device=q.device))
+
+
+def _attention_impl(q, k, v, causal, softmax_scale, return_lse):
+    b, s_q, s_kv, h, h_kv, d = _attention_shapes(q, k, v)
+    _check_inputs("attention", q, k, v, softmax_scale)
+    for name, x in (("q", q), ("k", k), ("v", v)):
         if not x.is_cuda or x.device != q.device:
             raise ValueError(f"mkernel.attention: {name} is on {x.device}, q on {q.device}; "
                              "expected one CUDA device")
-    if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
-        raise ValueError(f"mkernel.attention: softmax_scale = {softmax_scale}; expected a "
-                         "finite value > 0 (None: 1 / sqrt(head_dim))")
-    o = torch.empty((b, s_q, h, d), dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty((b, h, s_q) if return_lse else (0,), dtype=torch.float32, device=q.device)
+    o, lse = _outputs(q, b, s_q, h, d, return_lse)
     if o.numel() == 0:
         return o, lse
     if s_kv == 0:  # no key at all
@@ -97,11 +109,15 @@ _attention_op = torch.library.custom_op(
 )(_attention_impl)
 
 
-@_attention_op.register_fake
-def _attention_fake(q, k, v, causal, softmax_scale, return_lse):
+def _fake(q, k, v, return_lse):
     b, s_q, _, h, _, d = _attention_shapes(q, k, v)
     return q.new_empty((b, s_q, h, d)), q.new_empty((b, h, s_q) if return_lse else (0,),
                                                     dtype=torch.float32)
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, causal, softmax_scale, return_lse):
+    return _fake(q, k, v, return_lse)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -129,19 +145,13 @@ def _ring_shapes(q, k, v, world):
 def _ring_impl(q, k, v, comm, causal, softmax_scale, return_lse):
     c = _communicator(comm, "ring_attention")
     b, s, h, h_kv, d = _ring_shapes(q, k, v, c.world_size)
+    _check_inputs("ring_attention", q, k, v, softmax_scale)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dtype != torch.bfloat16:
-            raise ValueError(f"mkernel.ring_attention: {name} has dtype {x.dtype}; expected "
-                             "bfloat16")
         _check_device("ring_attention", name, x, c._device)
     if causal and s % 2 != 0:
         raise ValueError(f"mkernel.ring_attention: causal with S_local = {s}; expected an even "
                          "S_local (the zigzag share: two chunks of S_local / 2)")
-    if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
-        raise ValueError(f"mkernel.ring_attention: softmax_scale = {softmax_scale}; expected a "
-                         "finite value > 0 (None: 1 / sqrt(head_dim))")
-    o = torch.empty((b, s, h, d), dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty((b, h, s) if return_lse else (0,), dtype=torch.float32, device=q.device)
+    o, lse = _outputs(q, b, s, h, d, return_lse)
     if o.numel() == 0:
         return o, lse
     q2, k2, v2 = _readable(q), _readable(k), _readable(v)
@@ -166,9 +176,7 @@ _ring_op = torch.library.custom_op(
 
 @_ring_op.register_fake
 def _ring_fake(q, k, v, comm, causal, softmax_scale, return_lse):
-    b, s_q, _, h, _, d = _attention_shapes(q, k, v)
-    return q.new_empty((b, s_q, h, d)), q.new_empty((b, h, s_q) if return_lse else (0,),
-                                                    dtype=torch.float32)
+    return _fake(q, k, v, return_lse)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, causal: bool = True,

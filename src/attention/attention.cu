@@ -107,6 +107,29 @@ CUtensorMap attention_host::make_map_parts(const void* base, const Strides& s, i
   return gemm_engine::encode_map(base, 5, dims, strides, box);
 }
 
+attention_host::Operands attention_host::require_operands(
+    const AttentionProblem& p, const AttentionTensor& q, const AttentionTensor& k,
+    const AttentionTensor& v, void* o, float* lse, const char* op, int device,
+    const void* workspace, std::size_t workspace_bytes) {
+  std::size_t q_bytes = 0, k_bytes = 0, v_bytes = 0;
+  const Operands io{
+      require_tensor(q, op, "q", p.seq_q, p.heads, p.batch, p.head_dim, device, q_bytes),
+      require_tensor(k, op, "k", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, k_bytes),
+      require_tensor(v, op, "v", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, v_bytes)};
+  gemm_engine::require_device_pointer(o, op, "o", device);
+  if (lse != nullptr) gemm_engine::require_device_pointer(lse, op, "lse", device, 4);
+  const std::size_t o_bytes =
+      static_cast<std::size_t>(p.batch * p.seq_q * p.heads * p.head_dim) * 2;
+  const std::size_t lse_bytes = static_cast<std::size_t>(p.batch * p.heads * p.seq_q) * 4;
+  detail::require_disjoint(op, {{"q", q.data, q_bytes, false},
+                                {"k", k.data, k_bytes, false},
+                                {"v", v.data, v_bytes, false},
+                                {"o", o, o_bytes, true},
+                                {"lse", lse, lse_bytes, true},
+                                {"workspace", workspace, workspace_bytes, true}});
+  return io;
+}
+
 float attention_host::scale_log2(const AttentionProblem& p) {
   const float scale =
       p.softmax_scale > 0 ? p.softmax_scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
@@ -163,23 +186,8 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
   const AttentionProblem& p = problem;
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
-  std::size_t q_bytes = 0, k_bytes = 0, v_bytes = 0;
-  const attention_host::Strides sq = attention_host::require_tensor(
-      q, kOp, "q", p.seq_q, p.heads, p.batch, p.head_dim, device, q_bytes);
-  const attention_host::Strides sk = attention_host::require_tensor(
-      k, kOp, "k", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, k_bytes);
-  const attention_host::Strides sv = attention_host::require_tensor(
-      v, kOp, "v", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, v_bytes);
-  gemm_engine::require_device_pointer(o, kOp, "o", device);
-  if (lse != nullptr) gemm_engine::require_device_pointer(lse, kOp, "lse", device, 4);
-  const std::size_t o_bytes =
-      static_cast<std::size_t>(p.batch * p.seq_q * p.heads * p.head_dim) * 2;
-  const std::size_t lse_bytes = static_cast<std::size_t>(p.batch * p.heads * p.seq_q) * 4;
-  detail::require_disjoint(kOp, {{"q", q.data, q_bytes, false},
-                                 {"k", k.data, k_bytes, false},
-                                 {"v", v.data, v_bytes, false},
-                                 {"o", o, o_bytes, true},
-                                 {"lse", lse, lse_bytes, true}});
+  const attention_host::Operands io =
+      attention_host::require_operands(p, q, k, v, o, lse, kOp, device);
   const AttentionPlan plan = attention_plan(p, config);
   if (detail::process_overrides().print_config) {
     std::fprintf(stderr, "[mkernel] attention B%lld H%lld/%lld S%lld/%lld%s: %s\n",
@@ -188,9 +196,7 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
                  static_cast<long long>(p.seq_kv), p.causal ? " causal" : "",
                  plan.describe().c_str());
   }
-  const float scale =
-      p.softmax_scale > 0 ? p.softmax_scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
-  const float scale_log2 = scale * 1.4426950408889634f;
+  const float scale_log2 = attention_host::scale_log2(p);
   const attention_host::Strides so{p.seq_q * p.heads * p.head_dim, p.heads * p.head_dim,
                                    p.head_dim};
   dispatch_head_dim(p.head_dim, [&]<int kHeadDim>() {
@@ -198,9 +204,9 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
     using Policy = attention_engine::PlainAttention<kHeadDim>;
     Policy policy{};
     using attention_host::make_map;
-    policy.q = make_map(q.data, sq, p.batch, p.seq_q, p.heads, kHeadDim, C::kBlockM);
-    policy.k = make_map(k.data, sk, p.batch, p.seq_kv, p.kv_heads, kHeadDim, C::kBlockN);
-    policy.v = make_map(v.data, sv, p.batch, p.seq_kv, p.kv_heads, kHeadDim, C::kBlockN);
+    policy.q = make_map(q.data, io.q, p.batch, p.seq_q, p.heads, kHeadDim, C::kBlockM);
+    policy.k = make_map(k.data, io.k, p.batch, p.seq_kv, p.kv_heads, kHeadDim, C::kBlockN);
+    policy.v = make_map(v.data, io.v, p.batch, p.seq_kv, p.kv_heads, kHeadDim, C::kBlockN);
     policy.o = make_map(o, so, p.batch, p.seq_q, p.heads, kHeadDim, 64);
     policy.lse = lse;
     policy.heads = static_cast<int>(p.heads);
@@ -211,8 +217,7 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
     policy.kv_blocks = static_cast<int>((p.seq_kv + C::kBlockN - 1) / C::kBlockN);
     policy.items = static_cast<int>(plan.items);
     policy.causal = p.causal;
-    auto kernel =
-        attention_host::prepared<C, Policy>(attention_engine::attention_kernel<C, Policy>);
+    auto kernel = attention_host::prepared<C, Policy>();
     kernel<<<plan.ctas, C::kThreads, C::kSmemBytes, stream>>>(policy, scale_log2);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) {
@@ -227,8 +232,7 @@ std::vector<GemmKernelResources> detail::attention_kernel_resources() {
   auto add = [&]<int kHeadDim>() {
     using C = Cfg<kHeadDim>;
     using Policy = attention_engine::PlainAttention<kHeadDim>;
-    auto kernel =
-        attention_host::prepared<C, Policy>(attention_engine::attention_kernel<C, Policy>);
+    auto kernel = attention_host::prepared<C, Policy>();
     cudaFuncAttributes attr{};
     MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
     out.push_back({"attention D" + std::to_string(kHeadDim), attr.numRegs,

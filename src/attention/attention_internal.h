@@ -5,14 +5,15 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
+#include "attention/attention_kernel.cuh"
 #include "gemm/gemm_internal.h"  // GemmKernelResources, encode_map
 #include "mkernel/attention.h"
 #include "runtime/cuda_check.h"
+#include "runtime/smem_opt_in.h"
 
 namespace mk {
 
@@ -41,21 +42,24 @@ float scale_log2(const AttentionProblem& p);
 // The engine's tiles for a checked problem on `sms` CTAs (items: query tiles of seq_q).
 AttentionPlan plan(const AttentionProblem& p, int sms);
 
-// attention_kernel<C, Policy> with its shared memory allowed on the current device (once per
-// device; the call also loads the kernel).
-template <class C, class Policy, class Kernel>
-Kernel prepared(Kernel kernel) {
-  static std::atomic<uint64_t> done{0};
-  int device = 0;
-  MK_CUDA_CHECK(cudaGetDevice(&device));
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (bit == 0 || (done.load(std::memory_order_acquire) & bit) == 0) {
-    MK_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
-    done.fetch_or(bit, std::memory_order_release);
-  }
+// attention_kernel<C, Policy> with its shared memory allowed on the current device (which also
+// loads it).
+template <class C, class Policy>
+auto prepared() {
+  constexpr auto kernel = attention_engine::attention_kernel<C, Policy>;
+  detail::allow_dynamic_smem<kernel>(C::kSmemBytes);
   return kernel;
 }
+
+// q, k, v (element strides) and the outputs o (contiguous [B, S_q, H, D]) and lse (or null)
+// checked, and no output overlapping an input or `workspace` (when given).
+struct Operands {
+  Strides q, k, v;
+};
+Operands require_operands(const AttentionProblem& p, const AttentionTensor& q,
+                          const AttentionTensor& k, const AttentionTensor& v, void* o, float* lse,
+                          const char* op, int device, const void* workspace = nullptr,
+                          std::size_t workspace_bytes = 0);
 
 }  // namespace attention_host
 

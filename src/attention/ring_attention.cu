@@ -153,8 +153,7 @@ void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor
   // The step counters start at zero (a memset node in a captured graph).
   MK_CUDA_CHECK(
       cudaMemsetAsync(base + l.counters, 0, 2 * sizeof(uint64_t) * comm.world_size(), stream));
-  auto kernel = attention_host::prepared<C, Policy<kHeadDim>>(
-      attention_engine::attention_kernel<C, Policy<kHeadDim>>);
+  auto kernel = attention_host::prepared<C, Policy<kHeadDim>>();
   kernel<<<ctas, C::kThreads, C::kSmemBytes, stream>>>(policy, attention_host::scale_log2(p));
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
@@ -186,18 +185,6 @@ void ring_attention(Communicator& comm, const AttentionProblem& local, const Att
   detail::require_stream(comm, stream, kOp);
   const AttentionProblem& p = local;
   const int device = comm.device();
-  std::size_t q_bytes = 0, k_bytes = 0, v_bytes = 0;
-  const attention_host::Strides sq = attention_host::require_tensor(
-      q, kOp, "q", p.seq_q, p.heads, p.batch, p.head_dim, device, q_bytes);
-  const attention_host::Strides sk = attention_host::require_tensor(
-      k, kOp, "k", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, k_bytes);
-  const attention_host::Strides sv = attention_host::require_tensor(
-      v, kOp, "v", p.seq_kv, p.kv_heads, p.batch, p.head_dim, device, v_bytes);
-  if (sk.batch != sv.batch || sk.seq != sv.seq || sk.head != sv.head) {
-    invalid("k and v have different strides; expected the same layout");
-  }
-  gemm_engine::require_device_pointer(o, kOp, "o", device);
-  if (lse != nullptr) gemm_engine::require_device_pointer(lse, kOp, "lse", device, 4);
   const Layout l = layout_of(p, comm.world_size());
   detail::require_device_pointer(comm, workspace, 256, kOp, "workspace");
   const SymmetricRange ws = detail::require_symmetric(comm, workspace, l.total, kOp, "workspace");
@@ -205,15 +192,11 @@ void ring_attention(Communicator& comm, const AttentionProblem& local, const Att
     invalid("the workspace's offset in its symmetric buffer (" + std::to_string(ws.offset) +
             ") is not a multiple of 256");
   }
-  const std::size_t o_bytes =
-      static_cast<std::size_t>(p.batch * p.seq_q * p.heads * p.head_dim) * 2;
-  const std::size_t lse_bytes = static_cast<std::size_t>(p.batch * p.heads * p.seq_q) * 4;
-  detail::require_disjoint(kOp, {{"q", q.data, q_bytes, false},
-                                 {"k", k.data, k_bytes, false},
-                                 {"v", v.data, v_bytes, false},
-                                 {"o", o, o_bytes, true},
-                                 {"lse", lse, lse_bytes, true},
-                                 {"workspace", workspace, l.total, true}});
+  const attention_host::Operands io =
+      attention_host::require_operands(p, q, k, v, o, lse, kOp, device, workspace, l.total);
+  if (io.k.batch != io.v.batch || io.k.seq != io.v.seq || io.k.head != io.v.head) {
+    invalid("k and v have different strides; expected the same layout");
+  }
   const int ctas = ring_ctas(comm, config);
   if (comm.overrides().print_config && comm.rank() == 0) {
     std::fprintf(stderr, "[mkernel] ring_attention w%d B%lld H%lld/%lld S_local %lld%s: %s\n",
@@ -223,9 +206,9 @@ void ring_attention(Communicator& comm, const AttentionProblem& local, const Att
                  ring_attention_plan(comm, p, config).describe().c_str());
   }
   if (p.head_dim == 64) {
-    launch<64>(comm, p, q, sq, k, sk, v, o, lse, workspace, ws, l, ctas, stream);
+    launch<64>(comm, p, q, io.q, k, io.k, v, o, lse, workspace, ws, l, ctas, stream);
   } else {
-    launch<128>(comm, p, q, sq, k, sk, v, o, lse, workspace, ws, l, ctas, stream);
+    launch<128>(comm, p, q, io.q, k, io.k, v, o, lse, workspace, ws, l, ctas, stream);
   }
 }
 
@@ -234,8 +217,7 @@ namespace {
 
 template <int kHeadDim>
 void prepare() {
-  attention_host::prepared<Cfg<kHeadDim>, Policy<kHeadDim>>(
-      attention_engine::attention_kernel<Cfg<kHeadDim>, Policy<kHeadDim>>);
+  attention_host::prepared<Cfg<kHeadDim>, Policy<kHeadDim>>();
 }
 
 // The ring kernels, loaded up front (runtime/kernel_preload.h).

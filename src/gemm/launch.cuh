@@ -5,13 +5,13 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/error.h"
 #include "runtime/cuda_check.h"
+#include "runtime/smem_opt_in.h"
 
 namespace mk::gemm_engine {
 
@@ -39,21 +39,12 @@ void dispatch(int block_n, bool trans_b, Fn&& fn) {
 }
 
 // gemm_kernel<..., Fusion> with its shared memory allowed on the current device (which also loads
-// the kernel now). The attribute is set once per device (bit d of `done`): every launch asks, and
-// the call costs the host half a microsecond.
+// the kernel now).
 template <int kBlockN, bool kTransB, class Fusion>
 auto prepared_kernel() {
   using Cfg = TileConfig<kBlockN>;
-  auto kernel = gemm_kernel<Cfg, kTransB, Fusion>;
-  static std::atomic<uint64_t> done{0};
-  int device = 0;
-  MK_CUDA_CHECK(cudaGetDevice(&device));
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (bit == 0 || (done.load(std::memory_order_acquire) & bit) == 0) {
-    MK_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-    done.fetch_or(bit, std::memory_order_release);
-  }
+  constexpr auto kernel = gemm_kernel<Cfg, kTransB, Fusion>;
+  detail::allow_dynamic_smem<kernel>(Cfg::kSmemBytes);
   return kernel;
 }
 
