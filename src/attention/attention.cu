@@ -8,6 +8,7 @@
 #include <string>
 
 #include "attention/attention_internal.h"
+#include "attention/attention_launch.cuh"
 #include "attention/attention_kernel.cuh"
 #include "gemm/gemm_internal.h"
 #include "mkernel/attention.h"

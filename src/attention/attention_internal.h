@@ -9,11 +9,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "attention/attention_kernel.cuh"
 #include "gemm/gemm_internal.h"  // GemmKernelResources, encode_map
 #include "mkernel/attention.h"
 #include "runtime/cuda_check.h"
-#include "runtime/smem_opt_in.h"
 
 namespace mk {
 
@@ -41,15 +39,6 @@ CUtensorMap make_map_parts(const void* base, const Strides& s, int64_t batch, in
 float scale_log2(const AttentionProblem& p);
 // The engine's tiles for a checked problem on `sms` CTAs (items: query tiles of seq_q).
 AttentionPlan plan(const AttentionProblem& p, int sms);
-
-// attention_kernel<C, Policy> with its shared memory allowed on the current device (which also
-// loads it).
-template <class C, class Policy>
-auto prepared() {
-  constexpr auto kernel = attention_engine::attention_kernel<C, Policy>;
-  detail::allow_dynamic_smem<kernel>(C::kSmemBytes);
-  return kernel;
-}
 
 // q, k, v (element strides) and the outputs o (contiguous [B, S_q, H, D]) and lse (or null)
 // checked, and no output overlapping an input or `workspace` (when given).

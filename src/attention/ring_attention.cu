@@ -6,6 +6,7 @@
 #include <string>
 
 #include "attention/attention_internal.h"
+#include "attention/attention_launch.cuh"
 #include "attention/ring_attention.cuh"
 #include "mkernel/attention.h"
 #include "mkernel/error.h"
