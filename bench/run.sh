@@ -210,7 +210,7 @@ fi
 if [[ "$kernel" == all ]]; then
   # Every family in turn; the first failure is the exit status.
   status=0
-  for k in collectives gemm grouped_gemm moe_dispatch_gemm attention ag_gemm gemm_rs gemm_ar; do
+  for k in collectives gemm grouped_gemm moe_dispatch_gemm attention ring_attention ag_gemm gemm_rs gemm_ar; do
     bash "$PWD/bench/run.sh" "$k" "$mode" "$nodes" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
   done
   exit "$status"
