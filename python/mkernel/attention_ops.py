@@ -54,8 +54,11 @@ def _attention_shapes(q, k, v):
 
 def _readable(x):
     """x itself where the copy engine reads it (last dimension contiguous, strides multiples of
-    8 elements, 16-byte aligned), else a contiguous copy."""
-    ok = (x.stride(3) == 1 and all(x.stride(i) % 8 == 0 for i in range(3))
+    8 elements and not 0 - the C++ layer reads a 0 stride as the contiguous one, so a broadcast
+    dimension (expand) must be copied - 16-byte aligned), else a contiguous copy."""
+    ok = (x.stride(3) == 1
+          and all(x.stride(i) % 8 == 0 and (x.stride(i) != 0 or x.shape[i] == 1)
+                  for i in range(3))
           and x.data_ptr() % 16 == 0)
     return x if ok else x.contiguous()
 

@@ -8,8 +8,8 @@
 #include <string>
 
 #include "attention/attention_internal.h"
-#include "attention/attention_launch.cuh"
 #include "attention/attention_kernel.cuh"
+#include "attention/attention_launch.cuh"
 #include "gemm/gemm_internal.h"
 #include "mkernel/attention.h"
 #include "mkernel/error.h"
@@ -175,6 +175,8 @@ AttentionPlan attention_host::plan(const AttentionProblem& problem, int sms) {
 
 AttentionPlan attention_plan(const AttentionProblem& problem, const AttentionConfig& config) {
   attention_host::require_problem(problem, kOp);
+  if (config.sms < 0)
+    invalid(kOp, "config.sms = " + std::to_string(config.sms) + "; expected >= 0");
   AttentionPlan plan = attention_host::plan(problem, device_sms(config));
   plan.ctas = static_cast<int>(std::min<int64_t>(plan.ctas, plan.items));
   return plan;

@@ -93,6 +93,7 @@ void require_ring_problem(const Communicator& comm, const AttentionProblem& p, c
 }
 
 int ring_ctas(const Communicator& comm, const AttentionConfig& config) {
+  if (config.sms < 0) invalid("config.sms = " + std::to_string(config.sms) + "; expected >= 0");
   const int budget = comm.topology().sm_budget();
   return config.sms > 0 ? std::min(config.sms, budget) : budget;
 }

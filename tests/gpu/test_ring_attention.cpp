@@ -186,9 +186,11 @@ void expect_ring_matches(int world, const RingCase& c, uint64_t seed) {
   MKT_CUDA(cudaMemcpy(h_ref_lse.data(), ref_lse, h_ref_lse.size() * 4, cudaMemcpyDeviceToHost));
   MKT_CUDA(cudaMemcpy(h_o.data(), o, q_count * 2, cudaMemcpyDeviceToHost));
   MKT_CUDA(cudaMemcpy(h_lse.data(), lse, h_lse.size() * 4, cudaMemcpyDeviceToHost));
-  int64_t nan_o = 0;
+  int64_t nan_o = 0, nan_lse = 0;
   for (uint16_t x : h_o) nan_o += std::isnan(from_bits(x, DType::kBF16));
+  for (float x : h_lse) nan_lse += std::isnan(x);
   EXPECT_EQ(nan_o, 0) << "O elements left unwritten (or NaN)";
+  EXPECT_EQ(nan_lse, 0) << "LSE elements left unwritten (or NaN)";
   double err = 0, err_low = 0, err_lse = 0;
   for (int64_t b = 0; b < c.batch; ++b) {
     for (int r = 0; r < nrows; ++r) {

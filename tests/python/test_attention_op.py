@@ -84,6 +84,15 @@ def test_packed_qkv_strides():
     _check(q, k, v, True)
 
 
+def test_broadcast_heads():
+    """MQA written as k.expand over the heads (stride 0): the same as the materialised copy."""
+    q, k, v = _inputs(1, 300, 300, 4, 1, 128, seed=9)
+    kb, vb = k.expand(1, 300, 4, 128), v.expand(1, 300, 4, 128)
+    assert kb.stride(2) == 0
+    assert torch.equal(mkernel.attention(q, kb, vb, causal=True),
+                       mkernel.attention(q, kb.contiguous(), vb.contiguous(), causal=True))
+
+
 def test_default_output_and_scale():
     q, k, v = _inputs(1, 256, 256, 4, 4, 64, seed=5)
     o = mkernel.attention(q, k, v)
