@@ -26,13 +26,14 @@ uint64_t fresh_seed() { return (uint64_t{std::random_device{}()} << 32) | std::r
 struct RingCase {
   int64_t batch, seq_local, heads, kv_heads, head_dim;
   bool causal;
+  int sms = 0;  // AttentionConfig::sms (few CTAs: long rounds, copies racing the compute)
 };
 
 std::string describe(const RingCase& c, int world) {
   return "world " + std::to_string(world) + " B" + std::to_string(c.batch) + " S_local " +
          std::to_string(c.seq_local) + " H" + std::to_string(c.heads) + "/" +
          std::to_string(c.kv_heads) + " D" + std::to_string(c.head_dim) +
-         (c.causal ? " causal (zigzag)" : "");
+         (c.causal ? " causal (zigzag)" : "") + (c.sms ? " sms " + std::to_string(c.sms) : "");
 }
 
 AttentionProblem local_problem(const RingCase& c) {
@@ -107,7 +108,9 @@ struct Local {
     cudaFree(lse);
   }
   void run(Communicator& comm, const RingCase& c, void* ws, cudaStream_t s) const {
-    ring_attention(comm, local_problem(c), {q}, {k}, {v}, o, lse, ws, s);
+    AttentionConfig config;
+    config.sms = c.sms;
+    ring_attention(comm, local_problem(c), {q}, {k}, {v}, o, lse, ws, s, config);
   }
 };
 
@@ -164,10 +167,14 @@ void expect_ring_matches(int world, const RingCase& c, uint64_t seed) {
   full.seq_q = full.seq_kv = full_s;
   std::vector<int32_t> rows;
   std::mt19937_64 gen(seed);
-  for (int64_t i = 0; i < std::min<int64_t>(full_s, 64); ++i) rows.push_back(i);
-  for (int64_t i = std::max<int64_t>(64, full_s - 64); i < full_s; ++i) rows.push_back(i);
-  std::uniform_int_distribution<int64_t> pick(0, full_s - 1);
-  for (int i = 0; i < 128 && full_s > 128; ++i) rows.push_back(static_cast<int32_t>(pick(gen)));
+  if (full_s <= 1024) {  // every row
+    for (int64_t i = 0; i < full_s; ++i) rows.push_back(static_cast<int32_t>(i));
+  } else {  // the first and last 64, 128 random ones
+    for (int64_t i = 0; i < 64; ++i) rows.push_back(static_cast<int32_t>(i));
+    for (int64_t i = full_s - 64; i < full_s; ++i) rows.push_back(static_cast<int32_t>(i));
+    std::uniform_int_distribution<int64_t> pick(0, full_s - 1);
+    for (int i = 0; i < 128; ++i) rows.push_back(static_cast<int32_t>(pick(gen)));
+  }
   const int nrows = static_cast<int>(rows.size());
   const int64_t d = c.head_dim, ref_count = c.batch * nrows * c.heads * d;
   int32_t* rows_dev;
@@ -229,15 +236,28 @@ TEST(InProcessRingAttention, MatchesFullSequenceAttention) {
   expect_ring_matches(3, {2, 200, 4, 2, 128, true}, seed + 3);  // parts of 100 rows
   expect_ring_matches(4, {1, 300, 2, 2, 64, false}, seed + 4);
   expect_ring_matches(2, {1, 130, 8, 8, 128, true}, seed + 5);
+  // Few CTAs: every round long, the slots reused while other CTAs still compute (world 4: 3
+  // rounds; world 8: 5).
+  expect_ring_matches(4, {1, 2048, 8, 2, 128, true, 7}, seed + 6);
+  expect_ring_matches(8, {1, 1024, 4, 4, 64, false, 5}, seed + 7);
 }
 
 // Captured once per rank; 100 replays, each on new inputs written into the captured buffers,
 // some checked bit for bit against an eager call on the same inputs.
+void replay_with_new_inputs(int world);
+
 TEST(InProcessRingAttention, GraphReplays100TimesWithNewInputs) {
   MKT_REQUIRE_GPU();
+  for (int world : {2, 4}) {  // world 4: three rounds, the slots reused within a launch
+    SCOPED_TRACE("world " + std::to_string(world));
+    replay_with_new_inputs(world);
+  }
+}
+
+void replay_with_new_inputs(int world) {
   const RingCase c{1, 256, 4, 2, 128, true};
   const uint64_t seed = fresh_seed();
-  run_in_process(2, [&](Communicator& comm) {
+  run_in_process(world, [&](Communicator& comm) {
     const int rank = comm.rank();
     cudaStream_t s;
     MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
