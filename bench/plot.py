@@ -599,11 +599,20 @@ def plot_overview(files, out):
             continue
         world, nodes = doc.get("world_size"), doc.get("num_nodes")
         commit = doc.get("commit")
+        one_gpu = all(r["ms"].get("sequential") is None for r in rows)
         against = ("NCCL" if kind == "collectives" else
                    "cuBLAS" if doc.get("kernel") == "gemm" else
-                   "torch._grouped_mm" if doc.get("kernel") == "grouped_gemm" else "sequential")
+                   "torch._grouped_mm" if doc.get("kernel") == "grouped_gemm" else
+                   "torch._grouped_mm alone" if doc.get("kernel") == "moe_dispatch_gemm"
+                   and one_gpu else
+                   "torch SDPA" if doc.get("kernel") == "attention" and one_gpu else
+                   "the engine on the same work" if doc.get("kernel") == "ring_attention"
+                   and one_gpu else "sequential")
+        gpus = doc.get("gpus")
+        ranks = (f"{world} ranks on {gpus} GPU" if isinstance(gpus, int) and gpus != world
+                 else f"world {world if world is not None else '?'}")
         header = (f"{doc['kernel']} vs {against}: "
-                  f"{gpu_short(doc.get('device'))}, world {world if world is not None else '?'}"
+                  f"{gpu_short(doc.get('device'))}, {ranks}"
                   + (f", {nodes} nodes" if isinstance(nodes, int) and nodes > 1 else "")
                   + f"; commit {commit[:7] if isinstance(commit, str) else '?'}, "
                   + str(doc.get("date") or "?")[:10])
