@@ -104,6 +104,22 @@ mk::AttentionTensor attention_tensor(std::uintptr_t data, const nb::tuple& strid
                              nb::cast<int64_t>(strides[1]), nb::cast<int64_t>(strides[2])};
 }
 
+// The attention problem from the Python arguments (ring attention: seq_q = seq_kv = S_local).
+mk::AttentionProblem attention_problem(int64_t batch, int64_t seq_q, int64_t seq_kv, int64_t heads,
+                                       int64_t kv_heads, int64_t head_dim, bool causal,
+                                       double softmax_scale) {
+  mk::AttentionProblem p;
+  p.batch = batch;
+  p.seq_q = seq_q;
+  p.seq_kv = seq_kv;
+  p.heads = heads;
+  p.kv_heads = kv_heads;
+  p.head_dim = head_dim;
+  p.causal = causal;
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  return p;
+}
+
 mk::BLayout parse_layout(std::string_view name, const char* op) {
   if (name == "nk") return mk::BLayout::kNK;
   if (name == "kn") return mk::BLayout::kKN;
@@ -430,15 +446,8 @@ NB_MODULE(_C, m) {
         const mk::AttentionTensor tq = attention_tensor(q, q_strides),
                                   tk = attention_tensor(k, k_strides),
                                   tv = attention_tensor(v, v_strides);
-        mk::AttentionProblem problem;
-        problem.batch = batch;
-        problem.seq_q = seq_q;
-        problem.seq_kv = seq_kv;
-        problem.heads = heads;
-        problem.kv_heads = kv_heads;
-        problem.head_dim = head_dim;
-        problem.causal = causal;
-        problem.softmax_scale = static_cast<float>(softmax_scale);
+        const mk::AttentionProblem problem = attention_problem(
+            batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, softmax_scale);
         nb::gil_scoped_release nogil;
         mk::attention(problem, tq, tk, tv, as_pointer(o), as_pointer<float>(lse),
                       as_stream(stream));
@@ -451,38 +460,26 @@ NB_MODULE(_C, m) {
       "(last dimension contiguous); o contiguous; lse [B, H, S_q] fp32 or 0. softmax_scale 0: "
       "1 / sqrt(D). Stream-ordered; no host synchronisation.");
 
-  auto ring_problem = [](int64_t batch, int64_t seq_local, int64_t heads, int64_t kv_heads,
-                         int64_t head_dim, bool causal, double softmax_scale) {
-    mk::AttentionProblem p;
-    p.batch = batch;
-    p.seq_q = p.seq_kv = seq_local;
-    p.heads = heads;
-    p.kv_heads = kv_heads;
-    p.head_dim = head_dim;
-    p.causal = causal;
-    p.softmax_scale = static_cast<float>(softmax_scale);
-    return p;
-  };
   m.def(
       "ring_attention_workspace_bytes",
-      [ring_problem](const mk::Communicator& comm, int64_t batch, int64_t seq_local, int64_t heads,
-                     int64_t kv_heads, int64_t head_dim, bool causal) {
+      [](const mk::Communicator& comm, int64_t batch, int64_t seq_local, int64_t heads,
+         int64_t kv_heads, int64_t head_dim, bool causal) {
         return mk::ring_attention_workspace_bytes(
-            comm, ring_problem(batch, seq_local, heads, kv_heads, head_dim, causal, 0.0));
+            comm,
+            attention_problem(batch, seq_local, seq_local, heads, kv_heads, head_dim, causal, 0.0));
       },
       "comm"_a, "batch"_a, "seq_local"_a, "heads"_a, "kv_heads"_a, "head_dim"_a, "causal"_a);
   m.def(
       "ring_attention",
-      [ring_problem](mk::Communicator& comm, std::uintptr_t q, std::uintptr_t k, std::uintptr_t v,
-                     std::uintptr_t o, std::uintptr_t lse, nb::tuple q_strides,
-                     nb::tuple kv_strides, int64_t batch, int64_t seq_local, int64_t heads,
-                     int64_t kv_heads, int64_t head_dim, bool causal, double softmax_scale,
-                     std::uintptr_t workspace, std::uintptr_t stream) {
+      [](mk::Communicator& comm, std::uintptr_t q, std::uintptr_t k, std::uintptr_t v,
+         std::uintptr_t o, std::uintptr_t lse, nb::tuple q_strides, nb::tuple kv_strides,
+         int64_t batch, int64_t seq_local, int64_t heads, int64_t kv_heads, int64_t head_dim,
+         bool causal, double softmax_scale, std::uintptr_t workspace, std::uintptr_t stream) {
         const mk::AttentionTensor tq = attention_tensor(q, q_strides),
                                   tk = attention_tensor(k, kv_strides),
                                   tv = attention_tensor(v, kv_strides);
-        const mk::AttentionProblem p =
-            ring_problem(batch, seq_local, heads, kv_heads, head_dim, causal, softmax_scale);
+        const mk::AttentionProblem p = attention_problem(batch, seq_local, seq_local, heads,
+                                                         kv_heads, head_dim, causal, softmax_scale);
         nb::gil_scoped_release nogil;
         mk::ring_attention(comm, p, tq, tk, tv, as_pointer(o), as_pointer<float>(lse),
                            as_pointer(workspace), as_stream(stream));

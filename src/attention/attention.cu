@@ -185,13 +185,12 @@ AttentionPlan attention_plan(const AttentionProblem& problem, const AttentionCon
 void attention(const AttentionProblem& problem, const AttentionTensor& q, const AttentionTensor& k,
                const AttentionTensor& v, void* o, float* lse, cudaStream_t stream,
                const AttentionConfig& config) {
-  attention_host::require_problem(problem, kOp);
+  const AttentionPlan plan = attention_plan(problem, config);  // the problem checked first
   const AttentionProblem& p = problem;
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
   const attention_host::Operands io =
       attention_host::require_operands(p, q, k, v, o, lse, kOp, device);
-  const AttentionPlan plan = attention_plan(p, config);
   if (detail::process_overrides().print_config) {
     std::fprintf(stderr, "[mkernel] attention B%lld H%lld/%lld S%lld/%lld%s: %s\n",
                  static_cast<long long>(p.batch), static_cast<long long>(p.heads),

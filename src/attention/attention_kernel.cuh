@@ -75,9 +75,10 @@ struct AttentionConfig {
   static_assert(kSmemBytes <= kSmemLimit, "shared memory per CTA on sm_90");
 };
 
-// Named barriers (id 0 is __syncthreads): each consumer warpgroup's own for its epilogue
-// (gemm_engine::store_slice uses 1 + consumer).
-enum NamedBarrier : int { kEpilogueBarrier0 = 1 };
+// Named barriers (id 0 is __syncthreads): each consumer warpgroup's own for its epilogue (1 +
+// consumer: gemm_engine::store_slice numbers them so), and a policy's side warps' (the 96
+// threads of the producer warpgroup's warps 1-3).
+enum NamedBarrier : int { kEpilogueBarrier0 = 1, kSideBarrier = 3 };
 
 // One work item: query tile `m` (rows 128 m ..) of (batch, head), reading key head kv_head, at
 // step `step` (ring attention: a round of chunks), and the number of KV blocks it visits there

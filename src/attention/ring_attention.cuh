@@ -52,7 +52,6 @@
 namespace mk::attention_engine {
 
 constexpr int kRingSlots = 2;                // chunks in flight besides the local one
-constexpr int kSideBarrier = 3;              // named barrier of the 96 side threads
 constexpr uint32_t kDoneCounter = 1u << 16;  // local counter ids: arrive[j] = j, done[j] = this + j
 
 template <int kHeadDim>
