@@ -49,12 +49,6 @@ struct AttentionPlan {
   int ctas = 0;        // persistent CTAs
   int64_t items = 0;   // work items: (batch, head, query tile)
   int smem_bytes = 0;  // shared memory per CTA
-  // Non-causal, when the items do not fill the last wave: the last split_items items (the last
-  // partial wave and the whole one before it) are split over all CTAs by KV blocks, each CTA an
-  // equal run of blocks, an item cut between CTAs merged in-kernel (in a fixed order: the result
-  // does not depend on timing). It uses scratch_bytes of stream-ordered scratch (cudaMallocAsync).
-  int64_t split_items = 0;
-  std::size_t scratch_bytes = 0;
   std::string describe() const;
 };
 // Throws mk::Error on the problems attention() rejects (the tensors aside).

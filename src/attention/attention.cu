@@ -5,7 +5,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
-#include <optional>
 #include <string>
 
 #include "attention/attention_internal.h"
@@ -153,17 +152,10 @@ int device_sms(const AttentionConfig& config) {
 }  // namespace
 
 std::string AttentionPlan::describe() const {
-  std::string d = "D " + std::to_string(head_dim) + ", tiles " + std::to_string(block_m) +
-                  " queries x " + std::to_string(block_n) + " keys, " + std::to_string(stages) +
-                  " KV stages, " + std::to_string(items) + " work items on " +
-                  std::to_string(ctas) + " persistent CTAs, " + std::to_string(smem_bytes) +
-                  " B shared memory";
-  if (split_items > 0) {
-    d += "; the last " + std::to_string(split_items) +
-         " items split over the CTAs by KV blocks (merged in-kernel, " +
-         std::to_string(scratch_bytes) + " B scratch)";
-  }
-  return d;
+  return "D " + std::to_string(head_dim) + ", tiles " + std::to_string(block_m) + " queries x " +
+         std::to_string(block_n) + " keys, " + std::to_string(stages) + " KV stages, " +
+         std::to_string(items) + " work items on " + std::to_string(ctas) + " persistent CTAs, " +
+         std::to_string(smem_bytes) + " B shared memory";
 }
 
 AttentionPlan attention_host::plan(const AttentionProblem& problem, int sms) {
@@ -186,29 +178,7 @@ AttentionPlan attention_plan(const AttentionProblem& problem, const AttentionCon
   if (config.sms < 0)
     invalid(kOp, "config.sms = " + std::to_string(config.sms) + "; expected >= 0");
   AttentionPlan plan = attention_host::plan(problem, device_sms(config));
-  // Non-causal items all take the same time: when they leave the last wave part full, split the
-  // last partial wave and the whole one before it over every CTA by KV blocks, if that saves at
-  // least two blocks' time a CTA (a piece costs about one block more than its blocks: its Q
-  // load, pipeline fill and state round trip). Causal items differ in length; the snake keeps
-  // them balanced.
-  const int64_t g = plan.ctas;
-  const int64_t blocks = (problem.seq_kv + plan.block_n - 1) / plan.block_n;
-  if (!problem.causal && plan.items % g != 0) {
-    const int64_t waves = plan.items / g;
-    const int64_t tail = plan.items - (waves >= 1 ? (waves - 1) * g : 0);
-    const int64_t whole_time = (waves >= 1 ? 2 : 1) * blocks;
-    const int64_t split_time = (tail * blocks + g - 1) / g + 1;
-    if (whole_time - split_time >= 2 && tail * blocks < kMax32) {
-      plan.split_items = tail;
-      // A slot per piece a CTA may hold (two: its run's first and last) for each consumer's
-      // O, m and l (float4 vectors, one per 4 registers, 128 threads), then a counter per item
-      // and consumer.
-      const std::size_t vecs = static_cast<std::size_t>(plan.head_dim / 8 + 1) * 128;
-      plan.scratch_bytes = static_cast<std::size_t>(2 * g) * 2 * vecs * 16 +
-                           static_cast<std::size_t>(tail) * 2 * sizeof(unsigned);
-    }
-  }
-  if (plan.split_items == 0) plan.ctas = static_cast<int>(std::min<int64_t>(plan.ctas, plan.items));
+  plan.ctas = static_cast<int>(std::min<int64_t>(plan.ctas, plan.items));
   return plan;
 }
 
@@ -249,21 +219,6 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
     policy.kv_blocks = static_cast<int>((p.seq_kv + C::kBlockN - 1) / C::kBlockN);
     policy.items = static_cast<int>(plan.items);
     policy.causal = p.causal;
-    // The split tail's slots and counters (zeroed), freed in stream order after the launch.
-    std::optional<gemm_engine::StreamScratch> scratch;
-    if (plan.split_items > 0) {
-      static_assert(C::kConsumers == 2 && C::kORegs / 4 + 1 == kHeadDim / 8 + 1);
-      scratch.emplace(plan.scratch_bytes, stream);
-      const std::size_t counter_bytes = static_cast<std::size_t>(plan.split_items) * 2 * 4;
-      uint8_t* base = static_cast<uint8_t*>(scratch->get());
-      policy.split.first = static_cast<int>(plan.items - plan.split_items);
-      policy.split.blocks = policy.kv_blocks;
-      policy.split.units = static_cast<int>(plan.split_items * policy.kv_blocks);
-      policy.split.partial = reinterpret_cast<float4*>(base);
-      policy.split.counters =
-          reinterpret_cast<unsigned*>(base + plan.scratch_bytes - counter_bytes);
-      MK_CUDA_CHECK(cudaMemsetAsync(policy.split.counters, 0, counter_bytes, stream));
-    }
     auto kernel = attention_host::prepared<C, Policy>();
     kernel<<<plan.ctas, C::kThreads, C::kSmemBytes, stream>>>(policy, scale_log2);
     const cudaError_t err = cudaGetLastError();

@@ -29,7 +29,6 @@
 //                                 knows where block i lives
 //   mask(item, i)                 which keys of block i each query row of the tile sees
 //   store(o, lse, item, consumer, scratch)  epilogue: the normalised rows and their LSE
-//   tail()                        the last items split over the CTAs by KV blocks (TailSplit)
 //
 //   smem:  [ Q (128 x D) | K stage 0 .. S-1 | V stage 0 .. S-1 | epilogue buffers | barriers ]
 //          every tile 128-byte swizzled, D in chunks of 64 columns ([chunk][rows][64])
@@ -66,10 +65,9 @@ struct AttentionConfig {
   static constexpr int kMaxStages = 4;
   static constexpr int kFit = (kSmemLimit - 1024 - kQBytes - kEpilogueBytes - 256) / (2 * kKvBytes);
   static constexpr int kStages = kFit < kMaxStages ? kFit : kMaxStages;
-  // Barriers: q_full, q_empty, k_full[S], k_empty[S], v_full[S], v_empty[S]; then a word per
-  // consumer (a split piece's leader tells its warpgroup whether it merges).
+  // Barriers: q_full, q_empty, k_full[S], k_empty[S], v_full[S], v_empty[S].
   static constexpr int kSmemBytes =
-      1024 + kQBytes + 2 * kStages * kKvBytes + kEpilogueBytes + (2 + 4 * kStages) * 8 + 16;
+      1024 + kQBytes + 2 * kStages * kKvBytes + kEpilogueBytes + (2 + 4 * kStages) * 8;
   static constexpr int kORegs = kHeadDim / 2;  // O accumulator registers per consumer thread
   static constexpr int kSRegs = kBlockN / 2;   // S accumulator registers per consumer thread
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the engine");
@@ -100,33 +98,6 @@ struct WorkItem {
   bool carry_out;
 };
 
-// The last waves' work split by KV blocks (stream-K), so that no CTA idles through a half-full
-// last wave: items [first, items) all visit `blocks` KV blocks; their blocks, item after item,
-// are units 0 .. units - 1, and the G CTAs take runs of them in order, units / G each and one
-// more for the first units % G (items before `first` go whole, in waves). An item cut between CTAs is done in pieces, each a
-// run of its blocks; each piece leaves its (O, m, l) in a slot of `partial` and counts itself in
-// counters[item - first][consumer]; the piece that counts last folds every piece's state in
-// piece order (the same sum whichever finishes last: deterministic) and stores O and LSE.
-// Slots: CTA c's pieces at the start and the end of its run use 2 c and 2 c + 1.
-// units == 0: no split (every item whole).
-struct TailSplit {
-  int first = 0;
-  int blocks = 0;
-  int units = 0;  // < 2^31 (attention_plan splits no more)
-  float4* partial = nullptr;     // [2 G][consumers][O registers / 4 + 1][128 threads]
-  unsigned* counters = nullptr;  // [items - first][consumers], zero at launch
-};
-
-// What a CTA does of an item: its blocks [begin, end) (in the item's visiting order) as piece
-// `index` of `count` (1: the whole item), keeping its state in slot `slot` when count > 1.
-struct Piece {
-  int begin;
-  int end;
-  int index;
-  int count;
-  int slot;
-};
-
 // Which keys of a KV block each query row of the tile sees: key column c (0..127 in the block)
 // is visible to tile row r (0..127) iff c < kv_len and c <= r + diag. `active` false: all of them
 // (no masking needed).
@@ -155,7 +126,6 @@ concept AttentionPolicy = requires(const P p, const WorkItem& item, int i, void*
   { p.store_state(co, crow, crow, item, i) } -> std::same_as<void>;
   { p.store(co, crow, item, i, scratch) } -> std::same_as<void>;
   { p.step_done(i) } -> std::same_as<void>;
-  { p.tail() } -> std::same_as<TailSplit>;
   { p.side_task(i, i) } -> std::same_as<void>;
   { p.finish() } -> std::same_as<void>;
 };
@@ -265,7 +235,6 @@ struct PlainAttention {
   int kv_blocks;
   int items;
   bool causal;
-  TailSplit split;  // non-causal: the last waves split by KV blocks (attention_host::plan)
 
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
@@ -332,7 +301,6 @@ struct PlainAttention {
   __device__ void store_state(const float (&)[kHeadDim / 2], const float (&)[2], const float (&)[2],
                               const WorkItem&, int) const {}
   __device__ void step_done(int) const {}
-  __device__ TailSplit tail() const { return split; }
   __device__ void side_task(int, int) const {}
   __device__ void finish() const {}
 };
@@ -345,26 +313,6 @@ struct PlainAttention {
 __device__ __forceinline__ int snake_item(int wave) {
   const int g = static_cast<int>(gridDim.x), c = static_cast<int>(blockIdx.x);
   return wave * g + (wave % 2 == 0 ? c : g - 1 - c);
-}
-
-// Where CTA c's run of a split tail begins, and the CTA whose run holds unit u (32-bit
-// arithmetic: the producer has few registers).
-__device__ __forceinline__ int tail_run_begin(const TailSplit& s, int c) {
-  const int g = static_cast<int>(gridDim.x), per = s.units / g, rem = s.units % g;
-  return c * per + min(c, rem);
-}
-__device__ __forceinline__ int tail_owner(const TailSplit& s, int u) {
-  const int g = static_cast<int>(gridDim.x), per = s.units / g, rem = s.units % g;
-  const int longer = rem * (per + 1);  // the first rem runs hold per + 1 units
-  return u < longer ? u / (per + 1) : rem + (u - longer) / per;
-}
-// The slot of piece j of the split tail's t-th item (its pieces are runs of CTAs c0, c0 + 1, ..:
-// every piece but the first starts its CTA's run; the first starts it when the item does).
-__device__ __forceinline__ int tail_slot(const TailSplit& s, int t, int j) {
-  const int first_unit = t * s.blocks;
-  const int c0 = tail_owner(s, first_unit);
-  if (j > 0) return 2 * (c0 + j);
-  return 2 * c0 + (tail_run_begin(s, c0) == first_unit ? 0 : 1);
 }
 
 template <class Cfg, class Policy>
@@ -390,7 +338,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   uint64_t* k_empty = k_full + kStages;
   uint64_t* v_full = k_empty + kStages;
   uint64_t* v_empty = v_full + kStages;
-  volatile int* merges = reinterpret_cast<volatile int*>(v_empty + kStages);  // [consumers]
 
   if (threadIdx.x == 0) {
     dev::mbarrier_init(q_full, 1);
@@ -405,37 +352,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
   __syncthreads();
 
-  // This CTA's work of a step, in order (the same tiles at every step): whole items in waves,
-  // then its run of the split tail, if any, in pieces.
+  // This CTA's items of a step, in order (the same tiles at every step).
   const int items = policy.num_items();
-  const TailSplit tail = policy.tail();
-  const int whole = tail.units > 0 ? tail.first : items;  // a multiple of the grid when split
-  auto for_each_piece = [&](int step, auto&& fn) {
-    const int g = static_cast<int>(gridDim.x), c = static_cast<int>(blockIdx.x);
-    const int lo = tail_run_begin(tail, c), hi = tail_run_begin(tail, c + 1);  // 0, 0: no split
-    int wave = 0, u = lo;
-    // One call site for fn (the consumer's mainloop inlined twice spilled registers).
-    while (wave * g < whole || u < hi) {
-      int t;
-      Piece pc;
-      if (wave * g < whole) {  // a whole item
-        t = snake_item(wave++);
-        if (t >= whole) continue;
-        pc = Piece{0, -1, 0, 1, 0};
-      } else {  // a piece of the split tail: its run's blocks of one item
-        const int tail_t = u / tail.blocks;
-        const int first_unit = tail_t * tail.blocks;
-        const int begin = u - first_unit;
-        const int end = min(tail.blocks, begin + (hi - u));
-        const int c0 = tail_owner(tail, first_unit);
-        pc = Piece{begin, end, c - c0, tail_owner(tail, first_unit + tail.blocks - 1) - c0 + 1,
-                   u == lo ? 2 * c : 2 * c + 1};
-        t = tail.first + tail_t;
-        u += end - begin;
-      }
-      const WorkItem w = policy.item(step, t);
-      if (pc.end < 0) pc.end = w.blocks;
-      fn(w, pc);
+  auto for_each_item = [&](int step, auto&& fn) {
+    for (int wave = 0; wave * static_cast<int>(gridDim.x) < items; ++wave) {
+      const int t = snake_item(wave);
+      if (t < items) fn(policy.item(step, t));
     }
   };
 
@@ -447,13 +369,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       int it = 0;     // KV blocks loaded by this CTA across items: position in the stage ring
       int tiles = 0;  // Q tiles loaded
       for (int step = 0; step < policy.num_steps(); ++step) {
-        for_each_piece(step, [&](const WorkItem& w, const Piece& pc) {
-          if (pc.end == pc.begin) return;
+        for_each_item(step, [&](const WorkItem& w) {
+          if (w.blocks == 0) return;
           dev::mbarrier_wait(q_empty, (tiles & 1) ^ 1);  // the first passes at once
           dev::mbarrier_arrive_expect_tx(q_full, Cfg::kQBytes);
           policy.load_q(q_smem, q_full, w);
           ++tiles;
-          for (int i = pc.begin; i < pc.end; ++i, ++it) {
+          for (int i = 0; i < w.blocks; ++i, ++it) {
             const int s = it % kStages;
             const uint32_t phase = ((it / kStages) & 1) ^ 1;
             policy.wait_kv(w, i);
@@ -513,70 +435,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
     };
 
-    // A piece of a split item (Piece::count > 1): its (O, m, l) to its slot, counted in; true
-    // for the piece that counts in last, which returns with every piece's state folded in piece
-    // order (O and l rescaled to the largest m).
-    auto merge_pieces = [&](float(&o)[Cfg::kORegs], OnlineSoftmax<Cfg::kSRegs>& softmax,
-                            const WorkItem& w, const Piece& pc) {
-      constexpr int kVecs = Cfg::kORegs / 4;
-      auto state = [&](int slot) {
-        return tail.partial +
-               (static_cast<int64_t>(slot) * Cfg::kConsumers + consumer) * (kVecs + 1) * 128 +
-               threadIdx.x % 128;
-      };
-      float4* mine = state(pc.slot);
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) {
-        mine[j * 128] = make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]);
-      }
-      mine[kVecs * 128] = make_float4(softmax.m[0], softmax.m[1], softmax.l[0], softmax.l[1]);
-      __threadfence();
-      dev::named_barrier_sync(kEpilogueBarrier0 + consumer, 128);
-      const int t = w.index - tail.first;
-      if (leader) {
-        merges[consumer] = atomicAdd(&tail.counters[t * Cfg::kConsumers + consumer], 1u) ==
-                           static_cast<unsigned>(pc.count - 1);
-      }
-      dev::named_barrier_sync(kEpilogueBarrier0 + consumer, 128);
-      if (!merges[consumer]) return false;
-      __threadfence();  // every piece's state, counted in before ours, is visible
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        softmax.m[h] = -INFINITY;
-        softmax.l[h] = 0.f;
-      }
-#pragma unroll
-      for (int i = 0; i < Cfg::kORegs; ++i) o[i] = 0.f;
-      for (int j = 0; j < pc.count; ++j) {
-        const float4* src = state(tail_slot(tail, t, j));
-        const float4 ml = __ldcg(src + kVecs * 128);
-        const float mj[2] = {ml.x, ml.y}, lj[2] = {ml.z, ml.w};
-        float a[2], b[2];  // the factors of the state so far and of piece j
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float mx = fmaxf(softmax.m[h], mj[h]);
-          a[h] = softmax.m[h] == -INFINITY ? 0.f : exp2_approx((softmax.m[h] - mx) * scale_log2);
-          b[h] = mj[h] == -INFINITY ? 0.f : exp2_approx((mj[h] - mx) * scale_log2);
-          softmax.l[h] = softmax.l[h] * a[h] + lj[h] * b[h];
-          softmax.m[h] = mx;
-        }
-#pragma unroll
-        for (int q = 0; q < kVecs; ++q) {
-          const float4 v = __ldcg(src + q * 128);
-          o[4 * q] = fmaf(o[4 * q], a[0], v.x * b[0]);
-          o[4 * q + 1] = fmaf(o[4 * q + 1], a[0], v.y * b[0]);
-          o[4 * q + 2] = fmaf(o[4 * q + 2], a[1], v.z * b[1]);
-          o[4 * q + 3] = fmaf(o[4 * q + 3], a[1], v.w * b[1]);
-        }
-      }
-      return true;
-    };
-
     int it = 0, tiles = 0;
     for (int step = 0; step < policy.num_steps(); ++step) {
-      for_each_piece(step, [&](const WorkItem& w, const Piece& pc) {
-        const int n = pc.end - pc.begin;      // this piece's blocks: pc.begin + 0 .. n - 1
-        if (n == 0 && w.carry_out) return;  // nothing to add, nothing to write yet
+      for_each_item(step, [&](const WorkItem& w) {
+        if (w.blocks == 0 && w.carry_out) return;  // nothing to add, nothing to write yet
         float o[Cfg::kORegs];
         OnlineSoftmax<Cfg::kSRegs> softmax;
         if (w.carry_in) {  // the state an earlier step of this tile left
@@ -585,7 +447,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
           for (int i = 0; i < Cfg::kORegs; ++i) o[i] = 0.f;
         }
-        if (n > 0) {
+        if (w.blocks > 0) {
           dev::mbarrier_wait(q_full, tiles & 1);
           ++tiles;
           float s[Cfg::kSRegs];
@@ -599,14 +461,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           dev::wgmma_fence_operands(s);
           if (leader) {
             dev::mbarrier_arrive(&k_empty[stage]);
-            if (n == 1) dev::mbarrier_arrive(q_empty);
+            if (w.blocks == 1) dev::mbarrier_arrive(q_empty);
           }
-          BlockMask mask = policy.mask(w, pc.begin);
+          BlockMask mask = policy.mask(w, 0);
           if (mask.active) apply_mask(s, mask, consumer);
           softmax.step(s, scale_log2, rescale);
           if (w.carry_in) rescale_o(o, rescale);
           to_fragments(s, p);
-          for (int i = 1; i < n; ++i) {
+          for (int i = 1; i < w.blocks; ++i) {
             const int prev = stage;
             stage = (it + i) % kStages;
             dev::mbarrier_wait(&k_full[stage], ((it + i) / kStages) & 1);
@@ -617,9 +479,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             dev::wgmma_fence_operands(s);
             if (leader) {
               dev::mbarrier_arrive(&k_empty[stage]);
-              if (i == n - 1) dev::mbarrier_arrive(q_empty);  // the tile's last Q K^T
+              if (i == w.blocks - 1) dev::mbarrier_arrive(q_empty);  // the tile's last Q K^T
             }
-            mask = policy.mask(w, pc.begin + i);
+            mask = policy.mask(w, i);
             if (mask.active) apply_mask(s, mask, consumer);
             softmax.step(s, scale_log2, rescale);
             dev::wgmma_wait<0>();  // P V is done: O and P may change
@@ -630,20 +492,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             rescale_o(o, rescale);
             to_fragments(s, p);
           }
-          dev::mbarrier_wait(&v_full[stage], ((it + n - 1) / kStages) & 1);
+          dev::mbarrier_wait(&v_full[stage], ((it + w.blocks - 1) / kStages) & 1);
           issue_pv(o, p, stage);
           dev::wgmma_wait<0>();
           dev::wgmma_fence_operands(o);
 #pragma unroll
           for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) dev::wgmma_fence_operands(p[kk]);
           if (leader) dev::mbarrier_arrive(&v_empty[stage]);
-          it += n;
+          it += w.blocks;
         }
         if (w.carry_out) {  // a later step of this tile goes on from here
           policy.store_state(o, softmax.m, softmax.l, w, consumer);
           return;
         }
-        if (pc.count > 1 && !merge_pieces(o, softmax, w, pc)) return;  // another piece stores
         // Normalise: l over the quad; a row that saw no key keeps O = 0 and gets LSE = -inf.
         float row_lse[2];
 #pragma unroll

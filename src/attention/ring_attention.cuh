@@ -269,9 +269,6 @@ struct RingAttention {
     atomicAdd(reinterpret_cast<unsigned long long*>(done() + round), 1ull);
   }
 
-  // Every item whole (its rounds carry the state instead).
-  __device__ TailSplit tail() const { return {}; }
-
   // The copies (see the header). Vector v of a chunk is element 8 v of [B, S_local, H_kv, D].
   __device__ int64_t share_begin(int channel) const {
     return chunk_vectors * channel / static_cast<int64_t>(gridDim.x);

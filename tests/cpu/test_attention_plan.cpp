@@ -72,40 +72,6 @@ TEST(AttentionPlan, TilesStagesItemsAndCtas) {
   }
 }
 
-// Non-causal items that leave the last wave part full: the last partial wave and the whole one
-// before it split over every CTA by KV blocks, when that saves two blocks' time a CTA; never
-// causal (the snake balances its unequal items), never a full last wave.
-TEST(AttentionPlan, SplitsTheLastWavesOfEqualItems) {
-  // 2048 items of 64 blocks on 132 CTAs: 15 whole waves and 68 items; waves 0-13 whole, the
-  // last 200 items split (about 97 blocks a CTA instead of 128).
-  const AttentionPlan p = attention_plan(problem(1, 8192, 8192, 32, 32, 128), sms(132));
-  EXPECT_EQ(p.items, 2048);
-  EXPECT_EQ(p.ctas, 132);
-  EXPECT_EQ(p.split_items, 2048 - 14 * 132);
-  // A slot of (O, m, l) per consumer for each of a CTA's two pieces, then the counters.
-  EXPECT_EQ(p.scratch_bytes, std::size_t{2 * 132} * 2 * (128 / 8 + 1) * 128 * 16 + 200 * 2 * 4);
-  EXPECT_NE(p.describe().find("the last 200 items split over the CTAs by KV blocks"),
-            std::string::npos)
-      << p.describe();
-  // Fewer items than CTAs: all of them split, and every CTA takes part.
-  const AttentionPlan few = attention_plan(problem(1, 1024, 4096, 4, 4, 128), sms(132));
-  EXPECT_EQ(few.split_items, 32);
-  EXPECT_EQ(few.ctas, 132);
-  // Causal: never.
-  const AttentionPlan causal = attention_plan(problem(1, 8192, 8192, 32, 32, 128, true), sms(132));
-  EXPECT_EQ(causal.split_items, 0);
-  EXPECT_EQ(causal.scratch_bytes, 0u);
-  // A full last wave: nothing to gain.
-  EXPECT_EQ(attention_plan(problem(1, 4096, 4096, 33, 33, 128), sms(132)).split_items, 0);
-  // 1024 items of 8 blocks: 7 waves and 100 items; split, 232 items would take ~15 blocks a
-  // CTA against 16: under two blocks saved, not split.
-  EXPECT_EQ(attention_plan(problem(8, 1024, 1024, 16, 16, 128), sms(132)).split_items, 0);
-  // Two blocks: splitting cannot save two.
-  const AttentionPlan short_kv = attention_plan(problem(1, 128, 256, 1, 1, 64), sms(132));
-  EXPECT_EQ(short_kv.split_items, 0);
-  EXPECT_EQ(short_kv.ctas, 1);
-}
-
 TEST(AttentionPlan, RefusesBadProblemsNamingThem) {
   expect_refused(problem(1, 128, 128, 4, 4, 96), sms(8), "head_dim = 96");
   expect_refused(problem(1, 128, 128, 4, 4, 256), sms(8), "expected 64 or 128");
