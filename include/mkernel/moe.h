@@ -114,4 +114,42 @@ void moe_combine(Communicator& comm, const MoeProblem& problem, const void* y,
                  const float* topk_weights, const int32_t* handle, void* out, void* workspace,
                  cudaStream_t stream, const MoeConfig& config = {});
 
+// ---- the whole MoE layer ---------------------------------------------------------------------
+//
+// out[t] = sum over token t's slots j of topk_weights[t][j] * expert e_j's
+//   (silu(x Wg^T) * (x Wu^T)) W2^T,   e_j = topk_idx[t][j]
+// with this rank's experts' weights in nn.Linear's layout, bf16:
+//   w13 [E_local, 2I, H]  each expert's gate rows (I of them), then its up rows: Mixtral's w1
+//                         and w3, DeepSeek's / Qwen's gate_proj and up_proj, stacked (Python:
+//                         mkernel.moe_weights_from_hf builds it from a Hugging Face MoE block)
+//   w2  [E_local, H, I]   its down projection (w2 / down_proj)
+// The intermediate silu(gate) * up is computed in fp32 and rounded to bf16 once; the combine sums
+// in fp32 in slot order and rounds once (bit for bit whatever arrives first, as moe_combine).
+// I a positive multiple of 64. The routing contract (-1 slots, capacity errors, GPU-side index
+// checks, worst-case buffers, one node) is moe_dispatch's; the layout (padded or masked) is the
+// one the experts' rows take between the steps.
+//
+// Today four launches on `stream`: moe_dispatch, the gate / up grouped GEMM with SwiGLU in its
+// epilogue, the down grouped GEMM, moe_combine. (One persistent launch with both GEMMs and the
+// combine overlapped is the plan: docs/design/moe_layer.md.)
+struct MoeLayerPlan {
+  MoePlan dispatch;              // the dispatch / combine (symmetric workspace: its bytes)
+  int64_t intermediate = 0;      // I
+  std::size_t scratch_bytes = 0; // per call, stream-ordered (cudaMallocAsync): the dispatched
+                                 // rows, the intermediate, the experts' outputs (dispatch.rows
+                                 // x (2H + I) bf16), their counts and the handle
+  std::string describe() const;
+};
+MoeLayerPlan moe_layer_plan(const Communicator& comm, const MoeProblem& problem,
+                            int64_t intermediate, const MoeConfig& config = {});
+
+// x [T, H] bf16; topk_idx [T, k] (index_type); topk_weights [T, k] fp32; w13, w2 as above; out
+// [T, H] bf16. workspace: symmetric, moe_workspace_bytes(comm, problem), at the same offset on
+// every rank. config.sms: CTAs of the dispatch and combine (0: the communicator's budget) and
+// of the GEMMs (0: every SM); config.block_n: the down GEMM's tile width.
+void moe_layer(Communicator& comm, const MoeProblem& problem, int64_t intermediate, const void* x,
+               const void* topk_idx, IndexType index_type, const float* topk_weights,
+               const void* w13, const void* w2, void* out, void* workspace, cudaStream_t stream,
+               const MoeConfig& config = {});
+
 }  // namespace mk

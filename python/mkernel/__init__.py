@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - exercised on machines without torch
 
 __all__ = ["Communicator", "MkernelError", "init", "gemm", "grouped_gemm", "ag_gemm", "gemm_rs",
            "gemm_ar", "moe_dispatch", "moe_dispatch_gemm", "moe_combine", "MoeHandle",
+           "moe_layer", "moe_weights_from_hf",
            "attention", "ring_attention", "zigzag_shard", "zigzag_unshard", "dtype_name", "DTYPES",
            "ERROR_CODES"]
 __version__ = "0.1.0"
@@ -797,7 +798,7 @@ if torch is not None:
     from mkernel.attention_ops import (attention, ring_attention,  # noqa: E402 - needs the above
                                        zigzag_shard, zigzag_unshard)
     from mkernel.moe import (MoeHandle, moe_combine, moe_dispatch,  # noqa: E402 - needs the above
-                             moe_dispatch_gemm)
+                             moe_dispatch_gemm, moe_layer, moe_weights_from_hf)
 else:  # pragma: no cover - without torch there are no tensors to route
     def attention(q, k, v, **kwargs):
         """Needs PyTorch; see mkernel.attention_ops."""
@@ -828,3 +829,11 @@ else:  # pragma: no cover - without torch there are no tensors to route
     def moe_dispatch_gemm(x, topk_idx, w, comm, num_experts, **kwargs):
         """Needs PyTorch; see mkernel.moe."""
         _require_torch("moe_dispatch_gemm")
+
+    def moe_layer(x, topk_idx, topk_weights, w13, w2, comm, num_experts, **kwargs):
+        """Needs PyTorch; see mkernel.moe."""
+        _require_torch("moe_layer")
+
+    def moe_weights_from_hf(experts):
+        """Needs PyTorch; see mkernel.moe."""
+        _require_torch("moe_weights_from_hf")

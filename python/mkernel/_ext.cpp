@@ -666,4 +666,46 @@ NB_MODULE(_C, m) {
       "sms"_a = 0,
       "out[T, H] = per token, the sum over its slots of weight x the expert's row (fp32, slot "
       "order). Stream-ordered.");
+
+  // ---- the MoE layer ----
+  m.def(
+      "moe_layer_plan",
+      [](const mk::Communicator& comm, int64_t tokens, int64_t max_tokens, int64_t hidden,
+         int top_k, int num_experts, std::string_view layout, int64_t capacity,
+         int64_t intermediate, int sms, int block_n) {
+        const mk::MoeLayerPlan p = mk::moe_layer_plan(
+            comm,
+            moe_problem(tokens, max_tokens, hidden, top_k, num_experts, layout, capacity,
+                        "moe_layer_plan"),
+            intermediate, mk::MoeConfig{sms, block_n});
+        return nb::make_tuple(p.dispatch.rows, p.dispatch.capacity, p.dispatch.experts_local,
+                              p.dispatch.ctas, p.dispatch.workspace_bytes, p.scratch_bytes,
+                              p.describe());
+      },
+      "comm"_a, "tokens"_a, "max_tokens"_a, "hidden"_a, "top_k"_a, "num_experts"_a, "layout"_a,
+      "capacity"_a, "intermediate"_a, "sms"_a = 0, "block_n"_a = 0,
+      "(rows, capacity, experts_local, ctas, workspace_bytes, scratch_bytes, description) of a "
+      "MoE layer.");
+  m.def(
+      "moe_layer",
+      [](mk::Communicator& comm, int64_t tokens, int64_t max_tokens, int64_t hidden, int top_k,
+         int num_experts, std::string_view layout, int64_t capacity, int64_t intermediate,
+         std::uintptr_t x, std::uintptr_t topk_idx, bool int64_index, std::uintptr_t topk_weights,
+         std::uintptr_t w13, std::uintptr_t w2, std::uintptr_t out, std::uintptr_t workspace,
+         std::uintptr_t stream, int sms, int block_n) {
+        const mk::MoeProblem p = moe_problem(tokens, max_tokens, hidden, top_k, num_experts, layout,
+                                             capacity, "moe_layer");
+        nb::gil_scoped_release nogil;
+        mk::moe_layer(comm, p, intermediate, as_pointer<const void>(x),
+                      as_pointer<const void>(topk_idx),
+                      int64_index ? mk::IndexType::kInt64 : mk::IndexType::kInt32,
+                      as_pointer<const float>(topk_weights), as_pointer<const void>(w13),
+                      as_pointer<const void>(w2), as_pointer(out), as_pointer(workspace),
+                      as_stream(stream), mk::MoeConfig{sms, block_n});
+      },
+      "comm"_a, "tokens"_a, "max_tokens"_a, "hidden"_a, "top_k"_a, "num_experts"_a, "layout"_a,
+      "capacity"_a, "intermediate"_a, "x"_a, "topk_idx"_a, "int64_index"_a, "topk_weights"_a,
+      "w13"_a, "w2"_a, "out"_a, "workspace"_a, "stream"_a, "sms"_a = 0, "block_n"_a = 0,
+      "The whole MoE layer: dispatch, gate / up + SwiGLU, down, weighted combine "
+      "(mkernel/moe.h). Stream-ordered.");
 }

@@ -9,6 +9,11 @@ destination rank::
     y = mkernel.grouped_gemm(recv_x, w_local, expert_rows)         # the local experts' work
     out = mkernel.moe_combine(y, topk_weights, handle, comm)         # [T, H] at the source
 
+The whole layer in one call (dispatch, gate / up with SwiGLU, down, weighted combine)::
+
+    w13, w2 = mkernel.moe_weights_from_hf(experts_of_this_rank)     # from a Hugging Face block
+    out = mkernel.moe_layer(x, topk_idx, topk_weights, w13, w2, comm, num_experts)
+
 Rows of an expert come in (source rank, token, slot) order, so both ops reproduce bit for bit.
 Nothing synchronises with the host and both work in CUDA graphs (routing may change between
 replays) and under torch.compile. A row past its expert's room, or an expert id out of range,
@@ -24,7 +29,8 @@ from mkernel import _C, _check_device, _communicator, _direct
 
 import torch
 
-__all__ = ["MoeHandle", "moe_dispatch", "moe_dispatch_gemm", "moe_combine", "moe_plan"]
+__all__ = ["MoeHandle", "moe_dispatch", "moe_dispatch_gemm", "moe_combine", "moe_plan", "moe_layer",
+           "moe_layer_plan", "moe_weights_from_hf"]
 
 _LAYOUTS = ("padded", "masked")
 
@@ -297,3 +303,130 @@ def moe_combine(y: "torch.Tensor", topk_weights: "torch.Tensor", handle: MoeHand
     op = _combine_impl if _direct(y, topk_weights, handle.rows) else _combine_op
     return op(y, topk_weights, handle.rows, comm._id, handle.num_experts, handle.layout,
               handle.capacity, handle.max_tokens, sms)
+
+
+def moe_layer_plan(comm, tokens: int, hidden: int, top_k: int, num_experts: int,
+                   intermediate: int, *, layout: str = "padded", capacity: int = 0,
+                   max_tokens: int = 0, sms: int = 0, block_n: int = 0):
+    """(rows, capacity, experts_local, ctas, workspace_bytes, scratch_bytes, description) of a
+    moe_layer call: the symmetric workspace it shares with the dispatch, and the per-call scratch
+    (the dispatched rows, the intermediate, the experts' outputs) it takes from the allocator."""
+    return _C.moe_layer_plan(comm._impl, tokens, max_tokens if max_tokens > 0 else tokens, hidden,
+                             top_k, num_experts, layout, capacity, intermediate, sms, block_n)
+
+
+def _layer_shapes(x, topk_idx, topk_weights, w13, w2, op="moe_layer"):
+    """(E_local, I) of the experts' weights, after checking every shape against x."""
+    if x.dim() != 2 or topk_idx.dim() != 2 or topk_weights.dim() != 2:
+        raise ValueError(f"mkernel.{op}: x must be [T, H], topk_idx and topk_weights [T, k]; got "
+                         f"{tuple(x.shape)}, {tuple(topk_idx.shape)} and "
+                         f"{tuple(topk_weights.shape)}")
+    if tuple(topk_idx.shape) != tuple(topk_weights.shape) or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"mkernel.{op}: topk_idx {tuple(topk_idx.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be [T, k] with T = "
+                         f"{x.shape[0]}")
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"mkernel.{op}: w13 must be [E_local, 2I, H] and w2 [E_local, H, I]; "
+                         f"got {tuple(w13.shape)} and {tuple(w2.shape)}")
+    experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    if hidden != x.shape[1] or two_i % 2 != 0 or tuple(w2.shape) != (experts, hidden, inter):
+        raise ValueError(f"mkernel.{op}: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not "
+                         f"fit x {tuple(x.shape)}: expected w13 [E_local, 2I, {x.shape[1]}] and "
+                         f"w2 [E_local, {x.shape[1]}, I]")
+    return experts, inter
+
+
+def _layer_impl(x, topk_idx, topk_weights, w13, w2, comm, num_experts, layout, capacity,
+                max_tokens, sms, block_n):
+    c = _communicator(comm, "moe_layer")
+    experts, inter = _layer_shapes(x, topk_idx, topk_weights, w13, w2)
+    tokens, max_tokens, hidden, top_k = _problem(c, x, topk_idx, num_experts, layout, capacity,
+                                                 max_tokens, "moe_layer")
+    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"mkernel.moe_layer: {name} has dtype {t.dtype}; expected bfloat16")
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"mkernel.moe_layer: topk_idx has dtype {topk_idx.dtype}; expected int32 "
+                         "or int64")
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"mkernel.moe_layer: topk_weights has dtype {topk_weights.dtype}; "
+                         "expected float32")
+    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights),
+                    ("w13", w13), ("w2", w2)):
+        _check_device("moe_layer", name, t, c._device)
+    plan = _C.moe_layer_plan(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout,
+                             capacity, inter, sms, block_n)
+    if experts != plan[2]:
+        raise ValueError(f"mkernel.moe_layer: w13 and w2 hold {experts} experts; this rank has "
+                         f"{plan[2]} (num_experts / world)")
+    x2, idx2, wt2 = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
+    w13c, w2c = w13.contiguous(), w2.contiguous()
+    out = torch.empty((tokens, hidden), dtype=torch.bfloat16, device=x.device)
+    ws = c._workspace(plan[4], "moe_layer", "moe")
+    _C.moe_layer(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout, capacity, inter,
+                 x2.data_ptr(), idx2.data_ptr(), idx2.dtype == torch.int64, wt2.data_ptr(),
+                 w13c.data_ptr(), w2c.data_ptr(), out.data_ptr(), ws.data_ptr(), c._stream(),
+                 sms, block_n)
+    return out
+
+
+_layer_op = torch.library.custom_op(
+    "mkernel::moe_layer", mutates_args=(),
+    schema="(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w13, Tensor w2, int comm, "
+           "int num_experts, str layout, int capacity, int max_tokens, int sms, int block_n) "
+           "-> Tensor")(_layer_impl)
+
+
+@_layer_op.register_fake
+def _layer_fake(x, topk_idx, topk_weights, w13, w2, comm, num_experts, layout, capacity,
+                max_tokens, sms, block_n):
+    _layer_shapes(x, topk_idx, topk_weights, w13, w2)
+    return x.new_empty(tuple(x.shape))
+
+
+def moe_layer(x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.Tensor",
+              w13: "torch.Tensor", w2: "torch.Tensor", comm, num_experts: int, *,
+              layout: str = "padded", capacity: int = 0, max_tokens: int = 0, sms: int = 0,
+              block_n: int = 0) -> "torch.Tensor":
+    """An expert-parallel MoE layer: out [T, H] bf16.
+
+    out[t] = sum over t's slots j of topk_weights[t, j] * (silu(x Wg^T) * (x Wu^T)) W2^T of
+    expert topk_idx[t, j], where this rank's experts' weights are w13 [E_local, 2I, H] (each
+    expert's gate rows, then its up rows: Mixtral's w1 / w3, DeepSeek's and Qwen's gate_proj /
+    up_proj - moe_weights_from_hf stacks them) and w2 [E_local, H, I] (down_proj), bf16, I a
+    multiple of 64. x [T, H] bf16, topk_idx [T, k] int32 / int64 (global expert ids, -1 = none),
+    topk_weights [T, k] float32; num_experts, layout, capacity and max_tokens as moe_dispatch's.
+    The intermediate is rounded to bf16 once; the combine sums in fp32 in slot order (the same
+    bits every run). Today four launches (dispatch, gate / up with SwiGLU in the GEMM's epilogue,
+    down, combine); a CUDA graph replays them with new routing, torch.compile sees one op.
+    """
+    op = _layer_impl if _direct(x, topk_idx, topk_weights, w13, w2) else _layer_op
+    return op(x, topk_idx, topk_weights, w13, w2, comm._id, num_experts, layout, capacity,
+              max_tokens, sms, block_n)
+
+
+_HF_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def moe_weights_from_hf(experts):
+    """(w13 [E, 2I, H], w2 [E, H, I]) from Hugging Face MoE experts, in their order.
+
+    experts: the expert modules of the experts this rank holds - e.g.
+    block.experts[r * E_local:(r + 1) * E_local] of a Mixtral block (w1 = gate, w3 = up, w2 =
+    down) or of a Qwen-MoE / DeepSeek block (gate_proj, up_proj, down_proj): each an nn.Linear
+    with weight [out, in]. Returns new contiguous tensors with the experts' dtype and device.
+    """
+    experts = list(experts)
+    if not experts:
+        raise ValueError("mkernel.moe_weights_from_hf: no experts given")
+    for gate_name, up_name, down_name in _HF_NAMES:
+        if all(hasattr(e, gate_name) and hasattr(e, up_name) and hasattr(e, down_name)
+               for e in experts):
+            w13 = torch.stack([torch.cat([getattr(e, gate_name).weight.detach(),
+                                          getattr(e, up_name).weight.detach()], dim=0)
+                               for e in experts])
+            w2 = torch.stack([getattr(e, down_name).weight.detach() for e in experts])
+            return w13.contiguous(), w2.contiguous()
+    raise ValueError("mkernel.moe_weights_from_hf: the experts have neither gate_proj / up_proj / "
+                     "down_proj nor w1 / w3 / w2")

@@ -53,6 +53,19 @@ GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block
 }  // namespace gemm_engine
 
 namespace gemm_engine {
+// The experts' gate / up projection with SwiGLU (grouped_gemm.cuh, GroupedSwiglu):
+// h[rows, I] = silu(A Wg^T) * (A Wu^T) per group, w13 [groups][2I, H] bf16 (the gate's I rows,
+// then the up's), A [rows, H] and groups as grouped_gemm()'s (`rows`: max_rows, or the capacity
+// of a group when masked); I a multiple of 64, H of 8. Errors name `op`.
+void grouped_swiglu(const void* a, const void* w13, void* h, const int32_t* group_rows,
+                    int groups, int64_t rows, int64_t intermediate, int64_t hidden,
+                    GroupedLayout layout, int sms, cudaStream_t stream, const char* op);
+// Loads the grouped GEMM's kernels (every width and B layout) and grouped_swiglu's now: ops that
+// launch them between kernels that wait for peers (moe_layer) must not load them lazily.
+void preload_grouped();
+}  // namespace gemm_engine
+
+namespace gemm_engine {
 // Stream-ordered scratch: cudaMallocAsync when made, cudaFreeAsync on the same stream when it
 // goes out of scope - after whatever was enqueued meanwhile, on success and on a throw alike.
 class StreamScratch {

@@ -155,7 +155,9 @@ __host__ __device__ constexpr int last_tile_rows(int64_t m) {
 
 // What a Fusion policy declares about itself (`static constexpr FusionTraits kTraits`): the
 // optional hooks it provides (signatures in the header above), whether its B is batched
-// ([batches][...], the tile's `shard` picks the batch: 3-D boxes), and the registers per thread
+// ([batches][...], the tile's `shard` picks the batch: 3-D boxes) or loaded by the policy itself
+// (load_b(dst, bar, tile, k0): a stage's kBBytes of B, as the engine's boxes would lay it out -
+// e.g. rows gathered from two places of one matrix), and the registers per thread
 // of the producer and the consumer warpgroups (side work may need more than the defaults).
 // setmaxnreg moves registers within what the CTA was launched with - 168 per thread (64 K / 384,
 // in steps of 8) - so producer + 2 x consumer must stay within 3 x 168 = 504, or the consumers'
@@ -166,6 +168,7 @@ struct FusionTraits {
   bool mid_tile = false;
   bool epilogue_loads = false;
   bool batched_b = false;
+  bool load_b = false;
   bool split_k = false;  // work items may be pieces of a tile's k-blocks (Tile::kb_begin, kb_end)
   int producer_regs = 40;
   int consumer_regs = 232;
@@ -190,6 +193,10 @@ concept FusionBase = requires(const F f, const Tile& tile, int i, void* dst, uin
 template <class F>
 concept HasARows = requires(const F f, const Tile& tile) {
   { f.a_rows(tile) } -> std::same_as<int>;
+};
+template <class F>
+concept HasLoadB = requires(const F f, void* dst, uint64_t* bar, const Tile& tile, int k0) {
+  { f.load_b(dst, bar, tile, k0) } -> std::same_as<void>;
 };
 template <class F>
 concept HasInitShared = requires(const F f) {
@@ -225,7 +232,8 @@ constexpr bool fusion_matches() {
     return false;
   } else {
     constexpr FusionTraits t = F::kTraits;
-    return t.a_rows == HasARows<F> && t.init_shared == HasInitShared<F> &&
+    return t.a_rows == HasARows<F> && t.load_b == HasLoadB<F> &&
+           t.init_shared == HasInitShared<F> &&
            t.mid_tile == HasMidTile<F> && t.epilogue_loads == HasEpilogueLoads<F> &&
            (t.epilogue_loads ? HasRingStore<F, Cfg::kAccRegs>
                              : HasStore<F, Cfg::kAccRegs>)&&t.producer_regs %
@@ -246,6 +254,8 @@ constexpr bool check_fusion() {
                 "consumer_done, side_task and finish with the engine's signatures");
   constexpr FusionTraits traits = F::kTraits;
   static_assert(traits.a_rows == HasARows<F>, "kTraits.a_rows does not match an a_rows(tile)");
+  static_assert(traits.load_b == HasLoadB<F>,
+                "kTraits.load_b does not match a load_b(dst, bar, tile, k0)");
   static_assert(traits.init_shared == HasInitShared<F>,
                 "kTraits.init_shared does not match an init_shared()");
   static_assert(traits.mid_tile == HasMidTile<F>,
@@ -510,7 +520,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           dev::mbarrier_wait(&empty[s], phase ^ 1);  // first lap passes at once
           dev::mbarrier_arrive_expect_tx(&full[s], stage_bytes);
           fusion.load_a(stage_a(s), &full[s], tile, kb * Cfg::kBlockK);
-          if constexpr (kTraits.batched_b) {  // B [batches][...]: 3-D boxes, batch = shard
+          if constexpr (kTraits.load_b) {
+            fusion.load_b(stage_b(s), &full[s], tile, kb * Cfg::kBlockK);
+          } else if constexpr (kTraits.batched_b) {  // B [batches][...]: 3-D boxes, batch = shard
             if constexpr (kTransB) {
 #pragma unroll
               for (int j = 0; j < Cfg::kBlockN / 64; ++j) {

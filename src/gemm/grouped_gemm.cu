@@ -98,25 +98,72 @@ void launch(const void* a, const void* b, void* c, const int32_t* scratch, int g
 
 }  // namespace
 
-void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_rows, int groups,
-                  int64_t rows, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream,
-                  const GemmConfig& config, GroupedLayout layout) {
+namespace {
+
+// What every grouped launch checks first (errors name `op`): groups, layout, rows. Returns the
+// rows of A and C.
+int64_t grouped_total_rows(const char* op, int groups, int64_t rows, GroupedLayout layout) {
+  auto refuse = [&](const std::string& what) {
+    throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": " + what);
+  };
   if (groups < 1 || groups > 65536) {
-    invalid("groups = " + std::to_string(groups) + "; expected 1..65536");
+    refuse("groups = " + std::to_string(groups) + "; expected 1..65536");
   }
   if (layout != GroupedLayout::kContiguous && layout != GroupedLayout::kMasked &&
       layout != GroupedLayout::kPadded) {
-    invalid("unknown grouped layout");
+    refuse("unknown grouped layout");
   }
   const bool masked = layout == GroupedLayout::kMasked;
   const char* rows_name = masked ? "rows (the capacity of a group)" : "max_rows";
   if (rows < 1 || rows >= (int64_t{1} << 31)) {
-    invalid(std::string(rows_name) + " = " + std::to_string(rows) + "; expected 1 .. 2^31 - 1");
+    refuse(std::string(rows_name) + " = " + std::to_string(rows) + "; expected 1 .. 2^31 - 1");
   }
   const int64_t total_rows = masked ? rows * groups : rows;  // rows of A and C
   if (total_rows >= (int64_t{1} << 31)) {
-    invalid("groups x rows = " + std::to_string(total_rows) + "; expected < 2^31");
+    refuse("groups x rows = " + std::to_string(total_rows) + "; expected < 2^31");
   }
+  return total_rows;
+}
+
+// Then the pointers and overlaps. c_cols: columns of C; b_elems: elements of all groups' B.
+void check_grouped_pointers(const char* op, const void* a, const void* b, void* c,
+                            const int32_t* group_rows, int groups, int64_t total_rows,
+                            int64_t c_cols, int64_t b_elems, int64_t k, int device) {
+  gemm_engine::require_device_pointer(a, op, "A", device);
+  gemm_engine::require_device_pointer(b, op, "B", device);
+  gemm_engine::require_device_pointer(c, op, "C", device);
+  gemm_engine::require_device_pointer(group_rows, op, "group_rows", device, 4);
+  const auto a_rows = static_cast<std::size_t>(total_rows);
+  detail::require_disjoint(
+      op, {{"A", a, a_rows * k * 2, false},
+           {"B", b, static_cast<std::size_t>(b_elems) * 2, false},
+           {"C", c, a_rows * c_cols * 2, true},
+           {"group_rows", group_rows, static_cast<std::size_t>(groups) * 4, false}});
+}
+
+// The prep kernel's tables (row_start, row_count, tile_prefix) for tiles_n tiles a tile-row, in
+// stream-ordered scratch.
+int32_t* prep_groups(const gemm_engine::StreamScratch& scratch, const int32_t* group_rows,
+                     int groups, int64_t total_rows, int64_t rows, GroupedLayout layout,
+                     int tiles_n, cudaStream_t stream) {
+  auto* tables = static_cast<int32_t*>(scratch.get());
+  gemm_engine::grouped_prep_kernel<<<1, gemm_engine::kPrepThreads, 0, stream>>>(
+      group_rows, groups, total_rows, layout == GroupedLayout::kMasked ? rows : 0,
+      layout == GroupedLayout::kPadded ? kGroupedRowBlock : 1, tiles_n, tables, tables + groups,
+      tables + 2 * groups);
+  return tables;
+}
+
+std::size_t prep_bytes(int groups) {
+  return (3 * static_cast<std::size_t>(groups) + 1) * sizeof(int32_t);
+}
+
+}  // namespace
+
+void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_rows, int groups,
+                  int64_t rows, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream,
+                  const GemmConfig& config, GroupedLayout layout) {
+  const int64_t total_rows = grouped_total_rows(kOp, groups, rows, layout);
   gemm_engine::require_multiple_of_8(n, kOp, "N");
   gemm_engine::require_multiple_of_8(k, kOp, "K");
   if (n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31)) invalid("N and K must be < 2^31");
@@ -126,16 +173,9 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
   }
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
-  gemm_engine::require_device_pointer(a, kOp, "A", device);
-  gemm_engine::require_device_pointer(b, kOp, "B", device);
-  gemm_engine::require_device_pointer(c, kOp, "C", device);
-  gemm_engine::require_device_pointer(group_rows, kOp, "group_rows", device, 4);
-  const auto a_rows = static_cast<std::size_t>(total_rows);
-  detail::require_disjoint(
-      kOp, {{"A", a, a_rows * k * 2, false},
-            {"B", b, static_cast<std::size_t>(groups) * n * k * 2, false},
-            {"C", c, a_rows * n * 2, true},
-            {"group_rows", group_rows, static_cast<std::size_t>(groups) * 4, false}});
+  check_grouped_pointers(kOp, a, b, c, group_rows, groups, total_rows, n, int64_t{groups} * n * k,
+                         k, device);
+  const bool masked = layout == GroupedLayout::kMasked;
   const detail::Overrides& overrides = detail::process_overrides();
   int sms = config.sms;
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -159,17 +199,65 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
                  block_n, sms);
   }
   // row_start [groups], row_count [groups], tile_prefix [groups + 1] (freed after the launch)
-  const gemm_engine::StreamScratch scratch_memory(
-      (3 * static_cast<std::size_t>(groups) + 1) * sizeof(int32_t), stream);
-  auto* scratch = static_cast<int32_t*>(scratch_memory.get());
+  const gemm_engine::StreamScratch scratch_memory(prep_bytes(groups), stream);
   const int tiles_n = static_cast<int>((n + block_n - 1) / block_n);
-  gemm_engine::grouped_prep_kernel<<<1, gemm_engine::kPrepThreads, 0, stream>>>(
-      group_rows, groups, total_rows, masked ? rows : 0,
-      layout == GroupedLayout::kPadded ? kGroupedRowBlock : 1, tiles_n, scratch, scratch + groups,
-      scratch + 2 * groups);
+  const int32_t* scratch = prep_groups(scratch_memory, group_rows, groups, total_rows, rows,
+                                       layout, tiles_n, stream);
   gemm_engine::dispatch(block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     launch<kBlockN, kTransB>(a, b, c, scratch, groups, total_rows, n, k, sms, stream);
   });
+}
+
+void gemm_engine::preload_grouped() {
+  preload_all<GroupedGemm>();
+  prepared_kernel<128, false, GroupedSwiglu>();
+}
+
+void gemm_engine::grouped_swiglu(const void* a, const void* w13, void* h, const int32_t* group_rows,
+                                 int groups, int64_t rows, int64_t intermediate, int64_t hidden,
+                                 GroupedLayout layout, int sms, cudaStream_t stream,
+                                 const char* op) {
+  const int64_t total_rows = grouped_total_rows(op, groups, rows, layout);
+  if (intermediate < 64 || intermediate % 64 != 0 || intermediate >= (int64_t{1} << 30)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(op) + ": intermediate = " + std::to_string(intermediate) +
+                    "; expected a positive multiple of 64 (SwiGLU tiles: 64 gate and 64 up "
+                    "columns side by side)");
+  }
+  gemm_engine::require_multiple_of_8(hidden, op, "hidden");
+  int device = 0;
+  MK_CUDA_CHECK(cudaGetDevice(&device));
+  if (hidden >= (int64_t{1} << 31)) {
+    throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": hidden must be < 2^31");
+  }
+  check_grouped_pointers(op, a, w13, h, group_rows, groups, total_rows, intermediate,
+                         int64_t{groups} * 2 * intermediate * hidden, hidden, device);
+  if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const StreamScratch scratch_memory(prep_bytes(groups), stream);
+  const int tiles_n = static_cast<int>(intermediate / 64);
+  const int32_t* tables = prep_groups(scratch_memory, group_rows, groups, total_rows, rows, layout,
+                                      tiles_n, stream);
+  GroupedSwiglu f{};
+  f.a = make_map(a, total_rows, hidden, 128);
+  f.c = make_map(h, total_rows, intermediate, 64);
+  f.c_ptr = static_cast<__nv_bfloat16*>(h);
+  f.row_start = tables;
+  f.row_count = tables + groups;
+  f.tile_prefix = tables + 2 * groups;
+  f.groups = groups;
+  f.tiles_n = tiles_n;
+  f.n = static_cast<int>(intermediate);
+  // w13 [G][2][I / 64][64][H]: a box is 64 rows of the gate and the same 64 rows of the up.
+  const cuuint64_t dims[5] = {static_cast<cuuint64_t>(hidden), 64,
+                              static_cast<cuuint64_t>(intermediate / 64), 2,
+                              static_cast<cuuint64_t>(groups)};
+  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(hidden) * 2,
+                                 static_cast<cuuint64_t>(hidden) * 64 * 2,
+                                 static_cast<cuuint64_t>(hidden * intermediate) * 2,
+                                 static_cast<cuuint64_t>(hidden * intermediate) * 4};
+  const cuuint32_t box[5] = {64, 64, 1, 2, 1};
+  f.w13 = encode_map(w13, 5, dims, strides, box);
+  launch<128, false>(f, f.w13, hidden, sms, stream, op);
 }
 
 }  // namespace mk

@@ -54,6 +54,18 @@ struct RingWithoutRingStore : Plain {
   __device__ int epilogue_loads(const Tile&) const { return 0; }
   __device__ void load_epilogue(void*, uint64_t*, const Tile&, int) const {}
 };
+// load_b declared and provided; declared without the hook; provided and not declared.
+struct LoadB : Plain {
+  static constexpr FusionTraits kTraits{.load_b = true};
+  __device__ void load_b(void*, uint64_t*, const Tile&, int) const {}
+};
+struct LoadBMissing : Plain {
+  static constexpr FusionTraits kTraits{.load_b = true};
+};
+struct LoadBUndeclared : Plain {
+  static constexpr FusionTraits kTraits{};
+  __device__ void load_b(void*, uint64_t*, const Tile&, int) const {}
+};
 // A register split the CTA cannot give.
 struct TooManyRegisters : Plain {
   static constexpr FusionTraits kTraits{.producer_regs = 64, .consumer_regs = 232};
@@ -71,6 +83,9 @@ static_assert(!fusion_matches<Cfg, MidTileMisspelt>());
 static_assert(!fusion_matches<Cfg, MidTileUndeclared>());
 static_assert(!fusion_matches<Cfg, ARowsWrongSignature>());
 static_assert(!fusion_matches<Cfg, RingWithoutRingStore>());
+static_assert(fusion_matches<Cfg, LoadB>());
+static_assert(!fusion_matches<Cfg, LoadBMissing>());
+static_assert(!fusion_matches<Cfg, LoadBUndeclared>());
 static_assert(!fusion_matches<Cfg, TooManyRegisters>());
 static_assert(!fusion_matches<Cfg, NoStore>());
 static_assert(!fusion_matches<Cfg, Undeclared>());

@@ -1,0 +1,393 @@
+// moe_layer (mkernel/moe.h) against a CPU reference of the whole layer, ranks as threads of one
+// process (sharing the GPU when there are fewer GPUs than ranks): worlds 1, 2 and 4.
+//
+// Every rank builds every expert's weights from the shared seed (w13 [2I, H]: gate rows then up
+// rows; w2 [H, I]) and uploads its own experts'. The reference, in double from the same bf16
+// inputs: per token, per slot j with expert e, gate and up = x . rows of w13, inter =
+// bf16(silu(gate) * up), y = bf16(inter . rows of w2), out = bf16(sum_j w_j y_j). The GPU sums in
+// fp32 in another order, so an intermediate or a y may round the other way: the bound allows each
+// of them one bf16 ulp (and the fp32 sums their error), far below what a wrong expert, slot,
+// weight or a gate / up mix-up gives. Also: -1 slots, skewed routing with empty experts, ranks
+// with fewer tokens, padded and masked layouts, deterministic repeats, graph replays with new
+// routing and inputs, refusals before launch with the output untouched.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "../cpu/moe_reference.h"
+#include "collective_checks.h"
+#include "gpu_test_util.h"
+#include "mkernel/moe.h"
+
+namespace mk::test {
+namespace {
+
+struct LayerCase {
+  int experts;
+  int top_k;
+  int64_t hidden;
+  int64_t inter;
+  int64_t tokens;  // rank r has tokens - (r % 2) * tokens / 3
+  MoeLayout layout = MoeLayout::kPadded;
+  bool skewed = false;
+};
+
+std::string describe(const LayerCase& c, int world) {
+  return "world " + std::to_string(world) + ", E " + std::to_string(c.experts) + ", top-" +
+         std::to_string(c.top_k) + ", H " + std::to_string(c.hidden) + ", I " +
+         std::to_string(c.inter) + ", T " + std::to_string(c.tokens) +
+         (c.layout == MoeLayout::kMasked ? ", masked" : ", padded") +
+         (c.skewed ? ", skewed" : "");
+}
+
+int64_t tokens_of(const LayerCase& c, int rank) { return c.tokens - (rank % 2) * c.tokens / 3; }
+
+std::vector<uint16_t> random_bf16(std::size_t n, uint64_t seed, float scale) {
+  std::mt19937_64 gen(seed);
+  std::uniform_real_distribution<float> u(-scale, scale);
+  std::vector<uint16_t> out(n);
+  for (auto& v : out) v = float_to_bf16(u(gen));
+  return out;
+}
+
+// Expert e's weights: w13 [2I][H] then w2 [H][I], entries of size ~1/sqrt(fan-in).
+struct ExpertWeights {
+  std::vector<uint16_t> w13, w2;
+};
+ExpertWeights expert_weights(const LayerCase& c, int e, uint64_t seed) {
+  return {random_bf16(static_cast<std::size_t>(2 * c.inter * c.hidden), seed * 977 + 2 * e,
+                      2.f / std::sqrt(static_cast<float>(c.hidden))),
+          random_bf16(static_cast<std::size_t>(c.hidden * c.inter), seed * 977 + 2 * e + 1,
+                      2.f / std::sqrt(static_cast<float>(c.inter)))};
+}
+
+// A rank's routing [T][k]: distinct experts per token, some slots -1; skewed: expert i drawn
+// with weight 1 / (i + 1)^1.5 (the high ones often get no row at all).
+std::vector<int32_t> routing(const LayerCase& c, int64_t tokens, uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::vector<int32_t> topk(static_cast<std::size_t>(tokens * c.top_k), -1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<double> w(c.experts);
+    for (int i = 0; i < c.experts; ++i) w[i] = c.skewed ? 1.0 / std::pow(i + 1.0, 1.5) : 1.0;
+    for (int j = 0; j < c.top_k; ++j) {
+      std::discrete_distribution<int> pick(w.begin(), w.end());
+      const int e = pick(gen);
+      w[e] = 0;
+      topk[static_cast<std::size_t>(t * c.top_k + j)] = gen() % 9 == 0 ? -1 : e;
+    }
+  }
+  return topk;
+}
+
+struct Inputs {
+  std::vector<uint16_t> x;
+  std::vector<int32_t> topk;
+  std::vector<float> weights;
+};
+Inputs inputs_of(const LayerCase& c, int rank, uint64_t seed) {
+  const int64_t tokens = tokens_of(c, rank);
+  Inputs in;
+  in.x = random_bf16(static_cast<std::size_t>(tokens * c.hidden), seed * 31 + rank, 1.f);
+  in.topk = routing(c, tokens, seed * 37 + rank);
+  std::mt19937_64 gen(seed * 41 + rank);
+  std::uniform_real_distribution<float> u(0.05f, 1.f);
+  in.weights.resize(in.topk.size());
+  for (float& v : in.weights) v = u(gen);
+  return in;
+}
+
+// The reference out [T][H] and each element's bound.
+void reference(const LayerCase& c, const Inputs& in, const std::vector<ExpertWeights>& experts,
+               std::vector<double>& out, std::vector<double>& bound) {
+  const int64_t tokens = static_cast<int64_t>(in.topk.size()) / c.top_k;
+  const int64_t h = c.hidden, n = c.inter;
+  out.assign(static_cast<std::size_t>(tokens * h), 0.0);
+  bound.assign(out.size(), 0.0);
+  std::vector<double> xt(h), inter(n), inter_abs(n);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < h; ++i) xt[i] = bf16_to_float(in.x[t * h + i]);
+    std::vector<double> sum(h, 0.0), err(h, 0.0);
+    for (int j = 0; j < c.top_k; ++j) {
+      const int e = in.topk[t * c.top_k + j];
+      if (e < 0) continue;
+      const ExpertWeights& w = experts[e];
+      for (int64_t r = 0; r < n; ++r) {
+        double gate = 0, up = 0;
+        for (int64_t i = 0; i < h; ++i) {
+          gate += xt[i] * bf16_to_float(w.w13[r * h + i]);
+          up += xt[i] * bf16_to_float(w.w13[(n + r) * h + i]);
+        }
+        const double act = gate / (1.0 + std::exp(-gate)) * up;
+        inter[r] = bf16_to_float(float_to_bf16(static_cast<float>(act)));
+        inter_abs[r] = std::fabs(inter[r]);
+      }
+      const double wj = in.weights[t * c.top_k + j];
+      for (int64_t o = 0; o < h; ++o) {
+        double y = 0, y_abs = 0;
+        for (int64_t r = 0; r < n; ++r) {
+          const double w2 = bf16_to_float(w.w2[o * n + r]);
+          y += inter[r] * w2;
+          y_abs += inter_abs[r] * std::fabs(w2);
+        }
+        const double yb = bf16_to_float(float_to_bf16(static_cast<float>(y)));
+        sum[o] += wj * yb;
+        // y: one ulp of its rounding, every intermediate one ulp (2^-8 relative), fp32 sums.
+        err[o] += wj * (ulp(yb, DType::kBF16) + y_abs * (std::ldexp(1.0, -8) + 1e-6));
+      }
+    }
+    for (int64_t o = 0; o < h; ++o) {
+      const double r = bf16_to_float(float_to_bf16(static_cast<float>(sum[o])));
+      out[t * h + o] = r;
+      bound[t * h + o] = 2 * ulp(r, DType::kBF16) + err[o] + 1e-6;
+    }
+  }
+}
+
+struct LayerBuffers {
+  void *x = nullptr, *topk = nullptr, *w13 = nullptr, *w2 = nullptr, *out = nullptr;
+  float* weights = nullptr;
+  std::size_t out_bytes = 0;
+  LayerBuffers(const LayerCase& c, const MoeProblem& p, int e_local) {
+    const auto t = static_cast<std::size_t>(std::max<int64_t>(p.tokens, 1));
+    out_bytes = t * c.hidden * 2;
+    cudaMalloc(&x, t * c.hidden * 2);
+    cudaMalloc(&topk, t * c.top_k * 4);
+    cudaMalloc(reinterpret_cast<void**>(&weights), t * c.top_k * 4);
+    cudaMalloc(&w13, static_cast<std::size_t>(e_local) * 2 * c.inter * c.hidden * 2);
+    cudaMalloc(&w2, static_cast<std::size_t>(e_local) * c.hidden * c.inter * 2);
+    cudaMalloc(&out, out_bytes);
+  }
+  ~LayerBuffers() {
+    for (void* p : {x, topk, static_cast<void*>(weights), w13, w2, out}) cudaFree(p);
+  }
+  void upload(const Inputs& in, cudaStream_t s) const {
+    if (in.topk.empty()) return;
+    cudaMemcpyAsync(x, in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice, s);
+    cudaMemcpyAsync(topk, in.topk.data(), in.topk.size() * 4, cudaMemcpyHostToDevice, s);
+    cudaMemcpyAsync(weights, in.weights.data(), in.weights.size() * 4, cudaMemcpyHostToDevice, s);
+    cudaStreamSynchronize(s);
+  }
+};
+
+MoeProblem problem_of(const LayerCase& c, int rank) {
+  MoeProblem p;
+  p.tokens = tokens_of(c, rank);
+  p.max_tokens = c.tokens;
+  p.hidden = c.hidden;
+  p.top_k = c.top_k;
+  p.num_experts = c.experts;
+  p.layout = c.layout;
+  return p;
+}
+
+std::vector<uint16_t> download(const LayerBuffers& b, std::size_t count, cudaStream_t s) {
+  std::vector<uint16_t> out(count);
+  if (count > 0) cudaMemcpyAsync(out.data(), b.out, count * 2, cudaMemcpyDeviceToHost, s);
+  cudaStreamSynchronize(s);
+  return out;
+}
+
+void expect_matches(const LayerCase& c, const Inputs& in, const std::vector<ExpertWeights>& all,
+                    const std::vector<uint16_t>& got) {
+  std::vector<double> want, bound;
+  reference(c, in, all, want, bound);
+  ASSERT_EQ(got.size(), want.size());
+  int64_t bad = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double g = bf16_to_float(got[i]);
+    if (!(std::fabs(g - want[i]) <= bound[i])) {
+      if (bad++ < 5) {
+        ADD_FAILURE() << "out[" << i / c.hidden << "][" << i % c.hidden << "] = " << g
+                      << ", reference " << want[i] << " (bound " << bound[i] << ")";
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << "elements outside the bound";
+}
+
+void expect_layer(Communicator& comm, const LayerCase& c, uint64_t seed) {
+  const int world = comm.world_size(), rank = comm.rank(), e_local = c.experts / world;
+  SCOPED_TRACE(describe(c, world) + ", rank " + std::to_string(rank));
+  std::vector<ExpertWeights> all;
+  for (int e = 0; e < c.experts; ++e) all.push_back(expert_weights(c, e, seed));
+  const MoeProblem p = problem_of(c, rank);
+  const MoeLayerPlan plan = moe_layer_plan(comm, p, c.inter);
+  EXPECT_EQ(plan.intermediate, c.inter);
+  EXPECT_GT(plan.scratch_bytes, 0u);
+  SymmetricBuffer ws = comm.alloc(moe_workspace_bytes(comm, p));
+  cudaStream_t s;
+  MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  LayerBuffers b(c, p, e_local);
+  for (int l = 0; l < e_local; ++l) {  // this rank's experts: rank * E_local + l
+    const ExpertWeights& w = all[rank * e_local + l];
+    cudaMemcpyAsync(static_cast<uint16_t*>(b.w13) + l * w.w13.size(), w.w13.data(),
+                    w.w13.size() * 2, cudaMemcpyHostToDevice, s);
+    cudaMemcpyAsync(static_cast<uint16_t*>(b.w2) + l * w.w2.size(), w.w2.data(), w.w2.size() * 2,
+                    cudaMemcpyHostToDevice, s);
+  }
+  const Inputs in = inputs_of(c, rank, seed);
+  b.upload(in, s);
+  MKT_CUDA(cudaMemsetAsync(b.out, 0xff, b.out_bytes, s));  // poison
+  MKT_CUDA(cudaMemsetAsync(ws.data(), 0, moe_workspace_bytes(comm, p), s));
+  ready(comm, s);
+  moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
+            ws.data(), s);
+  comm.synchronize(s);
+  const std::size_t count = static_cast<std::size_t>(p.tokens * c.hidden);
+  const std::vector<uint16_t> first = download(b, count, s);
+  ASSERT_NO_FATAL_FAILURE(expect_matches(c, in, all, first));
+  // Deterministic: the same bits again.
+  ready(comm, s);
+  moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
+            ws.data(), s);
+  comm.synchronize(s);
+  EXPECT_TRUE(download(b, count, s) == first) << "a second call wrote other bits";
+  comm.bootstrap().barrier();
+  cudaStreamDestroy(s);
+}
+
+void run_layer_cases(int world, const std::vector<LayerCase>& cases, uint64_t seed) {
+  run_in_process(world, [&](Communicator& comm) {
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      if (cases[i].experts % world != 0) continue;
+      expect_layer(comm, cases[i], seed + i);
+    }
+  });
+}
+
+TEST(InProcessMoeLayer, World1) {
+  MKT_REQUIRE_GPU();
+  run_layer_cases(1,
+                  {{8, 2, 256, 128, 300},
+                   {16, 4, 512, 192, 200, MoeLayout::kMasked},
+                   {8, 1, 136, 64, 130, MoeLayout::kPadded, true}},
+                  501);
+}
+
+TEST(InProcessMoeLayer, World2) {
+  MKT_REQUIRE_GPU();
+  run_layer_cases(2,
+                  {{8, 2, 256, 128, 150},
+                   {16, 8, 256, 64, 100, MoeLayout::kPadded, true},
+                   {8, 2, 128, 128, 90, MoeLayout::kMasked}},
+                  601);
+}
+
+TEST(InProcessMoeLayer, World4) {
+  MKT_REQUIRE_GPU();
+  run_layer_cases(4, {{8, 2, 128, 128, 64}, {16, 4, 256, 64, 40, MoeLayout::kPadded, true}}, 701);
+}
+
+// Captured once per rank, replayed with new routing, tokens and weights each time.
+TEST(InProcessMoeLayer, GraphReplaysWithNewRouting) {
+  MKT_REQUIRE_GPU();
+  run_in_process(2, [](Communicator& comm) {
+    const int rank = comm.rank();
+    const LayerCase c{8, 2, 256, 128, 96};
+    std::vector<ExpertWeights> all;
+    for (int e = 0; e < c.experts; ++e) all.push_back(expert_weights(c, e, 5));
+    const int e_local = c.experts / comm.world_size();
+    const MoeProblem p = problem_of(c, rank);
+    const std::size_t ws_bytes = moe_workspace_bytes(comm, p);
+    SymmetricBuffer ws = comm.alloc(ws_bytes);
+    cudaStream_t s;
+    MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    LayerBuffers b(c, p, e_local);
+    for (int l = 0; l < e_local; ++l) {
+      const ExpertWeights& w = all[rank * e_local + l];
+      cudaMemcpyAsync(static_cast<uint16_t*>(b.w13) + l * w.w13.size(), w.w13.data(),
+                      w.w13.size() * 2, cudaMemcpyHostToDevice, s);
+      cudaMemcpyAsync(static_cast<uint16_t*>(b.w2) + l * w.w2.size(), w.w2.data(),
+                      w.w2.size() * 2, cudaMemcpyHostToDevice, s);
+    }
+    b.upload(inputs_of(c, rank, 1), s);
+    MKT_CUDA(cudaMemsetAsync(ws.data(), 0, ws_bytes, s));
+    ready(comm, s);
+    moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
+              ws.data(), s);
+    comm.synchronize(s);
+    cudaGraph_t graph;
+    MKT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
+              ws.data(), s);
+    MKT_CUDA(cudaStreamEndCapture(s, &graph));
+    cudaGraphExec_t exec;
+    ASSERT_NO_FATAL_FAILURE(instantiate_uploaded(graph, s, &exec));
+    comm.bootstrap().barrier();
+    for (int replay = 0; replay < 5; ++replay) {
+      SCOPED_TRACE("replay " + std::to_string(replay));
+      LayerCase ci = c;
+      ci.skewed = replay % 2 == 1;
+      const Inputs in = inputs_of(ci, rank, 100 + replay);
+      b.upload(in, s);
+      ready(comm, s);
+      MKT_CUDA(cudaGraphLaunch(exec, s));
+      comm.synchronize(s);
+      ASSERT_NO_FATAL_FAILURE(
+          expect_matches(ci, in, all, download(b, static_cast<std::size_t>(p.tokens * c.hidden), s)));
+    }
+    comm.bootstrap().barrier();
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
+  });
+}
+
+// Refused before anything runs (no peer waits for this rank), the error naming the problem, the
+// output untouched. World 1: a refusal on one rank of several would leave the others waiting.
+TEST(InProcessMoeLayer, RejectsBadArgumentsBeforeLaunch) {
+  MKT_REQUIRE_GPU();
+  run_in_process(1, [](Communicator& comm) {
+    const LayerCase c{8, 2, 256, 128, 64};
+    const MoeProblem p = problem_of(c, 0);
+    SymmetricBuffer ws = comm.alloc(moe_workspace_bytes(comm, p));
+    cudaStream_t s;
+    MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    LayerBuffers b(c, p, c.experts);
+    MKT_CUDA(cudaMemsetAsync(b.out, 0x5a, b.out_bytes, s));
+    MKT_CUDA(cudaStreamSynchronize(s));
+    auto expect_refused = [&](const std::string& what, auto&& call) {
+      try {
+        call();
+        ADD_FAILURE() << "expected a refusal naming '" << what << "'";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("moe_layer"), std::string::npos) << e.what();
+      }
+    };
+    expect_refused("intermediate = 100", [&] {
+      moe_layer(comm, p, 100, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
+                ws.data(), s);
+    });
+    expect_refused("w13", [&] {
+      moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, nullptr, b.w2,
+                b.out, ws.data(), s);
+    });
+    expect_refused("config.block_n = 100", [&] {
+      MoeConfig config;
+      config.block_n = 100;
+      moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
+                ws.data(), s, config);
+    });
+    expect_refused("out", [&] {  // out over w2
+      moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.w2,
+                ws.data(), s);
+    });
+    MKT_CUDA(cudaStreamSynchronize(s));
+    std::vector<uint8_t> out(b.out_bytes);
+    cudaMemcpy(out.data(), b.out, out.size(), cudaMemcpyDeviceToHost);
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](uint8_t v) { return v == 0x5a; }))
+        << "a refused call wrote the output";
+    cudaStreamDestroy(s);
+  });
+}
+
+TEST(SanitizeMoe, Layer) {
+  MKT_REQUIRE_GPU();
+  run_layer_cases(2, {{8, 2, 64, 64, 40}}, 801);
+}
+
+}  // namespace
+}  // namespace mk::test
