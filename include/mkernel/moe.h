@@ -130,14 +130,14 @@ void moe_combine(Communicator& comm, const MoeProblem& problem, const void* y,
 // one the experts' rows take between the steps.
 //
 // Today four launches on `stream`: moe_dispatch, the gate / up grouped GEMM with SwiGLU in its
-// epilogue, the down grouped GEMM, moe_combine. (One persistent launch with both GEMMs and the
+// epilogue, the down grouped GEMM, moe_combine, the intermediates in the caller's `scratch`. (One persistent launch with both GEMMs and the
 // combine overlapped is the plan: docs/design/moe_layer.md.)
 struct MoeLayerPlan {
   MoePlan dispatch;              // the dispatch / combine (symmetric workspace: its bytes)
   int64_t intermediate = 0;      // I
-  std::size_t scratch_bytes = 0; // per call, stream-ordered (cudaMallocAsync): the dispatched
-                                 // rows, the intermediate, the experts' outputs (dispatch.rows
-                                 // x (2H + I) bf16), their counts and the handle
+  std::size_t scratch_bytes = 0; // moe_layer's `scratch`: the dispatched rows, the
+                                 // intermediate, the experts' outputs (dispatch.rows x (2H + I)
+                                 // bf16), their counts and the handle
   std::string describe() const;
 };
 MoeLayerPlan moe_layer_plan(const Communicator& comm, const MoeProblem& problem,
@@ -145,11 +145,14 @@ MoeLayerPlan moe_layer_plan(const Communicator& comm, const MoeProblem& problem,
 
 // x [T, H] bf16; topk_idx [T, k] (index_type); topk_weights [T, k] fp32; w13, w2 as above; out
 // [T, H] bf16. workspace: symmetric, moe_workspace_bytes(comm, problem), at the same offset on
-// every rank. config.sms: CTAs of the dispatch and combine (0: the communicator's budget) and
-// of the GEMMs (0: every SM); config.block_n: the down GEMM's tile width.
+// every rank. scratch: this rank's device memory (256-byte aligned) of moe_layer_plan()'s
+// scratch_bytes, for the call's intermediates - nothing is allocated inside, so CUDA graphs
+// capture the call as it is; reusable once the call's work on the stream is done.
+// config.sms: CTAs of the dispatch and combine (0: the communicator's budget) and of the GEMMs
+// (0: every SM); config.block_n: the down GEMM's tile width.
 void moe_layer(Communicator& comm, const MoeProblem& problem, int64_t intermediate, const void* x,
                const void* topk_idx, IndexType index_type, const float* topk_weights,
-               const void* w13, const void* w2, void* out, void* workspace, cudaStream_t stream,
-               const MoeConfig& config = {});
+               const void* w13, const void* w2, void* out, void* workspace, void* scratch,
+               cudaStream_t stream, const MoeConfig& config = {});
 
 }  // namespace mk

@@ -692,7 +692,7 @@ NB_MODULE(_C, m) {
          int num_experts, std::string_view layout, int64_t capacity, int64_t intermediate,
          std::uintptr_t x, std::uintptr_t topk_idx, bool int64_index, std::uintptr_t topk_weights,
          std::uintptr_t w13, std::uintptr_t w2, std::uintptr_t out, std::uintptr_t workspace,
-         std::uintptr_t stream, int sms, int block_n) {
+         std::uintptr_t scratch, std::uintptr_t stream, int sms, int block_n) {
         const mk::MoeProblem p = moe_problem(tokens, max_tokens, hidden, top_k, num_experts, layout,
                                              capacity, "moe_layer");
         nb::gil_scoped_release nogil;
@@ -701,11 +701,12 @@ NB_MODULE(_C, m) {
                       int64_index ? mk::IndexType::kInt64 : mk::IndexType::kInt32,
                       as_pointer<const float>(topk_weights), as_pointer<const void>(w13),
                       as_pointer<const void>(w2), as_pointer(out), as_pointer(workspace),
-                      as_stream(stream), mk::MoeConfig{sms, block_n});
+                      as_pointer(scratch), as_stream(stream), mk::MoeConfig{sms, block_n});
       },
       "comm"_a, "tokens"_a, "max_tokens"_a, "hidden"_a, "top_k"_a, "num_experts"_a, "layout"_a,
       "capacity"_a, "intermediate"_a, "x"_a, "topk_idx"_a, "int64_index"_a, "topk_weights"_a,
-      "w13"_a, "w2"_a, "out"_a, "workspace"_a, "stream"_a, "sms"_a = 0, "block_n"_a = 0,
+      "w13"_a, "w2"_a, "out"_a, "workspace"_a, "scratch"_a, "stream"_a, "sms"_a = 0,
+      "block_n"_a = 0,
       "The whole MoE layer: dispatch, gate / up + SwiGLU, down, weighted combine "
       "(mkernel/moe.h). Stream-ordered.");
 }

@@ -364,10 +364,12 @@ def _layer_impl(x, topk_idx, topk_weights, w13, w2, comm, num_experts, layout, c
     w13c, w2c = w13.contiguous(), w2.contiguous()
     out = torch.empty((tokens, hidden), dtype=torch.bfloat16, device=x.device)
     ws = c._workspace(plan[4], "moe_layer", "moe")
+    # The intermediates, from torch's allocator (a CUDA graph's pool when capturing).
+    scratch = torch.empty((plan[5],), dtype=torch.uint8, device=x.device)
     _C.moe_layer(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout, capacity, inter,
                  x2.data_ptr(), idx2.data_ptr(), idx2.dtype == torch.int64, wt2.data_ptr(),
-                 w13c.data_ptr(), w2c.data_ptr(), out.data_ptr(), ws.data_ptr(), c._stream(),
-                 sms, block_n)
+                 w13c.data_ptr(), w2c.data_ptr(), out.data_ptr(), ws.data_ptr(),
+                 scratch.data_ptr(), c._stream(), sms, block_n)
     return out
 
 

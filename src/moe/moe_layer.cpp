@@ -1,5 +1,5 @@
 // Host side of moe_layer: moe_dispatch -> the gate / up grouped GEMM with SwiGLU -> the down
-// grouped GEMM -> moe_combine, on one stream, the intermediates in stream-ordered scratch.
+// grouped GEMM -> moe_combine, on one stream, the intermediates in the caller's scratch.
 #include <cstdint>
 #include <string>
 
@@ -66,8 +66,8 @@ MoeLayerPlan moe_layer_plan(const Communicator& comm, const MoeProblem& problem,
 
 void moe_layer(Communicator& comm, const MoeProblem& problem, int64_t intermediate, const void* x,
                const void* topk_idx, IndexType index_type, const float* topk_weights,
-               const void* w13, const void* w2, void* out, void* workspace, cudaStream_t stream,
-               const MoeConfig& config) {
+               const void* w13, const void* w2, void* out, void* workspace, void* scratch,
+               cudaStream_t stream, const MoeConfig& config) {
   detail::DeviceGuard guard(comm.device());
   detail::require_usable(comm, kOp);
   detail::require_stream(comm, stream, kOp);
@@ -78,6 +78,7 @@ void moe_layer(Communicator& comm, const MoeProblem& problem, int64_t intermedia
   const auto experts = static_cast<std::size_t>(d.experts_local);
   // Everything the four steps check, before the first launch: nothing runs (and no peer waits
   // for this rank) on a refusal. x and topk_idx are moe_dispatch's first checks.
+  detail::require_device_pointer(comm, scratch, 256, kOp, "scratch");
   detail::require_device_pointer(comm, w13, 16, kOp, "w13");
   detail::require_device_pointer(comm, w2, 16, kOp, "w2");
   const std::size_t tokens = static_cast<std::size_t>(problem.tokens);
@@ -92,10 +93,10 @@ void moe_layer(Communicator& comm, const MoeProblem& problem, int64_t intermedia
             {"w13", w13, experts * 2 * i * h * 2, false},
             {"w2", w2, experts * h * i * 2, false},
             {"out", tokens > 0 ? out : nullptr, tokens * h * 2, true},
-            {"workspace", workspace, d.workspace_bytes, true}});
+            {"workspace", workspace, d.workspace_bytes, true},
+            {"scratch", scratch, plan.scratch_bytes, true}});
   const ScratchParts parts = scratch_parts(d, problem.hidden, intermediate);
-  const gemm_engine::StreamScratch scratch(parts.total, stream);
-  auto* base = static_cast<uint8_t*>(scratch.get());
+  auto* base = static_cast<uint8_t*>(scratch);
   void* recv = base + parts.recv;
   void* inter = base + parts.h;
   void* y = base + parts.y;

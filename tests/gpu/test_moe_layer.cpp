@@ -147,9 +147,10 @@ void reference(const LayerCase& c, const Inputs& in, const std::vector<ExpertWei
 
 struct LayerBuffers {
   void *x = nullptr, *topk = nullptr, *w13 = nullptr, *w2 = nullptr, *out = nullptr;
+  void* scratch = nullptr;
   float* weights = nullptr;
   std::size_t out_bytes = 0;
-  LayerBuffers(const LayerCase& c, const MoeProblem& p, int e_local) {
+  LayerBuffers(const LayerCase& c, const MoeProblem& p, int e_local, std::size_t scratch_bytes) {
     const auto t = static_cast<std::size_t>(std::max<int64_t>(p.tokens, 1));
     out_bytes = t * c.hidden * 2;
     cudaMalloc(&x, t * c.hidden * 2);
@@ -158,9 +159,10 @@ struct LayerBuffers {
     cudaMalloc(&w13, static_cast<std::size_t>(e_local) * 2 * c.inter * c.hidden * 2);
     cudaMalloc(&w2, static_cast<std::size_t>(e_local) * c.hidden * c.inter * 2);
     cudaMalloc(&out, out_bytes);
+    cudaMalloc(&scratch, scratch_bytes);
   }
   ~LayerBuffers() {
-    for (void* p : {x, topk, static_cast<void*>(weights), w13, w2, out}) cudaFree(p);
+    for (void* p : {x, topk, static_cast<void*>(weights), w13, w2, out, scratch}) cudaFree(p);
   }
   void upload(const Inputs& in, cudaStream_t s) const {
     if (in.topk.empty()) return;
@@ -219,7 +221,7 @@ void expect_layer(Communicator& comm, const LayerCase& c, uint64_t seed) {
   SymmetricBuffer ws = comm.alloc(moe_workspace_bytes(comm, p));
   cudaStream_t s;
   MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  LayerBuffers b(c, p, e_local);
+  LayerBuffers b(c, p, e_local, plan.scratch_bytes);
   for (int l = 0; l < e_local; ++l) {  // this rank's experts: rank * E_local + l
     const ExpertWeights& w = all[rank * e_local + l];
     cudaMemcpyAsync(static_cast<uint16_t*>(b.w13) + l * w.w13.size(), w.w13.data(),
@@ -233,7 +235,7 @@ void expect_layer(Communicator& comm, const LayerCase& c, uint64_t seed) {
   MKT_CUDA(cudaMemsetAsync(ws.data(), 0, moe_workspace_bytes(comm, p), s));
   ready(comm, s);
   moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
-            ws.data(), s);
+            ws.data(), b.scratch, s);
   comm.synchronize(s);
   const std::size_t count = static_cast<std::size_t>(p.tokens * c.hidden);
   const std::vector<uint16_t> first = download(b, count, s);
@@ -241,7 +243,7 @@ void expect_layer(Communicator& comm, const LayerCase& c, uint64_t seed) {
   // Deterministic: the same bits again.
   ready(comm, s);
   moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
-            ws.data(), s);
+            ws.data(), b.scratch, s);
   comm.synchronize(s);
   EXPECT_TRUE(download(b, count, s) == first) << "a second call wrote other bits";
   comm.bootstrap().barrier();
@@ -294,7 +296,7 @@ TEST(InProcessMoeLayer, GraphReplaysWithNewRouting) {
     SymmetricBuffer ws = comm.alloc(ws_bytes);
     cudaStream_t s;
     MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    LayerBuffers b(c, p, e_local);
+    LayerBuffers b(c, p, e_local, moe_layer_plan(comm, p, c.inter).scratch_bytes);
     for (int l = 0; l < e_local; ++l) {
       const ExpertWeights& w = all[rank * e_local + l];
       cudaMemcpyAsync(static_cast<uint16_t*>(b.w13) + l * w.w13.size(), w.w13.data(),
@@ -306,12 +308,12 @@ TEST(InProcessMoeLayer, GraphReplaysWithNewRouting) {
     MKT_CUDA(cudaMemsetAsync(ws.data(), 0, ws_bytes, s));
     ready(comm, s);
     moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
-              ws.data(), s);
+              ws.data(), b.scratch, s);
     comm.synchronize(s);
     cudaGraph_t graph;
     MKT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
-              ws.data(), s);
+              ws.data(), b.scratch, s);
     MKT_CUDA(cudaStreamEndCapture(s, &graph));
     cudaGraphExec_t exec;
     ASSERT_NO_FATAL_FAILURE(instantiate_uploaded(graph, s, &exec));
@@ -345,7 +347,7 @@ TEST(InProcessMoeLayer, RejectsBadArgumentsBeforeLaunch) {
     SymmetricBuffer ws = comm.alloc(moe_workspace_bytes(comm, p));
     cudaStream_t s;
     MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    LayerBuffers b(c, p, c.experts);
+    LayerBuffers b(c, p, c.experts, moe_layer_plan(comm, p, c.inter).scratch_bytes);
     MKT_CUDA(cudaMemsetAsync(b.out, 0x5a, b.out_bytes, s));
     MKT_CUDA(cudaStreamSynchronize(s));
     auto expect_refused = [&](const std::string& what, auto&& call) {
@@ -359,21 +361,25 @@ TEST(InProcessMoeLayer, RejectsBadArgumentsBeforeLaunch) {
     };
     expect_refused("intermediate = 100", [&] {
       moe_layer(comm, p, 100, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
-                ws.data(), s);
+                ws.data(), b.scratch, s);
     });
     expect_refused("w13", [&] {
       moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, nullptr, b.w2,
-                b.out, ws.data(), s);
+                b.out, ws.data(), b.scratch, s);
+    });
+    expect_refused("scratch", [&] {
+      moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
+                ws.data(), nullptr, s);
     });
     expect_refused("config.block_n = 100", [&] {
       MoeConfig config;
       config.block_n = 100;
       moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
-                ws.data(), s, config);
+                ws.data(), b.scratch, s, config);
     });
     expect_refused("out", [&] {  // out over w2
       moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.w2,
-                ws.data(), s);
+                ws.data(), b.scratch, s);
     });
     MKT_CUDA(cudaStreamSynchronize(s));
     std::vector<uint8_t> out(b.out_bytes);
