@@ -19,7 +19,6 @@ plus 1e-5.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -31,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import mkernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_grouped import time_ops, write_results  # noqa: E402
+from bench_grouped import bench_args, time_ops, write_results  # noqa: E402
 
 SHAPES = [(1, 32, 32, 8192, 128), (1, 32, 8, 16384, 128), (4, 16, 16, 4096, 128),
           (2, 32, 8, 4096, 128), (8, 16, 16, 1024, 128), (1, 32, 32, 2048, 64),
@@ -104,11 +103,7 @@ def run_point(shape, causal, gen, mode):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("check", "bench"), default="bench")
-    parser.add_argument("--json", help="results file (bench mode)")
-    args = parser.parse_args()
+    args = bench_args(__doc__, quick=False)
     if not torch.cuda.is_available():
         print("bench_attention: no CUDA GPU", file=sys.stderr)
         return 2

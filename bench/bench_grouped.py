@@ -178,13 +178,29 @@ def run_point(experts, rows, n, k, skew, gen, cpu_gen, mode):
     return counts, ms, flops, correct
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__,
+def bench_args(doc, quick=True):
+    """The one-GPU benchmarks' command line: --mode check|bench, --json FILE[, --quick]."""
+    parser = argparse.ArgumentParser(description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("check", "bench"), default="bench")
     parser.add_argument("--json", help="results file (bench mode)")
-    parser.add_argument("--quick", action="store_true", help="a few points only")
-    args = parser.parse_args()
+    if quick:
+        parser.add_argument("--quick", action="store_true", help="a few points only")
+    return parser.parse_args()
+
+
+def world1_comm():
+    """A communicator of this process alone: torch.distributed (gloo) of world 1, then
+    mkernel.init(). The caller ends it with torch.distributed.destroy_process_group()."""
+    import torch.distributed as dist
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    return mkernel.init()
+
+
+def main():
+    args = bench_args(__doc__)
     if not torch.cuda.is_available():
         print("bench_grouped: no CUDA GPU", file=sys.stderr)
         return 2

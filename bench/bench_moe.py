@@ -21,7 +21,6 @@ gather of the routing, the combine against its fp32 sum, the GEMM within twice t
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -32,7 +31,7 @@ import torch.distributed as dist
 import mkernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_grouped import time_ops, write_results  # noqa: E402
+from bench_grouped import bench_args, time_ops, world1_comm, write_results  # noqa: E402
 
 MODELS = {  # hidden, N (the expert's intermediate), experts, top-k
     "deepseek_v3": (7168, 2048, 256, 8),
@@ -118,19 +117,11 @@ def run_point(comm, model, tokens, gen, mode):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("check", "bench"), default="bench")
-    parser.add_argument("--json", help="results file (bench mode)")
-    parser.add_argument("--quick", action="store_true", help="a few points only")
-    args = parser.parse_args()
+    args = bench_args(__doc__)
     if not torch.cuda.is_available():
         print("bench_moe: no CUDA GPU", file=sys.stderr)
         return 2
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    comm = mkernel.init()
+    comm = world1_comm()
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     tokens_list = (128, 4096) if (args.quick or args.mode == "check") else TOKENS

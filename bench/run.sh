@@ -6,7 +6,8 @@
 # kernel: all, collectives, all_gather, reduce_scatter, all_reduce, gemm, grouped_gemm (against
 #         torch._grouped_mm on MoE expert shapes, both layouts), moe_dispatch_gemm (one GPU:
 #         the fused launch, moe_dispatch / moe_combine and dispatch-then-grouped-GEMM against
-#         torch._grouped_mm on the issue's MoE shapes), attention (one GPU: against torch SDPA's
+#         torch._grouped_mm on the issue's MoE shapes), moe_layer (one GPU: the whole layer against
+#         the plain PyTorch layer on torch._grouped_mm), attention (one GPU: against torch SDPA's
 #         best backend), ring_attention (one GPU: ranks as threads, against the engine on the
 #         same work and SMs), ag_gemm, gemm_rs, gemm_ar,
 #         transport (the socket proxy path over loopback; no GPU needed), p2p (NVLink push /
@@ -38,7 +39,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 build="${BUILD_DIR:-build}"
 
 case "$kernel" in
-  all | collectives | all_gather | reduce_scatter | all_reduce | gemm | grouped_gemm | moe_dispatch_gemm | attention | ag_gemm | gemm_rs | gemm_ar) ;;
+  all | collectives | all_gather | reduce_scatter | all_reduce | gemm | grouped_gemm | moe_dispatch_gemm | moe_layer | attention | ag_gemm | gemm_rs | gemm_ar) ;;
   transport)
     # The inter-node proxy path over loopback (host only, no GPU): latency and bandwidth.
     [[ -x "${BUILD_DIR:-build}/bench/bench_transport" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
@@ -58,8 +59,6 @@ case "$kernel" in
     fi
     export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
     exec "${BUILD_DIR:-build}/bench/bench_ring_attention" "${ring_args[@]}" ;;
-  moe_layer)
-    echo "bench/run.sh: $kernel is not implemented yet (see the open issues)" >&2; exit 2 ;;
   *) echo "bench/run.sh: unknown kernel '$kernel'" >&2; usage ;;
 esac
 [[ "$mode" == check || "$mode" == bench ]] || usage
@@ -162,7 +161,8 @@ if [[ "$gpus" -eq 0 ]]; then
 fi
 ranks="${MKERNEL_RANKS:-$gpus}"
 if [[ -z "${MKERNEL_RANKS:-}" && "$mode" == check && "$gpus" -eq 1 && "$kernel" != gemm &&
-      "$kernel" != grouped_gemm && "$kernel" != moe_dispatch_gemm && "$kernel" != attention ]]; then
+      "$kernel" != grouped_gemm && "$kernel" != moe_dispatch_gemm && "$kernel" != moe_layer &&
+      "$kernel" != attention ]]; then
   # One GPU: the multi-rank kernels are still checked, with two ranks sharing it.
   ranks=2
   [[ "$kernel" == all ]] ||
@@ -173,7 +173,8 @@ if [[ "$mode" == bench && "$ranks" -gt "$gpus" && "$kernel" != all ]]; then
        "runs with ranks sharing GPUs)" >&2
   exit 2
 fi
-if [[ "$kernel" == grouped_gemm || "$kernel" == moe_dispatch_gemm || "$kernel" == attention ]]; then  # Python + torch only
+if [[ "$kernel" == grouped_gemm || "$kernel" == moe_dispatch_gemm || "$kernel" == moe_layer ||
+      "$kernel" == attention ]]; then  # Python + torch only
   [[ -z "$sizes" ]] || echo "bench/run.sh: $kernel runs its own sweep; sizes ignored" >&2
   if [[ "$kernel" != grouped_gemm && "$nodes" -ne 1 ]]; then
     echo "bench/run.sh: $kernel runs on one node only" >&2
@@ -187,6 +188,7 @@ if [[ "$kernel" == grouped_gemm || "$kernel" == moe_dispatch_gemm || "$kernel" =
   }
   script=bench/bench_grouped.py
   [[ "$kernel" == moe_dispatch_gemm ]] && script=bench/bench_moe.py
+  [[ "$kernel" == moe_layer ]] && script=bench/bench_moe_layer.py
   [[ "$kernel" == attention ]] && script=bench/bench_attention.py
   one_gpu_args=(--mode "$mode")
   if [[ "$mode" == bench ]]; then
@@ -210,7 +212,7 @@ fi
 if [[ "$kernel" == all ]]; then
   # Every family in turn; the first failure is the exit status.
   status=0
-  for k in collectives gemm grouped_gemm moe_dispatch_gemm attention ring_attention ag_gemm gemm_rs gemm_ar; do
+  for k in collectives gemm grouped_gemm moe_dispatch_gemm moe_layer attention ring_attention ag_gemm gemm_rs gemm_ar; do
     bash "$PWD/bench/run.sh" "$k" "$mode" "$nodes" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
   done
   exit "$status"

@@ -57,15 +57,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   extern __shared__ int32_t s_cnt[];  // [world][words], then [E_local] rows that fit
   int32_t* s_fit = s_cnt + d.world * words;
-  bool ok = true;
-  for (int w = threadIdx.x; w < d.world * words; w += kThreads) {
-    const int src = w / words;
-    const uint32_t signal = count_signal(w % words);
-    ok = launch.wait(src, signal, 0) && ok;
-    s_cnt[w] = static_cast<int32_t>(
-        dev::ld_relaxed_sys(comm.signals + static_cast<uint64_t>(signal) * comm.world_size + src));
-  }
-  if (__syncthreads_and(ok) == 0) {
+  if (__syncthreads_and(gather_counts(launch, comm, d, words, s_cnt)) == 0) {
     launch.end();
     return;
   }

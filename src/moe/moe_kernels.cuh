@@ -100,6 +100,22 @@ struct Workspace {
   }
 };
 
+// Every source's counts for this rank (words per source: E_local experts, then its row total),
+// waited for and read from the signal pad into s_cnt [world][words] by the CTA's threads; false
+// on this thread when a wait gave up (the caller combines the threads' answers).
+__device__ __forceinline__ bool gather_counts(const dev::Launch& launch, const DeviceComm& comm,
+                                              const Dims& d, int words, int32_t* s_cnt) {
+  bool ok = true;
+  for (int w = threadIdx.x; w < d.world * words; w += kThreads) {
+    const int src = w / words;
+    const uint32_t signal = count_signal(w % words);
+    ok = launch.wait(src, signal, 0) && ok;
+    s_cnt[w] = static_cast<int32_t>(
+        dev::ld_relaxed_sys(comm.signals + static_cast<uint64_t>(signal) * comm.world_size + src));
+  }
+  return ok;
+}
+
 template <class Idx>
 __device__ __forceinline__ bool valid_expert(Idx e, int experts) {
   return e >= 0 && e < static_cast<Idx>(experts);
@@ -348,15 +364,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ int32_t s_cnt[];  // [world][words]: counts, then prefixes over sources
   int32_t* s_total = s_cnt + d.world * words;
   int32_t* s_start = s_total + el_n;  // [E_local + 1]
-  bool ok = true;
-  for (int w = threadIdx.x; w < d.world * words; w += kThreads) {
-    const int src = w / words;
-    const uint32_t signal = count_signal(w % words);
-    ok = launch.wait(src, signal, 0) && ok;
-    s_cnt[w] = static_cast<int32_t>(
-        dev::ld_relaxed_sys(comm.signals + static_cast<uint64_t>(signal) * comm.world_size + src));
-  }
-  ok = __syncthreads_and(ok) != 0;
+  bool ok = __syncthreads_and(gather_counts(launch, comm, d, words, s_cnt)) != 0;
   if (ok) {
     for (int e = threadIdx.x; e < el_n; e += kThreads) {
       int32_t sum = 0;
