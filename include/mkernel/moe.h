@@ -130,14 +130,15 @@ void moe_combine(Communicator& comm, const MoeProblem& problem, const void* y,
 // one the experts' rows take between the steps.
 //
 // Today four launches on `stream`: moe_dispatch, the gate / up grouped GEMM with SwiGLU in its
-// epilogue, the down grouped GEMM, moe_combine, the intermediates in the caller's `scratch`. (One persistent launch with both GEMMs and the
-// combine overlapped is the plan: docs/design/moe_layer.md.)
+// epilogue, the down grouped GEMM, moe_combine, the intermediates in the caller's `scratch`. (One
+// persistent launch with both GEMMs and the combine overlapped is the plan:
+// docs/design/moe_layer.md.)
 struct MoeLayerPlan {
-  MoePlan dispatch;              // the dispatch / combine (symmetric workspace: its bytes)
-  int64_t intermediate = 0;      // I
-  std::size_t scratch_bytes = 0; // moe_layer's `scratch`: the dispatched rows, the
-                                 // intermediate, the experts' outputs (dispatch.rows x (2H + I)
-                                 // bf16), their counts and the handle
+  MoePlan dispatch;               // the dispatch / combine (symmetric workspace: its bytes)
+  int64_t intermediate = 0;       // I
+  std::size_t scratch_bytes = 0;  // moe_layer's `scratch`: the dispatched rows, the
+                                  // intermediate, the experts' outputs (dispatch.rows x (2H + I)
+                                  // bf16), their counts and the handle
   std::string describe() const;
 };
 MoeLayerPlan moe_layer_plan(const Communicator& comm, const MoeProblem& problem,

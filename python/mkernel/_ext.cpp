@@ -673,11 +673,11 @@ NB_MODULE(_C, m) {
       [](const mk::Communicator& comm, int64_t tokens, int64_t max_tokens, int64_t hidden,
          int top_k, int num_experts, std::string_view layout, int64_t capacity,
          int64_t intermediate, int sms, int block_n) {
-        const mk::MoeLayerPlan p = mk::moe_layer_plan(
-            comm,
-            moe_problem(tokens, max_tokens, hidden, top_k, num_experts, layout, capacity,
-                        "moe_layer_plan"),
-            intermediate, mk::MoeConfig{sms, block_n});
+        const mk::MoeLayerPlan p =
+            mk::moe_layer_plan(comm,
+                               moe_problem(tokens, max_tokens, hidden, top_k, num_experts, layout,
+                                           capacity, "moe_layer_plan"),
+                               intermediate, mk::MoeConfig{sms, block_n});
         return nb::make_tuple(p.dispatch.rows, p.dispatch.capacity, p.dispatch.experts_local,
                               p.dispatch.ctas, p.dispatch.workspace_bytes, p.scratch_bytes,
                               p.describe());

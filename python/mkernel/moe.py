@@ -414,11 +414,27 @@ _HF_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 def moe_weights_from_hf(experts):
     """(w13 [E, 2I, H], w2 [E, H, I]) from Hugging Face MoE experts, in their order.
 
-    experts: the expert modules of the experts this rank holds - e.g.
-    block.experts[r * E_local:(r + 1) * E_local] of a Mixtral block (w1 = gate, w3 = up, w2 =
-    down) or of a Qwen-MoE / DeepSeek block (gate_proj, up_proj, down_proj): each an nn.Linear
-    with weight [out, in]. Returns new contiguous tensors with the experts' dtype and device.
+    experts: either the expert modules of the experts this rank holds - e.g.
+    block.experts[r * E_local:(r + 1) * E_local] of a Mixtral block of transformers 4 (w1 = gate,
+    w3 = up, w2 = down) or of a Qwen-MoE / DeepSeek block (gate_proj, up_proj, down_proj), each
+    an nn.Linear with weight [out, in] - or a fused experts module (transformers 5: block.experts
+    with gate_up_proj [E, 2I, H], the gate's rows then the up's, and down_proj [E, H, I]), whose
+    experts all come back (slice this rank's). Returns new contiguous tensors with the experts'
+    dtype and device.
     """
+    gate_up = getattr(experts, "gate_up_proj", None)
+    down = getattr(experts, "down_proj", None)
+    if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor):
+        if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True) \
+                or getattr(experts, "has_bias", False):
+            raise ValueError("mkernel.moe_weights_from_hf: fused experts with transposed, "
+                             "interleaved or biased gate_up_proj are not this layer's SwiGLU")
+        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2 != 0 or \
+                tuple(down.shape) != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2):
+            raise ValueError(f"mkernel.moe_weights_from_hf: fused experts gate_up_proj "
+                             f"{tuple(gate_up.shape)} and down_proj {tuple(down.shape)}; expected "
+                             "[E, 2I, H] and [E, H, I]")
+        return gate_up.detach().contiguous(), down.detach().contiguous()
     experts = list(experts)
     if not experts:
         raise ValueError("mkernel.moe_weights_from_hf: no experts given")
@@ -431,4 +447,4 @@ def moe_weights_from_hf(experts):
             w2 = torch.stack([getattr(e, down_name).weight.detach() for e in experts])
             return w13.contiguous(), w2.contiguous()
     raise ValueError("mkernel.moe_weights_from_hf: the experts have neither gate_proj / up_proj / "
-                     "down_proj nor w1 / w3 / w2")
+                     "down_proj nor w1 / w3 / w2 (nor fused gate_up_proj / down_proj)")

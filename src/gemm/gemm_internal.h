@@ -57,9 +57,17 @@ namespace gemm_engine {
 // h[rows, I] = silu(A Wg^T) * (A Wu^T) per group, w13 [groups][2I, H] bf16 (the gate's I rows,
 // then the up's), A [rows, H] and groups as grouped_gemm()'s (`rows`: max_rows, or the capacity
 // of a group when masked); I a multiple of 64, H of 8. Errors name `op`.
-void grouped_swiglu(const void* a, const void* w13, void* h, const int32_t* group_rows,
-                    int groups, int64_t rows, int64_t intermediate, int64_t hidden,
-                    GroupedLayout layout, int sms, cudaStream_t stream, const char* op);
+// tables: grouped_tables_bytes(groups) of device memory for the group tables (row starts, row
+// counts, tile prefix), or nullptr for stream-ordered scratch.
+void grouped_swiglu(const void* a, const void* w13, void* h, const int32_t* group_rows, int groups,
+                    int64_t rows, int64_t intermediate, int64_t hidden, GroupedLayout layout,
+                    int sms, int32_t* tables, cudaStream_t stream, const char* op);
+// mk::grouped_gemm with the group tables in `tables` (as grouped_swiglu's; nullptr: stream-
+// ordered scratch, what the public function does).
+void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_rows, int groups,
+                  int64_t rows, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream,
+                  const GemmConfig& config, GroupedLayout layout, int32_t* tables);
+std::size_t grouped_tables_bytes(int groups);
 // Loads the grouped GEMM's kernels (every width and B layout) and grouped_swiglu's now: ops that
 // launch them between kernels that wait for peers (moe_layer) must not load them lazily.
 void preload_grouped();

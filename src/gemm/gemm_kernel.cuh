@@ -233,8 +233,8 @@ constexpr bool fusion_matches() {
   } else {
     constexpr FusionTraits t = F::kTraits;
     return t.a_rows == HasARows<F> && t.load_b == HasLoadB<F> &&
-           t.init_shared == HasInitShared<F> &&
-           t.mid_tile == HasMidTile<F> && t.epilogue_loads == HasEpilogueLoads<F> &&
+           t.init_shared == HasInitShared<F> && t.mid_tile == HasMidTile<F> &&
+           t.epilogue_loads == HasEpilogueLoads<F> &&
            (t.epilogue_loads ? HasRingStore<F, Cfg::kAccRegs>
                              : HasStore<F, Cfg::kAccRegs>)&&t.producer_regs %
                    8 ==

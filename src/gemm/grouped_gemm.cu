@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cub/block/block_scan.cuh>
+#include <optional>
 #include <string>
 
 #include "gemm/gemm_internal.h"
@@ -78,8 +79,8 @@ constexpr const char* kOp = "grouped_gemm";
 
 // total_rows: rows of A and C (max_rows, or groups x capacity).
 template <int kBlockN, bool kTransB>
-void launch(const void* a, const void* b, void* c, const int32_t* scratch, int groups,
-            int64_t total_rows, int64_t n, int64_t k, int sms, cudaStream_t stream) {
+void launch_grouped(const void* a, const void* b, void* c, const int32_t* scratch, int groups,
+                    int64_t total_rows, int64_t n, int64_t k, int sms, cudaStream_t stream) {
   gemm_engine::GroupedGemm<kBlockN> f{};
   f.a = gemm_engine::make_map(a, total_rows, k, 128);
   f.c = gemm_engine::make_map(c, total_rows, n, 64);
@@ -128,7 +129,7 @@ int64_t grouped_total_rows(const char* op, int groups, int64_t rows, GroupedLayo
 // Then the pointers and overlaps. c_cols: columns of C; b_elems: elements of all groups' B.
 void check_grouped_pointers(const char* op, const void* a, const void* b, void* c,
                             const int32_t* group_rows, int groups, int64_t total_rows,
-                            int64_t c_cols, int64_t b_elems, int64_t k, int device) {
+                            int64_t c_cols, std::size_t b_elems, int64_t k, int device) {
   gemm_engine::require_device_pointer(a, op, "A", device);
   gemm_engine::require_device_pointer(b, op, "B", device);
   gemm_engine::require_device_pointer(c, op, "C", device);
@@ -136,17 +137,16 @@ void check_grouped_pointers(const char* op, const void* a, const void* b, void* 
   const auto a_rows = static_cast<std::size_t>(total_rows);
   detail::require_disjoint(
       op, {{"A", a, a_rows * k * 2, false},
-           {"B", b, static_cast<std::size_t>(b_elems) * 2, false},
+           {"B", b, b_elems * 2, false},
            {"C", c, a_rows * c_cols * 2, true},
            {"group_rows", group_rows, static_cast<std::size_t>(groups) * 4, false}});
 }
 
-// The prep kernel's tables (row_start, row_count, tile_prefix) for tiles_n tiles a tile-row, in
-// stream-ordered scratch.
-int32_t* prep_groups(const gemm_engine::StreamScratch& scratch, const int32_t* group_rows,
-                     int groups, int64_t total_rows, int64_t rows, GroupedLayout layout,
-                     int tiles_n, cudaStream_t stream) {
-  auto* tables = static_cast<int32_t*>(scratch.get());
+// The prep kernel's tables (row_start [groups], row_count [groups], tile_prefix [groups + 1])
+// for tiles_n tiles a tile-row, written into `tables`.
+const int32_t* prep_groups(int32_t* tables, const int32_t* group_rows, int groups,
+                           int64_t total_rows, int64_t rows, GroupedLayout layout, int tiles_n,
+                           cudaStream_t stream) {
   gemm_engine::grouped_prep_kernel<<<1, gemm_engine::kPrepThreads, 0, stream>>>(
       group_rows, groups, total_rows, layout == GroupedLayout::kMasked ? rows : 0,
       layout == GroupedLayout::kPadded ? kGroupedRowBlock : 1, tiles_n, tables, tables + groups,
@@ -154,15 +154,23 @@ int32_t* prep_groups(const gemm_engine::StreamScratch& scratch, const int32_t* g
   return tables;
 }
 
-std::size_t prep_bytes(int groups) {
-  return (3 * static_cast<std::size_t>(groups) + 1) * sizeof(int32_t);
-}
-
 }  // namespace
+
+std::size_t gemm_engine::grouped_tables_bytes(int groups) {
+  return (3 * static_cast<std::size_t>(std::max(groups, 0)) + 1) * sizeof(int32_t);
+}
 
 void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_rows, int groups,
                   int64_t rows, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream,
                   const GemmConfig& config, GroupedLayout layout) {
+  gemm_engine::grouped_gemm(a, b, c, group_rows, groups, rows, n, k, b_layout, stream, config,
+                            layout, nullptr);
+}
+
+void gemm_engine::grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_rows,
+                               int groups, int64_t rows, int64_t n, int64_t k, BLayout b_layout,
+                               cudaStream_t stream, const GemmConfig& config, GroupedLayout layout,
+                               int32_t* tables) {
   const int64_t total_rows = grouped_total_rows(kOp, groups, rows, layout);
   gemm_engine::require_multiple_of_8(n, kOp, "N");
   gemm_engine::require_multiple_of_8(k, kOp, "K");
@@ -173,8 +181,10 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
   }
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
-  check_grouped_pointers(kOp, a, b, c, group_rows, groups, total_rows, n, int64_t{groups} * n * k,
-                         k, device);
+  check_grouped_pointers(
+      kOp, a, b, c, group_rows, groups, total_rows, n,
+      static_cast<std::size_t>(groups) * static_cast<std::size_t>(n) * static_cast<std::size_t>(k),
+      k, device);
   const bool masked = layout == GroupedLayout::kMasked;
   const detail::Overrides& overrides = detail::process_overrides();
   int sms = config.sms;
@@ -198,25 +208,31 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
                  static_cast<long long>(rows), static_cast<long long>(n), static_cast<long long>(k),
                  block_n, sms);
   }
-  // row_start [groups], row_count [groups], tile_prefix [groups + 1] (freed after the launch)
-  const gemm_engine::StreamScratch scratch_memory(prep_bytes(groups), stream);
+  // The prep tables: the caller's, or stream-ordered scratch freed after the launch.
+  std::optional<StreamScratch> own;
+  if (tables == nullptr) {
+    own.emplace(grouped_tables_bytes(groups), stream);
+    tables = static_cast<int32_t*>(own->get());
+  }
   const int tiles_n = static_cast<int>((n + block_n - 1) / block_n);
-  const int32_t* scratch = prep_groups(scratch_memory, group_rows, groups, total_rows, rows,
-                                       layout, tiles_n, stream);
+  const int32_t* scratch =
+      prep_groups(tables, group_rows, groups, total_rows, rows, layout, tiles_n, stream);
   gemm_engine::dispatch(block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
-    launch<kBlockN, kTransB>(a, b, c, scratch, groups, total_rows, n, k, sms, stream);
+    launch_grouped<kBlockN, kTransB>(a, b, c, scratch, groups, total_rows, n, k, sms, stream);
   });
 }
 
 void gemm_engine::preload_grouped() {
   preload_all<GroupedGemm>();
   prepared_kernel<128, false, GroupedSwiglu>();
+  cudaFuncAttributes attr{};
+  MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, grouped_prep_kernel));
 }
 
 void gemm_engine::grouped_swiglu(const void* a, const void* w13, void* h, const int32_t* group_rows,
                                  int groups, int64_t rows, int64_t intermediate, int64_t hidden,
-                                 GroupedLayout layout, int sms, cudaStream_t stream,
-                                 const char* op) {
+                                 GroupedLayout layout, int sms, int32_t* tables,
+                                 cudaStream_t stream, const char* op) {
   const int64_t total_rows = grouped_total_rows(op, groups, rows, layout);
   if (intermediate < 64 || intermediate % 64 != 0 || intermediate >= (int64_t{1} << 30)) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -231,12 +247,18 @@ void gemm_engine::grouped_swiglu(const void* a, const void* w13, void* h, const 
     throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": hidden must be < 2^31");
   }
   check_grouped_pointers(op, a, w13, h, group_rows, groups, total_rows, intermediate,
-                         int64_t{groups} * 2 * intermediate * hidden, hidden, device);
+                         static_cast<std::size_t>(groups) * 2 *
+                             static_cast<std::size_t>(intermediate) *
+                             static_cast<std::size_t>(hidden),
+                         hidden, device);
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const StreamScratch scratch_memory(prep_bytes(groups), stream);
+  std::optional<StreamScratch> own;  // the prep tables, unless the caller gives them
+  if (tables == nullptr) {
+    own.emplace(grouped_tables_bytes(groups), stream);
+    tables = static_cast<int32_t*>(own->get());
+  }
   const int tiles_n = static_cast<int>(intermediate / 64);
-  const int32_t* tables = prep_groups(scratch_memory, group_rows, groups, total_rows, rows, layout,
-                                      tiles_n, stream);
+  prep_groups(tables, group_rows, groups, total_rows, rows, layout, tiles_n, stream);
   GroupedSwiglu f{};
   f.a = make_map(a, total_rows, hidden, 128);
   f.c = make_map(h, total_rows, intermediate, 64);

@@ -146,9 +146,8 @@ struct GroupedSwiglu : GroupedGemm<128> {
     const int row0 = tile.row + consumer * 64, col0 = tile.n * 64;
     const int rows = tile.rows - consumer * 64;
     if (rows >= 64) {
-      store_slice(h, col0, n, consumer, scratch, [&](const uint8_t* buf, int) {
-        dev::tma_store_2d(&c, buf, col0, row0);
-      });
+      store_slice(h, col0, n, consumer, scratch,
+                  [&](const uint8_t* buf, int) { dev::tma_store_2d(&c, buf, col0, row0); });
     } else if (rows > 0) {
       store_masked(h, row0, rows, col0);
     }

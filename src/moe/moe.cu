@@ -346,11 +346,10 @@ void preload_moe_kernels(bool) {
 }
 
 const bool kPreloadRegistered = register_kernel_preload(&preload_moe_kernels);
-const bool kFusedPreloadRegistered =
-    register_kernel_preload([](bool) {
-      gemm_engine::preload_all<moe::MoeDispatchGemm>();
-      gemm_engine::preload_grouped();  // moe_layer's GEMMs, between its dispatch and combine
-    });
+const bool kFusedPreloadRegistered = register_kernel_preload([](bool) {
+  gemm_engine::preload_all<moe::MoeDispatchGemm>();
+  gemm_engine::preload_grouped();  // moe_layer's GEMMs, between its dispatch and combine
+});
 
 }  // namespace
 }  // namespace detail

@@ -19,9 +19,10 @@ constexpr const char* kOp = "moe_layer";
 std::size_t align256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // The scratch's parts, in order: recv_x [rows, H], h [rows, I], y [rows, H] (bf16), expert_rows
-// [E_local] int32, handle [rows][3] int32.
+// [E_local] int32, handle [rows][3] int32, the grouped GEMMs' group tables (one GEMM's at a
+// time: the second's prep follows the first GEMM on the stream).
 struct ScratchParts {
-  std::size_t recv, h, y, expert_rows, handle, total;
+  std::size_t recv, h, y, expert_rows, handle, tables, total;
 };
 ScratchParts scratch_parts(const MoePlan& plan, int64_t hidden, int64_t intermediate) {
   const auto rows = static_cast<std::size_t>(plan.rows);
@@ -31,7 +32,8 @@ ScratchParts scratch_parts(const MoePlan& plan, int64_t hidden, int64_t intermed
   p.y = p.h + align256(rows * intermediate * 2);
   p.expert_rows = p.y + align256(rows * hidden * 2);
   p.handle = p.expert_rows + align256(static_cast<std::size_t>(plan.experts_local) * 4);
-  p.total = p.handle + align256(rows * 12);
+  p.tables = p.handle + align256(rows * 12);
+  p.total = p.tables + align256(gemm_engine::grouped_tables_bytes(plan.experts_local));
   return p;
 }
 
@@ -83,12 +85,14 @@ void moe_layer(Communicator& comm, const MoeProblem& problem, int64_t intermedia
   detail::require_device_pointer(comm, w2, 16, kOp, "w2");
   const std::size_t tokens = static_cast<std::size_t>(problem.tokens);
   const std::size_t k = static_cast<std::size_t>(problem.top_k);
+  const std::size_t idx_size = index_type == IndexType::kInt64 ? 8 : 4;
   if (tokens > 0) {
     detail::require_device_pointer(comm, topk_weights, 4, kOp, "topk_weights");
     detail::require_device_pointer(comm, out, 16, kOp, "out");
   }
   detail::require_disjoint(
       kOp, {{"x", tokens > 0 ? x : nullptr, tokens * h * 2, false},
+            {"topk_idx", tokens > 0 ? topk_idx : nullptr, tokens * k * idx_size, false},
             {"topk_weights", tokens > 0 ? topk_weights : nullptr, tokens * k * 4, false},
             {"w13", w13, experts * 2 * i * h * 2, false},
             {"w2", w2, experts * h * i * 2, false},
@@ -102,19 +106,23 @@ void moe_layer(Communicator& comm, const MoeProblem& problem, int64_t intermedia
   void* y = base + parts.y;
   auto* expert_rows = reinterpret_cast<int32_t*>(base + parts.expert_rows);
   auto* handle = reinterpret_cast<int32_t*>(base + parts.handle);
-  // (moe_dispatch and moe_combine check the rest: x, topk_idx, topk_weights, out, workspace.)
-  moe_dispatch(comm, problem, x, topk_idx, index_type, recv, expert_rows, handle, workspace,
-               stream, config);
+  auto* tables = reinterpret_cast<int32_t*>(base + parts.tables);
+  // (moe_dispatch checks x and topk_idx first; the combine's checks are all made above.)
+  moe_dispatch(comm, problem, x, topk_idx, index_type, recv, expert_rows, handle, workspace, stream,
+               config);
   const bool masked = problem.layout == MoeLayout::kMasked;
   const GroupedLayout layout = masked ? GroupedLayout::kMasked : GroupedLayout::kPadded;
   const int64_t rows = masked ? d.capacity : d.rows;  // grouped_gemm's `rows`
+  // Nothing below allocates (the group tables are in the scratch too): a CUDA graph captures the
+  // call as four kernels and their prep, and nothing can fail between the dispatch and the
+  // combine that the checks above did not rule out.
   gemm_engine::grouped_swiglu(recv, w13, inter, expert_rows, d.experts_local, rows, intermediate,
-                              problem.hidden, layout, config.sms, stream, kOp);
+                              problem.hidden, layout, config.sms, tables, stream, kOp);
   GemmConfig down;
   down.sms = config.sms;
   down.block_n = config.block_n;
-  grouped_gemm(inter, w2, y, expert_rows, d.experts_local, rows, problem.hidden, intermediate,
-               BLayout::kNK, stream, down, layout);
+  gemm_engine::grouped_gemm(inter, w2, y, expert_rows, d.experts_local, rows, problem.hidden,
+                            intermediate, BLayout::kNK, stream, down, layout, tables);
   moe_combine(comm, problem, y, topk_weights, handle, out, workspace, stream, config);
 }
 

@@ -170,14 +170,20 @@ def _hf_mixtral(rank, world, seed, use_nccl):
     hidden, inter, experts, top_k, tokens = 256, 128, 4 * world, 2, 64
     config = MixtralConfig(hidden_size=hidden, intermediate_size=inter,
                            num_local_experts=experts, num_experts_per_tok=top_k)
-    torch.manual_seed(seed)  # the same block on every rank
-    block = MixtralSparseMoeBlock(config).to(dev, torch.bfloat16).eval()
+    block = MixtralSparseMoeBlock(config)
+    g = _gen(seed, 91)  # the same weights on every rank (transformers 5 leaves them empty)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(_data(tuple(p.shape), g, p.shape[-1] ** -0.5 * 2, torch.float32))
+    block = block.to(dev, torch.bfloat16).eval()
     g = _gen(seed, 90, rank)
     x = _data((tokens, hidden), g).to(dev)
     with torch.no_grad():
-        hf_out = block(x[None])[0][0]
-        # The block's router, as it routes: softmax in fp32, top-k, renormalised.
-        probs = torch.softmax(block.gate(x).float(), dim=-1)
+        hf = block(x[None])
+        hf_out = (hf[0] if isinstance(hf, tuple) else hf).reshape(tokens, hidden)
+        # The block's routing (its router's weight; transformers 4 and 5 alike): softmax in fp32,
+        # top-k, renormalised.
+        probs = torch.softmax(F.linear(x, block.gate.weight).float(), dim=-1)
         wt, idx = torch.topk(probs, top_k, dim=-1)
         wt = wt / wt.sum(dim=-1, keepdim=True)
     e_local = experts // world
@@ -187,6 +193,7 @@ def _hf_mixtral(rank, world, seed, use_nccl):
                              w2[rank * e_local:(rank + 1) * e_local], comm, experts)
     comm.synchronize()
     exact, _ = _reference(x.cpu(), idx.cpu(), wt.cpu(), w13.cpu(), w2.cpu())
+    assert exact.abs().max().item() > 1e-2, "the layer's output is (near) zero: a vacuous check"
     err = (ours.cpu().double() - exact).abs().max().item()
     err_hf = (hf_out.cpu().double() - exact).abs().max().item()
     assert err <= 2 * err_hf + 1e-3, f"rank {rank}: error {err}, the HF block's {err_hf}"
