@@ -63,3 +63,5 @@ def test_refusals_name_the_problem():
     assert r.returncode == 2 and "3 ranks do not split into 2 virtual nodes" in r.stderr
     r = front("ag_gemm", "check", "two")
     assert r.returncode == 2 and "not a positive number" in r.stderr
+    r = front("moe_layer", "check", "2", NODE0_IP="a", NODE1_IP="b")
+    assert r.returncode == 2 and "moe_layer runs on one node only" in r.stderr
