@@ -53,6 +53,7 @@ SERIES = {
     "engine_same_work": ("attention engine on the same work and SMs (ranks side by side)",
                          "#9e9e9e"),
     "engine_alone": ("attention engine on the same work and SMs (alone)", "#c7c7c7"),
+    "torch_reference": ("the plain PyTorch layer (torch._grouped_mm)", "#9e9e9e"),
 }
 SERIES_ORDER = ["mkernel", "gemm_alone", "comm_alone", "sequential", "torch_async_tp"]
 EXTRA_COLORS = ["#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
@@ -579,6 +580,11 @@ def overview_rows(kind, doc, rows):
             base = number(r["ms"].get("gemm_alone"))
             sp = base / m if base and m else None
             label = shape_label(r["shape"])
+        elif doc.get("kernel") == "moe_layer" and r["ms"].get("sequential") is None:
+            # one GPU: against the plain PyTorch layer (torch._grouped_mm)
+            base = number(r["ms"].get("torch_reference"))
+            sp = base / m if base and m else None
+            label = shape_label(r["shape"])
         else:
             seq = number(r["ms"].get("sequential"))
             sp = number(r.get("speedup_vs_sequential")) or (seq / m if seq else None)
@@ -605,6 +611,7 @@ def plot_overview(files, out):
                    "torch._grouped_mm" if doc.get("kernel") == "grouped_gemm" else
                    "torch._grouped_mm alone" if doc.get("kernel") == "moe_dispatch_gemm"
                    and one_gpu else
+                   "the PyTorch layer" if doc.get("kernel") == "moe_layer" and one_gpu else
                    "torch SDPA" if doc.get("kernel") == "attention" and one_gpu else
                    "the engine on the same work" if doc.get("kernel") == "ring_attention"
                    and one_gpu else "sequential")

@@ -111,6 +111,35 @@ def test_plots_engine_sweeps(tmp_path):
         check_png(out / name)
 
 
+def test_plots_moe_layer_one_gpu(tmp_path):
+    """A moe_layer file of one GPU: the layer against the plain PyTorch layer, its two parts
+    alone as extra series; no warning that rows lack a baseline."""
+    results, out = tmp_path / "results", tmp_path / "plots"
+    results.mkdir()
+    rows = []
+    for model, (h, i, e, k) in {"deepseek_v3": (7168, 2048, 256, 8),
+                                "mixtral": (4096, 14336, 8, 2)}.items():
+        for tokens in (128, 4096):
+            flops = 6 * tokens * k * h * i
+            ours = flops / 500e9 + 0.05
+            rows.append({"shape": {"tokens_per_rank": tokens, "hidden": h, "intermediate": i,
+                                   "experts": e, "top_k": k, "model": model},
+                         "dtype": "bf16",
+                         "ms": {"mkernel": ours, "torch_reference": ours * 1.3,
+                                "compute_alone": ours * 0.9, "dispatch_combine_alone": 0.04,
+                                "sequential": None},
+                         "limit_ms": ours * 0.9, "ratio_to_limit": 1 / 0.9,
+                         "speedup_vs_torch_reference": 1.3, "tflops": flops / ours / 1e9,
+                         "correct": tokens != 128 or model != "mixtral"})
+    (results / "moe_layer-h200-w1.json").write_text(
+        json.dumps(dict(HEADER, kernel="moe_layer", world_size=1, rows=rows)))
+    proc = run_plot(results, out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no row has a baseline" not in proc.stderr, proc.stderr
+    for name in ("moe_layer-h200-w1.png", "overview.png"):
+        check_png(out / name)
+
+
 def test_fails_when_nothing_plots(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
