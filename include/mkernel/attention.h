@@ -82,8 +82,9 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
 // same offset on every rank: 6 x the local K (home K/V and two slots) plus 2 x the local O in
 // fp32 (the carried state) - independent of the world size. Peers may still read this rank's
 // home copy after its call has ended (the next ring_attention call's entry barrier waits for
-// them): give the workspace to nothing else before every rank has synchronised. The problem and
-// the config (sms) must be the same on every rank: the ranks split the copies by CTA.
+// them): give the workspace to nothing else before every rank has synchronised. The problem
+// must be the same on every rank; the config (sms) may differ (the copies go in a fixed number of
+// shares, whatever each rank's CTA count).
 std::size_t ring_attention_workspace_bytes(const Communicator& comm, const AttentionProblem& local);
 // What ring_attention() will run (the engine's tiles; ctas = the communicator's SM budget).
 AttentionPlan ring_attention_plan(const Communicator& comm, const AttentionProblem& local,

@@ -8,7 +8,8 @@ namespace mk {
 // Signals are 64-bit words in every rank's symmetric signal pad, laid out [kNumSignals][world].
 // Word (s, src) on rank r is written by rank src only. Values are signal_value(epoch, step), so
 // they only grow: consecutive launches need no reset. Each named range has one slot per channel
-// (a channel is one CTA of a persistent kernel; grids are equal on all ranks).
+// (a channel is one CTA of a persistent kernel, grids equal on all ranks - except ring attention,
+// whose channels are its copy shares, so that its ranks may run different grids).
 constexpr int kMaxChannels = 160;     // >= SMs of any Hopper part
 constexpr int kMaxOpSignals = 16384;  // per-op slots (fused kernels: "piece p / tile t arrived")
 enum class SignalId : uint32_t {

@@ -20,15 +20,18 @@
 // takes the same tiles in every round). (Round 0 holding steps 0 .. kRingSlots too measured
 // slower: every CTA's first tile reached step 1 within tens of microseconds, before the copies.)
 //
-//   side warps of CTA c (the producer warpgroup's warps 1-3):
-//     entry barrier on channel c (every peer finished its last launch, which read this home)
-//     share c of the local k, v -> home; signal kOp + c to every peer ("share c published")
+//   The copies go in kCopyShares shares of a chunk whatever the grid: CTA c takes shares c,
+//   c + G, ... (G CTAs), so ranks launched with different CTA counts still copy share for share
+//   what their peers published. Side warps of CTA c (the producer warpgroup's warps 1-3), for
+//   each of its shares i:
+//     entry barrier on channel i (every peer finished its last launch, which read this home)
+//     share i of the local k, v -> home; signal kOp + i to every peer ("share i published")
 //     for j = 1 .. w - 1: wait until the slot is free (round q >= 2: done[q - 1] = every consumer
-//       of every CTA finished round q - 1), wait for rank s's share c, copy it into the slot,
-//       arrive[j] += 1
-//   producer: before a step's first block in an item, waits for rank s's share c (a missing
-//             peer is named), then for arrive[j] = CTAs (the whole chunk), then orders that
-//             acquire before its TMA reads (proxy fence)
+//       of every CTA finished round q - 1), wait for rank s's share i, copy it into the slot;
+//       then arrive[j] += its shares
+//   producer: before a step's first block in an item, waits for rank s's share c % kCopyShares
+//             (a missing peer is named), then for arrive[j] = kCopyShares (the whole chunk),
+//             then orders that acquire before its TMA reads (proxy fence)
 //   consumers: after a round, done[q] += 1
 //
 // Causal, zigzag: the query part of chunk cq and the key part of chunk ck: ck < cq all visible,
@@ -51,7 +54,9 @@
 
 namespace mk::attention_engine {
 
-constexpr int kRingSlots = 2;                // chunks in flight besides the local one
+constexpr int kRingSlots = 2;     // chunks in flight besides the local one
+constexpr int kCopyShares = 128;  // a chunk's copies, whatever the grid (<= channels)
+static_assert(kCopyShares <= kMaxChannels, "a share's entry signal is a channel");
 constexpr uint32_t kDoneCounter = 1u << 16;  // local counter ids: arrive[j] = j, done[j] = this + j
 
 template <int kHeadDim>
@@ -176,10 +181,11 @@ struct RingAttention {
     const Block blk = block_of(w, i);
     if (!blk.first || blk.step == 0) return;
     const dev::Launch launch = dev::Launch::begin(comm);
-    // Rank s published its share for this channel (the wait that names a missing peer), then
-    // every CTA's copy of its share has landed.
-    if (launch.wait(source(blk.step), dev::signal_index(SignalId::kOp, blockIdx.x), 1)) {
-      launch.wait_local(arrive() + blk.step, static_cast<uint64_t>(gridDim.x),
+    // Rank s published share blockIdx.x % kCopyShares (the wait that names a missing peer), then
+    // all kCopyShares shares of its chunk have landed in the slot.
+    const int share = static_cast<int>(blockIdx.x) % kCopyShares;
+    if (launch.wait(source(blk.step), dev::signal_index(SignalId::kOp, share), 1)) {
+      launch.wait_local(arrive() + blk.step, static_cast<uint64_t>(kCopyShares),
                         static_cast<uint32_t>(blk.step));
     }
     dev::fence_proxy_async_global();  // the acquire above before the TMA reads of the slot
@@ -270,80 +276,97 @@ struct RingAttention {
   }
 
   // The copies (see the header). Vector v of a chunk is element 8 v of [B, S_local, H_kv, D].
-  __device__ int64_t share_begin(int channel) const {
-    return chunk_vectors * channel / static_cast<int64_t>(gridDim.x);
-  }
+  __device__ int64_t share_begin(int share) const { return chunk_vectors * share / kCopyShares; }
   __device__ void side_task(int thread, int threads) const {
     const int world = comm.world_size;
     if (world == 1) return;
     const dev::Launch launch = dev::Launch::begin(comm);
-    const int c = static_cast<int>(blockIdx.x);
-    const uint32_t entry = dev::signal_index(SignalId::kEntry, c);
-    const uint32_t published = dev::signal_index(SignalId::kOp, c);
-    // Entry: every local peer has entered this launch.
+    const int c = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
+    if (c >= kCopyShares) return;  // no share: nothing to copy, nothing to count
+    // Entry: this rank has entered, on the channel of each of its shares (every peer's owner of
+    // that share waits for it); then every local peer has entered this launch - so its last
+    // launch, which read this home, is over - seen on the channel of this CTA's first share.
+    for (int share = c; share < kCopyShares; share += g) {
+      for (int t = thread; t < comm.local_size; t += threads) {
+        if (t == comm.local_rank) continue;
+        dev::fence_acq_rel_sys();
+        launch.signal(t, dev::signal_index(SignalId::kEntry, share), 1);
+      }
+    }
     bool ok = true;
     for (int t = thread; t < comm.local_size; t += threads) {
-      if (t == comm.local_rank) continue;
-      dev::fence_acq_rel_sys();
-      launch.signal(t, entry, 1);
-    }
-    for (int t = thread; t < comm.local_size; t += threads) {
-      if (t != comm.local_rank) ok = launch.wait(comm.node_ranks[t], entry, 1) && ok;
+      if (t != comm.local_rank) {
+        ok = launch.wait(comm.node_ranks[t], dev::signal_index(SignalId::kEntry, c), 1) && ok;
+      }
     }
     if (dev::named_barrier_or(kSideBarrier, threads, !ok)) return;
-    // Share c of the local k, v -> home.
-    const int64_t begin = share_begin(c), end = share_begin(c + 1);
+    // This CTA's shares of the local k, v -> home.
     const int d8 = kHeadDim / 8;
     uint4* home_k = reinterpret_cast<uint4*>(at(comm.local_rank, home));
     uint4* home_v = home_k + chunk_vectors;
-    for (int64_t v = begin + thread; v < end; v += threads) {
-      const int64_t dv = v % d8, h = v / d8 % kv_heads, s = v / d8 / kv_heads % seq_local,
-                    b = v / d8 / kv_heads / seq_local;
-      const int64_t e = b * kv_stride_batch + s * kv_stride_seq + h * kv_stride_head + dv * 8;
-      home_k[v] = *reinterpret_cast<const uint4*>(k_src + e);
-      home_v[v] = *reinterpret_cast<const uint4*>(v_src + e);
+    int mine = 0;  // shares of this CTA
+    for (int share = c; share < kCopyShares; share += g, ++mine) {
+      const int64_t end = share_begin(share + 1);
+      for (int64_t v = share_begin(share) + thread; v < end; v += threads) {
+        const int64_t dv = v % d8, h = v / d8 % kv_heads, s = v / d8 / kv_heads % seq_local,
+                      b = v / d8 / kv_heads / seq_local;
+        const int64_t e = b * kv_stride_batch + s * kv_stride_seq + h * kv_stride_head + dv * 8;
+        home_k[v] = *reinterpret_cast<const uint4*>(k_src + e);
+        home_v[v] = *reinterpret_cast<const uint4*>(v_src + e);
+      }
     }
     dev::named_barrier_sync(kSideBarrier, threads);
-    for (int t = thread; t < comm.local_size; t += threads) {
-      if (t == comm.local_rank) continue;
-      dev::fence_acq_rel_sys();
-      launch.signal(t, published, 1);
+    for (int share = c; share < kCopyShares; share += g) {
+      const uint32_t published = dev::signal_index(SignalId::kOp, share);
+      for (int t = thread; t < comm.local_size; t += threads) {
+        if (t == comm.local_rank) continue;
+        dev::fence_acq_rel_sys();
+        launch.signal(t, published, 1);
+      }
     }
     for (int step = 1; step < world; ++step) {
       const int slot = (step - 1) % kRingSlots;
-      // The slot's last readers, the previous round, are done on every CTA; rank s published.
+      // The slot's last readers, the previous round, are done on every CTA.
       const int round = (step - 1) / kRingSlots + 1;
       ok = true;
       if (thread == 0 && round >= 2) {
         ok = launch.wait_local(done() + round - 1, 2ull * gridDim.x,
                                kDoneCounter + static_cast<uint32_t>(round - 1));
       }
-      const int s = source(step);  // one node: local rank = rank
-      if (thread == 0 && ok) ok = launch.wait(s, published, 1);
       if (dev::named_barrier_or(kSideBarrier, threads, !ok)) return;
+      const int s = source(step);  // one node: local rank = rank
       const uint4* src = reinterpret_cast<const uint4*>(at(s, home));
       uint4* dst = reinterpret_cast<uint4*>(at(comm.local_rank, slots)) + 2 * chunk_vectors * slot;
-      for (int part = 0; part < 2; ++part) {  // K, then V
-        const int64_t base = part * chunk_vectors;
-        constexpr int kInFlight = 4;
-        for (int64_t v = begin + thread; v < end; v += kInFlight * threads) {
-          uint4 x[kInFlight];
+      // Rank s published this CTA's shares (its owners of them copied them home).
+      for (int share = c; thread == 0 && ok && share < kCopyShares; share += g) {
+        ok = launch.wait(s, dev::signal_index(SignalId::kOp, share), 1);
+      }
+      if (dev::named_barrier_or(kSideBarrier, threads, !ok)) return;
+      for (int share = c; share < kCopyShares; share += g) {
+        const int64_t begin = share_begin(share), end = share_begin(share + 1);
+        for (int part = 0; part < 2; ++part) {  // K, then V
+          const int64_t base = part * chunk_vectors;
+          constexpr int kInFlight = 4;
+          for (int64_t v = begin + thread; v < end; v += kInFlight * threads) {
+            uint4 x[kInFlight];
 #pragma unroll
-          for (int i = 0; i < kInFlight; ++i) {
-            const int64_t u = v + static_cast<int64_t>(i) * threads;
-            if (u < end) x[i] = dev::load_l2(src + base + u);
-          }
+            for (int i = 0; i < kInFlight; ++i) {
+              const int64_t u = v + static_cast<int64_t>(i) * threads;
+              if (u < end) x[i] = dev::load_l2(src + base + u);
+            }
 #pragma unroll
-          for (int i = 0; i < kInFlight; ++i) {
-            const int64_t u = v + static_cast<int64_t>(i) * threads;
-            if (u < end) dst[base + u] = x[i];
+            for (int i = 0; i < kInFlight; ++i) {
+              const int64_t u = v + static_cast<int64_t>(i) * threads;
+              if (u < end) dst[base + u] = x[i];
+            }
           }
         }
       }
       dev::named_barrier_sync(kSideBarrier, threads);
       if (thread == 0) {
         __threadfence();
-        atomicAdd(reinterpret_cast<unsigned long long*>(arrive() + step), 1ull);
+        atomicAdd(reinterpret_cast<unsigned long long*>(arrive() + step),
+                  static_cast<unsigned long long>(mine));
       }
     }
   }

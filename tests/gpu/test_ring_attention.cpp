@@ -26,14 +26,16 @@ uint64_t fresh_seed() { return (uint64_t{std::random_device{}()} << 32) | std::r
 struct RingCase {
   int64_t batch, seq_local, heads, kv_heads, head_dim;
   bool causal;
-  int sms = 0;  // AttentionConfig::sms (few CTAs: long rounds, copies racing the compute)
+  int sms = 0;       // AttentionConfig::sms (few CTAs: long rounds, copies racing the compute)
+  int sms_step = 0;  // rank r runs with sms + r * sms_step CTAs (ranks with different grids)
 };
 
 std::string describe(const RingCase& c, int world) {
   return "world " + std::to_string(world) + " B" + std::to_string(c.batch) + " S_local " +
          std::to_string(c.seq_local) + " H" + std::to_string(c.heads) + "/" +
          std::to_string(c.kv_heads) + " D" + std::to_string(c.head_dim) +
-         (c.causal ? " causal (zigzag)" : "") + (c.sms ? " sms " + std::to_string(c.sms) : "");
+         (c.causal ? " causal (zigzag)" : "") + (c.sms ? " sms " + std::to_string(c.sms) : "") +
+         (c.sms_step ? " + " + std::to_string(c.sms_step) + " x rank" : "");
 }
 
 AttentionProblem local_problem(const RingCase& c) {
@@ -109,7 +111,7 @@ struct Local {
   }
   void run(Communicator& comm, const RingCase& c, void* ws, cudaStream_t s) const {
     AttentionConfig config;
-    config.sms = c.sms;
+    config.sms = c.sms + comm.rank() * c.sms_step;
     ring_attention(comm, local_problem(c), {q}, {k}, {v}, o, lse, ws, s, config);
   }
 };
@@ -240,6 +242,12 @@ TEST(InProcessRingAttention, MatchesFullSequenceAttention) {
   // rounds; world 8: 5).
   expect_ring_matches(4, {1, 2048, 8, 2, 128, true, 7}, seed + 6);
   expect_ring_matches(8, {1, 1024, 4, 4, 64, false, 5}, seed + 7);
+  // Ranks with different CTA counts (5 and 35; 3, 23 and 43; the whole budget and 7 - on a GPU
+  // of its own, rank 0 then has CTAs without a share): each copies, share for share, what its
+  // peers published (the copies' shares do not depend on the grid).
+  expect_ring_matches(2, {1, 1024, 4, 4, 128, true, 5, 30}, seed + 8);
+  expect_ring_matches(3, {2, 512, 4, 2, 64, false, 3, 20}, seed + 9);
+  expect_ring_matches(2, {1, 768, 4, 4, 128, false, 0, 7}, seed + 10);
 }
 
 // Captured once per rank; 100 replays, each on new inputs written into the captured buffers,

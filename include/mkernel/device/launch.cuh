@@ -1,7 +1,8 @@
 // mkernel/device/launch.cuh - per-launch context, signals, barriers and time limits.
 //
 // Every mkernel kernel is a persistent grid whose CTAs are "channels": channel c of rank r talks
-// to channel c of its peers. A launch begins with Launch::begin() and ends with Launch::end():
+// to channel c of its peers (ring attention: a channel per copy share, whatever the CTA count).
+// A launch begins with Launch::begin() and ends with Launch::end():
 //
 //   begin: read this rank's epoch (launches completed) -> this launch is epoch + 1
 //   ...    signal(peer, id, step) / wait(src, id, step) with values signal_value(epoch, step)
