@@ -68,6 +68,9 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
                   int64_t rows, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream,
                   const GemmConfig& config, GroupedLayout layout, int32_t* tables);
 std::size_t grouped_tables_bytes(int groups);
+// grouped_swiglu's width: I a positive multiple of 64 below 2^30, else kInvalidArgument naming
+// `op` and the value.
+void require_swiglu_intermediate(int64_t intermediate, const char* op);
 // Loads the grouped GEMM's kernels (every width and B layout) and grouped_swiglu's now: ops that
 // launch them between kernels that wait for peers (moe_layer) must not load them lazily.
 void preload_grouped();

@@ -143,10 +143,15 @@ void check_grouped_pointers(const char* op, const void* a, const void* b, void* 
 }
 
 // The prep kernel's tables (row_start [groups], row_count [groups], tile_prefix [groups + 1])
-// for tiles_n tiles a tile-row, written into `tables`.
-const int32_t* prep_groups(int32_t* tables, const int32_t* group_rows, int groups,
-                           int64_t total_rows, int64_t rows, GroupedLayout layout, int tiles_n,
-                           cudaStream_t stream) {
+// for tiles_n tiles a tile-row, written into `tables` - or, when it is null, into stream-ordered
+// scratch that `own` holds until the caller's launch is enqueued (then freed in stream order).
+const int32_t* prep_groups(int32_t* tables, std::optional<gemm_engine::StreamScratch>& own,
+                           const int32_t* group_rows, int groups, int64_t total_rows, int64_t rows,
+                           GroupedLayout layout, int tiles_n, cudaStream_t stream) {
+  if (tables == nullptr) {
+    own.emplace(gemm_engine::grouped_tables_bytes(groups), stream);
+    tables = static_cast<int32_t*>(own->get());
+  }
   gemm_engine::grouped_prep_kernel<<<1, gemm_engine::kPrepThreads, 0, stream>>>(
       group_rows, groups, total_rows, layout == GroupedLayout::kMasked ? rows : 0,
       layout == GroupedLayout::kPadded ? kGroupedRowBlock : 1, tiles_n, tables, tables + groups,
@@ -155,6 +160,15 @@ const int32_t* prep_groups(int32_t* tables, const int32_t* group_rows, int group
 }
 
 }  // namespace
+
+void gemm_engine::require_swiglu_intermediate(int64_t intermediate, const char* op) {
+  if (intermediate < 64 || intermediate % 64 != 0 || intermediate >= (int64_t{1} << 30)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(op) + ": intermediate = " + std::to_string(intermediate) +
+                    "; expected a positive multiple of 64 below 2^30 (SwiGLU tiles: 64 gate and "
+                    "64 up columns side by side)");
+  }
+}
 
 std::size_t gemm_engine::grouped_tables_bytes(int groups) {
   return (3 * static_cast<std::size_t>(std::max(groups, 0)) + 1) * sizeof(int32_t);
@@ -208,15 +222,10 @@ void gemm_engine::grouped_gemm(const void* a, const void* b, void* c, const int3
                  static_cast<long long>(rows), static_cast<long long>(n), static_cast<long long>(k),
                  block_n, sms);
   }
-  // The prep tables: the caller's, or stream-ordered scratch freed after the launch.
-  std::optional<StreamScratch> own;
-  if (tables == nullptr) {
-    own.emplace(grouped_tables_bytes(groups), stream);
-    tables = static_cast<int32_t*>(own->get());
-  }
+  std::optional<StreamScratch> own;  // the prep tables, unless the caller gives them
   const int tiles_n = static_cast<int>((n + block_n - 1) / block_n);
   const int32_t* scratch =
-      prep_groups(tables, group_rows, groups, total_rows, rows, layout, tiles_n, stream);
+      prep_groups(tables, own, group_rows, groups, total_rows, rows, layout, tiles_n, stream);
   gemm_engine::dispatch(block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     launch_grouped<kBlockN, kTransB>(a, b, c, scratch, groups, total_rows, n, k, sms, stream);
   });
@@ -234,12 +243,7 @@ void gemm_engine::grouped_swiglu(const void* a, const void* w13, void* h, const 
                                  GroupedLayout layout, int sms, int32_t* tables,
                                  cudaStream_t stream, const char* op) {
   const int64_t total_rows = grouped_total_rows(op, groups, rows, layout);
-  if (intermediate < 64 || intermediate % 64 != 0 || intermediate >= (int64_t{1} << 30)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(op) + ": intermediate = " + std::to_string(intermediate) +
-                    "; expected a positive multiple of 64 (SwiGLU tiles: 64 gate and 64 up "
-                    "columns side by side)");
-  }
+  require_swiglu_intermediate(intermediate, op);
   gemm_engine::require_multiple_of_8(hidden, op, "hidden");
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
@@ -253,19 +257,16 @@ void gemm_engine::grouped_swiglu(const void* a, const void* w13, void* h, const 
                          hidden, device);
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   std::optional<StreamScratch> own;  // the prep tables, unless the caller gives them
-  if (tables == nullptr) {
-    own.emplace(grouped_tables_bytes(groups), stream);
-    tables = static_cast<int32_t*>(own->get());
-  }
   const int tiles_n = static_cast<int>(intermediate / 64);
-  prep_groups(tables, group_rows, groups, total_rows, rows, layout, tiles_n, stream);
+  const int32_t* prepped =
+      prep_groups(tables, own, group_rows, groups, total_rows, rows, layout, tiles_n, stream);
   GroupedSwiglu f{};
   f.a = make_map(a, total_rows, hidden, 128);
   f.c = make_map(h, total_rows, intermediate, 64);
   f.c_ptr = static_cast<__nv_bfloat16*>(h);
-  f.row_start = tables;
-  f.row_count = tables + groups;
-  f.tile_prefix = tables + 2 * groups;
+  f.row_start = prepped;
+  f.row_count = prepped + groups;
+  f.tile_prefix = prepped + 2 * groups;
   f.groups = groups;
   f.tiles_n = tiles_n;
   f.n = static_cast<int>(intermediate);

@@ -50,11 +50,7 @@ MoeLayerPlan moe_layer_plan(const Communicator& comm, const MoeProblem& problem,
   MoeLayerPlan plan;
   plan.dispatch =
       moe::plan_moe(comm.world_size(), comm.topology().sm_budget(), problem, config, kOp).plan;
-  if (intermediate < 64 || intermediate % 64 != 0 || intermediate >= (int64_t{1} << 30)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(kOp) + ": intermediate = " + std::to_string(intermediate) +
-                    "; expected a positive multiple of 64 below 2^30");
-  }
+  gemm_engine::require_swiglu_intermediate(intermediate, kOp);
   if (config.block_n != 0 && config.block_n != 64 && config.block_n != 128 &&
       config.block_n != 192 && config.block_n != 256) {
     throw Error(ErrorCode::kInvalidArgument,

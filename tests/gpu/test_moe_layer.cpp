@@ -8,9 +8,10 @@
 // fp32 in another order, so an intermediate or a y may round the other way: the bound (about 6%
 // of a typical output, measured on a model of the arithmetic) covers that and the fp32 sums'
 // error, far below what a wrong expert, slot, weight, a gate / up mix-up or a lost K tail gives
-// (errors of 30-40x the bound in that model); a small numeric drift (1% on the gate) would pass. Also: -1 slots, skewed routing with empty experts, ranks
-// with fewer tokens, padded and masked layouts, deterministic repeats, graph replays with new
-// routing and inputs, refusals before launch with the output untouched.
+// (errors of 30-40x the bound in that model); a small numeric drift (1% on the gate) would pass.
+// Also: -1 slots, skewed routing with empty experts, ranks with fewer tokens, padded and masked
+// layouts, deterministic repeats, graph replays with new routing and inputs, refusals before launch
+// with the output untouched.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -167,6 +168,17 @@ struct LayerBuffers {
   ~LayerBuffers() {
     for (void* p : {x, topk, static_cast<void*>(weights), w13, w2, out, scratch}) cudaFree(p);
   }
+  // This rank's experts, rank * E_local + l for l < E_local, into w13 and w2.
+  void upload_experts(const std::vector<ExpertWeights>& all, int rank, int e_local,
+                      cudaStream_t s) const {
+    for (int l = 0; l < e_local; ++l) {
+      const ExpertWeights& w = all[rank * e_local + l];
+      cudaMemcpyAsync(static_cast<uint16_t*>(w13) + l * w.w13.size(), w.w13.data(),
+                      w.w13.size() * 2, cudaMemcpyHostToDevice, s);
+      cudaMemcpyAsync(static_cast<uint16_t*>(w2) + l * w.w2.size(), w.w2.data(), w.w2.size() * 2,
+                      cudaMemcpyHostToDevice, s);
+    }
+  }
   void upload(const Inputs& in, cudaStream_t s) const {
     if (in.topk.empty()) return;
     cudaMemcpyAsync(x, in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice, s);
@@ -225,13 +237,7 @@ void expect_layer(Communicator& comm, const LayerCase& c, uint64_t seed) {
   cudaStream_t s;
   MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   LayerBuffers b(c, p, e_local, plan.scratch_bytes);
-  for (int l = 0; l < e_local; ++l) {  // this rank's experts: rank * E_local + l
-    const ExpertWeights& w = all[rank * e_local + l];
-    cudaMemcpyAsync(static_cast<uint16_t*>(b.w13) + l * w.w13.size(), w.w13.data(),
-                    w.w13.size() * 2, cudaMemcpyHostToDevice, s);
-    cudaMemcpyAsync(static_cast<uint16_t*>(b.w2) + l * w.w2.size(), w.w2.data(), w.w2.size() * 2,
-                    cudaMemcpyHostToDevice, s);
-  }
+  b.upload_experts(all, rank, e_local, s);
   const Inputs in = inputs_of(c, rank, seed);
   b.upload(in, s);
   MKT_CUDA(cudaMemsetAsync(b.out, 0xff, b.out_bytes, s));  // poison
@@ -300,13 +306,7 @@ TEST(InProcessMoeLayer, GraphReplaysWithNewRouting) {
     cudaStream_t s;
     MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     LayerBuffers b(c, p, e_local, moe_layer_plan(comm, p, c.inter).scratch_bytes);
-    for (int l = 0; l < e_local; ++l) {
-      const ExpertWeights& w = all[rank * e_local + l];
-      cudaMemcpyAsync(static_cast<uint16_t*>(b.w13) + l * w.w13.size(), w.w13.data(),
-                      w.w13.size() * 2, cudaMemcpyHostToDevice, s);
-      cudaMemcpyAsync(static_cast<uint16_t*>(b.w2) + l * w.w2.size(), w.w2.data(), w.w2.size() * 2,
-                      cudaMemcpyHostToDevice, s);
-    }
+    b.upload_experts(all, rank, e_local, s);
     b.upload(inputs_of(c, rank, 1), s);
     MKT_CUDA(cudaMemsetAsync(ws.data(), 0, ws_bytes, s));
     ready(comm, s);
