@@ -48,7 +48,10 @@ def torch_layer(x, idx, weights, w13_t, w2_t, experts):
     flat = idx.flatten()
     order = torch.sort(flat, stable=True).indices
     rows = x[order // top_k]
-    offs = torch.cumsum(torch.bincount(flat, minlength=experts), 0, dtype=torch.int32)
+    # Counted with scatter_add_ (torch.bincount reads its size back to the host: no graph).
+    counts = torch.zeros(experts, device=x.device, dtype=torch.int64)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
     gate_up = torch._grouped_mm(rows, w13_t, offs=offs)
     h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     y = torch._grouped_mm(h, w2_t, offs=offs)

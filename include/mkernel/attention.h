@@ -79,8 +79,9 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
 // CUDA graphs. Calls on one communicator must be issued in the same order on every rank.
 //
 // Workspace: symmetric memory (Communicator::alloc) of ring_attention_workspace_bytes(), at the
-// same offset on every rank: 6 x the local K (home K/V and two slots) plus 2 x the local O in
-// fp32 (the carried state) - independent of the world size. Peers may still read this rank's
+// same offset on every rank: 6 x the local K (home K/V and two slots), and from world 4 on
+// (more chunks than the slots hold: the steps go in rounds) 2 x the local O in fp32 (the state
+// carried between rounds) - bounded whatever the world size. Peers may still read this rank's
 // home copy after its call has ended (the next ring_attention call's entry barrier waits for
 // them): give the workspace to nothing else before every rank has synchronised. The problem
 // must be the same on every rank; the config (sms) may differ (the copies go in a fixed number of

@@ -2,6 +2,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 
@@ -32,19 +33,20 @@ using Policy = attention_engine::RingAttention<kHeadDim>;
 
 constexpr std::size_t align256(std::size_t x) { return (x + 255) / 256 * 256; }
 
-// Rounds of steps (ring_attention.cuh): step 0, then kRingSlots chunks at a time.
-constexpr int rounds_of(int world) {
-  return 1 + (world - 1 + attention_engine::kRingSlots - 1) / attention_engine::kRingSlots;
-}
-
 // The workspace's regions (byte offsets) for a checked problem.
 struct Layout {
   int parts = 1;
   int64_t part_len = 0;
   int64_t tiles_per_part = 0;
   int64_t items = 0;
+  int rounds = 1;
+  int units = 0;          // (batch, kv head) pairs: the copies' order
   std::size_t chunk = 0;  // bytes of the local K (or V)
   std::size_t home = 0, slots = 0, state_o = 0, state_ml = 0, counters = 0, total = 0;
+  // arrive[kRingSlots][units], done[rounds]
+  std::size_t counters_bytes() const {
+    return (static_cast<std::size_t>(attention_engine::kRingSlots) * units + rounds) * 8;
+  }
 };
 
 Layout layout_of(const AttentionProblem& p, int world) {
@@ -53,6 +55,8 @@ Layout layout_of(const AttentionProblem& p, int world) {
   l.part_len = p.seq_q / l.parts;
   l.tiles_per_part = (l.part_len + 127) / 128;
   l.items = p.batch * p.heads * l.parts * l.tiles_per_part;
+  l.rounds = attention_engine::ring_rounds(world);
+  l.units = static_cast<int>(p.batch * p.kv_heads);
   l.chunk = static_cast<std::size_t>(p.batch * p.seq_kv * p.kv_heads * p.head_dim) * 2;
   std::size_t at = 0;
   auto take = [&](std::size_t bytes) {
@@ -62,9 +66,11 @@ Layout layout_of(const AttentionProblem& p, int world) {
   };
   l.home = take(2 * l.chunk);
   l.slots = take(2 * attention_engine::kRingSlots * l.chunk);
-  l.state_o = take(static_cast<std::size_t>(l.items) * 128 * p.head_dim * 4);
-  l.state_ml = take(static_cast<std::size_t>(l.items) * 2 * 128 * 16);
-  l.counters = take(2 * static_cast<std::size_t>(world) * 8);
+  // The softmax state between rounds: none with one round (world <= 1 + kRingSlots).
+  const std::size_t carried = l.rounds > 1 ? static_cast<std::size_t>(l.items) : 0;
+  l.state_o = take(carried * 128 * p.head_dim * 4);
+  l.state_ml = take(carried * 2 * 128 * 16);
+  l.counters = take(l.counters_bytes());
   l.total = at;
   return l;
 }
@@ -84,6 +90,11 @@ void require_ring_problem(const Communicator& comm, const AttentionProblem& p, c
                 std::string(op) + ": seq_q = " + std::to_string(p.seq_q) +
                     " and seq_kv = " + std::to_string(p.seq_kv) +
                     "; expected both = S_local, this rank's share of the sequence");
+  }
+  if (p.seq_kv * p.head_dim / 8 > INT32_MAX) {  // a unit's 16-byte vectors (ring_attention.cuh)
+    throw Error(ErrorCode::kInvalidArgument, std::string(op) +
+                                                 ": S_local = " + std::to_string(p.seq_kv) +
+                                                 " too long; expected S_local x D / 8 < 2^31");
   }
   if (p.causal && p.seq_q % 2 != 0) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -110,8 +121,9 @@ void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor
   policy.comm = comm.device_comm();
   const attention_host::Strides so{p.seq_q * p.heads * p.head_dim, p.heads * p.head_dim,
                                    p.head_dim};
-  const attention_host::Strides sw{p.seq_kv * p.kv_heads * p.head_dim, p.kv_heads * p.head_dim,
-                                   p.head_dim};
+  // The workspace's K and V: head-major [B, H_kv, S_local, D] (a unit of the copies contiguous).
+  const attention_host::Strides sw{p.kv_heads * p.seq_kv * p.head_dim, p.head_dim,
+                                   p.seq_kv * p.head_dim};
   policy.q = make_map_parts(q.data, sq, p.batch, l.parts, l.part_len, p.heads, kHeadDim, 128);
   policy.o = make_map_parts(o, so, p.batch, l.parts, l.part_len, p.heads, kHeadDim, 64);
   policy.k_local =
@@ -140,6 +152,8 @@ void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor
   policy.kv_stride_seq = sk.seq;
   policy.kv_stride_head = sk.head;
   policy.chunk_vectors = static_cast<int64_t>(l.chunk / 16);
+  policy.unit_vectors = static_cast<int>(p.seq_kv * p.head_dim / 8);
+  policy.units = l.units;
   policy.batch = static_cast<int>(p.batch);
   policy.heads = static_cast<int>(p.heads);
   policy.kv_heads = static_cast<int>(p.kv_heads);
@@ -150,11 +164,10 @@ void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor
   policy.tiles_per_part = static_cast<int>(l.tiles_per_part);
   policy.blocks_per_part = static_cast<int>((l.part_len + C::kBlockN - 1) / C::kBlockN);
   policy.items = static_cast<int>(l.items);
-  policy.rounds = rounds_of(comm.world_size());
+  policy.rounds = l.rounds;
   policy.causal = p.causal;
-  // The step counters start at zero (a memset node in a captured graph).
-  MK_CUDA_CHECK(
-      cudaMemsetAsync(base + l.counters, 0, 2 * sizeof(uint64_t) * comm.world_size(), stream));
+  // The counters start at zero (a memset node in a captured graph).
+  MK_CUDA_CHECK(cudaMemsetAsync(base + l.counters, 0, l.counters_bytes(), stream));
   auto kernel = attention_host::prepared<C, Policy<kHeadDim>>();
   kernel<<<ctas, C::kThreads, C::kSmemBytes, stream>>>(policy, attention_host::scale_log2(p));
   const cudaError_t err = cudaGetLastError();
@@ -175,7 +188,8 @@ AttentionPlan ring_attention_plan(const Communicator& comm, const AttentionProbl
                                   const AttentionConfig& config) {
   require_ring_problem(comm, local, "ring_attention_plan");
   AttentionPlan plan = attention_host::plan(local, ring_ctas(comm, config));
-  plan.items = layout_of(local, comm.world_size()).items * rounds_of(comm.world_size());
+  const Layout l = layout_of(local, comm.world_size());
+  plan.items = l.items * l.rounds;
   return plan;
 }
 

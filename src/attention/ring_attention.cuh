@@ -11,27 +11,35 @@
 //                warps copied rank s's chunk (pulled from s's "home", the copy of its k, v it
 //                published)
 //
-// The steps go in rounds: round 0 = step 0 alone (the local chunk: while it runs, the side warps
-// publish this rank's home and pull the first chunks), round q >= 1 = steps 1 + (q - 1) kRingSlots
-// .. q kRingSlots (as many chunks as the slots hold). A work item is a query tile over one round:
-// its blocks are the visible blocks of the round's chunks one after the other, so the softmax
-// state stays in registers across them; between rounds it goes through the workspace (state_o,
+// The steps go in rounds: round 0 = steps 0 .. kRingSlots (the local chunk, then as many peer
+// chunks as the slots hold), round q >= 1 = steps q kRingSlots + 1 .. (q + 1) kRingSlots. A work
+// item is a query tile over one round: its blocks are the visible blocks of the round's chunks one
+// after the other (the local chunk's first), so the softmax state stays in registers across them;
+// only between rounds (world > 1 + kRingSlots) does it go through the workspace (state_o,
 // state_ml: each thread its own registers, written and read back by the same thread, as CTA c
-// takes the same tiles in every round). (Round 0 holding steps 0 .. kRingSlots too measured
-// slower: every CTA's first tile reached step 1 within tens of microseconds, before the copies.)
+// takes the same tiles in every round).
 //
-//   The copies go in kCopyShares shares of a chunk whatever the grid: CTA c takes shares c,
-//   c + G, ... (G CTAs), so ranks launched with different CTA counts still copy share for share
-//   what their peers published. Side warps of CTA c (the producer warpgroup's warps 1-3), for
-//   each of its shares i:
-//     entry barrier on channel i (every peer finished its last launch, which read this home)
-//     share i of the local k, v -> home; signal kOp + i to every peer ("share i published")
-//     for j = 1 .. w - 1: wait until the slot is free (round q >= 2: done[q - 1] = every consumer
-//       of every CTA finished round q - 1), wait for rank s's share i, copy it into the slot;
-//       then arrive[j] += its shares
+// The copies go in units - one (batch, kv head) of a chunk, S_local x D of K and of V, contiguous
+// in the workspace (its layout is head-major: [B, H_kv, S_local, D]) - in the order the work items
+// need them (the items of a head are next to each other), so the first items wait for a few
+// units, not for whole chunks. (Copied in memory order, whole chunk by whole chunk, every CTA's
+// first tile reached step 1 before its chunk had landed: rounds of step 0 alone were faster then,
+// at the price of the state's round trip through the workspace for every tile.) A unit is copied
+// in kCopyShares shares whatever the grid: CTA c takes shares c, c + G, ... (G CTAs), so ranks
+// launched with different CTA counts still copy share for share what their peers published. Side
+// warps of CTA c (the producer warpgroup's warps 1-3):
+//   entry barrier on the channel of each of its shares (every peer finished its last launch,
+//     which read this home and these slots)
+//   round 0, for each unit u: its shares of u of the local k, v -> home; signal kOp + share to
+//     every peer with value u + 1 ("units 0 .. u of this share published"); then for each step
+//     j of the round: wait for rank s's share at u + 1, copy it into slot (j - 1) % kRingSlots,
+//     arrive[slot][u] += its shares
+//   round q >= 1: for each step j, once: wait until the slot is free (done[round of step
+//     j - kRingSlots] = every consumer of every CTA finished that round); then per unit as above
+//     (without the home copy)
 //   producer: before a step's first block in an item, waits for rank s's share c % kCopyShares
-//             (a missing peer is named), then for arrive[j] = kCopyShares (the whole chunk),
-//             then orders that acquire before its TMA reads (proxy fence)
+//             of the item's unit (a missing peer is named), then for arrive[slot][unit] to reach
+//             kCopyShares x (the slot's use), then orders that acquire before its TMA reads
 //   consumers: after a round, done[q] += 1
 //
 // Causal, zigzag: the query part of chunk cq and the key part of chunk ck: ck < cq all visible,
@@ -39,7 +47,8 @@
 // the blocks of the full square at every rank.
 //
 // Workspace (ring_attention_workspace_bytes): home K, V; kRingSlots x (K, V); state_o,
-// state_ml; the counters (zeroed before each launch). None of it grows with the world size.
+// state_ml; the counters (zeroed before each launch). None of it grows with the world size but
+// done[], a word a round.
 #pragma once
 
 #include <cuda.h>
@@ -57,7 +66,19 @@ namespace mk::attention_engine {
 constexpr int kRingSlots = 2;     // chunks in flight besides the local one
 constexpr int kCopyShares = 128;  // a chunk's copies, whatever the grid (<= channels)
 static_assert(kCopyShares <= kMaxChannels, "a share's entry signal is a channel");
-constexpr uint32_t kDoneCounter = 1u << 16;  // local counter ids: arrive[j] = j, done[j] = this + j
+// Local counter ids (a time-out names them): arrive[slot][unit] = step, done[q] = this + q.
+constexpr uint32_t kDoneCounter = 1u << 16;
+
+// Round q's steps (see the header): round 0 = 0 .. kRingSlots, then kRingSlots at a time.
+__host__ __device__ constexpr int ring_rounds(int world) {
+  return world - 1 <= kRingSlots ? 1 : (world - 2) / kRingSlots + 1;
+}
+__host__ __device__ constexpr int ring_first_step(int round) {
+  return round == 0 ? 0 : round * kRingSlots + 1;
+}
+__host__ __device__ constexpr int ring_round_of(int step) {
+  return step <= kRingSlots ? 0 : (step - 1) / kRingSlots;
+}
 
 template <int kHeadDim>
 struct RingAttention {
@@ -77,16 +98,18 @@ struct RingAttention {
   // Workspace: each local rank's base (+ offset) and the regions' offsets.
   uint8_t* const* peers;
   uint64_t offset;
-  uint64_t home;      // bf16 [2][B, S_local, H_kv, D]: K then V, contiguous
-  uint64_t slots;     // bf16 [kRingSlots][2][B, S_local, H_kv, D]
+  uint64_t home;      // bf16 [2][B, H_kv, S_local, D]: K then V, each unit contiguous
+  uint64_t slots;     // bf16 [kRingSlots][2][B, H_kv, S_local, D]
   uint64_t state_o;   // float4 [items][2 consumers][kORegs / 4][128 threads]
   uint64_t state_ml;  // float4 [items][2 consumers][128 threads]: m0, m1, l0, l1
-  uint64_t counters;  // uint64 arrive[world], done[world]
+  uint64_t counters;  // uint64 arrive[kRingSlots][units], done[rounds]
   // The user's k and v (element strides) for the home copy.
   const __nv_bfloat16* k_src;
   const __nv_bfloat16* v_src;
   int64_t kv_stride_batch, kv_stride_seq, kv_stride_head;
   int64_t chunk_vectors;  // 16-byte vectors of one of K, V: B S_local H_kv D / 8
+  int unit_vectors;       // of one unit: S_local D / 8
+  int units;              // B H_kv
   int batch;
   int heads;
   int kv_heads;
@@ -103,10 +126,11 @@ struct RingAttention {
   __device__ uint8_t* at(int local_rank, uint64_t field) const {
     return peers[local_rank] + offset + field;
   }
-  __device__ uint64_t* arrive() const {
-    return reinterpret_cast<uint64_t*>(at(comm.local_rank, counters));
+  // Shares of unit u copied into `slot`, over all its uses (kCopyShares a use: never reset).
+  __device__ uint64_t* arrive(int slot, int unit) const {
+    return reinterpret_cast<uint64_t*>(at(comm.local_rank, counters)) + slot * units + unit;
   }
-  __device__ uint64_t* done() const { return arrive() + comm.world_size; }
+  __device__ uint64_t* done() const { return arrive(0, 0) + kRingSlots * units; }
   // The chunk (of 2w, zigzag) that part p of rank r holds.
   __device__ int chunk_of(int r, int p) const { return p == 0 ? r : 2 * comm.world_size - 1 - r; }
   __device__ int source(int step) const {
@@ -115,11 +139,9 @@ struct RingAttention {
 
   // Rounds of steps (see the header).
   __device__ int num_steps() const { return rounds; }
-  __device__ int first_step(int round) const {
-    return round == 0 ? 0 : 1 + (round - 1) * kRingSlots;
-  }
+  __device__ int first_step(int round) const { return ring_first_step(round); }
   __device__ int last_step(int round) const {
-    return round == 0 ? 0 : min(comm.world_size - 1, round * kRingSlots);
+    return min(comm.world_size - 1, ring_first_step(round + 1) - 1);
   }
   // Visible blocks of query tile (part pq, m) in step j's chunk, per key part.
   __device__ void step_blocks(int pq, int m, int step, int (&n)[2]) const {
@@ -176,16 +198,20 @@ struct RingAttention {
     }
   }
 
-  // Producer, before block i: step j >= 1's chunk is all in its slot.
+  // Producer, before block i: the item's unit of step j >= 1 is all in its slot.
   __device__ void wait_kv(const WorkItem& w, int i) const {
     const Block blk = block_of(w, i);
     if (!blk.first || blk.step == 0) return;
     const dev::Launch launch = dev::Launch::begin(comm);
-    // Rank s published share blockIdx.x % kCopyShares (the wait that names a missing peer), then
-    // all kCopyShares shares of its chunk have landed in the slot.
+    const int unit = w.batch * kv_heads + w.kv_head;
+    // Rank s published share blockIdx.x % kCopyShares of the unit (the wait that names a missing
+    // peer), then all kCopyShares shares of the unit have landed in the slot.
     const int share = static_cast<int>(blockIdx.x) % kCopyShares;
-    if (launch.wait(source(blk.step), dev::signal_index(SignalId::kOp, share), 1)) {
-      launch.wait_local(arrive() + blk.step, static_cast<uint64_t>(kCopyShares),
+    if (launch.wait(source(blk.step), dev::signal_index(SignalId::kOp, share),
+                    static_cast<uint32_t>(unit + 1))) {
+      const int use = (blk.step - 1) / kRingSlots;  // the slot's earlier steps
+      launch.wait_local(arrive((blk.step - 1) % kRingSlots, unit),
+                        static_cast<uint64_t>(kCopyShares) * (use + 1),
                         static_cast<uint32_t>(blk.step));
     }
     dev::fence_proxy_async_global();  // the acquire above before the TMA reads of the slot
@@ -275,8 +301,38 @@ struct RingAttention {
     atomicAdd(reinterpret_cast<unsigned long long*>(done() + round), 1ull);
   }
 
-  // The copies (see the header). Vector v of a chunk is element 8 v of [B, S_local, H_kv, D].
-  __device__ int64_t share_begin(int share) const { return chunk_vectors * share / kCopyShares; }
+  // The copies (see the header). Vector v of unit u is element 8 v of (b, h) = (u / H_kv,
+  // u % H_kv): row v / (D / 8), columns 8 (v % (D / 8)) ..; share i of a unit is its vectors
+  // [share_begin(i), share_begin(i + 1)).
+  __device__ int share_begin(int share) const {
+    return static_cast<int>(static_cast<int64_t>(unit_vectors) * share / kCopyShares);
+  }
+  // Vectors [begin, end) of a unit: from the user's k or v (rows kv_stride_seq elements apart)
+  // or from a peer's home (contiguous) to dst (contiguous), kInFlight loads in flight a thread.
+  template <bool kStrided>
+  __device__ void copy_vectors(uint4* dst, const void* src, int begin, int end, int thread,
+                               int threads) const {
+    constexpr int kInFlight = 3;  // 4 spills at the side warps' 56 registers
+    constexpr int d8 = kHeadDim / 8;
+    for (int v = begin + thread; v < end; v += kInFlight * threads) {
+      uint4 x[kInFlight];
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i) {
+        const int u = v + i * threads;
+        if (u >= end) continue;
+        if constexpr (kStrided) {
+          x[i] = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(src) +
+                                                 (u / d8) * kv_stride_seq + (u % d8) * 8);
+        } else {
+          x[i] = dev::load_l2(static_cast<const uint4*>(src) + u);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i) {
+        if (v + i * threads < end) dst[v + i * threads] = x[i];
+      }
+    }
+  }
   __device__ void side_task(int thread, int threads) const {
     const int world = comm.world_size;
     if (world == 1) return;
@@ -285,7 +341,7 @@ struct RingAttention {
     if (c >= kCopyShares) return;  // no share: nothing to copy, nothing to count
     // Entry: this rank has entered, on the channel of each of its shares (every peer's owner of
     // that share waits for it); then every local peer has entered this launch - so its last
-    // launch, which read this home, is over - seen on the channel of this CTA's first share.
+    // launch, which read this home and its slots, is over - seen on this CTA's first share.
     for (int share = c; share < kCopyShares; share += g) {
       for (int t = thread; t < comm.local_size; t += threads) {
         if (t == comm.local_rank) continue;
@@ -300,75 +356,76 @@ struct RingAttention {
       }
     }
     if (dev::named_barrier_or(kSideBarrier, threads, !ok)) return;
-    // This CTA's shares of the local k, v -> home.
-    const int d8 = kHeadDim / 8;
-    uint4* home_k = reinterpret_cast<uint4*>(at(comm.local_rank, home));
-    uint4* home_v = home_k + chunk_vectors;
-    int mine = 0;  // shares of this CTA
-    for (int share = c; share < kCopyShares; share += g, ++mine) {
-      const int64_t end = share_begin(share + 1);
-      for (int64_t v = share_begin(share) + thread; v < end; v += threads) {
-        const int64_t dv = v % d8, h = v / d8 % kv_heads, s = v / d8 / kv_heads % seq_local,
-                      b = v / d8 / kv_heads / seq_local;
-        const int64_t e = b * kv_stride_batch + s * kv_stride_seq + h * kv_stride_head + dv * 8;
-        home_k[v] = *reinterpret_cast<const uint4*>(k_src + e);
-        home_v[v] = *reinterpret_cast<const uint4*>(v_src + e);
-      }
-    }
-    dev::named_barrier_sync(kSideBarrier, threads);
-    for (int share = c; share < kCopyShares; share += g) {
-      const uint32_t published = dev::signal_index(SignalId::kOp, share);
-      for (int t = thread; t < comm.local_size; t += threads) {
-        if (t == comm.local_rank) continue;
-        dev::fence_acq_rel_sys();
-        launch.signal(t, published, 1);
-      }
-    }
-    for (int step = 1; step < world; ++step) {
-      const int slot = (step - 1) % kRingSlots;
-      // The slot's last readers, the previous round, are done on every CTA.
-      const int round = (step - 1) / kRingSlots + 1;
+    for (int round = 0; round < rounds; ++round) {
+      // The slots of the round's steps: their last readers (steps kRingSlots earlier) are done
+      // on every CTA of this rank.
       ok = true;
-      if (thread == 0 && round >= 2) {
-        ok = launch.wait_local(done() + round - 1, 2ull * gridDim.x,
-                               kDoneCounter + static_cast<uint32_t>(round - 1));
+      for (int j = max(1, first_step(round)); thread == 0 && ok && j <= last_step(round); ++j) {
+        if (j > kRingSlots) {
+          const int before = ring_round_of(j - kRingSlots);
+          ok = launch.wait_local(done() + before, 2ull * gridDim.x,
+                                 kDoneCounter + static_cast<uint32_t>(before));
+        }
       }
       if (dev::named_barrier_or(kSideBarrier, threads, !ok)) return;
-      const int s = source(step);  // one node: local rank = rank
-      const uint4* src = reinterpret_cast<const uint4*>(at(s, home));
-      uint4* dst = reinterpret_cast<uint4*>(at(comm.local_rank, slots)) + 2 * chunk_vectors * slot;
-      // Rank s published this CTA's shares (its owners of them copied them home).
-      for (int share = c; thread == 0 && ok && share < kCopyShares; share += g) {
-        ok = launch.wait(s, dev::signal_index(SignalId::kOp, share), 1);
-      }
-      if (dev::named_barrier_or(kSideBarrier, threads, !ok)) return;
-      for (int share = c; share < kCopyShares; share += g) {
-        const int64_t begin = share_begin(share), end = share_begin(share + 1);
-        for (int part = 0; part < 2; ++part) {  // K, then V
-          const int64_t base = part * chunk_vectors;
-          constexpr int kInFlight = 4;
-          for (int64_t v = begin + thread; v < end; v += kInFlight * threads) {
-            uint4 x[kInFlight];
-#pragma unroll
-            for (int i = 0; i < kInFlight; ++i) {
-              const int64_t u = v + static_cast<int64_t>(i) * threads;
-              if (u < end) x[i] = dev::load_l2(src + base + u);
-            }
-#pragma unroll
-            for (int i = 0; i < kInFlight; ++i) {
-              const int64_t u = v + static_cast<int64_t>(i) * threads;
-              if (u < end) dst[base + u] = x[i];
+      for (int unit = 0; unit < units; ++unit) {
+        if (round == 0) {  // this CTA's shares of the unit -> home, then published
+          const int64_t head =
+              (unit / kv_heads) * kv_stride_batch + (unit % kv_heads) * kv_stride_head;
+          uint4* to = reinterpret_cast<uint4*>(at(comm.local_rank, home)) +
+                      static_cast<int64_t>(unit) * unit_vectors;
+          for (int share = c; share < kCopyShares; share += g) {
+            copy_vectors<true>(to, k_src + head, share_begin(share), share_begin(share + 1), thread,
+                               threads);
+            copy_vectors<true>(to + chunk_vectors, v_src + head, share_begin(share),
+                               share_begin(share + 1), thread, threads);
+          }
+          dev::named_barrier_sync(kSideBarrier, threads);
+          for (int share = c; share < kCopyShares; share += g) {
+            for (int t = thread; t < comm.local_size; t += threads) {
+              if (t == comm.local_rank) continue;
+              dev::fence_acq_rel_sys();
+              launch.signal(t, dev::signal_index(SignalId::kOp, share),
+                            static_cast<uint32_t>(unit + 1));
             }
           }
         }
-      }
-      dev::named_barrier_sync(kSideBarrier, threads);
-      if (thread == 0) {
-        __threadfence();
-        atomicAdd(reinterpret_cast<unsigned long long*>(arrive() + step),
-                  static_cast<unsigned long long>(mine));
+        for (int j = max(1, first_step(round)); j <= last_step(round); ++j) {
+          if (!pull_unit(launch, j, unit, thread, threads)) return;
+        }
       }
     }
+  }
+  // Step j's chunk, unit `unit`: this CTA's shares of it from rank s's home into the step's slot,
+  // then counted in arrive[slot][unit]. False when a wait failed (every side thread).
+  __device__ bool pull_unit(const dev::Launch& launch, int j, int unit, int thread,
+                            int threads) const {
+    const int c = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
+    const int s = source(j);  // one node: local rank = rank
+    const int slot = (j - 1) % kRingSlots;
+    // Rank s published this CTA's shares of the unit.
+    bool ok = true;
+    for (int share = c; thread == 0 && ok && share < kCopyShares; share += g) {
+      ok = launch.wait(s, dev::signal_index(SignalId::kOp, share), static_cast<uint32_t>(unit + 1));
+    }
+    if (dev::named_barrier_or(kSideBarrier, threads, !ok)) return false;
+    const int64_t at_unit = static_cast<int64_t>(unit) * unit_vectors;
+    const uint4* src = reinterpret_cast<const uint4*>(at(s, home)) + at_unit;
+    uint4* dst =
+        reinterpret_cast<uint4*>(at(comm.local_rank, slots)) + 2 * chunk_vectors * slot + at_unit;
+    for (int share = c; share < kCopyShares; share += g) {
+      copy_vectors<false>(dst, src, share_begin(share), share_begin(share + 1), thread, threads);
+      copy_vectors<false>(dst + chunk_vectors, src + chunk_vectors, share_begin(share),
+                          share_begin(share + 1), thread, threads);
+    }
+    dev::named_barrier_sync(kSideBarrier, threads);
+    if (thread == 0) {
+      __threadfence();
+      const int mine = (kCopyShares - 1 - c) / g + 1;  // shares c, c + g, ... < kCopyShares
+      atomicAdd(reinterpret_cast<unsigned long long*>(arrive(slot, unit)),
+                static_cast<unsigned long long>(mine));
+    }
+    return true;
   }
   __device__ void finish() const { dev::Launch::begin(comm).end(); }
 };
