@@ -27,9 +27,10 @@
 //                                 number of KV blocks it visits); CTAs take them in a snake
 //                                 over waves (snake_item)
 //   load_q(dst, bar, item)        TMA of the item's Q tile (kChunks boxes of 128 rows x 64)
-//   wait_kv(item, i)              producer, before block i's loads: the block has arrived (ring)
-//   load_kv(dst, bar, item, i, which)  TMA of its i-th KV block, K (which 0) or V (1) - the policy
-//                                 knows where block i lives
+//   kv_block(item, i)             producer: where the item's i-th KV block lives (the policy's
+//                                 KvBlock, found once a block and handed to the two below)
+//   wait_kv(item, blk)            producer, before the block's loads: it has arrived (ring)
+//   load_kv(dst, bar, item, blk, which)  TMA of the block, K (which 0) or V (1)
 //   mask(item, i)                 which keys of block i each query row of the tile sees
 //   store(o, lse, item, consumer, scratch)  epilogue: the normalised rows and their LSE
 //
@@ -117,7 +118,8 @@ struct BlockMask {
 // The hooks every policy has, with their signatures (kORegs: a consumer's O registers), and its
 // register split (setmaxnreg) as kProducerRegs / kConsumerRegs.
 template <class P, int kORegs>
-concept AttentionPolicy = requires(const P p, const WorkItem& item, int i, void* dst, uint64_t* bar,
+concept AttentionPolicy = requires(const P p, const WorkItem& item, int i,
+                                   const typename P::KvBlock& blk, void* dst, uint64_t* bar,
                                    float (&o)[kORegs], const float (&co)[kORegs], float (&row)[2],
                                    const float (&crow)[2], uint8_t* scratch) {
   { P::kProducerRegs } -> std::convertible_to<int>;
@@ -125,9 +127,10 @@ concept AttentionPolicy = requires(const P p, const WorkItem& item, int i, void*
   { p.num_steps() } -> std::same_as<int>;
   { p.num_items() } -> std::same_as<int>;
   { p.item(i, i) } -> std::same_as<WorkItem>;
-  { p.wait_kv(item, i) } -> std::same_as<void>;
+  { p.kv_block(item, i) } -> std::same_as<typename P::KvBlock>;
+  { p.wait_kv(item, blk) } -> std::same_as<void>;
   { p.load_q(dst, bar, item) } -> std::same_as<void>;
-  { p.load_kv(dst, bar, item, i, i) } -> std::same_as<void>;
+  { p.load_kv(dst, bar, item, blk, i) } -> std::same_as<void>;
   { p.mask(item, i) } -> std::same_as<BlockMask>;
   { p.load_state(o, row, row, item, i) } -> std::same_as<void>;
   { p.store_state(co, crow, crow, item, i) } -> std::same_as<void>;
@@ -263,8 +266,12 @@ struct PlainAttention {
     w.index = t;
     return w;
   }
-  __device__ void wait_kv(const WorkItem&, int) const {}
   // Block i of an item is KV block blocks - 1 - i.
+  struct KvBlock {
+    int n;
+  };
+  __device__ KvBlock kv_block(const WorkItem& w, int i) const { return {w.blocks - 1 - i}; }
+  __device__ void wait_kv(const WorkItem&, const KvBlock&) const {}
   __device__ void load_q(void* dst, uint64_t* bar, const WorkItem& w) const {
 #pragma unroll
     for (int c = 0; c < kHeadDim / 64; ++c) {
@@ -272,8 +279,9 @@ struct PlainAttention {
                        w.m * 128, w.batch);
     }
   }
-  __device__ void load_kv(void* dst, uint64_t* bar, const WorkItem& w, int i, int which) const {
-    const int n = w.blocks - 1 - i;
+  __device__ void load_kv(void* dst, uint64_t* bar, const WorkItem& w, const KvBlock& blk,
+                          int which) const {
+    const int n = blk.n;
 #pragma unroll
     for (int c = 0; c < kHeadDim / 64; ++c) {
       dev::tma_load_4d(static_cast<uint8_t*>(dst) + c * 128 * 128, which == 0 ? &k : &v, bar,
@@ -385,13 +393,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           for (int i = 0; i < w.blocks; ++i, ++it) {
             const int s = it % kStages;
             const uint32_t phase = ((it / kStages) & 1) ^ 1;
-            policy.wait_kv(w, i);
+            const typename Policy::KvBlock blk = policy.kv_block(w, i);
+            policy.wait_kv(w, blk);
             dev::mbarrier_wait(&k_empty[s], phase);
             dev::mbarrier_arrive_expect_tx(&k_full[s], Cfg::kKvBytes);
-            policy.load_kv(k_smem + s * Cfg::kKvBytes, &k_full[s], w, i, 0);
+            policy.load_kv(k_smem + s * Cfg::kKvBytes, &k_full[s], w, blk, 0);
             dev::mbarrier_wait(&v_empty[s], phase);
             dev::mbarrier_arrive_expect_tx(&v_full[s], Cfg::kKvBytes);
-            policy.load_kv(v_smem + s * Cfg::kKvBytes, &v_full[s], w, i, 1);
+            policy.load_kv(v_smem + s * Cfg::kKvBytes, &v_full[s], w, blk, 1);
           }
         });
       }

@@ -133,8 +133,9 @@ struct RingAttention {
   __device__ uint64_t* done() const { return arrive(0, 0) + kRingSlots * units; }
   // The chunk (of 2w, zigzag) that part p of rank r holds.
   __device__ int chunk_of(int r, int p) const { return p == 0 ? r : 2 * comm.world_size - 1 - r; }
-  __device__ int source(int step) const {
-    return (comm.rank - step + comm.world_size) % comm.world_size;
+  __device__ int source(int step) const {  // (rank - step) mod w, step < w
+    const int s = comm.rank - step;
+    return s < 0 ? s + comm.world_size : s;
   }
 
   // Rounds of steps (see the header).
@@ -180,11 +181,13 @@ struct RingAttention {
     return w;
   }
   // Block i of an item: its step, key part and block (each part's from the last down), and
-  // whether it is the step's first in the item.
+  // whether it is the step's first in the item. The producer finds it once a block (kv_block).
   struct Block {
     int step, part, n;
     bool first;
   };
+  using KvBlock = Block;
+  __device__ Block kv_block(const WorkItem& w, int i) const { return block_of(w, i); }
   __device__ Block block_of(const WorkItem& w, int i) const {
     for (int j = first_step(w.step);; ++j) {
       int n[2];
@@ -198,21 +201,23 @@ struct RingAttention {
     }
   }
 
-  // Producer, before block i: the item's unit of step j >= 1 is all in its slot.
-  __device__ void wait_kv(const WorkItem& w, int i) const {
-    const Block blk = block_of(w, i);
+  // Producer, before a block's loads: the item's unit of step j >= 1 is all in its slot.
+  __device__ void wait_kv(const WorkItem& w, const Block& blk) const {
     if (!blk.first || blk.step == 0) return;
-    const dev::Launch launch = dev::Launch::begin(comm);
     const int unit = w.batch * kv_heads + w.kv_head;
-    // Rank s published share blockIdx.x % kCopyShares of the unit (the wait that names a missing
-    // peer), then all kCopyShares shares of the unit have landed in the slot.
-    const int share = static_cast<int>(blockIdx.x) % kCopyShares;
-    if (launch.wait(source(blk.step), dev::signal_index(SignalId::kOp, share),
-                    static_cast<uint32_t>(unit + 1))) {
-      const int use = (blk.step - 1) / kRingSlots;  // the slot's earlier steps
-      launch.wait_local(arrive((blk.step - 1) % kRingSlots, unit),
-                        static_cast<uint64_t>(kCopyShares) * (use + 1),
-                        static_cast<uint32_t>(blk.step));
+    const uint64_t* arrived = arrive((blk.step - 1) % kRingSlots, unit);
+    // All kCopyShares shares of the unit in the slot, over the slot's uses so far.
+    const uint64_t expected =
+        static_cast<uint64_t>(kCopyShares) * ((blk.step - 1) / kRingSlots + 1);
+    if (!dev::reached(dev::ld_acquire_sys(arrived), expected)) {  // usually there already
+      const dev::Launch launch = dev::Launch::begin(comm);
+      // Rank s published share blockIdx.x % kCopyShares of the unit (the wait that names a
+      // missing peer), then the shares have landed.
+      const int share = static_cast<int>(blockIdx.x) % kCopyShares;
+      if (launch.wait(source(blk.step), dev::signal_index(SignalId::kOp, share),
+                      static_cast<uint32_t>(unit + 1))) {
+        launch.wait_local(arrived, expected, static_cast<uint32_t>(blk.step));
+      }
     }
     dev::fence_proxy_async_global();  // the acquire above before the TMA reads of the slot
   }
@@ -223,8 +228,8 @@ struct RingAttention {
                        w.m * 128, w.part, w.batch);
     }
   }
-  __device__ void load_kv(void* dst, uint64_t* bar, const WorkItem& w, int i, int which) const {
-    const Block blk = block_of(w, i);
+  __device__ void load_kv(void* dst, uint64_t* bar, const WorkItem& w, const Block& blk,
+                          int which) const {
     const int part = blk.part, n = blk.n;
     const int slot = (blk.step - 1) % kRingSlots;
     const CUtensorMap* map = blk.step == 0 ? (which == 0 ? &k_local : &v_local)
@@ -235,7 +240,15 @@ struct RingAttention {
                        n * 128, part, w.batch);
     }
   }
+  // On the consumers' path between a block's Q K^T and its softmax: without tail blocks (parts
+  // of whole 128-row blocks) the only masked block is causal's diagonal, the first block of
+  // step 0's own-chunk run - block 0 for part 0, block blocks_per_part for part 1 (after the
+  // whole chunk r) - found without walking the steps.
   __device__ BlockMask mask(const WorkItem& w, int i) const {
+    if (part_len % 128 == 0) {
+      const bool diagonal = causal && w.step == 0 && i == (w.part == 0 ? 0 : blocks_per_part);
+      return {diagonal, 128, diagonal ? 0 : (1 << 30)};
+    }
     const Block blk = block_of(w, i);
     const int n = blk.n;
     const int kv_len = part_len - n * 128;
@@ -333,6 +346,12 @@ struct RingAttention {
       }
     }
   }
+  // The side warps meet after some of their threads waited: true on all of them if any wait
+  // failed. The warp's vote first converges each warp (without it ptxas reached the barrier
+  // with a warp still diverged after the waits: compute-sanitizer synccheck, 2026-12-02).
+  __device__ static bool side_barrier_failed(int threads, bool ok) {
+    return dev::named_barrier_or(kSideBarrier, threads, !__all_sync(0xffffffffu, ok));
+  }
   __device__ void side_task(int thread, int threads) const {
     const int world = comm.world_size;
     if (world == 1) return;
@@ -355,7 +374,7 @@ struct RingAttention {
         ok = launch.wait(comm.node_ranks[t], dev::signal_index(SignalId::kEntry, c), 1) && ok;
       }
     }
-    if (dev::named_barrier_or(kSideBarrier, threads, !ok)) return;
+    if (side_barrier_failed(threads, ok)) return;
     for (int round = 0; round < rounds; ++round) {
       // The slots of the round's steps: their last readers (steps kRingSlots earlier) are done
       // on every CTA of this rank.
@@ -367,7 +386,7 @@ struct RingAttention {
                                  kDoneCounter + static_cast<uint32_t>(before));
         }
       }
-      if (dev::named_barrier_or(kSideBarrier, threads, !ok)) return;
+      if (side_barrier_failed(threads, ok)) return;
       for (int unit = 0; unit < units; ++unit) {
         if (round == 0) {  // this CTA's shares of the unit -> home, then published
           const int64_t head =
@@ -408,7 +427,7 @@ struct RingAttention {
     for (int share = c; thread == 0 && ok && share < kCopyShares; share += g) {
       ok = launch.wait(s, dev::signal_index(SignalId::kOp, share), static_cast<uint32_t>(unit + 1));
     }
-    if (dev::named_barrier_or(kSideBarrier, threads, !ok)) return false;
+    if (side_barrier_failed(threads, ok)) return false;
     const int64_t at_unit = static_cast<int64_t>(unit) * unit_vectors;
     const uint4* src = reinterpret_cast<const uint4*>(at(s, home)) + at_unit;
     uint4* dst =

@@ -238,8 +238,8 @@ TEST(InProcessRingAttention, MatchesFullSequenceAttention) {
   expect_ring_matches(3, {2, 200, 4, 2, 128, true}, seed + 3);  // parts of 100 rows
   expect_ring_matches(4, {1, 300, 2, 2, 64, false}, seed + 4);
   expect_ring_matches(2, {1, 130, 8, 8, 128, true}, seed + 5);
-  // Few CTAs: every round long, the slots reused while other CTAs still compute (world 4: 3
-  // rounds; world 8: 5).
+  // Few CTAs: every round long, the slots reused while other CTAs still compute (world 4: 2
+  // rounds; world 8: 4).
   expect_ring_matches(4, {1, 2048, 8, 2, 128, true, 7}, seed + 6);
   expect_ring_matches(8, {1, 1024, 4, 4, 64, false, 5}, seed + 7);
   // Ranks with different CTA counts (5 and 35; 3, 23 and 43; the whole budget and 7 - on a GPU
@@ -256,7 +256,7 @@ void replay_with_new_inputs(int world);
 
 TEST(InProcessRingAttention, GraphReplays100TimesWithNewInputs) {
   MKT_REQUIRE_GPU();
-  for (int world : {2, 4}) {  // world 4: three rounds, the slots reused within a launch
+  for (int world : {2, 4}) {  // world 4: two rounds, a slot reused within a launch
     SCOPED_TRACE("world " + std::to_string(world));
     replay_with_new_inputs(world);
   }
