@@ -118,41 +118,48 @@ static_assert(check_fusion_widths<GroupedGemm>());
 
 // The gate / up projection of an MoE layer's experts with SwiGLU in the epilogue:
 //   h_g[M_g, I] = silu(A_g Wg_g^T) * (A_g Wu_g^T)
-// for w13 [G][2I, H] (nn.Linear's layout: the gate's I rows, then the up's I rows). A tile of 128
-// columns of the accumulator is gate columns [64 n, 64 n + 64) next to up columns of the same
-// range: load_b fetches the two 64-row boxes of w13 into one stage (a 5-D box over w13 viewed as
-// [G][2][I / 64][64][H]), so a thread holds gate column c and up column c (accumulator column
-// blocks b and b + 8) and computes h there, in fp32, rounded to bf16 once. Tiles are 128 x 128
-// (64 h columns each; I a multiple of 64); rows, groups and layouts as GroupedGemm's.
-struct GroupedSwiglu : GroupedGemm<128> {
+// for w13 [G][2I, H] (nn.Linear's layout: the gate's I rows, then the up's I rows). A tile of
+// kBlockN accumulator columns is gate columns [kHalf n, kHalf n + kHalf) next to the up columns of
+// the same range (kHalf = kBlockN / 2): load_b fetches the two kHalf-row boxes of w13 into one
+// stage (a 5-D box over w13 viewed as [G][2][I / kHalf][kHalf][H]), so a thread holds gate column
+// c and up column c (accumulator registers i and i + kRegs / 2) and computes h there, in fp32,
+// rounded to bf16 once. Tiles are 128 x kBlockN (kHalf h columns each; I a multiple of kHalf);
+// rows, groups and layouts as GroupedGemm's.
+template <int kBlockN>
+struct GroupedSwiglu : GroupedGemm<kBlockN> {
+  using Base = GroupedGemm<kBlockN>;
+  using typename Base::ConsumerState;
+  static constexpr int kHalf = kBlockN / 2;
   static constexpr FusionTraits kTraits{.load_b = true};
-  CUtensorMap w13;  // (H, 64, I / 64, 2, G): boxes of 64 x 64 x 1 x 2 x 1
+  CUtensorMap w13;  // (H, kHalf, I / kHalf, 2, G): boxes of 64 x kHalf x 1 x 2 x 1
 
   __device__ void load_b(void* dst, uint64_t* bar, const Tile& tile, int k0) const {
     dev::tma_load_5d(dst, &w13, bar, k0, 0, tile.n, 0, tile.shard);
   }
 
-  // tiles_n = I / 64 and n = I (GroupedGemm's fields): h's columns.
+  // tiles_n = I / kHalf and n = I (GroupedGemm's fields): h's columns.
   template <int kRegs>
   __device__ void store(const float (&acc)[kRegs], const Tile& tile, int consumer, uint8_t* scratch,
                         ConsumerState&) const {
-    static_assert(kRegs == 64, "128-column tiles: 64 gate and 64 up columns");
+    static_assert(kRegs == kBlockN / 2, "a consumer's 64 rows of the tile's gate and up columns");
     float h[kRegs / 2];
 #pragma unroll
     for (int i = 0; i < kRegs / 2; ++i) {
       const float gate = acc[i], up = acc[i + kRegs / 2];
       h[i] = gate / (1.f + __expf(-gate)) * up;
     }
-    const int row0 = tile.row + consumer * 64, col0 = tile.n * 64;
+    const int row0 = tile.row + consumer * 64, col0 = tile.n * kHalf;
     const int rows = tile.rows - consumer * 64;
     if (rows >= 64) {
-      store_slice(h, col0, n, consumer, scratch,
-                  [&](const uint8_t* buf, int) { dev::tma_store_2d(&c, buf, col0, row0); });
+      store_slice(h, col0, this->n, consumer, scratch, [&](const uint8_t* buf, int j) {
+        dev::tma_store_2d(&this->c, buf, col0 + 64 * j, row0);
+      });
     } else if (rows > 0) {
-      store_masked(h, row0, rows, col0);
+      this->store_masked(h, row0, rows, col0);
     }
   }
 };
-static_assert(check_fusion<TileConfig<128>, GroupedSwiglu>());
+static_assert(check_fusion<TileConfig<128>, GroupedSwiglu<128>>());
+static_assert(check_fusion<TileConfig<256>, GroupedSwiglu<256>>());
 
 }  // namespace mk::gemm_engine

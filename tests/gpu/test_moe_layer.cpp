@@ -273,7 +273,10 @@ TEST(InProcessMoeLayer, World1) {
   run_layer_cases(1,
                   {{8, 2, 256, 128, 300},
                    {16, 4, 512, 192, 200, MoeLayout::kMasked},
-                   {8, 1, 136, 64, 130, MoeLayout::kPadded, true}},
+                   {8, 1, 136, 64, 130, MoeLayout::kPadded, true},
+                   // ~6000 rows: grouped_swiglu takes 128 x 256 tiles (128 h columns) here, the
+                   // 128 x 128 ones in the cases above.
+                   {8, 2, 256, 256, 3000}},
                   501);
 }
 
