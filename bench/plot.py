@@ -144,6 +144,9 @@ def shape_label(shape):
         return (f"B{shape['batch']} H{shape['heads']}/{shape['kv_heads']} S{shape['seq_local']} "
                 f"D{shape['head_dim']}" + (" causal" if shape.get("causal") else "")
                 + (f" w{shape['world']}" if shape.get("world", 1) > 1 else ""))
+    if all(k in shape for k in ("tokens_per_rank", "hidden", "intermediate", "experts", "top_k")):
+        return (f"{shape.get('model', 'MoE')} T{shape['tokens_per_rank']}: H{shape['hidden']} "
+                f"I{shape['intermediate']} E{shape['experts']} top-{shape['top_k']}")
     return ", ".join(f"{k}={v}" for k, v in shape.items())
 
 

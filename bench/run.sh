@@ -12,7 +12,7 @@
 #         same work and SMs), ag_gemm, gemm_rs, gemm_ar,
 #         transport (the socket proxy path over loopback; no GPU needed), p2p (NVLink push /
 #         red.add / pull rate per CTA between GPU 0 and 1: what the fused kernels are sized by).
-#         Other fused kernels join as they land. all = collectives, gemm and every fused kernel (moe_layer: not yet).
+#         Other fused kernels join as they land. all = collectives, gemm and every fused kernel.
 # check = correctness on the GPUs present; bench = timings against the baselines (NCCL, cuBLAS,
 #         NCCL-then-cuBLAS, PyTorch async-TP), written to bench/results/<kernel>-<gpu>-w<world>.json
 #         (../shared/BENCH_SCHEMA.md). sizes: collectives: MiB per rank, comma-separated (bench:
@@ -212,8 +212,7 @@ fi
 if [[ "$kernel" == all ]]; then
   # Every family in turn; the first failure is the exit status.
   status=0
-  # (moe_layer joins `all` once its benchmark has run on a GPU: `make setup check` stays green.)
-  for k in collectives gemm grouped_gemm moe_dispatch_gemm attention ring_attention ag_gemm gemm_rs gemm_ar; do
+  for k in collectives gemm grouped_gemm moe_dispatch_gemm moe_layer attention ring_attention ag_gemm gemm_rs gemm_ar; do
     bash "$PWD/bench/run.sh" "$k" "$mode" "$nodes" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
   done
   exit "$status"
