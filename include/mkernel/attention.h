@@ -73,19 +73,20 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
 // of 2 w equal chunks of the sequence, chunks r and 2 w - 1 - r, in that order (S_local even;
 // every rank then does the same work). O [B, S_local, H, D] and LSE [B, H, S_local] are attention
 // of this rank's queries over the whole sequence, in the same order. One launch per call: key /
-// value chunks travel between the ranks (NVLink, pulled into kRingSlots = 2 workspace slots)
+// value chunks travel between the ranks (NVLink: each rank writes its own into its peers'
+// kRingSlots = 2 workspace slots, in the order the queries need them)
 // while the attention engine works on the chunk that has arrived; each query tile's softmax state
 // carries across the chunks, so no merge pass follows. Stream-ordered, no host synchronisation,
 // CUDA graphs. Calls on one communicator must be issued in the same order on every rank.
 //
 // Workspace: symmetric memory (Communicator::alloc) of ring_attention_workspace_bytes(), at the
-// same offset on every rank: 6 x the local K (home K/V and two slots), and from world 4 on
-// (more chunks than the slots hold: the steps go in rounds) 2 x the local O in fp32 (the state
-// carried between rounds) - bounded whatever the world size. Peers may still read this rank's
-// home copy after its call has ended (the next ring_attention call's entry barrier waits for
-// them): give the workspace to nothing else before every rank has synchronised. The problem
-// must be the same on every rank; the config (sms) may differ (the copies go in a fixed number of
-// shares, whatever each rank's CTA count).
+// same offset on every rank: 4 x the local K (two slots of K and V), and from world 4 on (more
+// chunks than the slots hold: the steps go in rounds) 2 x the local O in fp32 (the state carried
+// between rounds) - bounded whatever the world size. Every peer write into it has landed before
+// the call's kernel ends, and peers read it only before then: once the stream reaches the call's
+// end (without a time-out: after one, peers may still be writing), the workspace is the
+// caller's again. The problem must be the same on every rank; the config (sms)
+// may differ (the copies go in a fixed number of shares, whatever each rank's CTA count).
 std::size_t ring_attention_workspace_bytes(const Communicator& comm, const AttentionProblem& local);
 // What ring_attention() will run (the engine's tiles; ctas = the communicator's SM budget).
 AttentionPlan ring_attention_plan(const Communicator& comm, const AttentionProblem& local,

@@ -27,8 +27,9 @@ constexpr int kHostPadSignals = 4096;
 // A DeviceErrorRecord's signal with this bit set names a host-pad signal (the wait was for an
 // arrival from another node).
 constexpr uint32_t kHostPadSignalBit = 1u << 31;
-// ... and with this bit set, a counter in device memory that this rank's own CTAs raise (e.g.
-// rows of a block placed; Launch::wait_local), numbered by the op.
+// ... and with this bit set, a counter in device memory (e.g. rows of a block placed), numbered by
+// the op: raised by this rank's own CTAs (Launch::wait_local) or by a peer's, in the waiter's
+// memory or the peer's (Launch::wait_counter names the peer).
 constexpr uint32_t kLocalCounterBit = 1u << 30;
 
 enum class DeviceErrorCode : int32_t {

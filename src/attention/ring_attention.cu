@@ -42,7 +42,7 @@ struct Layout {
   int rounds = 1;
   int units = 0;          // (batch, kv head) pairs: the copies' order
   std::size_t chunk = 0;  // bytes of the local K (or V)
-  std::size_t home = 0, slots = 0, state_o = 0, state_ml = 0, counters = 0, total = 0;
+  std::size_t slots = 0, state_o = 0, state_ml = 0, counters = 0, total = 0;
   // arrive[kRingSlots][units], done[rounds]
   std::size_t counters_bytes() const {
     return (static_cast<std::size_t>(attention_engine::kRingSlots) * units + rounds) * 8;
@@ -64,7 +64,6 @@ Layout layout_of(const AttentionProblem& p, int world) {
     at += align256(bytes);
     return here;
   };
-  l.home = take(2 * l.chunk);
   l.slots = take(2 * attention_engine::kRingSlots * l.chunk);
   // The softmax state between rounds: none with one round (world <= 1 + kRingSlots).
   const std::size_t carried = l.rounds > 1 ? static_cast<std::size_t>(l.items) : 0;
@@ -141,7 +140,6 @@ void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor
   policy.lse = lse;
   policy.peers = reinterpret_cast<uint8_t* const*>(ws.device_peers);
   policy.offset = ws.offset;
-  policy.home = l.home;
   policy.slots = l.slots;
   policy.state_o = l.state_o;
   policy.state_ml = l.state_ml;

@@ -7,9 +7,8 @@
 // of rank s = (r - j) mod w, found
 //
 //   step 0       in the local k, v (the user's tensors, read by TMA where they are)
-//   step j >= 1  in slot (j - 1) % kRingSlots of the workspace, into which this rank's side
-//                warps copied rank s's chunk (pulled from s's "home", the copy of its k, v it
-//                published)
+//   step j >= 1  in slot (j - 1) % kRingSlots of the workspace, into which rank s's side warps
+//                wrote its chunk (pushed: each rank writes its k, v into its peers' slots)
 //
 // The steps go in rounds: round 0 = steps 0 .. kRingSlots (the local chunk, then as many peer
 // chunks as the slots hold), round q >= 1 = steps q kRingSlots + 1 .. (q + 1) kRingSlots. A work
@@ -20,35 +19,43 @@
 // takes the same tiles in every round).
 //
 // The copies go in units - one (batch, kv head) of a chunk, S_local x D of K and of V, contiguous
-// in the workspace (its layout is head-major: [B, H_kv, S_local, D]) - in the order the work items
-// need them (the items of a head are next to each other), so the first items wait for a few
-// units, not for whole chunks. (Copied in memory order, whole chunk by whole chunk, every CTA's
-// first tile reached step 1 before its chunk had landed: rounds of step 0 alone were faster then,
-// at the price of the state's round trip through the workspace for every tile.) A unit is copied
-// in kCopyShares shares whatever the grid: CTA c takes shares c, c + G, ... (G CTAs), so ranks
-// launched with different CTA counts still copy share for share what their peers published. Side
-// warps of CTA c (the producer warpgroup's warps 1-3):
+// in the slots (head-major: [B, H_kv, S_local, D]) - in the order the work items need them (the
+// items of a head are next to each other), so the first items wait for a few units, not for
+// whole chunks. (Copied in memory order, whole chunk by whole chunk, every CTA's first tile
+// reached step 1 before its chunk had landed: rounds of step 0 alone were faster then, at the
+// price of the state's round trip through the workspace for every tile.) Each rank pushes its
+// own k, v: read once from the user's tensors, written straight into the peers' slots (over
+// NVLink, stores; no copy of its own first). A unit is copied in kCopyShares shares whatever the
+// grid: CTA c takes shares c, c + G, ... (G CTAs), so ranks launched with different CTA counts
+// still complete every unit. Side warps of CTA c (the producer warpgroup's warps 1-3):
 //   entry barrier on the channel of each of its shares (every peer finished its last launch,
-//     which read this home and these slots)
-//   round 0, for each unit u: its shares of u of the local k, v -> home; signal kOp + share to
-//     every peer with value u + 1 ("units 0 .. u of this share published"); then for each step
-//     j of the round: wait for rank s's share at u + 1, copy it into slot (j - 1) % kRingSlots,
-//     arrive[slot][u] += its shares
-//   round q >= 1: for each step j, once: wait until the slot is free (done[round of step
-//     j - kRingSlots] = every consumer of every CTA finished that round); then per unit as above
-//     (without the home copy)
-//   producer: before a step's first block in an item, waits for rank s's share c % kCopyShares
-//             of the item's unit (a missing peer is named), then for arrive[slot][unit] to reach
-//             kCopyShares x (the slot's use), then orders that acquire before its TMA reads
-//   consumers: after a round, done[q] += 1
+//     which read the slots this rank is about to write)
+//   round q, for each step j of it (j >= 1): the destination d = (r + j) mod w, for which this
+//     rank's chunk is step j, slot (j - 1) % kRingSlots; if d used that slot in an earlier round
+//     (j > kRingSlots), wait until d's consumers finished that round (d's done[], 2 x items)
+//   then for each unit u, for each step j of the round: its shares of u of the local k, v ->
+//     d's slot; d's arrive[slot][u] += its shares (a system-scope atomic after a fence); signal
+//     kOp + share to d with value u + 1 ("units 0 .. u of this share written")
+//   producer: before a step's first block in an item, reads arrive[slot][unit]; until it reaches
+//             kCopyShares x (the slot's use), waits for rank s's share c % kCopyShares of the
+//             unit (a missing peer is named), then for the count; then orders that acquire
+//             before its TMA reads (proxy fence)
+//   consumers: after a round, done[q] += the CTA's items of the round
+// Every (step, unit) a rank's slots receive is waited for by some item's producer there (a
+// non-causal item sees every block; in causal zigzag, part 1 - chunk 2w - 1 - r - sees every
+// peer's chunk whole, and every (batch, kv head) has part-1 items): so every push into a slot is
+// counted before the next use of the slot is pushed, and before the destination's kernel ends.
+// Peers read a rank's memory only to poll its done[] before pushing to it. So once a rank's call
+// has ended without a time-out, no peer touches its workspace or its k, v. (A schedule that
+// skips a unit of a step would break this: its late stores could land in the next use.)
 //
 // Causal, zigzag: the query part of chunk cq and the key part of chunk ck: ck < cq all visible,
 // ck == cq (step 0, same part) causal within the chunk, ck > cq nothing. So a step visits half
 // the blocks of the full square at every rank.
 //
-// Workspace (ring_attention_workspace_bytes): home K, V; kRingSlots x (K, V); state_o,
-// state_ml; the counters (zeroed before each launch). None of it grows with the world size but
-// done[], a word a round.
+// Workspace (ring_attention_workspace_bytes): kRingSlots x (K, V); state_o, state_ml (world >
+// 1 + kRingSlots only); the counters (zeroed before each launch). None of it grows with the world
+// size but done[], a word a round.
 #pragma once
 
 #include <cuda.h>
@@ -66,7 +73,7 @@ namespace mk::attention_engine {
 constexpr int kRingSlots = 2;     // chunks in flight besides the local one
 constexpr int kCopyShares = 128;  // a chunk's copies, whatever the grid (<= channels)
 static_assert(kCopyShares <= kMaxChannels, "a share's entry signal is a channel");
-// Local counter ids (a time-out names them): arrive[slot][unit] = step, done[q] = this + q.
+// Counter ids (a time-out names them): arrive[slot][unit] = step, done[q] = this + q.
 constexpr uint32_t kDoneCounter = 1u << 16;
 
 // Round q's steps (see the header): round 0 = 0 .. kRingSlots, then kRingSlots at a time.
@@ -83,7 +90,7 @@ __host__ __device__ constexpr int ring_round_of(int step) {
 template <int kHeadDim>
 struct RingAttention {
   static constexpr int kORegs = kHeadDim / 2;
-  // The side warps copy with 4 vectors in flight per lane and keep the schedule's counters.
+  // The side warps copy with 2 vectors in flight per lane and keep the schedule's counters.
   static constexpr int kProducerRegs = 56;
   static constexpr int kConsumerRegs = 224;
 
@@ -98,12 +105,11 @@ struct RingAttention {
   // Workspace: each local rank's base (+ offset) and the regions' offsets.
   uint8_t* const* peers;
   uint64_t offset;
-  uint64_t home;      // bf16 [2][B, H_kv, S_local, D]: K then V, each unit contiguous
-  uint64_t slots;     // bf16 [kRingSlots][2][B, H_kv, S_local, D]
+  uint64_t slots;     // bf16 [kRingSlots][2][B, H_kv, S_local, D]: K then V, units contiguous
   uint64_t state_o;   // float4 [items][2 consumers][kORegs / 4][128 threads]
   uint64_t state_ml;  // float4 [items][2 consumers][128 threads]: m0, m1, l0, l1
   uint64_t counters;  // uint64 arrive[kRingSlots][units], done[rounds]
-  // The user's k and v (element strides) for the home copy.
+  // The user's k and v (element strides), which the side warps push.
   const __nv_bfloat16* k_src;
   const __nv_bfloat16* v_src;
   int64_t kv_stride_batch, kv_stride_seq, kv_stride_head;
@@ -126,11 +132,18 @@ struct RingAttention {
   __device__ uint8_t* at(int local_rank, uint64_t field) const {
     return peers[local_rank] + offset + field;
   }
-  // Shares of unit u copied into `slot`, over all its uses (kCopyShares a use: never reset).
-  __device__ uint64_t* arrive(int slot, int unit) const {
-    return reinterpret_cast<uint64_t*>(at(comm.local_rank, counters)) + slot * units + unit;
+  // Shares of unit u written into `slot` of local rank t, over all its uses (kCopyShares a use:
+  // never reset).
+  __device__ uint64_t* arrive(int t, int slot, int unit) const {
+    return reinterpret_cast<uint64_t*>(at(t, counters)) + slot * units + unit;
   }
-  __device__ uint64_t* done() const { return arrive(0, 0) + kRingSlots * units; }
+  // Local rank t's consumers that finished round q, counted in items (2 x items: all).
+  __device__ uint64_t* done(int t) const { return arrive(t, 0, 0) + kRingSlots * units; }
+  // The local rank this rank's chunk is step j for.
+  __device__ int destination(int step) const {
+    const int d = comm.rank + step;
+    return d < comm.world_size ? d : d - comm.world_size;
+  }
   // The chunk (of 2w, zigzag) that part p of rank r holds.
   __device__ int chunk_of(int r, int p) const { return p == 0 ? r : 2 * comm.world_size - 1 - r; }
   __device__ int source(int step) const {  // (rank - step) mod w, step < w
@@ -205,7 +218,7 @@ struct RingAttention {
   __device__ void wait_kv(const WorkItem& w, const Block& blk) const {
     if (!blk.first || blk.step == 0) return;
     const int unit = w.batch * kv_heads + w.kv_head;
-    const uint64_t* arrived = arrive((blk.step - 1) % kRingSlots, unit);
+    const uint64_t* arrived = arrive(comm.local_rank, (blk.step - 1) % kRingSlots, unit);
     // All kCopyShares shares of the unit in the slot, over the slot's uses so far.
     const uint64_t expected =
         static_cast<uint64_t>(kCopyShares) * ((blk.step - 1) / kRingSlots + 1);
@@ -216,7 +229,7 @@ struct RingAttention {
       const int share = static_cast<int>(blockIdx.x) % kCopyShares;
       if (launch.wait(source(blk.step), dev::signal_index(SignalId::kOp, share),
                       static_cast<uint32_t>(unit + 1))) {
-        launch.wait_local(arrived, expected, static_cast<uint32_t>(blk.step));
+        launch.wait_counter(arrived, source(blk.step), expected, static_cast<uint32_t>(blk.step));
       }
     }
     dev::fence_proxy_async_global();  // the acquire above before the TMA reads of the slot
@@ -308,10 +321,15 @@ struct RingAttention {
     }
   }
   // A consumer warpgroup's leader, after its last item of round `round`: its TMA reads of the
-  // round's slots are all consumed.
+  // round's slots are all consumed. Counted in items (this CTA's share of the snake), a number
+  // the peers that wait for it know whatever this rank's grid.
   __device__ void step_done(int round) const {
-    __threadfence();
-    atomicAdd(reinterpret_cast<unsigned long long*>(done() + round), 1ull);
+    const int g = static_cast<int>(gridDim.x), c = static_cast<int>(blockIdx.x);
+    const int waves = items / g, last = waves % 2 == 0 ? c : g - 1 - c;  // snake_item's order
+    const int mine = waves + (last < items % g ? 1 : 0);
+    dev::fence_acq_rel_sys();
+    atomicAdd_system(reinterpret_cast<unsigned long long*>(done(comm.local_rank) + round),
+                     static_cast<unsigned long long>(mine));
   }
 
   // The copies (see the header). Vector v of unit u is element 8 v of (b, h) = (u / H_kv,
@@ -320,24 +338,19 @@ struct RingAttention {
   __device__ int share_begin(int share) const {
     return static_cast<int>(static_cast<int64_t>(unit_vectors) * share / kCopyShares);
   }
-  // Vectors [begin, end) of a unit: from the user's k or v (rows kv_stride_seq elements apart)
-  // or from a peer's home (contiguous) to dst (contiguous), kInFlight loads in flight a thread.
-  template <bool kStrided>
-  __device__ void copy_vectors(uint4* dst, const void* src, int begin, int end, int thread,
+  // Vectors [begin, end) of a unit of the user's k or v (rows kv_stride_seq elements apart) to
+  // dst (contiguous, a peer's slot), kInFlight loads in flight a thread.
+  __device__ void copy_vectors(uint4* dst, const __nv_bfloat16* src, int begin, int end, int thread,
                                int threads) const {
-    constexpr int kInFlight = 3;  // 4 spills at the side warps' 56 registers
+    constexpr int kInFlight = 2;  // 3 spills at the side warps' 56 registers
     constexpr int d8 = kHeadDim / 8;
     for (int v = begin + thread; v < end; v += kInFlight * threads) {
       uint4 x[kInFlight];
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i) {
         const int u = v + i * threads;
-        if (u >= end) continue;
-        if constexpr (kStrided) {
-          x[i] = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(src) +
-                                                 (u / d8) * kv_stride_seq + (u % d8) * 8);
-        } else {
-          x[i] = dev::load_l2(static_cast<const uint4*>(src) + u);
+        if (u < end) {
+          x[i] = *reinterpret_cast<const uint4*>(src + (u / d8) * kv_stride_seq + (u % d8) * 8);
         }
       }
 #pragma unroll
@@ -347,8 +360,8 @@ struct RingAttention {
     }
   }
   // The side warps meet after some of their threads waited: true on all of them if any wait
-  // failed. The warp's vote first converges each warp (without it ptxas reached the barrier
-  // with a warp still diverged after the waits: compute-sanitizer synccheck, 2026-12-02).
+  // failed. The warp's vote first converges each warp (compute-sanitizer synccheck reported
+  // warps diverged at this barrier, 2026-12-02; the vote alone did not clear it).
   __device__ static bool side_barrier_failed(int threads, bool ok) {
     return dev::named_barrier_or(kSideBarrier, threads, !__all_sync(0xffffffffu, ok));
   }
@@ -360,7 +373,7 @@ struct RingAttention {
     if (c >= kCopyShares) return;  // no share: nothing to copy, nothing to count
     // Entry: this rank has entered, on the channel of each of its shares (every peer's owner of
     // that share waits for it); then every local peer has entered this launch - so its last
-    // launch, which read this home and its slots, is over - seen on this CTA's first share.
+    // launch, which read its slots, is over - seen on this CTA's first share.
     for (int share = c; share < kCopyShares; share += g) {
       for (int t = thread; t < comm.local_size; t += threads) {
         if (t == comm.local_rank) continue;
@@ -376,77 +389,57 @@ struct RingAttention {
     }
     if (side_barrier_failed(threads, ok)) return;
     for (int round = 0; round < rounds; ++round) {
-      // The slots of the round's steps: their last readers (steps kRingSlots earlier) are done
-      // on every CTA of this rank.
+      // The destinations' slots of the round: their last readers there (steps kRingSlots
+      // earlier) are done on every CTA of the destination.
       ok = true;
       for (int j = max(1, first_step(round)); thread == 0 && ok && j <= last_step(round); ++j) {
         if (j > kRingSlots) {
-          const int before = ring_round_of(j - kRingSlots);
-          ok = launch.wait_local(done() + before, 2ull * gridDim.x,
-                                 kDoneCounter + static_cast<uint32_t>(before));
+          const int d = destination(j), before = ring_round_of(j - kRingSlots);
+          ok = launch.wait_counter(done(d) + before, comm.node_ranks[d], 2ull * items,
+                                   kDoneCounter + static_cast<uint32_t>(before));
         }
       }
       if (side_barrier_failed(threads, ok)) return;
       for (int unit = 0; unit < units; ++unit) {
-        if (round == 0) {  // this CTA's shares of the unit -> home, then published
-          const int64_t head =
-              (unit / kv_heads) * kv_stride_batch + (unit % kv_heads) * kv_stride_head;
-          uint4* to = reinterpret_cast<uint4*>(at(comm.local_rank, home)) +
-                      static_cast<int64_t>(unit) * unit_vectors;
-          for (int share = c; share < kCopyShares; share += g) {
-            copy_vectors<true>(to, k_src + head, share_begin(share), share_begin(share + 1), thread,
-                               threads);
-            copy_vectors<true>(to + chunk_vectors, v_src + head, share_begin(share),
-                               share_begin(share + 1), thread, threads);
-          }
-          dev::named_barrier_sync(kSideBarrier, threads);
-          for (int share = c; share < kCopyShares; share += g) {
-            for (int t = thread; t < comm.local_size; t += threads) {
-              if (t == comm.local_rank) continue;
-              dev::fence_acq_rel_sys();
-              launch.signal(t, dev::signal_index(SignalId::kOp, share),
-                            static_cast<uint32_t>(unit + 1));
-            }
-          }
-        }
         for (int j = max(1, first_step(round)); j <= last_step(round); ++j) {
-          if (!pull_unit(launch, j, unit, thread, threads)) return;
+          push_unit(launch, j, unit, thread, threads);
         }
       }
     }
   }
-  // Step j's chunk, unit `unit`: this CTA's shares of it from rank s's home into the step's slot,
-  // then counted in arrive[slot][unit]. False when a wait failed (every side thread).
-  __device__ bool pull_unit(const dev::Launch& launch, int j, int unit, int thread,
+  // This CTA's shares of unit `unit` of the local k, v into the slot of step j at its
+  // destination, then counted there (arrive) and signalled (kOp + share, value unit + 1).
+  __device__ void push_unit(const dev::Launch& launch, int j, int unit, int thread,
                             int threads) const {
     const int c = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
-    const int s = source(j);  // one node: local rank = rank
+    const int d = destination(j);  // one node: local rank = rank
     const int slot = (j - 1) % kRingSlots;
-    // Rank s published this CTA's shares of the unit.
-    bool ok = true;
-    for (int share = c; thread == 0 && ok && share < kCopyShares; share += g) {
-      ok = launch.wait(s, dev::signal_index(SignalId::kOp, share), static_cast<uint32_t>(unit + 1));
-    }
-    if (side_barrier_failed(threads, ok)) return false;
-    const int64_t at_unit = static_cast<int64_t>(unit) * unit_vectors;
-    const uint4* src = reinterpret_cast<const uint4*>(at(s, home)) + at_unit;
-    uint4* dst =
-        reinterpret_cast<uint4*>(at(comm.local_rank, slots)) + 2 * chunk_vectors * slot + at_unit;
+    const int64_t head = (unit / kv_heads) * kv_stride_batch + (unit % kv_heads) * kv_stride_head;
+    uint4* dst = reinterpret_cast<uint4*>(at(d, slots)) + 2 * chunk_vectors * slot +
+                 static_cast<int64_t>(unit) * unit_vectors;
     for (int share = c; share < kCopyShares; share += g) {
-      copy_vectors<false>(dst, src, share_begin(share), share_begin(share + 1), thread, threads);
-      copy_vectors<false>(dst + chunk_vectors, src + chunk_vectors, share_begin(share),
-                          share_begin(share + 1), thread, threads);
+      copy_vectors(dst, k_src + head, share_begin(share), share_begin(share + 1), thread, threads);
+      copy_vectors(dst + chunk_vectors, v_src + head, share_begin(share), share_begin(share + 1),
+                   thread, threads);
     }
     dev::named_barrier_sync(kSideBarrier, threads);
     if (thread == 0) {
-      __threadfence();
       const int mine = (kCopyShares - 1 - c) / g + 1;  // shares c, c + g, ... < kCopyShares
-      atomicAdd(reinterpret_cast<unsigned long long*>(arrive(slot, unit)),
-                static_cast<unsigned long long>(mine));
+      dev::fence_acq_rel_sys();
+      atomicAdd_system(reinterpret_cast<unsigned long long*>(arrive(d, slot, unit)),
+                       static_cast<unsigned long long>(mine));
+      for (int share = c; share < kCopyShares; share += g) {
+        launch.signal(d, dev::signal_index(SignalId::kOp, share), static_cast<uint32_t>(unit + 1));
+      }
     }
-    return true;
   }
-  __device__ void finish() const { dev::Launch::begin(comm).end(); }
+  // The end of the launch (Launch::end: __syncthreads, an aligned barrier). Warp 0's lanes 1-31
+  // come here at once while lane 0 still runs the producer loop: they meet it first, so the
+  // warp reaches the barrier converged.
+  __device__ void finish() const {
+    __syncwarp();
+    dev::Launch::begin(comm).end();
+  }
 };
 
 }  // namespace mk::attention_engine

@@ -48,8 +48,8 @@ std::string describe_signal(uint32_t signal) {
     return "inter-node signal " + std::to_string(signal & ~kHostPadSignalBit) + " (host pad)";
   }
   if (signal & kLocalCounterBit) {
-    return "local arrival counter " + std::to_string(signal & ~kLocalCounterBit) +
-           " (raised by this rank's own CTAs)";
+    return "arrival counter " + std::to_string(signal & ~kLocalCounterBit) +
+           " (a count in the op's workspace on that rank)";
   }
   if (signal >= static_cast<uint32_t>(SignalId::kOp)) {
     return "op signal " + std::to_string(signal - static_cast<uint32_t>(SignalId::kOp));

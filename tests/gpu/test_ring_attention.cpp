@@ -243,8 +243,8 @@ TEST(InProcessRingAttention, MatchesFullSequenceAttention) {
   expect_ring_matches(4, {1, 2048, 8, 2, 128, true, 7}, seed + 6);
   expect_ring_matches(8, {1, 1024, 4, 4, 64, false, 5}, seed + 7);
   // Ranks with different CTA counts (5 and 35; 3, 23 and 43; the whole budget and 7 - on a GPU
-  // of its own, rank 0 then has CTAs without a share): each copies, share for share, what its
-  // peers published (the copies' shares do not depend on the grid).
+  // of its own, rank 0 then has CTAs without a share): each pushes its units share for share into
+  // its peers' slots, and each counts them whole (the copies' shares do not depend on the grid).
   expect_ring_matches(2, {1, 1024, 4, 4, 128, true, 5, 30}, seed + 8);
   expect_ring_matches(3, {2, 512, 4, 2, 64, false, 3, 20}, seed + 9);
   expect_ring_matches(2, {1, 768, 4, 4, 128, false, 0, 7}, seed + 10);

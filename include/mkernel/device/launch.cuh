@@ -100,6 +100,14 @@ struct Launch {
     return wait_value(word, comm.rank, counter | kLocalCounterBit, expected, nullptr);
   }
 
+  // The same for a count that rank `src` (on this node) raises - in its memory, mapped here, or
+  // in this rank's; a time-out is recorded as this rank waiting for rank `src` on counter
+  // `counter`.
+  __device__ bool wait_counter(const uint64_t* word, int src, uint64_t expected,
+                               uint32_t counter) const {
+    return wait_value(word, src, counter | kLocalCounterBit, expected, nullptr);
+  }
+
   // All local ranks' channel `channel` meet: every thread of the CTA calls it. Thread t <
   // local_size signals local rank t and waits for it. Orders all prior writes of the CTA (to any
   // GPU) before the peers' subsequent reads. Returns false (on every thread) if any wait failed.
