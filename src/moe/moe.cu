@@ -106,6 +106,44 @@ Checked check_common(Communicator& comm, const MoeProblem& problem, const MoeCon
   return c;
 }
 
+// What moe_dispatch and moe_dispatch_gemm check of the routing side: the index type, x and
+// topk_idx (when there are tokens), recv_x, expert_rows and handle - device memory, aligned -
+// and that nothing written overlaps anything else (w and y too: moe_dispatch_gemm's, checked
+// there; or absent).
+void check_dispatch_operands(const Communicator& comm, const MoeProblem& problem, const Checked& c,
+                             const char* op, const void* x, const void* topk_idx,
+                             IndexType index_type, const void* recv_x, const int32_t* expert_rows,
+                             const int32_t* handle, const void* workspace, const detail::Region& w,
+                             const detail::Region& y) {
+  if (index_type != IndexType::kInt32 && index_type != IndexType::kInt64) {
+    throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": index_type " +
+                                                 std::to_string(static_cast<int>(index_type)) +
+                                                 "; expected kInt32 or kInt64");
+  }
+  const MoePlan& plan = c.plan.plan;
+  const std::size_t idx_size = index_type == IndexType::kInt64 ? 8 : 4;
+  const auto tokens = static_cast<std::size_t>(problem.tokens);
+  const auto h = static_cast<std::size_t>(problem.hidden);
+  const auto k = static_cast<std::size_t>(problem.top_k);
+  const auto rows = static_cast<std::size_t>(plan.rows);
+  if (tokens > 0) {
+    detail::require_device_pointer(comm, x, 16, op, "x");
+    detail::require_device_pointer(comm, topk_idx, idx_size, op, "topk_idx");
+  }
+  detail::require_device_pointer(comm, recv_x, 16, op, "recv_x");
+  detail::require_device_pointer(comm, expert_rows, 4, op, "expert_rows");
+  detail::require_device_pointer(comm, handle, 4, op, "handle");
+  detail::require_disjoint(
+      op, {{"x", tokens > 0 ? x : nullptr, tokens * h * 2, false},
+           {"topk_idx", tokens > 0 ? topk_idx : nullptr, tokens * k * idx_size, false},
+           w,
+           y,
+           {"recv_x", recv_x, rows * h * 2, true},
+           {"expert_rows", expert_rows, static_cast<std::size_t>(plan.experts_local) * 4, true},
+           {"handle", handle, rows * 12, true},
+           {"workspace", workspace, plan.workspace_bytes, true}});
+}
+
 void print(const Communicator& comm, const char* op, const MoeProblem& p, const MoePlan& plan) {
   if (!comm.overrides().print_config || comm.rank() != 0) return;
   std::fprintf(stderr, "[mkernel] %s: T %lld (max %lld), H %lld, top-%d of %d experts: %s\n", op,
@@ -156,34 +194,9 @@ void moe_dispatch(Communicator& comm, const MoeProblem& problem, const void* x,
                   int32_t* handle, void* workspace, cudaStream_t stream, const MoeConfig& config) {
   detail::DeviceGuard guard(comm.device());
   const Checked c = check_common(comm, problem, config, workspace, stream, kDispatch);
-  if (index_type != IndexType::kInt32 && index_type != IndexType::kInt64) {
-    throw Error(ErrorCode::kInvalidArgument, std::string(kDispatch) + ": index_type " +
-                                                 std::to_string(static_cast<int>(index_type)) +
-                                                 "; expected kInt32 or kInt64");
-  }
+  check_dispatch_operands(comm, problem, c, kDispatch, x, topk_idx, index_type, recv_x, expert_rows,
+                          handle, workspace, {}, {});
   const MoePlan& plan = c.plan.plan;
-  const std::size_t idx_size = index_type == IndexType::kInt64 ? 8 : 4;
-  const auto tokens = static_cast<std::size_t>(problem.tokens);
-  const auto h = static_cast<std::size_t>(problem.hidden);
-  const auto k = static_cast<std::size_t>(problem.top_k);
-  const std::size_t x_bytes = tokens * h * 2, idx_bytes = tokens * k * idx_size;
-  const std::size_t out_bytes = static_cast<std::size_t>(plan.rows) * h * 2;
-  const std::size_t rows_bytes = static_cast<std::size_t>(plan.experts_local) * 4;
-  const std::size_t handle_bytes = static_cast<std::size_t>(plan.rows) * 12;
-  if (tokens > 0) {
-    detail::require_device_pointer(comm, x, 16, kDispatch, "x");
-    detail::require_device_pointer(comm, topk_idx, idx_size, kDispatch, "topk_idx");
-  }
-  detail::require_device_pointer(comm, recv_x, 16, kDispatch, "recv_x");
-  detail::require_device_pointer(comm, expert_rows, 4, kDispatch, "expert_rows");
-  detail::require_device_pointer(comm, handle, 4, kDispatch, "handle");
-  detail::require_disjoint(kDispatch,
-                           {{"x", tokens > 0 ? x : nullptr, x_bytes, false},
-                            {"topk_idx", tokens > 0 ? topk_idx : nullptr, idx_bytes, false},
-                            {"recv_x", recv_x, out_bytes, true},
-                            {"expert_rows", expert_rows, rows_bytes, true},
-                            {"handle", handle, handle_bytes, true},
-                            {"workspace", workspace, plan.workspace_bytes, true}});
   print(comm, kDispatch, problem, plan);
   if (index_type == IndexType::kInt64) {
     launch_dispatch<int64_t>(comm, problem, c.plan, c.workspace, x, topk_idx, recv_x, expert_rows,
@@ -203,39 +216,19 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
   const auto invalid = [](const std::string& what) {
     throw Error(ErrorCode::kInvalidArgument, std::string(kDispatchGemm) + ": " + what);
   };
-  if (index_type != IndexType::kInt32 && index_type != IndexType::kInt64) {
-    invalid("index_type " + std::to_string(static_cast<int>(index_type)) +
-            "; expected kInt32 or kInt64");
-  }
   if (w_layout != BLayout::kNK && w_layout != BLayout::kKN) invalid("unknown weight layout");
   gemm_engine::require_multiple_of_8(n, kDispatchGemm, "N");
   if (n >= (int64_t{1} << 31)) invalid("N = " + std::to_string(n) + "; expected < 2^31");
   const MoePlan& plan = c.plan.plan;
-  const std::size_t idx_size = index_type == IndexType::kInt64 ? 8 : 4;
-  const auto tokens = static_cast<std::size_t>(problem.tokens);
   const auto h = static_cast<std::size_t>(problem.hidden);
-  const auto k = static_cast<std::size_t>(problem.top_k);
   const auto rows = static_cast<std::size_t>(plan.rows);
   const auto e_local = static_cast<std::size_t>(plan.experts_local);
   const auto width = static_cast<std::size_t>(n);
-  if (tokens > 0) {
-    detail::require_device_pointer(comm, x, 16, kDispatchGemm, "x");
-    detail::require_device_pointer(comm, topk_idx, idx_size, kDispatchGemm, "topk_idx");
-  }
   detail::require_device_pointer(comm, w, 16, kDispatchGemm, "w");
   detail::require_device_pointer(comm, y, 16, kDispatchGemm, "y");
-  detail::require_device_pointer(comm, recv_x, 16, kDispatchGemm, "recv_x");
-  detail::require_device_pointer(comm, expert_rows, 4, kDispatchGemm, "expert_rows");
-  detail::require_device_pointer(comm, handle, 4, kDispatchGemm, "handle");
-  detail::require_disjoint(
-      kDispatchGemm, {{"x", tokens > 0 ? x : nullptr, tokens * h * 2, false},
-                      {"topk_idx", tokens > 0 ? topk_idx : nullptr, tokens * k * idx_size, false},
-                      {"w", w, e_local * width * h * 2, false},
-                      {"y", y, rows * width * 2, true},
-                      {"recv_x", recv_x, rows * h * 2, true},
-                      {"expert_rows", expert_rows, e_local * 4, true},
-                      {"handle", handle, rows * 12, true},
-                      {"workspace", workspace, plan.workspace_bytes, true}});
+  check_dispatch_operands(comm, problem, c, kDispatchGemm, x, topk_idx, index_type, recv_x,
+                          expert_rows, handle, workspace, {"w", w, e_local * width * h * 2, false},
+                          {"y", y, rows * width * 2, true});
   // The tile width as the grouped GEMM picks it for these rows (gemm/grouped_gemm.cu): at least
   // a tile-row per expert.
   const int block_n = gemm_engine::pick_block_n(
