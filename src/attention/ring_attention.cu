@@ -33,6 +33,27 @@ using Policy = attention_engine::RingAttention<kHeadDim>;
 
 constexpr std::size_t align256(std::size_t x) { return (x + 255) / 256 * 256; }
 
+// The rounds (ring_attention.cuh) cover steps 0 .. w - 1 once each, in order; a round holds at
+// most kRingSlots peer steps, so a slot is used once a round; ring_round_of agrees.
+constexpr bool rounds_consistent(int world) {
+  using namespace attention_engine;
+  int next = 0;
+  for (int q = 0; q < ring_rounds(world); ++q) {
+    const int first = ring_first_step(q);
+    const int last = std::min(world - 1, ring_first_step(q + 1) - 1);
+    if (first != next || last < first) return false;
+    if (last - std::max(first, 1) + 1 > kRingSlots) return false;
+    for (int j = first; j <= last; ++j) {
+      if (ring_round_of(j) != q) return false;
+    }
+    next = last + 1;
+  }
+  return next == world;
+}
+static_assert(rounds_consistent(1) && rounds_consistent(2) && rounds_consistent(3) &&
+              rounds_consistent(4) && rounds_consistent(5) && rounds_consistent(8) &&
+              rounds_consistent(9) && rounds_consistent(64));
+
 // The workspace's regions (byte offsets) for a checked problem.
 struct Layout {
   int parts = 1;
