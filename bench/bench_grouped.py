@@ -178,15 +178,39 @@ def run_point(experts, rows, n, k, skew, gen, cpu_gen, mode):
     return counts, ms, flops, correct
 
 
-def bench_args(doc, quick=True):
-    """The one-GPU benchmarks' command line: --mode check|bench, --json FILE[, --quick]."""
+def bench_args(doc, quick=True, kernels=False):
+    """The one-GPU benchmarks' command line: --mode check|bench, --json FILE[, --quick]
+    [, --kernels]."""
     parser = argparse.ArgumentParser(description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("check", "bench"), default="bench")
     parser.add_argument("--json", help="results file (bench mode)")
     if quick:
         parser.add_argument("--quick", action="store_true", help="a few points only")
+    if kernels:
+        parser.add_argument("--kernels", action="store_true",
+                            help="also print each op's kernels and their GPU time (profiler)")
     return parser.parse_args()
+
+
+def kernel_times(fn, calls=5):
+    """[(ms per call, launches per call, kernel name)] of fn's GPU kernels, by torch.profiler,
+    after a warm-up call."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            out.append((t / calls / 1000.0, e.count // calls, e.key))
+    return out
 
 
 def world1_comm():

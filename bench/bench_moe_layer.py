@@ -1,6 +1,9 @@
 """The MoE layer on one GPU (world 1), against the plain PyTorch layer on torch._grouped_mm.
 
-    python3 bench/bench_moe_layer.py --mode check|bench [--json FILE] [--quick]
+    python3 bench/bench_moe_layer.py --mode check|bench [--json FILE] [--quick] [--kernels]
+
+--kernels also prints, per point, the GPU time of every kernel of mkernel.moe_layer and of
+compute_alone (torch.profiler): where the layer's time goes.
 
 Shapes of issue 30 (hidden, intermediate, experts, top-k): DeepSeek-V3-like (7168, 2048, 256, 8),
 Qwen3-235B-like (4096, 1536, 128, 8), Mixtral (4096, 14336, 8, 2), every expert local, at 128,
@@ -31,7 +34,8 @@ import torch.nn.functional as F
 import mkernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_grouped import bench_args, time_ops, world1_comm, write_results  # noqa: E402
+from bench_grouped import (bench_args, kernel_times, time_ops, world1_comm,  # noqa: E402
+                           write_results)
 
 MODELS = {  # hidden, intermediate, experts, top-k
     "deepseek_v3": (7168, 2048, 256, 8),
@@ -75,7 +79,7 @@ def exact_rows(x, idx, weights, w13, w2, picks):
     return torch.stack(out)
 
 
-def run_point(comm, model, tokens, gen, mode):
+def run_point(comm, model, tokens, gen, mode, kernels=False):
     hidden, inter, experts, top_k = MODELS[model]
     dev = torch.device("cuda")
     x = torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -118,11 +122,15 @@ def run_point(comm, model, tokens, gen, mode):
     fns = {"mkernel": ours, "torch_reference": theirs, "compute_alone": compute,
            "dispatch_combine_alone": dispatch_combine}
     ms = time_ops(fns, iters, 7 if mode == "bench" else 3)
+    if kernels:
+        for name in ("mkernel", "compute_alone"):
+            for t, count, kernel in kernel_times(fns[name]):
+                print(f"    {name:14} {t:9.4f} ms  x{count:<2} {kernel[:100]}", flush=True)
     return ms, flops, correct, err, err_torch
 
 
 def main():
-    args = bench_args(__doc__)
+    args = bench_args(__doc__, kernels=True)
     if not torch.cuda.is_available():
         print("bench_moe_layer: no CUDA GPU", file=sys.stderr)
         return 2
@@ -137,7 +145,8 @@ def main():
     results, logs, all_ok = [], [], True
     for model in MODELS:
         for tokens in tokens_list:
-            ms, flops, ok, err, err_torch = run_point(comm, model, tokens, gen, args.mode)
+            ms, flops, ok, err, err_torch = run_point(comm, model, tokens, gen, args.mode,
+                                                      args.kernels)
             all_ok &= ok
             ratio = ms["torch_reference"] / ms["mkernel"]
             logs.append(math.log(ratio))
