@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script sent to the GPU machine (see /work/.library/device/README.md).
 #
-#   bash scripts/device_run.sh [build|test|sanitize|python|bench|check|compare|trace|ab|nodes|host|all]...
+#   bash scripts/device_run.sh [build|test|sanitize|python|bench|check|compare|trace|ab|nodes|host|profile|all]...
 #   (default: all)
 #
 # Steps run in the order given; `all` = build test sanitize python bench (`host`: the host time
@@ -25,7 +25,8 @@
 # command, e.g. "-v -k 'moe or gemm_op'"), COMPARE_KERNELS / COMPARE_SHAPES / COMPARE_P2P=0
 # (compare step: which kernels and shapes, without the bench_p2p table), TRACE_CASES, AB_OLD / AB_ROUNDS /
 # AB_CASES (ab step: the directory of the other build's bench_gemm and trace_fused, rounds, the
-# traced cases).
+# traced cases), PROFILE_CMD / PROFILE_KERNELS / PROFILE_COUNT (profile step: ncu on a command's
+# kernels; see step_profile).
 
 # Results files record $MKERNEL_COMMIT (else `git rev-parse HEAD` there): pass the commit
 # checked out here (MKERNEL_COMMIT=$(git rev-parse --short HEAD) written into the command) - the
@@ -423,6 +424,30 @@ fit_out() {
   log "packed the JSON files of $OUT into bench-json.tar.gz ($n files were there)"
 }
 
+# ---- profile: Nsight Compute on the kernels of one command ----------------------------------
+# PROFILE_CMD (a command line, run from the checkout, e.g. "build/bench/bench_ring_attention
+# --ranks 2 --iters 2" or "python3 bench/bench_moe_layer.py --mode check --quick"),
+# PROFILE_KERNELS (an ncu kernel-name regex: "regex:GroupedSwiglu|GroupedGemm"), PROFILE_COUNT
+# (launches of them to profile, 4): ncu's speed-of-light, memory, scheduler and warp-state
+# sections of each into $OUT/profile.txt - where a kernel's time goes, without guessing.
+step_profile() {
+  local ncu
+  ncu="$(command -v ncu || ls "$CUDA_HOME"/bin/ncu "$CUDA_HOME"/nsight-compute*/ncu 2>/dev/null |
+    head -n 1)"
+  [[ -n "$ncu" && -x "$ncu" ]] || { log "no ncu (Nsight Compute) here"; return "$SKIP"; }
+  [[ -n "${PROFILE_CMD:-}" ]] || { log "PROFILE_CMD is not set"; return 1; }
+  local cmd
+  read -r -a cmd <<<"$PROFILE_CMD"
+  limited "${PROFILE_TIMEOUT:-400}" "$ncu" --target-processes all \
+    --kernel-name "${PROFILE_KERNELS:-regex:.}" --launch-count "${PROFILE_COUNT:-4}" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
+    --section WarpStateStats --section LaunchStats --section Occupancy \
+    "${cmd[@]}" >"$OUT/profile.txt" 2>&1
+  local rc=$?
+  tail -n 40 "$OUT/profile.txt"
+  return "$rc"
+}
+
 # ---- main -----------------------------------------------------------------------------------
 steps=("$@")
 ((${#steps[@]})) || steps=(all)
@@ -430,8 +455,8 @@ plan=()
 for s in "${steps[@]}"; do
   case "$s" in
     all) plan+=(build test sanitize python bench) ;;
-    build | test | sanitize | python | bench | check | compare | trace | ab | nodes | host) plan+=("$s") ;;
-    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|check|compare|trace|ab|nodes|host|all]..." >&2; exit 2 ;;
+    build | test | sanitize | python | bench | check | compare | trace | ab | nodes | host | profile) plan+=("$s") ;;
+    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|check|compare|trace|ab|nodes|host|profile|all]..." >&2; exit 2 ;;
   esac
 done
 
@@ -455,6 +480,7 @@ for s in "${plan[@]}"; do
     ab) step_ab ;;
     nodes) step_nodes ;;
     host) step_host ;;
+    profile) step_profile ;;
   esac
   rc=$?
   case "$rc" in
