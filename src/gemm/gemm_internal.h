@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "mkernel/device_comm.h"
 #include "mkernel/error.h"
 #include "mkernel/gemm.h"
 
@@ -53,26 +54,31 @@ GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block
 }  // namespace gemm_engine
 
 namespace gemm_engine {
-// The experts' gate / up projection with SwiGLU (grouped_gemm.cuh, GroupedSwiglu):
-// h[rows, I] = silu(A Wg^T) * (A Wu^T) per group, w13 [groups][2I, H] bf16 (the gate's I rows,
-// then the up's), A [rows, H] and groups as grouped_gemm()'s (`rows`: max_rows, or the capacity
-// of a group when masked); I a multiple of 64, H of 8. Errors name `op`.
-// tables: grouped_tables_bytes(groups) of device memory for the group tables (row starts, row
-// counts, tile prefix), or nullptr for stream-ordered scratch.
-void grouped_swiglu(const void* a, const void* w13, void* h, const int32_t* group_rows, int groups,
-                    int64_t rows, int64_t intermediate, int64_t hidden, GroupedLayout layout,
-                    int sms, int32_t* tables, cudaStream_t stream, const char* op);
-// mk::grouped_gemm with the group tables in `tables` (as grouped_swiglu's; nullptr: stream-
-// ordered scratch, what the public function does).
+// An MoE layer's two expert GEMMs in one launch (grouped_gemm.cuh, GroupedSwigluDown):
+// h[rows, I] = silu(A Wg^T) * (A Wu^T) and y[rows, H] = h W2^T per group, w13 [groups][2I, H] bf16
+// (the gate's I rows, then the up's), w2 [groups][H, I], A [rows, H] and groups as grouped_gemm()'s
+// (`rows`: max_rows, or the capacity of a group when masked); I a multiple of 64, H of 8.
+// block_n: the tile width, 0 (chosen), 128 or 256. sms: the CTAs - every one of them must be
+// resident (the down tiles wait for the gate / up tiles of their rows: the communicator's SM
+// budget when ranks share the GPU); comm: the waits' time limit. tables: grouped_tables_bytes;
+// done: swiglu_down_counters_bytes (zeroed here). Errors name `op`.
+void grouped_swiglu_down(const DeviceComm& comm, const void* a, const void* w13, const void* w2,
+                         void* h, void* y, const int32_t* group_rows, int groups, int64_t rows,
+                         int64_t intermediate, int64_t hidden, GroupedLayout layout, int block_n,
+                         int sms, int32_t* tables, uint64_t* done, cudaStream_t stream,
+                         const char* op);
+std::size_t swiglu_down_counters_bytes(int groups, int64_t total_rows);
+// mk::grouped_gemm with the group tables in `tables` (as grouped_swiglu_down's; nullptr:
+// stream-ordered scratch, what the public function does).
 void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_rows, int groups,
                   int64_t rows, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream,
                   const GemmConfig& config, GroupedLayout layout, int32_t* tables);
 std::size_t grouped_tables_bytes(int groups);
-// grouped_swiglu's width: I a positive multiple of 64 below 2^30, else kInvalidArgument naming
+// grouped_swiglu_down's I: a positive multiple of 64 below 2^30, else kInvalidArgument naming
 // `op` and the value.
 void require_swiglu_intermediate(int64_t intermediate, const char* op);
-// Loads the grouped GEMM's kernels (every width and B layout) and grouped_swiglu's now: ops that
-// launch them between kernels that wait for peers (moe_layer) must not load them lazily.
+// Loads the grouped GEMM's kernels (every width and B layout) and grouped_swiglu_down's now: ops
+// that launch them between kernels that wait for peers (moe_layer) must not load them lazily.
 void preload_grouped();
 }  // namespace gemm_engine
 

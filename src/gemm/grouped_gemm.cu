@@ -233,16 +233,18 @@ void gemm_engine::grouped_gemm(const void* a, const void* b, void* c, const int3
 
 void gemm_engine::preload_grouped() {
   preload_all<GroupedGemm>();
-  prepared_kernel<128, false, GroupedSwiglu<128>>();
-  prepared_kernel<256, false, GroupedSwiglu<256>>();
+  prepared_kernel<128, false, GroupedSwigluDown<128>>();
+  prepared_kernel<256, false, GroupedSwigluDown<256>>();
   cudaFuncAttributes attr{};
   MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, grouped_prep_kernel));
 }
 
-void gemm_engine::grouped_swiglu(const void* a, const void* w13, void* h, const int32_t* group_rows,
-                                 int groups, int64_t rows, int64_t intermediate, int64_t hidden,
-                                 GroupedLayout layout, int sms, int32_t* tables,
-                                 cudaStream_t stream, const char* op) {
+void gemm_engine::grouped_swiglu_down(const DeviceComm& comm, const void* a, const void* w13,
+                                      const void* w2, void* h, void* y, const int32_t* group_rows,
+                                      int groups, int64_t rows, int64_t intermediate,
+                                      int64_t hidden, GroupedLayout layout, int block_n, int sms,
+                                      int32_t* tables, uint64_t* done, cudaStream_t stream,
+                                      const char* op) {
   const int64_t total_rows = grouped_total_rows(op, groups, rows, layout);
   require_swiglu_intermediate(intermediate, op);
   gemm_engine::require_multiple_of_8(hidden, op, "hidden");
@@ -251,25 +253,41 @@ void gemm_engine::grouped_swiglu(const void* a, const void* w13, void* h, const 
   if (hidden >= (int64_t{1} << 31)) {
     throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": hidden must be < 2^31");
   }
-  check_grouped_pointers(op, a, w13, h, group_rows, groups, total_rows, intermediate,
-                         static_cast<std::size_t>(groups) * 2 *
-                             static_cast<std::size_t>(intermediate) *
-                             static_cast<std::size_t>(hidden),
+  const std::size_t weights = static_cast<std::size_t>(groups) *
+                              static_cast<std::size_t>(intermediate) *
+                              static_cast<std::size_t>(hidden);
+  check_grouped_pointers(op, a, w13, h, group_rows, groups, total_rows, intermediate, 2 * weights,
                          hidden, device);
+  check_grouped_pointers(op, h, w2, y, group_rows, groups, total_rows, hidden, weights,
+                         intermediate, device);
+  gemm_engine::require_device_pointer(done, op, "done counters", device, 8);
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  std::optional<StreamScratch> own;  // the prep tables, unless the caller gives them
-  // Tiles of 128 x 256 (128 h columns) where I allows and the plain GEMM of the same width
-  // (2I) would take 256-wide tiles; else 128 x 128. (2026-12-02, H200, 8192 tokens: the 128-wide
-  // SwiGLU GEMM ran 24-35% slower than the plain 256-wide GEMM of the same shape.)
+  // Tiles of 128 x 256 (gate / up: 128 h columns) where I allows and the plain GEMM of the
+  // gate / up's width (2I) would take 256-wide tiles; else 128 x 128. (2026-12-02, H200, 8192
+  // tokens: the gate / up GEMM on 128 x 128 tiles ran 24-35% slower than the plain 256-wide GEMM
+  // of the same shape.) A requested width: 128 or 256 (256 needs I a multiple of 128).
   const int64_t width_rows = std::max<int64_t>(total_rows, int64_t{groups} * 128);
-  const int block_n =
-      intermediate % 128 == 0 && pick_block_n(0, width_rows, 2 * intermediate, sms, op) == 256
+  if (block_n != 0 && block_n != 128 && block_n != 256) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(op) + ": block_n = " + std::to_string(block_n) +
+                    "; expected 0, 128 or 256 (the experts' GEMMs' tile width)");
+  }
+  if (block_n == 256 && intermediate % 128 != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(op) + ": block_n = 256 with intermediate = " +
+                    std::to_string(intermediate) + "; 256-wide tiles need a multiple of 128");
+  }
+  const int width =
+      block_n != 0 ? block_n
+      : intermediate % 128 == 0 && pick_block_n(0, width_rows, 2 * intermediate, sms, op) == 256
           ? 256
           : 128;
-  const int half = block_n / 2;
-  const int tiles_n = static_cast<int>(intermediate / half);
+  const int half = width / 2;
+  std::optional<StreamScratch> own;  // the prep tables, unless the caller gives them
+  // Tile-rows per group (tiles_n 1): the gate / up and the down tiles share them.
   const int32_t* prepped =
-      prep_groups(tables, own, group_rows, groups, total_rows, rows, layout, tiles_n, stream);
+      prep_groups(tables, own, group_rows, groups, total_rows, rows, layout, 1, stream);
+  MK_CUDA_CHECK(cudaMemsetAsync(done, 0, swiglu_down_counters_bytes(groups, total_rows), stream));
   // w13 [G][2][I / half][half][H]: a box is `half` rows of the gate and the same rows of the up.
   const cuuint64_t dims[5] = {static_cast<cuuint64_t>(hidden), static_cast<cuuint64_t>(half),
                               static_cast<cuuint64_t>(intermediate / half), 2,
@@ -280,24 +298,39 @@ void gemm_engine::grouped_swiglu(const void* a, const void* w13, void* h, const 
                                  static_cast<cuuint64_t>(hidden * intermediate) * 4};
   const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(half), 1, 2, 1};
   auto run = [&]<int kBlockN>() {
-    GroupedSwiglu<kBlockN> f{};
-    f.a = make_map(a, total_rows, hidden, 128);
-    f.c = make_map(h, total_rows, intermediate, 64);
-    f.c_ptr = static_cast<__nv_bfloat16*>(h);
+    GroupedSwigluDown<kBlockN> f{};
+    f.comm = comm;
+    f.x = make_map(a, total_rows, hidden, 128);
+    f.h_a = make_map(h, total_rows, intermediate, 128);
+    f.h_c = make_map(h, total_rows, intermediate, 64);
+    f.y = make_map(y, total_rows, hidden, 64);
+    f.w13 = encode_map(w13, 5, dims, strides, box);
+    f.w2 = make_map_3d(w2, groups, hidden, intermediate, kBlockN);
+    f.h_ptr = static_cast<__nv_bfloat16*>(h);
+    f.y_ptr = static_cast<__nv_bfloat16*>(y);
     f.row_start = prepped;
     f.row_count = prepped + groups;
     f.tile_prefix = prepped + 2 * groups;
+    f.done = done;
     f.groups = groups;
-    f.tiles_n = tiles_n;
-    f.n = static_cast<int>(intermediate);
-    f.w13 = encode_map(w13, 5, dims, strides, box);
+    f.tiles_up = static_cast<int>(intermediate / (kBlockN / 2));  // I / kHalf
+    f.tiles_down = static_cast<int>((hidden + kBlockN - 1) / kBlockN);
+    f.inter = static_cast<int>(intermediate);
+    f.hidden = static_cast<int>(hidden);
+    f.kb_up = static_cast<int>((hidden + 63) / 64);
+    f.kb_down = static_cast<int>((intermediate + 63) / 64);
     launch<kBlockN, false>(f, f.w13, hidden, sms, stream, op);
   };
-  if (block_n == 256) {
+  if (width == 256) {
     run.template operator()<256>();
   } else {
     run.template operator()<128>();
   }
+}
+
+std::size_t gemm_engine::swiglu_down_counters_bytes(int groups, int64_t total_rows) {
+  // Tile-rows: sum over groups of ceil(rows / 128) <= total_rows / 128 + groups.
+  return static_cast<std::size_t>(total_rows / 128 + groups) * sizeof(uint64_t);
 }
 
 }  // namespace mk

@@ -17,6 +17,8 @@
 #include <cstdint>
 
 #include "gemm/gemm_kernel.cuh"
+#include "mkernel/device/launch.cuh"
+#include "mkernel/device_comm.h"
 
 namespace mk::gemm_engine {
 
@@ -31,6 +33,29 @@ constexpr int kPrepThreads = 256;
 __global__ void grouped_prep_kernel(const int32_t* group_rows, int groups, int64_t max_rows,
                                     int64_t capacity, int row_block, int tiles_n,
                                     int32_t* row_start, int32_t* row_count, int32_t* tile_prefix);
+
+// bf16 pairs straight from registers into c [.., n] (row-major): the thread's accumulator rows
+// (r and r + 8 of a consumer's 64, from row0) below `rows`, and columns below n only. (The stores
+// of GroupedGemm::store_masked; that one keeps its own copy: routed through here, GroupedGemm's
+// compiled kernels changed.)
+template <int kRegs>
+__device__ __forceinline__ void store_rows_masked(const float (&acc)[kRegs], __nv_bfloat16* c,
+                                                  int n, int row0, int rows, int col0) {
+  const int t = threadIdx.x % 128;
+  const int r = (t / 32) * 16 + (t % 32) / 4;
+  const int col_base = col0 + 2 * (t % 4);
+#pragma unroll
+  for (int b = 0; b < kRegs / 4; ++b) {
+    const int col = col_base + 8 * b;
+    if (col >= n) continue;  // n is a multiple of 8: col + 1 < n as well
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (r + 8 * h >= rows) continue;
+      *reinterpret_cast<__nv_bfloat162*>(c + static_cast<int64_t>(row0 + r + 8 * h) * n + col) =
+          __floats2bfloat162_rn(acc[4 * b + 2 * h], acc[4 * b + 2 * h + 1]);
+    }
+  }
+}
 
 template <int kBlockN>
 struct GroupedGemm {
@@ -116,50 +141,149 @@ struct GroupedGemm {
 };
 static_assert(check_fusion_widths<GroupedGemm>());
 
-// The gate / up projection of an MoE layer's experts with SwiGLU in the epilogue:
-//   h_g[M_g, I] = silu(A_g Wg_g^T) * (A_g Wu_g^T)
-// for w13 [G][2I, H] (nn.Linear's layout: the gate's I rows, then the up's I rows). A tile of
-// kBlockN accumulator columns is gate columns [kHalf n, kHalf n + kHalf) next to the up columns of
-// the same range (kHalf = kBlockN / 2): load_b fetches the two kHalf-row boxes of w13 into one
-// stage (a 5-D box over w13 viewed as [G][2][I / kHalf][kHalf][H]), so a thread holds gate column
-// c and up column c (accumulator registers i and i + kRegs / 2) and computes h there, in fp32,
-// rounded to bf16 once. Tiles are 128 x kBlockN (kHalf h columns each; I a multiple of kHalf);
-// rows, groups and layouts as GroupedGemm's.
+// An MoE layer's two expert GEMMs in one launch: the gate / up projection with SwiGLU in its
+// epilogue, then the down projection,
+//   h_g[M_g, I] = silu(A_g Wg_g^T) * (A_g Wu_g^T),   y_g[M_g, H] = h_g W2_g^T,
+// for w13 [G][2I, H] (nn.Linear's layout: the gate's I rows, then the up's I rows) and w2
+// [G][H, I]; A, h, y and the groups' rows as GroupedGemm's (contiguous rows padded per group, or
+// masked). One tile list: every gate / up tile (a tile-row of a group x I / kHalf columns), then
+// every down tile (the same tile-rows x H / kBlockN columns); the persistent CTAs take them in
+// order, so a down tile comes after all the tiles it needs, and its producer waits until the two
+// consumers of each gate / up tile of its tile-row have stored their h (done[tile-row]; the
+// communicator's time limit applies: a wait can only outlast it if CTAs of this launch are not
+// resident - the caller runs it on the communicator's SM budget).
+//   gate / up tile: kBlockN accumulator columns = gate columns [kHalf n, kHalf n + kHalf) next to
+//     the up columns of the same range (load_b: a 5-D box over w13 viewed as
+//     [G][2][I / kHalf][kHalf][H]), so a thread holds gate column c and up column c (registers
+//     i and i + kRegs / 2) and computes h there in fp32, rounded to bf16 once; then its h
+//     stores have landed before the count (bulk wait, fence, atomic).
+//   down tile: B from w2 (3-D boxes), A = h (TMA after the count's acquire and a proxy fence).
+// K differs per tile (H for gate / up, I for down): the tiles carry their k-blocks (split_k).
 template <int kBlockN>
-struct GroupedSwiglu : GroupedGemm<kBlockN> {
-  using Base = GroupedGemm<kBlockN>;
-  using typename Base::ConsumerState;
+struct GroupedSwigluDown {
   static constexpr int kHalf = kBlockN / 2;
-  static constexpr FusionTraits kTraits{.load_b = true};
-  CUtensorMap w13;  // (H, kHalf, I / kHalf, 2, G): boxes of 64 x kHalf x 1 x 2 x 1
+  static constexpr FusionTraits kTraits{.load_b = true, .split_k = true};
+  DeviceComm comm;       // the time limit of the down tiles' waits
+  CUtensorMap x;         // gate / up's A: the rows [rows, H], boxes of 128 x 64
+  CUtensorMap h_a;       // down's A: h [rows, I], boxes of 128 x 64
+  CUtensorMap h_c;       // gate / up's C: h, boxes of 64 x 64
+  CUtensorMap y;         // down's C: [rows, H], boxes of 64 x 64
+  CUtensorMap w13;       // (H, kHalf, I / kHalf, 2, G): boxes of 64 x kHalf x 1 x 2 x 1
+  CUtensorMap w2;        // (I, H, G): boxes of 64 x kBlockN x 1
+  __nv_bfloat16* h_ptr;  // h and y, for the masked stores at a group's end
+  __nv_bfloat16* y_ptr;
+  const int32_t* row_start;    // device [G] (prep kernel)
+  const int32_t* row_count;    // device [G]
+  const int32_t* tile_prefix;  // device [G + 1]: tile-rows before each group (prep, tiles_n 1)
+  uint64_t* done;              // [tile-rows]: h halves stored (2 a gate / up tile), zeroed
+  int groups;
+  int tiles_up;    // I / kHalf
+  int tiles_down;  // ceil(H / kBlockN)
+  int inter;       // I
+  int hidden;      // H
+  int kb_up;       // ceil(H / 64): gate / up's k-blocks
+  int kb_down;     // ceil(I / 64): down's
 
-  __device__ void load_b(void* dst, uint64_t* bar, const Tile& tile, int k0) const {
-    dev::tma_load_5d(dst, &w13, bar, k0, 0, tile.n, 0, tile.shard);
+  struct ConsumerState {};
+
+  __device__ int up_tiles() const { return tile_prefix[groups] * tiles_up; }
+  __device__ int num_tiles() const { return tile_prefix[groups] * (tiles_up + tiles_down); }
+  __device__ bool is_down(const Tile& tile) const { return tile.position >= up_tiles(); }
+  __device__ int tile_row(const Tile& tile) const { return tile_prefix[tile.shard] + tile.m; }
+
+  __device__ Tile tile(int t) const {
+    const bool down = t >= up_tiles();
+    const int tn = down ? tiles_down : tiles_up;
+    const int u = down ? t - up_tiles() : t;
+    int lo = 0, hi = groups - 1;  // the last group whose first tile is <= u
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tile_prefix[mid] * tn <= u) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const int g = lo;
+    const int rows = row_count[g];
+    Tile tile{0, 0, g};
+    GroupedRaster{(rows + 127) / 128, tn}.tile(u - tile_prefix[g] * tn, tile.m, tile.n);
+    tile.row = row_start[g] + tile.m * 128;
+    tile.rows = min(128, rows - tile.m * 128);
+    tile.position = t;
+    tile.kb_begin = 0;
+    tile.kb_end = down ? kb_down : kb_up;
+    return tile;
   }
 
-  // tiles_n = I / kHalf and n = I (GroupedGemm's fields): h's columns.
+  // A down tile's h: every gate / up tile of its tile-row stored (2 x tiles_up halves).
+  __device__ void wait_operands(const Tile& tile) const {
+    if (!is_down(tile)) return;
+    const uint64_t* word = done + tile_row(tile);
+    const uint64_t expected = 2ull * static_cast<uint64_t>(tiles_up);
+    if (!dev::reached(dev::ld_acquire_sys(word), expected)) {
+      dev::Launch::begin(comm).wait_local(word, expected, static_cast<uint32_t>(tile_row(tile)));
+    }
+    dev::fence_proxy_async_global();  // the acquire above before the TMA reads of h
+  }
+
+  __device__ void load_a(void* dst, uint64_t* bar, const Tile& tile, int k0) const {
+    dev::tma_load_2d(dst, is_down(tile) ? &h_a : &x, bar, k0, tile.row);
+  }
+  __device__ void load_b(void* dst, uint64_t* bar, const Tile& tile, int k0) const {
+    if (is_down(tile)) {
+      dev::tma_load_3d(dst, &w2, bar, k0, tile.n * kBlockN, tile.shard);
+    } else {
+      dev::tma_load_5d(dst, &w13, bar, k0, 0, tile.n, 0, tile.shard);
+    }
+  }
+
   template <int kRegs>
   __device__ void store(const float (&acc)[kRegs], const Tile& tile, int consumer, uint8_t* scratch,
                         ConsumerState&) const {
-    static_assert(kRegs == kBlockN / 2, "a consumer's 64 rows of the tile's gate and up columns");
+    static_assert(kRegs == kBlockN / 2, "a consumer's 64 rows of the tile");
+    const int row0 = tile.row + consumer * 64;
+    const int rows = tile.rows - consumer * 64;  // of this slice inside the group
+    if (is_down(tile)) {
+      const int col0 = tile.n * kBlockN;
+      if (rows >= 64) {
+        store_slice(acc, col0, hidden, consumer, scratch, [&](const uint8_t* buf, int j) {
+          dev::tma_store_2d(&y, buf, col0 + 64 * j, row0);
+        });
+      } else if (rows > 0) {
+        store_rows_masked(acc, y_ptr, hidden, row0, rows, col0);
+      }
+      return;
+    }
     float h[kRegs / 2];
 #pragma unroll
     for (int i = 0; i < kRegs / 2; ++i) {
       const float gate = acc[i], up = acc[i + kRegs / 2];
       h[i] = gate / (1.f + __expf(-gate)) * up;
     }
-    const int row0 = tile.row + consumer * 64, col0 = tile.n * kHalf;
-    const int rows = tile.rows - consumer * 64;
+    const int col0 = tile.n * kHalf;
     if (rows >= 64) {
-      store_slice(h, col0, this->n, consumer, scratch, [&](const uint8_t* buf, int j) {
-        dev::tma_store_2d(&this->c, buf, col0 + 64 * j, row0);
+      store_slice(h, col0, inter, consumer, scratch, [&](const uint8_t* buf, int j) {
+        dev::tma_store_2d(&h_c, buf, col0 + 64 * j, row0);
       });
     } else if (rows > 0) {
-      this->store_masked(h, row0, rows, col0);
+      store_rows_masked(h, h_ptr, inter, row0, rows, col0);
+    }
+    // The half's h in memory, then counted: every thread's masked stores (the barrier), the
+    // leader's TMA stores (it issued them: the bulk wait), then the release.
+    dev::named_barrier_sync(1 + consumer, 128);
+    if (threadIdx.x % 128 == 0) {
+      dev::bulk_stores_landed();
+      __threadfence();
+      atomicAdd(reinterpret_cast<unsigned long long*>(done + tile_row(tile)), 1ull);
     }
   }
+
+  __device__ void consumer_done(ConsumerState&) const {}
+  __device__ void side_task(int, int) const {}
+  __device__ void finish() const {}
 };
-static_assert(check_fusion<TileConfig<128>, GroupedSwiglu<128>>());
-static_assert(check_fusion<TileConfig<256>, GroupedSwiglu<256>>());
+static_assert(check_fusion<TileConfig<128>, GroupedSwigluDown<128>>());
+static_assert(check_fusion<TileConfig<256>, GroupedSwigluDown<256>>());
 
 }  // namespace mk::gemm_engine

@@ -1,5 +1,7 @@
-// Host side of moe_layer: moe_dispatch -> the gate / up grouped GEMM with SwiGLU -> the down
-// grouped GEMM -> moe_combine, on one stream, the intermediates in the caller's scratch.
+// Host side of moe_layer: moe_dispatch -> the experts' gate / up (SwiGLU in its epilogue) and
+// down GEMMs in one launch -> moe_combine, on one stream, the intermediates in the caller's
+// scratch.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -19,10 +21,9 @@ constexpr const char* kOp = "moe_layer";
 std::size_t align256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // The scratch's parts, in order: recv_x [rows, H], h [rows, I], y [rows, H] (bf16), expert_rows
-// [E_local] int32, handle [rows][3] int32, the grouped GEMMs' group tables (one GEMM's at a
-// time: the second's prep follows the first GEMM on the stream).
+// [E_local] int32, handle [rows][3] int32, the GEMMs' group tables, their done counters.
 struct ScratchParts {
-  std::size_t recv, h, y, expert_rows, handle, tables, total;
+  std::size_t recv, h, y, expert_rows, handle, tables, done, total;
 };
 ScratchParts scratch_parts(const MoePlan& plan, int64_t hidden, int64_t intermediate) {
   const auto rows = static_cast<std::size_t>(plan.rows);
@@ -33,7 +34,9 @@ ScratchParts scratch_parts(const MoePlan& plan, int64_t hidden, int64_t intermed
   p.expert_rows = p.y + align256(rows * hidden * 2);
   p.handle = p.expert_rows + align256(static_cast<std::size_t>(plan.experts_local) * 4);
   p.tables = p.handle + align256(rows * 12);
-  p.total = p.tables + align256(gemm_engine::grouped_tables_bytes(plan.experts_local));
+  p.done = p.tables + align256(gemm_engine::grouped_tables_bytes(plan.experts_local));
+  p.total = p.done + align256(gemm_engine::swiglu_down_counters_bytes(plan.experts_local,
+                                                                      static_cast<int64_t>(rows)));
   return p;
 }
 
@@ -41,8 +44,8 @@ ScratchParts scratch_parts(const MoePlan& plan, int64_t hidden, int64_t intermed
 
 std::string MoeLayerPlan::describe() const {
   return dispatch.describe() + "; I " + std::to_string(intermediate) +
-         ": gate / up + SwiGLU and down grouped GEMMs, " + std::to_string(scratch_bytes) +
-         " B scratch";
+         ": gate / up + SwiGLU and down grouped GEMMs in one launch, " +
+         std::to_string(scratch_bytes) + " B scratch";
 }
 
 MoeLayerPlan moe_layer_plan(const Communicator& comm, const MoeProblem& problem,
@@ -51,11 +54,15 @@ MoeLayerPlan moe_layer_plan(const Communicator& comm, const MoeProblem& problem,
   plan.dispatch =
       moe::plan_moe(comm.world_size(), comm.topology().sm_budget(), problem, config, kOp).plan;
   gemm_engine::require_swiglu_intermediate(intermediate, kOp);
-  if (config.block_n != 0 && config.block_n != 64 && config.block_n != 128 &&
-      config.block_n != 192 && config.block_n != 256) {
+  if (config.block_n != 0 && config.block_n != 128 && config.block_n != 256) {
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(kOp) + ": config.block_n = " + std::to_string(config.block_n) +
-                    "; expected 0, 64, 128, 192 or 256");
+                    "; expected 0, 128 or 256 (the experts' GEMMs' tile width)");
+  }
+  if (config.block_n == 256 && intermediate % 128 != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(kOp) + ": config.block_n = 256 with intermediate = " +
+                    std::to_string(intermediate) + "; 256-wide tiles need a multiple of 128");
   }
   plan.intermediate = intermediate;
   plan.scratch_bytes = scratch_parts(plan.dispatch, problem.hidden, intermediate).total;
@@ -103,22 +110,24 @@ void moe_layer(Communicator& comm, const MoeProblem& problem, int64_t intermedia
   auto* expert_rows = reinterpret_cast<int32_t*>(base + parts.expert_rows);
   auto* handle = reinterpret_cast<int32_t*>(base + parts.handle);
   auto* tables = reinterpret_cast<int32_t*>(base + parts.tables);
+  auto* done = reinterpret_cast<uint64_t*>(base + parts.done);
   // (moe_dispatch checks x and topk_idx first; the combine's checks are all made above.)
   moe_dispatch(comm, problem, x, topk_idx, index_type, recv, expert_rows, handle, workspace, stream,
                config);
   const bool masked = problem.layout == MoeLayout::kMasked;
   const GroupedLayout layout = masked ? GroupedLayout::kMasked : GroupedLayout::kPadded;
   const int64_t rows = masked ? d.capacity : d.rows;  // grouped_gemm's `rows`
-  // Nothing below allocates (the group tables are in the scratch too): a CUDA graph captures the
-  // call as four kernels and their prep, and nothing can fail between the dispatch and the
-  // combine that the checks above did not rule out.
-  gemm_engine::grouped_swiglu(recv, w13, inter, expert_rows, d.experts_local, rows, intermediate,
-                              problem.hidden, layout, config.sms, tables, stream, kOp);
-  GemmConfig down;
-  down.sms = config.sms;
-  down.block_n = config.block_n;
-  gemm_engine::grouped_gemm(inter, w2, y, expert_rows, d.experts_local, rows, problem.hidden,
-                            intermediate, BLayout::kNK, stream, down, layout, tables);
+  // Nothing below allocates (the group tables and counters are in the scratch too): a CUDA graph
+  // captures the call as three kernels and their prep, and nothing can fail between the
+  // dispatch and the combine that the checks above did not rule out. The experts' GEMMs run on
+  // the communicator's SM budget unless config.sms says otherwise: their down tiles wait for
+  // gate / up tiles of other CTAs, so every CTA must be resident, also beside the kernels of
+  // ranks that share this GPU.
+  const int budget = comm.topology().sm_budget();
+  const int sms = config.sms > 0 ? std::min(config.sms, budget) : budget;
+  gemm_engine::grouped_swiglu_down(comm.device_comm(), recv, w13, w2, inter, y, expert_rows,
+                                   d.experts_local, rows, intermediate, problem.hidden, layout,
+                                   config.block_n, sms, tables, done, stream, kOp);
   moe_combine(comm, problem, y, topk_weights, handle, out, workspace, stream, config);
 }
 

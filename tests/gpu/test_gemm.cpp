@@ -222,7 +222,7 @@ TEST(Gemm, RejectsBadArgumentsBeforeLaunch) {
 TEST(Gemm, KernelsDoNotSpill) {
   MKT_REQUIRE_GPU();
   const std::vector<GemmKernelResources> kernels = detail::gemm_kernel_resources();
-  // plain, split K and grouped, 4 widths x 2 B layouts; grouped_swiglu 128 and 256 wide
+  // plain, split K and grouped, 4 widths x 2 B layouts; grouped_swiglu_down 128 and 256 wide
   ASSERT_EQ(kernels.size(), 26u);
   for (const GemmKernelResources& k : kernels) {
     SCOPED_TRACE(k.name);

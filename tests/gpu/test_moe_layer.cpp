@@ -274,8 +274,8 @@ TEST(InProcessMoeLayer, World1) {
                   {{8, 2, 256, 128, 300},
                    {16, 4, 512, 192, 200, MoeLayout::kMasked},
                    {8, 1, 136, 64, 130, MoeLayout::kPadded, true},
-                   // ~6000 rows: grouped_swiglu takes 128 x 256 tiles (128 h columns) here, the
-                   // 128 x 128 ones in the cases above.
+                   // ~6000 rows: the experts' GEMMs take 128 x 256 tiles (128 h columns) here,
+                   // the 128 x 128 ones in the cases above.
                    {8, 2, 256, 256, 3000}},
                   501);
 }
@@ -377,12 +377,14 @@ TEST(InProcessMoeLayer, RejectsBadArgumentsBeforeLaunch) {
       moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
                 ws.data(), nullptr, s);
     });
-    expect_refused("config.block_n = 100", [&] {
-      MoeConfig config;
-      config.block_n = 100;
-      moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
-                ws.data(), b.scratch, s, config);
-    });
+    for (int block_n : {100, 64, 192}) {  // the experts' GEMMs take 128 or 256
+      expect_refused("config.block_n = " + std::to_string(block_n), [&] {
+        MoeConfig config;
+        config.block_n = block_n;
+        moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
+                  ws.data(), b.scratch, s, config);
+      });
+    }
     expect_refused("out", [&] {  // out over w2
       moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.w2,
                 ws.data(), b.scratch, s);
