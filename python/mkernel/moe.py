@@ -400,8 +400,10 @@ def moe_layer(x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.
     multiple of 64. x [T, H] bf16, topk_idx [T, k] int32 / int64 (global expert ids, -1 = none),
     topk_weights [T, k] float32; num_experts, layout, capacity and max_tokens as moe_dispatch's.
     The intermediate is rounded to bf16 once; the combine sums in fp32 in slot order (the same
-    bits every run). Today four launches (dispatch, gate / up with SwiGLU in the GEMM's epilogue,
-    down, combine); a CUDA graph replays them with new routing, torch.compile sees one op.
+    bits every run). Today three launches (dispatch; gate / up with SwiGLU in the GEMM's epilogue
+    and down, in one launch; combine); a CUDA graph replays them with new routing,
+    torch.compile sees one op. sms: CTAs of every kernel (0: the communicator's SM budget);
+    block_n: the experts' GEMMs' tile width, 128 or 256 (0: chosen).
     """
     op = _layer_impl if _direct(x, topk_idx, topk_weights, w13, w2) else _layer_op
     return op(x, topk_idx, topk_weights, w13, w2, comm._id, num_experts, layout, capacity,
