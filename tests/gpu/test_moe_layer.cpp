@@ -34,13 +34,15 @@ struct LayerCase {
   int64_t tokens;  // rank r has tokens - (r % 2) * tokens / 3
   MoeLayout layout = MoeLayout::kPadded;
   bool skewed = false;
+  int sms = 0;  // MoeConfig::sms (few CTAs: many waves, down tiles waiting on other CTAs' rows)
 };
 
 std::string describe(const LayerCase& c, int world) {
   return "world " + std::to_string(world) + ", E " + std::to_string(c.experts) + ", top-" +
          std::to_string(c.top_k) + ", H " + std::to_string(c.hidden) + ", I " +
          std::to_string(c.inter) + ", T " + std::to_string(c.tokens) +
-         (c.layout == MoeLayout::kMasked ? ", masked" : ", padded") + (c.skewed ? ", skewed" : "");
+         (c.layout == MoeLayout::kMasked ? ", masked" : ", padded") + (c.skewed ? ", skewed" : "") +
+         (c.sms ? ", sms " + std::to_string(c.sms) : "");
 }
 
 int64_t tokens_of(const LayerCase& c, int rank) { return c.tokens - (rank % 2) * c.tokens / 3; }
@@ -230,7 +232,9 @@ void expect_layer(Communicator& comm, const LayerCase& c, uint64_t seed) {
   std::vector<ExpertWeights> all;
   for (int e = 0; e < c.experts; ++e) all.push_back(expert_weights(c, e, seed));
   const MoeProblem p = problem_of(c, rank);
-  const MoeLayerPlan plan = moe_layer_plan(comm, p, c.inter);
+  MoeConfig config;
+  config.sms = c.sms;
+  const MoeLayerPlan plan = moe_layer_plan(comm, p, c.inter, config);
   EXPECT_EQ(plan.intermediate, c.inter);
   EXPECT_GT(plan.scratch_bytes, 0u);
   SymmetricBuffer ws = comm.alloc(moe_workspace_bytes(comm, p));
@@ -244,7 +248,7 @@ void expect_layer(Communicator& comm, const LayerCase& c, uint64_t seed) {
   MKT_CUDA(cudaMemsetAsync(ws.data(), 0, moe_workspace_bytes(comm, p), s));
   ready(comm, s);
   moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
-            ws.data(), b.scratch, s);
+            ws.data(), b.scratch, s, config);
   comm.synchronize(s);
   const std::size_t count = static_cast<std::size_t>(p.tokens * c.hidden);
   const std::vector<uint16_t> first = download(b, count, s);
@@ -252,7 +256,7 @@ void expect_layer(Communicator& comm, const LayerCase& c, uint64_t seed) {
   // Deterministic: the same bits again.
   ready(comm, s);
   moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
-            ws.data(), b.scratch, s);
+            ws.data(), b.scratch, s, config);
   comm.synchronize(s);
   EXPECT_TRUE(download(b, count, s) == first) << "a second call wrote other bits";
   comm.bootstrap().barrier();
@@ -287,6 +291,17 @@ TEST(InProcessMoeLayer, World2) {
                    {16, 8, 256, 64, 100, MoeLayout::kPadded, true},
                    {8, 2, 128, 128, 90, MoeLayout::kMasked}},
                   601);
+}
+
+// Few CTAs for the experts' GEMMs (and the dispatch / combine): many waves, so down tiles wait for
+// gate / up tiles of their rows on other CTAs, and a CTA's own earlier gate / up tiles.
+TEST(InProcessMoeLayer, FewCtas) {
+  MKT_REQUIRE_GPU();
+  run_layer_cases(1,
+                  {{8, 2, 256, 192, 700, MoeLayout::kPadded, true, 3},
+                   {8, 2, 256, 256, 900, MoeLayout::kMasked, false, 5}},
+                  801);
+  run_layer_cases(2, {{8, 2, 256, 128, 400, MoeLayout::kPadded, true, 4}}, 811);
 }
 
 TEST(InProcessMoeLayer, World4) {
