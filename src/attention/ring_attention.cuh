@@ -359,12 +359,6 @@ struct RingAttention {
       }
     }
   }
-  // The side warps meet after some of their threads waited: true on all of them if any wait
-  // failed. The warp's vote first converges each warp (compute-sanitizer synccheck reported
-  // warps diverged at this barrier, 2026-12-02; the vote alone did not clear it).
-  __device__ static bool side_barrier_failed(int threads, bool ok) {
-    return dev::named_barrier_or(kSideBarrier, threads, !__all_sync(0xffffffffu, ok));
-  }
   __device__ void side_task(int thread, int threads) const {
     const int world = comm.world_size;
     if (world == 1) return;
@@ -387,7 +381,7 @@ struct RingAttention {
         ok = launch.wait(comm.node_ranks[t], dev::signal_index(SignalId::kEntry, c), 1) && ok;
       }
     }
-    if (side_barrier_failed(threads, ok)) return;
+    if (dev::named_barrier_or(kSideBarrier, threads, !ok)) return;
     for (int round = 0; round < rounds; ++round) {
       // The destinations' slots of the round: their last readers there (steps kRingSlots
       // earlier) are done on every CTA of the destination.
@@ -399,7 +393,7 @@ struct RingAttention {
                                    kDoneCounter + static_cast<uint32_t>(before));
         }
       }
-      if (side_barrier_failed(threads, ok)) return;
+      if (dev::named_barrier_or(kSideBarrier, threads, !ok)) return;
       for (int unit = 0; unit < units; ++unit) {
         for (int j = max(1, first_step(round)); j <= last_step(round); ++j) {
           push_unit(launch, j, unit, thread, threads);
