@@ -375,17 +375,16 @@ struct RingAttention {
         launch.signal(t, dev::signal_index(SignalId::kEntry, share), 1);
       }
     }
-    bool ok = true;
     for (int t = thread; t < comm.local_size; t += threads) {
-      if (t != comm.local_rank) {
-        ok = launch.wait(comm.node_ranks[t], dev::signal_index(SignalId::kEntry, c), 1) && ok;
+      if (t != comm.local_rank) {  // a failure: seen by all at the barrier (failed())
+        launch.wait(comm.node_ranks[t], dev::signal_index(SignalId::kEntry, c), 1);
       }
     }
-    if (dev::named_barrier_or(kSideBarrier, threads, !ok)) return;
+    if (side_barrier(launch, threads)) return;
     for (int round = 0; round < rounds; ++round) {
       // The destinations' slots of the round: their last readers there (steps kRingSlots
       // earlier) are done on every CTA of the destination.
-      ok = true;
+      bool ok = true;
       for (int j = max(1, first_step(round)); thread == 0 && ok && j <= last_step(round); ++j) {
         if (j > kRingSlots) {
           const int d = destination(j), before = ring_round_of(j - kRingSlots);
@@ -393,13 +392,22 @@ struct RingAttention {
                                    kDoneCounter + static_cast<uint32_t>(before));
         }
       }
-      if (dev::named_barrier_or(kSideBarrier, threads, !ok)) return;
+      if (side_barrier(launch, threads)) return;
       for (int unit = 0; unit < units; ++unit) {
         for (int j = max(1, first_step(round)); j <= last_step(round); ++j) {
           push_unit(launch, j, unit, thread, threads);
         }
       }
     }
+  }
+  // The side warps meet; true when a wait of this launch failed (on any of them, or anywhere on
+  // this rank: the launch stops). A plain named barrier and the failure flags a failed wait
+  // leaves set, not a barrier reduction: compute-sanitizer's synccheck reported the side warps
+  // divergent at barrier.red.or after the entry waits (4164b62 .. d713490; lanes 0 and 1 of the
+  // first side warp wait on peers, the others do not).
+  __device__ static bool side_barrier(const dev::Launch& launch, int threads) {
+    dev::named_barrier_sync(kSideBarrier, threads);
+    return launch.failed();
   }
   // This CTA's shares of unit `unit` of the local k, v into the slot of step j at its
   // destination, then counted there (arrive) and signalled (kOp + share, value unit + 1).

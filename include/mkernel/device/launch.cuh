@@ -68,6 +68,13 @@ struct Launch {
 
   __device__ bool aborted() const { return ld_relaxed_gpu(&comm.state->abort) != 0; }
 
+  // A wait of this launch failed, on any thread of this rank (the flags a failing wait leaves
+  // behind stay set: the abort, or the inter-node path's). After a barrier, every participant
+  // sees what a failing participant saw - a barrier's OR without the reduction.
+  __device__ bool failed() const {
+    return aborted() || (comm.host_abort != nullptr && ld_relaxed_sys(comm.host_abort) != 0);
+  }
+
   // Raise signal `signal` on local rank `peer_local` (this rank's word in the peer's pad) to
   // signal_value(epoch, step), after every write this thread has made or observed.
   __device__ void signal(int peer_local, uint32_t signal, uint32_t step) const {
