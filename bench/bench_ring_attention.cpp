@@ -3,7 +3,8 @@
 // alone on the same work and the same number of SMs - the SM-side cost of the ring machinery
 // (issue 32's one-GPU target: <= 1.05x). The "peer" copies stay in this GPU's memory: NVLink is
 // not measured here. engine_same_work runs on every rank at once, as the ring launches do (they
-// share the GPU's memory system); engine_alone is rank 0's with the other ranks idle.
+// share the GPU's memory system); engine_alone is rank 0's with the other ranks idle. Ring and
+// engine rounds alternate (9 each, the median of each): a drift of the clocks weighs on both.
 //   bench_ring_attention [--ranks 2] [--iters 10] [--json FILE] [--commit SHA]
 // Shapes: S_local 4096 and 8192, D 128, (B, H, H_kv) (1, 32, 8) and (4, 16, 16), causal (zigzag)
 // and not. engine_same_work: rank 0's queries against world x S_local keys (non-causal) or
@@ -66,6 +67,8 @@ void copy_rows(void* local, const void* full, const Point& p, int world, int ran
   }
 }
 
+constexpr int kRounds = 9;  // timed rounds of `iters` calls, per op
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -125,20 +128,8 @@ Result run_point(const Point& p, int world, int iters) {
       cudaEvent_t start, stop;
       CK(cudaEventCreate(&start));
       CK(cudaEventCreate(&stop));
-      std::vector<double> rounds;
-      for (int round = 0; round < 5; ++round) {
-        comm->bootstrap().barrier();
-        CK(cudaEventRecord(start, s));
-        for (int i = 0; i < iters; ++i) ring();
-        CK(cudaEventRecord(stop, s));
-        comm->synchronize(s);
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, start, stop));
-        rounds.push_back(ms / iters);
-      }
-      rank_ms[r] = median(rounds);
-      // The engine on the same work and SMs: every rank at once (as the ring ran), then rank 0
-      // alone (the other ranks idle).
+      // The engine on the same work and SMs: this rank's queries against all keys (causal: the
+      // half that is not masked, as one non-causal problem), on the ring's CTAs.
       AttentionProblem same = local;
       same.causal = false;
       same.seq_kv = p.causal ? full_s / 2 : full_s;
@@ -146,25 +137,41 @@ Result run_point(const Point& p, int world, int iters) {
       config.sms = ring_attention_plan(*comm, local).ctas;
       const AttentionTensor kk{k}, vv{v};
       auto engine = [&] { attention(same, {lq}, kk, vv, lo, nullptr, s, config); };
-      auto time_engine = [&] {
-        std::vector<double> e_rounds;
-        for (int round = 0; round < 5; ++round) {
-          CK(cudaEventRecord(start, s));
-          for (int i = 0; i < iters; ++i) engine();
-          CK(cudaEventRecord(stop, s));
-          CK(cudaEventSynchronize(stop));
-          float ms = 0;
-          CK(cudaEventElapsedTime(&ms, start, stop));
-          e_rounds.push_back(ms / iters);
-        }
-        return median(e_rounds);
-      };
       engine();
       CK(cudaStreamSynchronize(s));
+      // `iters` calls, ms per call (`together`: every rank starts at once).
+      auto time_calls = [&](auto&& call, bool ring_sync, bool together = true) {
+        if (together) comm->bootstrap().barrier();
+        CK(cudaEventRecord(start, s));
+        for (int i = 0; i < iters; ++i) call();
+        CK(cudaEventRecord(stop, s));
+        if (ring_sync) {
+          comm->synchronize(s);
+        } else {
+          CK(cudaEventSynchronize(stop));
+        }
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, start, stop));
+        return static_cast<double>(ms) / iters;
+      };
+      // Ring and engine rounds alternate (every rank at once, as the ring runs), so that a drift
+      // of the clocks over the run weighs on both; the median of each. Then the engine on rank 0
+      // alone (the other ranks idle).
+      std::vector<double> ring_rounds, engine_rounds;
+      for (int round = 0; round < kRounds; ++round) {
+        ring_rounds.push_back(time_calls(ring, true));
+        engine_rounds.push_back(time_calls(engine, false));
+      }
+      rank_ms[r] = median(ring_rounds);
+      engine_ms[r] = median(engine_rounds);
       comm->bootstrap().barrier();
-      engine_ms[r] = time_engine();
-      comm->bootstrap().barrier();
-      if (r == 0) result.engine_alone_ms = time_engine();
+      if (r == 0) {
+        std::vector<double> alone;
+        for (int round = 0; round < kRounds; ++round) {
+          alone.push_back(time_calls(engine, false, /*together=*/false));
+        }
+        result.engine_alone_ms = median(alone);
+      }
       comm->bootstrap().barrier();
       CK(cudaEventDestroy(start));
       CK(cudaEventDestroy(stop));

@@ -376,56 +376,60 @@ struct RingAttention {
       }
     }
     for (int t = thread; t < comm.local_size; t += threads) {
-      if (t != comm.local_rank) {  // a failure: seen by all at the barrier (failed())
+      if (t != comm.local_rank) {  // a failure: seen at the barrier (failed())
         launch.wait(comm.node_ranks[t], dev::signal_index(SignalId::kEntry, c), 1);
       }
     }
-    if (side_barrier(launch, threads)) return;
+    // Once a wait has failed the side warps stop working but still meet at every barrier below
+    // (the same count on every thread: uniform loops), so no thread waits at one that the others
+    // left: each thread reads the failure flags itself, and they may be raised between two
+    // threads' reads.
+    bool stop = side_barrier(launch, threads);
     for (int round = 0; round < rounds; ++round) {
       // The destinations' slots of the round: their last readers there (steps kRingSlots
       // earlier) are done on every CTA of the destination.
-      bool ok = true;
-      for (int j = max(1, first_step(round)); thread == 0 && ok && j <= last_step(round); ++j) {
+      for (int j = max(1, first_step(round)); thread == 0 && !stop && j <= last_step(round); ++j) {
         if (j > kRingSlots) {
           const int d = destination(j), before = ring_round_of(j - kRingSlots);
-          ok = launch.wait_counter(done(d) + before, comm.node_ranks[d], 2ull * items,
-                                   kDoneCounter + static_cast<uint32_t>(before));
+          stop = !launch.wait_counter(done(d) + before, comm.node_ranks[d], 2ull * items,
+                                      kDoneCounter + static_cast<uint32_t>(before));
         }
       }
-      if (side_barrier(launch, threads)) return;
+      stop = side_barrier(launch, threads) || stop;
       for (int unit = 0; unit < units; ++unit) {
         for (int j = max(1, first_step(round)); j <= last_step(round); ++j) {
-          push_unit(launch, j, unit, thread, threads);
+          push_unit(launch, j, unit, thread, threads, stop);
         }
       }
     }
   }
   // The side warps meet; true when a wait of this launch failed (on any of them, or anywhere on
-  // this rank: the launch stops). A plain named barrier and the failure flags a failed wait
-  // leaves set, not a barrier reduction: compute-sanitizer's synccheck reported the side warps
-  // divergent at barrier.red.or after the entry waits (4164b62 .. d713490; lanes 0 and 1 of the
-  // first side warp wait on peers, the others do not).
+  // this rank). A plain named barrier and the failure flags a failed wait leaves set (read by
+  // each thread), not a barrier reduction: compute-sanitizer's synccheck reported the side
+  // warps divergent at barrier.red.or after the entry waits (4164b62 .. d713490; lanes 0 and 1
+  // of the first side warp wait on peers, the others do not).
   __device__ static bool side_barrier(const dev::Launch& launch, int threads) {
     dev::named_barrier_sync(kSideBarrier, threads);
     return launch.failed();
   }
   // This CTA's shares of unit `unit` of the local k, v into the slot of step j at its
   // destination, then counted there (arrive) and signalled (kOp + share, value unit + 1).
-  __device__ void push_unit(const dev::Launch& launch, int j, int unit, int thread,
-                            int threads) const {
+  // With `stop` (a wait failed) only the barrier: the launch is failing.
+  __device__ void push_unit(const dev::Launch& launch, int j, int unit, int thread, int threads,
+                            bool stop) const {
     const int c = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
     const int d = destination(j);  // one node: local rank = rank
     const int slot = (j - 1) % kRingSlots;
     const int64_t head = (unit / kv_heads) * kv_stride_batch + (unit % kv_heads) * kv_stride_head;
     uint4* dst = reinterpret_cast<uint4*>(at(d, slots)) + 2 * chunk_vectors * slot +
                  static_cast<int64_t>(unit) * unit_vectors;
-    for (int share = c; share < kCopyShares; share += g) {
+    for (int share = c; !stop && share < kCopyShares; share += g) {
       copy_vectors(dst, k_src + head, share_begin(share), share_begin(share + 1), thread, threads);
       copy_vectors(dst + chunk_vectors, v_src + head, share_begin(share), share_begin(share + 1),
                    thread, threads);
     }
     dev::named_barrier_sync(kSideBarrier, threads);
-    if (thread == 0) {
+    if (thread == 0 && !stop) {
       const int mine = (kCopyShares - 1 - c) / g + 1;  // shares c, c + g, ... < kCopyShares
       dev::fence_acq_rel_sys();
       atomicAdd_system(reinterpret_cast<unsigned long long*>(arrive(d, slot, unit)),

@@ -1,5 +1,5 @@
 // moe_layer (mkernel/moe.h) against a CPU reference of the whole layer, ranks as threads of one
-// process (sharing the GPU when there are fewer GPUs than ranks): worlds 1, 2 and 4.
+// process (sharing the GPU when there are fewer GPUs than ranks): worlds 1, 2, 4 and 8.
 //
 // Every rank builds every expert's weights from the shared seed (w13 [2I, H]: gate rows then up
 // rows; w2 [H, I]) and uploads its own experts'. The reference, in double from the same bf16
@@ -10,8 +10,8 @@
 // error, far below what a wrong expert, slot, weight, a gate / up mix-up or a lost K tail gives
 // (errors of 30-40x the bound in that model); a small numeric drift (1% on the gate) would pass.
 // Also: -1 slots, skewed routing with empty experts, ranks with fewer tokens, padded and masked
-// layouts, deterministic repeats, graph replays with new routing and inputs, refusals before launch
-// with the output untouched.
+// layouts, deterministic repeats, graph replays with new routing and inputs, a missing rank (the
+// time-limit error), refusals before launch with the output untouched.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -201,6 +201,60 @@ MoeProblem problem_of(const LayerCase& c, int rank) {
   return p;
 }
 
+// One rank's layer, ready to be called: every expert's weights (from `weight_seed`; this rank's
+// uploaded), the workspace zeroed, a stream, the buffers; its inputs are uploaded per call.
+struct RankLayer {
+  LayerCase c;
+  int rank, e_local;
+  MoeProblem p;
+  MoeConfig config;
+  std::vector<ExpertWeights> all;
+  std::size_t ws_bytes;
+  SymmetricBuffer ws;
+  cudaStream_t s = nullptr;
+  LayerBuffers b;
+
+  static MoeConfig config_of(const LayerCase& c) {
+    MoeConfig config;
+    config.sms = c.sms;
+    return config;
+  }
+  static std::vector<ExpertWeights> weights_of(const LayerCase& c, uint64_t seed) {
+    std::vector<ExpertWeights> all;
+    for (int e = 0; e < c.experts; ++e) all.push_back(expert_weights(c, e, seed));
+    return all;
+  }
+  static cudaStream_t new_stream() {
+    cudaStream_t s = nullptr;
+    EXPECT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    return s;
+  }
+
+  RankLayer(Communicator& comm, const LayerCase& layer, uint64_t weight_seed)
+      : c(layer),
+        rank(comm.rank()),
+        e_local(layer.experts / comm.world_size()),
+        p(problem_of(layer, rank)),
+        config(config_of(layer)),
+        all(weights_of(layer, weight_seed)),
+        ws_bytes(moe_workspace_bytes(comm, p)),
+        ws(comm.alloc(ws_bytes)),
+        s(new_stream()),
+        b(layer, p, e_local, moe_layer_plan(comm, p, layer.inter, config).scratch_bytes) {
+    b.upload_experts(all, rank, e_local, s);
+    EXPECT_EQ(cudaMemsetAsync(ws.data(), 0, ws_bytes, s), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  }
+  ~RankLayer() { cudaStreamDestroy(s); }
+  RankLayer(const RankLayer&) = delete;
+  RankLayer& operator=(const RankLayer&) = delete;
+
+  void call(Communicator& comm) {
+    moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
+              ws.data(), b.scratch, s, config);
+  }
+};
+
 std::vector<uint16_t> download(const LayerBuffers& b, std::size_t count, cudaStream_t s) {
   std::vector<uint16_t> out(count);
   if (count > 0) cudaMemcpyAsync(out.data(), b.out, count * 2, cudaMemcpyDeviceToHost, s);
@@ -227,40 +281,27 @@ void expect_matches(const LayerCase& c, const Inputs& in, const std::vector<Expe
 }
 
 void expect_layer(Communicator& comm, const LayerCase& c, uint64_t seed) {
-  const int world = comm.world_size(), rank = comm.rank(), e_local = c.experts / world;
-  SCOPED_TRACE(describe(c, world) + ", rank " + std::to_string(rank));
-  std::vector<ExpertWeights> all;
-  for (int e = 0; e < c.experts; ++e) all.push_back(expert_weights(c, e, seed));
-  const MoeProblem p = problem_of(c, rank);
-  MoeConfig config;
-  config.sms = c.sms;
-  const MoeLayerPlan plan = moe_layer_plan(comm, p, c.inter, config);
+  const int rank = comm.rank();
+  SCOPED_TRACE(describe(c, comm.world_size()) + ", rank " + std::to_string(rank));
+  RankLayer l(comm, c, seed);
+  const MoeLayerPlan plan = moe_layer_plan(comm, l.p, c.inter, l.config);
   EXPECT_EQ(plan.intermediate, c.inter);
   EXPECT_GT(plan.scratch_bytes, 0u);
-  SymmetricBuffer ws = comm.alloc(moe_workspace_bytes(comm, p));
-  cudaStream_t s;
-  MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  LayerBuffers b(c, p, e_local, plan.scratch_bytes);
-  b.upload_experts(all, rank, e_local, s);
   const Inputs in = inputs_of(c, rank, seed);
-  b.upload(in, s);
-  MKT_CUDA(cudaMemsetAsync(b.out, 0xff, b.out_bytes, s));  // poison
-  MKT_CUDA(cudaMemsetAsync(ws.data(), 0, moe_workspace_bytes(comm, p), s));
-  ready(comm, s);
-  moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
-            ws.data(), b.scratch, s, config);
-  comm.synchronize(s);
-  const std::size_t count = static_cast<std::size_t>(p.tokens * c.hidden);
-  const std::vector<uint16_t> first = download(b, count, s);
-  ASSERT_NO_FATAL_FAILURE(expect_matches(c, in, all, first));
+  l.b.upload(in, l.s);
+  MKT_CUDA(cudaMemsetAsync(l.b.out, 0xff, l.b.out_bytes, l.s));  // poison
+  ready(comm, l.s);
+  l.call(comm);
+  comm.synchronize(l.s);
+  const std::size_t count = static_cast<std::size_t>(l.p.tokens * c.hidden);
+  const std::vector<uint16_t> first = download(l.b, count, l.s);
+  ASSERT_NO_FATAL_FAILURE(expect_matches(c, in, l.all, first));
   // Deterministic: the same bits again.
-  ready(comm, s);
-  moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
-            ws.data(), b.scratch, s, config);
-  comm.synchronize(s);
-  EXPECT_TRUE(download(b, count, s) == first) << "a second call wrote other bits";
+  ready(comm, l.s);
+  l.call(comm);
+  comm.synchronize(l.s);
+  EXPECT_TRUE(download(l.b, count, l.s) == first) << "a second call wrote other bits";
   comm.bootstrap().barrier();
-  cudaStreamDestroy(s);
 }
 
 void run_layer_cases(int world, const std::vector<LayerCase>& cases, uint64_t seed) {
@@ -309,52 +350,62 @@ TEST(InProcessMoeLayer, World4) {
   run_layer_cases(4, {{8, 2, 128, 128, 64}, {16, 4, 256, 64, 40, MoeLayout::kPadded, true}}, 701);
 }
 
-// Captured once per rank, replayed with new routing, tokens and weights each time.
+// Eight ranks (on a one-GPU host: 16 CTAs each): every expert's rows come from eight sources.
+TEST(InProcessMoeLayer, World8) {
+  MKT_REQUIRE_GPU();
+  run_layer_cases(8, {{8, 2, 128, 64, 48}, {16, 8, 128, 128, 40, MoeLayout::kMasked, true}}, 901);
+}
+
+// A rank that never joins: the others' layer ends with the time-limit error naming it (the
+// dispatch's wait), and nothing hangs - the GEMM launch behind it runs over what the dispatch left
+// (bounded; its waits return at once), the combine stops at its entry barrier.
+TEST(InProcessMoeLayer, MissingRankTimesOut) {
+  MKT_REQUIRE_GPU();
+  CommOptions options;
+  options.timeout_seconds = 1.0;
+  run_in_process(
+      2,
+      [](Communicator& comm) {
+        RankLayer l(comm, {8, 2, 128, 64, 64}, 3);
+        l.b.upload(inputs_of(l.c, l.rank, 3), l.s);
+        ready(comm, l.s);
+        expect_missing_rank_times_out(comm, l.s, [&] { l.call(comm); });
+      },
+      options);
+}
+
+// Captured once per rank, replayed 100 times with new routing, tokens and weights each time
+// (every replay checked against the reference).
 TEST(InProcessMoeLayer, GraphReplaysWithNewRouting) {
   MKT_REQUIRE_GPU();
   run_in_process(2, [](Communicator& comm) {
-    const int rank = comm.rank();
-    const LayerCase c{8, 2, 256, 128, 96};
-    std::vector<ExpertWeights> all;
-    for (int e = 0; e < c.experts; ++e) all.push_back(expert_weights(c, e, 5));
-    const int e_local = c.experts / comm.world_size();
-    const MoeProblem p = problem_of(c, rank);
-    const std::size_t ws_bytes = moe_workspace_bytes(comm, p);
-    SymmetricBuffer ws = comm.alloc(ws_bytes);
-    cudaStream_t s;
-    MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    LayerBuffers b(c, p, e_local, moe_layer_plan(comm, p, c.inter).scratch_bytes);
-    b.upload_experts(all, rank, e_local, s);
-    b.upload(inputs_of(c, rank, 1), s);
-    MKT_CUDA(cudaMemsetAsync(ws.data(), 0, ws_bytes, s));
-    ready(comm, s);
-    moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
-              ws.data(), b.scratch, s);
-    comm.synchronize(s);
+    RankLayer l(comm, {8, 2, 256, 128, 96}, 5);
+    l.b.upload(inputs_of(l.c, l.rank, 1), l.s);
+    ready(comm, l.s);
+    l.call(comm);
+    comm.synchronize(l.s);
     cudaGraph_t graph;
-    MKT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    moe_layer(comm, p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
-              ws.data(), b.scratch, s);
-    MKT_CUDA(cudaStreamEndCapture(s, &graph));
+    MKT_CUDA(cudaStreamBeginCapture(l.s, cudaStreamCaptureModeThreadLocal));
+    l.call(comm);
+    MKT_CUDA(cudaStreamEndCapture(l.s, &graph));
     cudaGraphExec_t exec;
-    ASSERT_NO_FATAL_FAILURE(instantiate_uploaded(graph, s, &exec));
+    ASSERT_NO_FATAL_FAILURE(instantiate_uploaded(graph, l.s, &exec));
     comm.bootstrap().barrier();
-    for (int replay = 0; replay < 5; ++replay) {
+    const std::size_t count = static_cast<std::size_t>(l.p.tokens * l.c.hidden);
+    for (int replay = 0; replay < 100; ++replay) {
       SCOPED_TRACE("replay " + std::to_string(replay));
-      LayerCase ci = c;
+      LayerCase ci = l.c;
       ci.skewed = replay % 2 == 1;
-      const Inputs in = inputs_of(ci, rank, 100 + replay);
-      b.upload(in, s);
-      ready(comm, s);
-      MKT_CUDA(cudaGraphLaunch(exec, s));
-      comm.synchronize(s);
-      ASSERT_NO_FATAL_FAILURE(expect_matches(
-          ci, in, all, download(b, static_cast<std::size_t>(p.tokens * c.hidden), s)));
+      const Inputs in = inputs_of(ci, l.rank, 100 + replay);
+      l.b.upload(in, l.s);
+      ready(comm, l.s);
+      MKT_CUDA(cudaGraphLaunch(exec, l.s));
+      comm.synchronize(l.s);
+      ASSERT_NO_FATAL_FAILURE(expect_matches(ci, in, l.all, download(l.b, count, l.s)));
     }
     comm.bootstrap().barrier();
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
-    cudaStreamDestroy(s);
   });
 }
 
