@@ -405,9 +405,9 @@ struct RingAttention {
   }
   // The side warps meet; true when a wait of this launch failed (on any of them, or anywhere on
   // this rank). A plain named barrier and the failure flags a failed wait leaves set (read by
-  // each thread), not a barrier reduction: compute-sanitizer's synccheck reported the side
-  // warps divergent at barrier.red.or after the entry waits (4164b62 .. d713490; lanes 0 and 1
-  // of the first side warp wait on peers, the others do not).
+  // each thread), not a barrier reduction: synccheck reported the side warps divergent at a
+  // barrier.red.or after the entry waits (only lanes 0 and 1 of the first side warp wait on
+  // peers there).
   __device__ static bool side_barrier(const dev::Launch& launch, int threads) {
     dev::named_barrier_sync(kSideBarrier, threads);
     return launch.failed();

@@ -255,11 +255,11 @@ struct GroupedSwigluDown {
       }
       return;
     }
-    // silu(gate) * up with the fast division. IEEE `/` has a slow path (huge, tiny or
-    // non-finite divisors; likely taken on the rows past a group's end, which are computed and
-    // dropped) and ran the gate / up tiles 1.5x slower at DeepSeek-V3's 256 experts (2026-12-02,
-    // H200, 4096 tokens: 6.31 -> 4.39 ms; the plain GEMM of width 2I: 4.23). __fdividef: 2 ulp,
-    // and 0 where exp(-gate) passes 2^126 (silu's limit there).
+    // silu(gate) * up with the fast division: IEEE `/` has a slow path (huge, tiny or
+    // non-finite divisors; likely taken on the rows past a group's end, computed and dropped)
+    // that made these tiles far slower than the plain GEMM where experts are many and small
+    // (journal, 2026-12-02). __fdividef: 2 ulp, and 0 where exp(-gate) passes 2^126 (silu's
+    // limit there).
     float h[kRegs / 2];
 #pragma unroll
     for (int i = 0; i < kRegs / 2; ++i) {
