@@ -77,6 +77,9 @@ std::size_t grouped_tables_bytes(int groups);
 // grouped_swiglu_down's I: a positive multiple of 64 below 2^30, else kInvalidArgument naming
 // `op` and the value.
 void require_swiglu_intermediate(int64_t intermediate, const char* op);
+// grouped_swiglu_down's tile width: 0 (chosen), 128 or 256 (256: I a multiple of 128), else
+// kInvalidArgument naming `op`, the argument's `name` and the value.
+void require_swiglu_width(int block_n, int64_t intermediate, const char* op, const char* name);
 // Loads the grouped GEMM's kernels (every width and B layout) and grouped_swiglu_down's now: ops
 // that launch them between kernels that wait for peers (moe_layer) must not load them lazily.
 void preload_grouped();

@@ -170,6 +170,20 @@ void gemm_engine::require_swiglu_intermediate(int64_t intermediate, const char* 
   }
 }
 
+void gemm_engine::require_swiglu_width(int block_n, int64_t intermediate, const char* op,
+                                       const char* name) {
+  if (block_n != 0 && block_n != 128 && block_n != 256) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(op) + ": " + name + " = " + std::to_string(block_n) +
+                    "; expected 0, 128 or 256 (the experts' GEMMs' tile width)");
+  }
+  if (block_n == 256 && intermediate % 128 != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(op) + ": " + name + " = 256 with intermediate = " +
+                    std::to_string(intermediate) + "; 256-wide tiles need a multiple of 128");
+  }
+}
+
 std::size_t gemm_engine::grouped_tables_bytes(int groups) {
   return (3 * static_cast<std::size_t>(std::max(groups, 0)) + 1) * sizeof(int32_t);
 }
@@ -263,20 +277,10 @@ void gemm_engine::grouped_swiglu_down(const DeviceComm& comm, const void* a, con
   gemm_engine::require_device_pointer(done, op, "done counters", device, 8);
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   // Tiles of 128 x 256 (gate / up: 128 h columns) where I allows and the plain GEMM of the
-  // gate / up's width (2I) would take 256-wide tiles; else 128 x 128. (2026-12-02, H200, 8192
-  // tokens: the gate / up GEMM on 128 x 128 tiles ran 24-35% slower than the plain 256-wide GEMM
-  // of the same shape.) A requested width: 128 or 256 (256 needs I a multiple of 128).
+  // gate / up's width (2I) would take 256-wide tiles, else 128 x 128 (which ran the gate / up
+  // GEMM well below the plain 256-wide one: journal, 2026-12-02); or the requested width.
+  require_swiglu_width(block_n, intermediate, op, "block_n");
   const int64_t width_rows = std::max<int64_t>(total_rows, int64_t{groups} * 128);
-  if (block_n != 0 && block_n != 128 && block_n != 256) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(op) + ": block_n = " + std::to_string(block_n) +
-                    "; expected 0, 128 or 256 (the experts' GEMMs' tile width)");
-  }
-  if (block_n == 256 && intermediate % 128 != 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(op) + ": block_n = 256 with intermediate = " +
-                    std::to_string(intermediate) + "; 256-wide tiles need a multiple of 128");
-  }
   const int width =
       block_n != 0 ? block_n
       : intermediate % 128 == 0 && pick_block_n(0, width_rows, 2 * intermediate, sms, op) == 256

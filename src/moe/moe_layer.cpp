@@ -54,16 +54,7 @@ MoeLayerPlan moe_layer_plan(const Communicator& comm, const MoeProblem& problem,
   plan.dispatch =
       moe::plan_moe(comm.world_size(), comm.topology().sm_budget(), problem, config, kOp).plan;
   gemm_engine::require_swiglu_intermediate(intermediate, kOp);
-  if (config.block_n != 0 && config.block_n != 128 && config.block_n != 256) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(kOp) + ": config.block_n = " + std::to_string(config.block_n) +
-                    "; expected 0, 128 or 256 (the experts' GEMMs' tile width)");
-  }
-  if (config.block_n == 256 && intermediate % 128 != 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(kOp) + ": config.block_n = 256 with intermediate = " +
-                    std::to_string(intermediate) + "; 256-wide tiles need a multiple of 128");
-  }
+  gemm_engine::require_swiglu_width(config.block_n, intermediate, kOp, "config.block_n");
   plan.intermediate = intermediate;
   plan.scratch_bytes = scratch_parts(plan.dispatch, problem.hidden, intermediate).total;
   return plan;
