@@ -1,6 +1,6 @@
 // The GEMM engine against cuBLAS, one GPU:
 //   bench_gemm [--json FILE] [--iters 20] [--check] [--sweep] [--shapes MxNxK,...] [--layouts
-//   nk,kn]
+//   nk,kn] [--splits 1,2,4,...]
 // By default issue 28's sweep (M 1..8192 on six model-like (N, K)), both B layouts. Same random
 // inputs for both; times are per call, medians over replays of CUDA graphs of 10 calls (the
 // GPU's time, without the host's launch cost), the calls alternating between two input sets (so
@@ -112,6 +112,7 @@ int main(int argc, char** argv) {
   int iters = 20;
   bool check_only = false;
   bool sweep = false;
+  std::vector<int> splits;  // --splits: the plan's width in each of these pieces of K
   // The default sweep (issue 28): decode, gemm_ar's and MoE's M up to large M, on model-like N
   // and K (Llama-70B's projections, DeepSeek-V3's expert shapes, a square one).
   std::vector<Shape> shapes;
@@ -137,7 +138,14 @@ int main(int argc, char** argv) {
       check_only = true;
     else if (a == "--sweep")
       sweep = true;
-    else if (a == "--shapes" && i + 1 < argc)
+    else if (a == "--splits" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      for (std::size_t p = 0; p < v.size();) {
+        splits.push_back(std::atoi(v.c_str() + p));
+        p = v.find(',', p);
+        p = p == std::string::npos ? v.size() : p + 1;
+      }
+    } else if (a == "--shapes" && i + 1 < argc)
       shapes = parse_shapes(argv[++i]);
     else if (a == "--layouts" && i + 1 < argc) {
       const std::string v = argv[++i];
@@ -151,9 +159,11 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--json FILE] [--iters N] [--check] [--sweep] [--shapes MxNxK,...] "
-                   "[--layouts nk,kn]\n"
+                   "[--layouts nk,kn] [--splits 1,2,4,...]\n"
                    "  --sweep: also time every tile width (64, 128, 192, 256) per shape (K whole\n"
-                   "  where the plan does not split it), and the plan's width with K whole\n",
+                   "  where the plan does not split it), and the plan's width with K whole\n"
+                   "  --splits: also time the plan's width with the last wave in each of these\n"
+                   "  numbers of pieces of K (1: K whole)\n",
                    argv[0]);
       return 2;
     }
@@ -254,6 +264,23 @@ int main(int argc, char** argv) {
         std::printf("  cuBLAS %.3f ms\n", t[5]);
         std::printf("  plan  %-14s  %s; n%d with K whole %.3f ms\n", label.c_str(),
                     plan.describe().c_str(), plan.block_n, t[4]);
+      }
+      if (!splits.empty() && !check_only) {
+        const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k);
+        std::vector<std::function<void(int)>> ops;
+        for (const int pieces : splits) {
+          ops.push_back([&, pieces](int i) {
+            mk::GemmConfig config;
+            config.block_n = plan.block_n;
+            config.split_k = pieces;
+            mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, layout, s, config);
+          });
+        }
+        ops.push_back(theirs);
+        const std::vector<double> t = median_ms(iters, s, ops);
+        std::printf("  splits %-13s n%d:", label.c_str(), plan.block_n);
+        for (std::size_t i = 0; i < splits.size(); ++i) std::printf("  %d %.4f", splits[i], t[i]);
+        std::printf("  cuBLAS %.4f ms\n", t.back());
       }
       for (int i = 0; i < 2; ++i) cudaFree(a[i]), cudaFree(b[i]);
       cudaFree(c), cudaFree(c_blas);
