@@ -107,6 +107,7 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
     scratch.emplace(partial_bytes + counter_bytes, stream);
     split.partials = static_cast<float*>(scratch->get());
     split.counters = reinterpret_cast<int*>(static_cast<char*>(scratch->get()) + partial_bytes);
+    split.out = static_cast<__nv_bfloat16*>(c);
     MK_CUDA_CHECK(cudaMemsetAsync(split.counters, 0, counter_bytes, stream));
   }
   const Fusion fusion{

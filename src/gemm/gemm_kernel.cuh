@@ -354,16 +354,21 @@ __device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0,
 
 // Split K for the tiles of a launch's last, partial wave (few tiles: all of them): those tiles
 // are computed in `pieces` pieces of their k-blocks, adjacent work items on different CTAs, so
-// that the wave fills the SMs. Each piece's consumer warpgroup writes its fp32 slice to
-// `partials` and counts itself in at the slice's counter; the last piece to arrive adds the
-// slices in piece order - the same sum whichever arrives last, so results are deterministic -
-// and stores the tile. No piece waits for another.
+// that the wave fills the SMs. Each piece's consumer warpgroup writes the rows of its fp32 slice
+// that lie inside C to `partials` and counts itself in at the slice's counter; the last piece to
+// arrive adds the slices in piece order - the same sum whichever arrives last, so results are
+// deterministic - and stores the bf16 sum to C. No piece waits for another.
+//
+// With few rows (decode, MoE experts) the last piece's 128 threads share the slice's elements
+// (4 columns of a row each) and load every piece of an element at once: the sum costs an L2
+// round trip per 8 pieces, where the rows' owners alone took one per piece (add_piece).
 struct SplitSchedule {
   int whole = 0;   // work items [0, whole): tiles (in raster order) computed whole
   int pieces = 1;  // every later tile: this many pieces of its k-blocks
   int k_iters = 0;
-  float* partials = nullptr;  // [split tile][consumer][piece][pair][128 threads] float2
-  int* counters = nullptr;    // [split tile][consumer], zero before the launch
+  float* partials = nullptr;     // [split tile][consumer][piece][64 x block_n] fp32
+  int* counters = nullptr;       // [split tile][consumer], zero before the launch
+  __nv_bfloat16* out = nullptr;  // C [m, n] row-major: the last piece stores the sum there
 
   __device__ int items(int tiles) const { return whole + (tiles - whole) * pieces; }
   // Work item t's tile (in raster order), and its k-blocks into `tile`.
@@ -374,23 +379,50 @@ struct SplitSchedule {
     tile.kb_begin = piece * k_iters / pieces;
     tile.kb_end = (piece + 1) * k_iters / pieces;
   }
-  // All 128 threads of a consumer warpgroup, after work item t's k-blocks (rows from row0, of
-  // which those >= m are skipped): true when acc holds the tile's whole sum - a whole tile, or
-  // the last piece to arrive - and the tile is to be stored.
-  template <int kRegs>
-  __device__ bool gather(float (&acc)[kRegs], int t, int consumer, int row0, int m) const {
-    if (t < whole || pieces == 1) return true;
-    constexpr int kPairs = kRegs / 2;  // (acc[2i], acc[2i + 1]): two columns of one row
+  // Whether work item t is a piece of a tile (else a whole tile, stored as usual).
+  __device__ bool is_piece(int t) const { return t >= whole && pieces > 1; }
+
+  // All 128 threads of a consumer warpgroup, after piece t's k-blocks: its slice - rows
+  // [row0, row0 + 64) and columns [col0, col0 + kBlockN) of C, clipped at [m, n] - into the
+  // partial sums. True when acc now holds the tile's sum for the caller to store (the last piece
+  // to arrive, a slice of many rows); a last piece with few rows stores the sum itself.
+  template <int kBlockN, int kRegs>
+  __device__ bool add_piece(float (&acc)[kRegs], int t, int consumer, int row0, int col0, int m,
+                            int n) const {
+    const int rows = min(64, m - row0), cols = min(kBlockN, n - col0);
+    if (rows <= 0) return false;  // the same for every piece: nothing of C, nothing counted
     const int piece = (t - whole) % pieces, split_tile = (t - whole) / pieces;
     const int tid = threadIdx.x % 128;
-    const int row = row0 + (tid / 32) * 16 + (tid % 32) / 4;  // pair i's row: row + 8 (i % 2)
-    float2* slots = reinterpret_cast<float2*>(partials) +
-                    static_cast<size_t>(split_tile * 2 + consumer) * pieces * kPairs * 128 + tid;
-    const bool row_ok[2] = {row < m, row + 8 < m};
-    float2* mine = slots + static_cast<size_t>(piece) * kPairs * 128;
+    constexpr int kSliceFloats = 64 * kBlockN;
+    float* slices =
+        partials + static_cast<size_t>(split_tile * 2 + consumer) * pieces * kSliceFloats;
+    // Few rows: the last piece's 128 threads share the slice's elements of 4 columns (row-major
+    // slices, only the rows inside C), all pieces of an element in flight - an L2 round trip per
+    // element and 8 pieces; else each thread adds up its own pairs (slices in the accumulators'
+    // order, a warp's pairs contiguous: row-major ones were much slower to write and read), all
+    // its pairs in flight - a round trip per piece. The one that takes fewer round trips; every
+    // piece of the slice decides alike.
+    const int quads = cols / 4, elements = rows * quads;
+    const bool shared = (elements + 127) / 128 * ((pieces + 7) / 8) < pieces;
+    // Pair i: row r + 8 (i % 2), columns 8 (i / 2) + 2 (tid % 4) and + 1 - all of them, also
+    // beyond n (the slice has room).
+    const int r = (tid / 32) * 16 + (tid % 32) / 4;
+    const bool row_ok[2] = {r < rows, r + 8 < rows};
+    float* mine = slices + static_cast<size_t>(piece) * kSliceFloats;
+    if (shared) {  // row-major
+      float2* row = reinterpret_cast<float2*>(mine) + r * (kBlockN / 2) + tid % 4;
 #pragma unroll
-    for (int i = 0; i < kPairs; ++i) {
-      if (row_ok[i % 2]) mine[i * 128] = make_float2(acc[2 * i], acc[2 * i + 1]);
+      for (int i = 0; i < kRegs / 2; ++i) {
+        if (row_ok[i % 2]) {
+          row[(i % 2) * 4 * kBlockN + 4 * (i / 2)] = make_float2(acc[2 * i], acc[2 * i + 1]);
+        }
+      }
+    } else {  // the accumulators' order
+      float2* slot = reinterpret_cast<float2*>(mine) + tid;
+#pragma unroll
+      for (int i = 0; i < kRegs / 2; ++i) {
+        if (row_ok[i % 2]) slot[i * 128] = make_float2(acc[2 * i], acc[2 * i + 1]);
+      }
     }
     __threadfence();                             // this thread's slice before the count
     dev::named_barrier_sync(1 + consumer, 128);  // every thread's
@@ -398,19 +430,60 @@ struct SplitSchedule {
     if (tid == 0) last = atomicAdd(&counters[split_tile * 2 + consumer], 1) == pieces - 1;
     if (!dev::named_barrier_or(1 + consumer, 128, last)) return false;
     __threadfence();  // the other pieces' slices after their counts
+    if (shared) {
+      sum_pieces<kBlockN, 8>(slices, out + static_cast<int64_t>(row0) * n + col0, n, quads,
+                             elements, tid);
+      return false;
+    }
     // The sum in piece order, every slice from memory (this piece's own too), into acc.
-    const float2* slice = slots;
+    const float2* slot = reinterpret_cast<const float2*>(slices) + tid;
 #pragma unroll 1
-    for (int p = 0; p < pieces; ++p, slice += kPairs * 128) {
+    for (int p = 0; p < pieces; ++p, slot += kSliceFloats / 2) {
 #pragma unroll
-      for (int i = 0; i < kPairs; ++i) {
+      for (int i = 0; i < kRegs / 2; ++i) {
         if (!row_ok[i % 2]) continue;
-        const float2 v = __ldcg(slice + i * 128);
+        const float2 v = __ldcg(slot + i * 128);
         acc[2 * i] = p == 0 ? v.x : acc[2 * i] + v.x;
         acc[2 * i + 1] = p == 0 ? v.y : acc[2 * i + 1] + v.y;
       }
     }
     return true;
+  }
+
+  // Elements e = tid, tid + 128, ... of a slice (element e: row e / quads, columns 4 (e % quads)
+  // .. + 3): the sum of the pieces in order, stored as bf16 to c (the slice's first element of
+  // C, row stride n). kGroup pieces of an element in flight a thread (8 loads: 16, or a second
+  // shape for few pieces, spilled the 256-wide kernel).
+  template <int kBlockN, int kGroup>
+  __device__ void sum_pieces(const float* slices, __nv_bfloat16* c, int n, int quads, int elements,
+                             int tid) const {
+    constexpr int kSliceFloats = 64 * kBlockN;
+#pragma unroll 1
+    for (int e = tid; e < elements; e += 128) {
+      const float* at = slices + (e / quads) * kBlockN + 4 * (e % quads);
+      float4 sum;
+#pragma unroll 1
+      for (int p0 = 0; p0 < pieces; p0 += kGroup) {
+        float4 v[kGroup];
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g) {
+          if (p0 + g < pieces) {
+            v[g] = __ldcg(
+                reinterpret_cast<const float4*>(at + static_cast<size_t>(p0 + g) * kSliceFloats));
+          }
+        }
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g) {
+          if (p0 + g == 0) {
+            sum = v[g];
+          } else if (p0 + g < pieces) {
+            sum.x += v[g].x, sum.y += v[g].y, sum.z += v[g].z, sum.w += v[g].w;
+          }
+        }
+      }
+      const uint2 packed{pack_bf16(sum.x, sum.y), pack_bf16(sum.z, sum.w)};
+      *reinterpret_cast<uint2*>(c + static_cast<int64_t>(e / quads) * n + 4 * (e % quads)) = packed;
+    }
   }
 };
 
@@ -455,7 +528,10 @@ struct PlainGemm {
                         ConsumerState&) const {
     const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
     if constexpr (kSplitK) {
-      if (!split.gather(acc, tile.position, consumer, row0, m)) return;  // another piece stores
+      if (split.is_piece(tile.position) &&
+          !split.template add_piece<kBlockN>(acc, tile.position, consumer, row0, col0, m, n)) {
+        return;  // another piece stores the tile, or this one did
+      }
     }
     store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
       dev::tma_store_2d(&c, buf, col0 + 64 * j, row0);
