@@ -3,8 +3,9 @@
 // alone on the same work and the same number of SMs - the SM-side cost of the ring machinery
 // (issue 32's one-GPU target: <= 1.05x). The "peer" copies stay in this GPU's memory: NVLink is
 // not measured here. engine_same_work runs on every rank at once, as the ring launches do (they
-// share the GPU's memory system); engine_alone is rank 0's with the other ranks idle. Ring and
-// engine rounds alternate (9 each, the median of each): a drift of the clocks weighs on both.
+// share the GPU's memory system), each rank on its own copy of the keys and values; engine_alone is
+// rank 0's with the other ranks idle. Ring and engine rounds alternate (9 each, the median of
+// each): a drift of the clocks weighs on both.
 //   bench_ring_attention [--ranks 2] [--iters 10] [--json FILE] [--commit SHA]
 // Shapes: S_local 4096 and 8192, D 128, (B, H, H_kv) (1, 32, 8) and (4, 16, 16), causal (zigzag)
 // and not. engine_same_work: rank 0's queries against world x S_local keys (non-causal) or
@@ -135,7 +136,15 @@ Result run_point(const Point& p, int world, int iters) {
       same.seq_kv = p.causal ? full_s / 2 : full_s;
       AttentionConfig config;
       config.sms = ring_attention_plan(*comm, local).ctas;
-      const AttentionTensor kk{k}, vv{v};
+      // Each rank's engine reads its own copy of the keys and values, as on GPUs of their own:
+      // ranks sharing one buffer would share its lines in L2, which the ring's ranks (reading
+      // their own chunks and slots) do not.
+      void *ek, *ev;
+      CK(cudaMalloc(&ek, kv_full * 2));
+      CK(cudaMalloc(&ev, kv_full * 2));
+      CK(cudaMemcpyAsync(ek, k, kv_full * 2, cudaMemcpyDeviceToDevice, s));
+      CK(cudaMemcpyAsync(ev, v, kv_full * 2, cudaMemcpyDeviceToDevice, s));
+      const AttentionTensor kk{ek}, vv{ev};
       auto engine = [&] { attention(same, {lq}, kk, vv, lo, nullptr, s, config); };
       engine();
       CK(cudaStreamSynchronize(s));
@@ -175,7 +184,7 @@ Result run_point(const Point& p, int world, int iters) {
       comm->bootstrap().barrier();
       CK(cudaEventDestroy(start));
       CK(cudaEventDestroy(stop));
-      for (void* x : {lq, lk, lv, lo}) CK(cudaFree(x));
+      for (void* x : {lq, lk, lv, lo, ek, ev}) CK(cudaFree(x));
       CK(cudaStreamDestroy(s));
     });
   }
