@@ -279,7 +279,13 @@ int main(int argc, char** argv) {
         ops.push_back(theirs);
         const std::vector<double> t = median_ms(iters, s, ops);
         std::printf("  splits %-13s n%d:", label.c_str(), plan.block_n);
-        for (std::size_t i = 0; i < splits.size(); ++i) std::printf("  %d %.4f", splits[i], t[i]);
+        for (std::size_t i = 0; i < splits.size(); ++i) {  // asked: pieces/CTAs it got, ms
+          mk::GemmConfig config;
+          config.block_n = plan.block_n;
+          config.split_k = splits[i];
+          const mk::GemmPlan got = mk::gemm_plan(sh.m, sh.n, sh.k, config);
+          std::printf("  %d:%d/%d %.4f", splits[i], got.split_k, got.ctas, t[i]);
+        }
         std::printf("  cuBLAS %.4f ms\n", t.back());
       }
       for (int i = 0; i < 2; ++i) cudaFree(a[i]), cudaFree(b[i]);

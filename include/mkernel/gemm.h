@@ -27,21 +27,23 @@ struct GemmConfig {
   int block_n = 0;  // tile width 64, 128, 192 or 256; 0 = the library's choice (or
                     // MKERNEL_GEMM_BLOCK_N, when set)
   int sms = 0;      // persistent CTAs; 0 = every SM of the device
-  int split_k = 0;  // gemm: pieces of K for the tiles of the last, partial wave (1..32; 1: none);
-                    // 0 = the library's choice
+  int split_k = 0;  // gemm: at most this many pieces of K for the tiles of the last, partial
+                    // wave (1..8; 1: none; fewer where that many would not fit in one round of
+                    // the CTA clusters: gemm_plan says); 0 = the library's choice
 };
 
 // What gemm() will do for a shape (GemmPlan::describe() prints it; MKERNEL_PRINT_CONFIG=1 too).
 // The choice minimises a cost model of the H200 fitted to bench_gemm's sweep (src/gemm/plan.cpp):
 // per CTA, the k-blocks it runs times the time of one (the larger of its wgmma time and its
 // loads at the L2 rate the active CTAs share), against the HBM floor at the rate that many CTAs
-// can pull, plus split K's partial sums.
+// can pull, plus split K's sum of the pieces.
 struct GemmPlan {
   int block_n = 0;               // tile width (tiles are 128 x block_n x 64)
   int ctas = 0;                  // persistent CTAs
   int64_t tiles = 0;             // output tiles
   int64_t whole_tiles = 0;       // of which computed whole, one CTA each (the full waves)
   int split_k = 1;               // the rest: each in this many pieces of K, on as many CTAs
+                                 // (one thread-block cluster a tile, all in one round)
   double estimate_us = 0;        // the model's estimate
   std::string describe() const;  // one line: what and why
 };
@@ -55,9 +57,9 @@ GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, const GemmConfig& config = {
 //   C: [M, N] row-major bf16 (leading dimension N).
 //   N and K multiples of 8 (16-byte rows); partial tiles are handled.
 // Throws mk::Error before launching on anything else. Where the plan splits K (few tiles, long
-// K: gemm_plan), the pieces' fp32 sums use stream-ordered scratch (cudaMallocAsync, at most
-// pieces x 128 x block_n x 4 bytes per split tile); captured in a CUDA graph, that scratch is a
-// memory node (such a graph has one executable at a time). split_k = 1 never splits.
+// K: gemm_plan), a tile's pieces run as one thread-block cluster and add up their fp32 sums in
+// its shared memory: one kernel, no workspace, the same bits on every run. split_k = 1 never
+// splits.
 void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k, BLayout b_layout,
           cudaStream_t stream, const GemmConfig& config = {});
 

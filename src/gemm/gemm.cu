@@ -4,7 +4,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <optional>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -81,6 +82,8 @@ CUtensorMap gemm_engine::make_b_map(const void* b, int64_t n, int64_t k, int blo
   return k_major_rows ? make_map(b, k, n, 64) : make_map(b, n, k, block_n);
 }
 
+static_assert(gemm_engine::kMaxSplit == gemm_engine::SplitSchedule::kMaxPieces);
+
 namespace {
 
 using gemm_engine::make_map;
@@ -91,24 +94,13 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
   using Fusion = gemm_engine::PlainGemm<kBlockN, kSplitK>;
   const int last_rows = gemm_engine::last_tile_rows(m);
   gemm_engine::SplitSchedule split{static_cast<int>(plan.whole_tiles), plan.split_k,
-                                   static_cast<int>((k + 63) / 64)};
-  const int64_t split_tiles = plan.tiles - plan.whole_tiles;
-  if (kSplitK && (plan.split_k > split.k_iters || plan.whole_tiles % plan.ctas != 0)) {
+                                   static_cast<int>((k + 63) / 64), static_cast<__nv_bfloat16*>(c)};
+  // Split K: one round of pieces after the whole tiles, each tile's pieces one cluster.
+  if (kSplitK && (plan.split_k > split.k_iters || plan.split_k > split.kMaxPieces ||
+                  plan.whole_tiles % plan.ctas != 0 || plan.ctas % plan.split_k != 0 ||
+                  (plan.tiles - plan.whole_tiles) * plan.split_k > plan.ctas)) {
     throw Error(ErrorCode::kInternal,
                 "gemm: a split plan the kernel cannot run: " + plan.describe());
-  }
-  // Split K: the partial sums, then one counter per tile and consumer (freed after the launch).
-  const std::size_t partial_bytes =
-      kSplitK ? static_cast<std::size_t>(split_tiles) * plan.split_k * 128 * kBlockN * 4 : 0;
-  const std::size_t counter_bytes =
-      kSplitK ? static_cast<std::size_t>(split_tiles) * 2 * sizeof(int) : 0;
-  std::optional<gemm_engine::StreamScratch> scratch;
-  if (kSplitK) {
-    scratch.emplace(partial_bytes + counter_bytes, stream);
-    split.partials = static_cast<float*>(scratch->get());
-    split.counters = reinterpret_cast<int*>(static_cast<char*>(scratch->get()) + partial_bytes);
-    split.out = static_cast<__nv_bfloat16*>(c);
-    MK_CUDA_CHECK(cudaMemsetAsync(split.counters, 0, counter_bytes, stream));
   }
   const Fusion fusion{
       make_map(a, m, k, 128),
@@ -120,7 +112,8 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
       static_cast<int>(m),
       split};
   gemm_engine::launch<kBlockN, kTransB, Fusion>(
-      fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, plan.ctas, stream, kOp);
+      fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, plan.ctas, stream, kOp,
+      kSplitK ? plan.split_k : 1);
 }
 
 }  // namespace
@@ -207,17 +200,33 @@ void require_shape(int64_t m, int64_t n, int64_t k) {
   if (m >= kMax || n >= kMax || k >= kMax) invalid("M, N and K must each be < 2^31");
 }
 
+// The current device's CTAs in clusters of 2..8 split GEMM CTAs (asked once per device: every
+// width's kernel takes all of an SM's shared memory alike).
+const gemm_engine::ClusterCtas& device_clusters(int device) {
+  static std::mutex mutex;
+  static std::map<int, gemm_engine::ClusterCtas> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find(device);
+  if (it == known.end()) {
+    gemm_engine::ClusterCtas ctas{};
+    for (int p = 2; p <= gemm_engine::kMaxSplit; ++p) {
+      ctas[p] = gemm_engine::cluster_ctas<128, false, gemm_engine::SplitGemm<128>>(p);
+    }
+    it = known.emplace(device, ctas).first;
+  }
+  return it->second;
+}
+
 // gemm_plan() for a checked shape: the config's SMs (or the device's) and width (or
 // MKERNEL_GEMM_BLOCK_N).
 GemmPlan plan_checked(int64_t m, int64_t n, int64_t k, const GemmConfig& config) {
+  int device = 0;
+  MK_CUDA_CHECK(cudaGetDevice(&device));
   int sms = config.sms;
-  if (sms <= 0) {
-    int device = 0;
-    MK_CUDA_CHECK(cudaGetDevice(&device));
-    MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  }
+  if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int block_n = config.block_n != 0 ? config.block_n : detail::process_overrides().block_n;
-  return gemm_engine::plan_gemm(m, n, k, sms, block_n, config.split_k, kOp);
+  return gemm_engine::plan_gemm(m, n, k, sms, block_n, config.split_k, kOp,
+                                device_clusters(device));
 }
 
 }  // namespace

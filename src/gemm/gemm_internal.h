@@ -4,6 +4,7 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -47,10 +48,20 @@ void require_multiple_of_8(int64_t value, const char* op, const char* what);
 // Throws (naming `op`) on a bad width.
 int pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op);
 
-// gemm()'s plan on `sms` CTAs: the requested width (0: any) and split (0: any, 1: none) or the
+// Split K runs a tile's pieces as one thread-block cluster (gemm_kernel.cuh, SplitSchedule): at
+// most the portable cluster size of pieces.
+constexpr int kMaxSplit = 8;
+// CTAs a device runs at once in clusters of p, at index p = 2..kMaxSplit (a cluster's CTAs share
+// a GPC, so fewer than the SMs where a GPC's SMs are not a multiple of p).
+using ClusterCtas = std::array<int, kMaxSplit + 1>;
+// The stand-in without a device: every SM in some cluster, (sms / p) * p.
+ClusterCtas even_clusters(int sms);
+
+// gemm()'s plan on `sms` CTAs (`clusters`: how many of them run in clusters of p): the
+// requested width (0: any) and split (0: any, 1: none; else at most this many pieces) or the
 // cost model's best (src/gemm/plan.cpp). Throws (naming `op`) on a bad width or split.
 GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block_n,
-                   int requested_split_k, const char* op);
+                   int requested_split_k, const char* op, const ClusterCtas& clusters);
 }  // namespace gemm_engine
 
 namespace gemm_engine {

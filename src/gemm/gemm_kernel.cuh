@@ -55,6 +55,7 @@
 #include <concepts>
 #include <cstdint>
 
+#include "mkernel/device/cluster.cuh"
 #include "mkernel/device/mbarrier.cuh"
 #include "mkernel/device/tma.cuh"
 #include "mkernel/device/wgmma.cuh"
@@ -89,6 +90,14 @@ struct TileConfig {
   static_assert(kSmemBytes <= kSmemLimit, "shared memory per CTA on sm_90");
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "tile widths of wgmma_ops.cuh");
 };
+
+// The stage ring's start: the dynamic shared memory, aligned to the 1024 bytes of the 128-byte
+// swizzle's atom.
+__device__ __forceinline__ uint8_t* stage_ring() {
+  extern __shared__ uint8_t smem_raw[];
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                    ~uintptr_t{1023});
+}
 
 // Persistent tile order: CTAs walk work items t = blockIdx.x, blockIdx.x + gridDim.x, ...;
 // tiles are numbered in groups of kGroupM tile-rows, column by column inside a group, so the CTAs
@@ -353,22 +362,21 @@ __device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0,
 }
 
 // Split K for the tiles of a launch's last, partial wave (few tiles: all of them): those tiles
-// are computed in `pieces` pieces of their k-blocks, adjacent work items on different CTAs, so
-// that the wave fills the SMs. Each piece's consumer warpgroup writes the rows of its fp32 slice
-// that lie inside C to `partials` and counts itself in at the slice's counter; the last piece to
-// arrive adds the slices in piece order - the same sum whichever arrives last, so results are
-// deterministic - and stores the bf16 sum to C. No piece waits for another.
-//
-// With few rows (decode, MoE experts) the last piece's 128 threads share the slice's elements
-// (4 columns of a row each) and load every piece of an element at once: the sum costs an L2
-// round trip per 8 pieces, where the rows' owners alone took one per piece (add_piece).
+// are computed in `pieces` pieces of their k-blocks, in the launch's last round, each tile's
+// pieces on the CTAs of one thread-block cluster (the launch's cluster size is `pieces`, its
+// grid a multiple of it, and `whole` a multiple of the grid: the last round's work item
+// whole + b is CTA b's, piece b % pieces = its cluster rank). After its k-blocks each piece's
+// consumers write their fp32 sums into the CTA's own stage ring (free once the mainloop is
+// done: stash); then, past a cluster barrier, CTA j of the cluster adds up rows
+// [j R / P, (j + 1) R / P) of the tile's R rows inside C over the P CTAs' shared memory, in piece
+// order - deterministic - and stores them as bf16 (sum). No memory outside the CTAs, no counters,
+// nothing for the host to allocate or clear.
 struct SplitSchedule {
-  int whole = 0;   // work items [0, whole): tiles (in raster order) computed whole
-  int pieces = 1;  // every later tile: this many pieces of its k-blocks
+  static constexpr int kMaxPieces = 8;  // the portable cluster size
+  int whole = 0;                        // work items [0, whole): tiles (raster order), K whole
+  int pieces = 1;                       // every later tile: this many pieces of its k-blocks
   int k_iters = 0;
-  float* partials = nullptr;     // [split tile][consumer][piece][64 x block_n] fp32
-  int* counters = nullptr;       // [split tile][consumer], zero before the launch
-  __nv_bfloat16* out = nullptr;  // C [m, n] row-major: the last piece stores the sum there
+  __nv_bfloat16* out = nullptr;  // C [m, n] row-major
 
   __device__ int items(int tiles) const { return whole + (tiles - whole) * pieces; }
   // Work item t's tile (in raster order), and its k-blocks into `tile`.
@@ -382,109 +390,64 @@ struct SplitSchedule {
   // Whether work item t is a piece of a tile (else a whole tile, stored as usual).
   __device__ bool is_piece(int t) const { return t >= whole && pieces > 1; }
 
-  // All 128 threads of a consumer warpgroup, after piece t's k-blocks: its slice - rows
-  // [row0, row0 + 64) and columns [col0, col0 + kBlockN) of C, clipped at [m, n] - into the
-  // partial sums. True when acc now holds the tile's sum for the caller to store (the last piece
-  // to arrive, a slice of many rows); a last piece with few rows stores the sum itself.
+  // The tile's fp32 sums in the ring: row-major, rows padded by 8 floats (a warp's float2 stores
+  // then take the two wavefronts 256 bytes need).
+  template <int kBlockN>
+  static constexpr int kRowFloats = kBlockN + 8;
+
+  // Both consumer warpgroups (256 threads), after a piece's k-blocks: their accumulators into
+  // the ring at `ring`, once both are done reading its stages.
   template <int kBlockN, int kRegs>
-  __device__ bool add_piece(float (&acc)[kRegs], int t, int consumer, int row0, int col0, int m,
-                            int n) const {
-    const int rows = min(64, m - row0), cols = min(kBlockN, n - col0);
-    if (rows <= 0) return false;  // the same for every piece: nothing of C, nothing counted
-    const int piece = (t - whole) % pieces, split_tile = (t - whole) / pieces;
+  __device__ void stash(const float (&acc)[kRegs], int consumer, uint8_t* ring) const {
+    dev::named_barrier_sync(kStashBarrier, 256);  // the other warpgroup's last wgmma has retired
     const int tid = threadIdx.x % 128;
-    constexpr int kSliceFloats = 64 * kBlockN;
-    float* slices =
-        partials + static_cast<size_t>(split_tile * 2 + consumer) * pieces * kSliceFloats;
-    // Few rows: the last piece's 128 threads share the slice's elements of 4 columns (row-major
-    // slices, only the rows inside C), all pieces of an element in flight - an L2 round trip per
-    // element and 8 pieces; else each thread adds up its own pairs (slices in the accumulators'
-    // order, a warp's pairs contiguous: row-major ones were much slower to write and read), all
-    // its pairs in flight - a round trip per piece. The one that takes fewer round trips; every
-    // piece of the slice decides alike.
-    const int quads = cols / 4, elements = rows * quads;
-    const bool shared = (elements + 127) / 128 * ((pieces + 7) / 8) < pieces;
-    // Pair i: row r + 8 (i % 2), columns 8 (i / 2) + 2 (tid % 4) and + 1 - all of them, also
-    // beyond n (the slice has room).
-    const int r = (tid / 32) * 16 + (tid % 32) / 4;
-    const bool row_ok[2] = {r < rows, r + 8 < rows};
-    float* mine = slices + static_cast<size_t>(piece) * kSliceFloats;
-    if (shared) {  // row-major
-      float2* row = reinterpret_cast<float2*>(mine) + r * (kBlockN / 2) + tid % 4;
+    // Pair i: row r + 8 (i % 2), columns 8 (i / 2) + 2 (tid % 4) and + 1.
+    const int r = consumer * 64 + (tid / 32) * 16 + (tid % 32) / 4;
+    float2* row = reinterpret_cast<float2*>(ring) + (r * kRowFloats<kBlockN> + 2 * (tid % 4)) / 2;
 #pragma unroll
-      for (int i = 0; i < kRegs / 2; ++i) {
-        if (row_ok[i % 2]) {
-          row[(i % 2) * 4 * kBlockN + 4 * (i / 2)] = make_float2(acc[2 * i], acc[2 * i + 1]);
-        }
-      }
-    } else {  // the accumulators' order
-      float2* slot = reinterpret_cast<float2*>(mine) + tid;
-#pragma unroll
-      for (int i = 0; i < kRegs / 2; ++i) {
-        if (row_ok[i % 2]) slot[i * 128] = make_float2(acc[2 * i], acc[2 * i + 1]);
-      }
+    for (int i = 0; i < kRegs / 2; ++i) {
+      row[(i % 2) * 4 * kRowFloats<kBlockN> + 4 * (i / 2)] =
+          make_float2(acc[2 * i], acc[2 * i + 1]);
     }
-    __threadfence();                             // this thread's slice before the count
-    dev::named_barrier_sync(1 + consumer, 128);  // every thread's
-    bool last = false;
-    if (tid == 0) last = atomicAdd(&counters[split_tile * 2 + consumer], 1) == pieces - 1;
-    if (!dev::named_barrier_or(1 + consumer, 128, last)) return false;
-    __threadfence();  // the other pieces' slices after their counts
-    if (shared) {
-      sum_pieces<kBlockN, 8>(slices, out + static_cast<int64_t>(row0) * n + col0, n, quads,
-                             elements, tid);
-      return false;
-    }
-    // The sum in piece order, every slice from memory (this piece's own too), into acc.
-    const float2* slot = reinterpret_cast<const float2*>(slices) + tid;
-#pragma unroll 1
-    for (int p = 0; p < pieces; ++p, slot += kSliceFloats / 2) {
-#pragma unroll
-      for (int i = 0; i < kRegs / 2; ++i) {
-        if (!row_ok[i % 2]) continue;
-        const float2 v = __ldcg(slot + i * 128);
-        acc[2 * i] = p == 0 ? v.x : acc[2 * i] + v.x;
-        acc[2 * i + 1] = p == 0 ? v.y : acc[2 * i + 1] + v.y;
-      }
-    }
-    return true;
   }
 
-  // Elements e = tid, tid + 128, ... of a slice (element e: row e / quads, columns 4 (e % quads)
-  // .. + 3): the sum of the pieces in order, stored as bf16 to c (the slice's first element of
-  // C, row stride n). kGroup pieces of an element in flight a thread (8 loads: 16, or a second
-  // shape for few pieces, spilled the 256-wide kernel).
-  template <int kBlockN, int kGroup>
-  __device__ void sum_pieces(const float* slices, __nv_bfloat16* c, int n, int quads, int elements,
-                             int tid) const {
-    constexpr int kSliceFloats = 64 * kBlockN;
+  // Every thread of the CTA, last (both cluster barriers; the consumers' 256 threads add up).
+  // `tm`, `tn`: the tile of this CTA's piece (any values when it has none: has_piece false).
+  template <int kBlockN>
+  __device__ void sum(bool has_piece, int tm, int tn, int m, int n, const uint8_t* ring) const {
+    dev::cluster_sync();  // every piece of the cluster's tile stashed
+    if (has_piece && threadIdx.x >= 128) {
+      const int row0 = tm * 128, col0 = tn * kBlockN;
+      const int rows = min(128, m - row0), quads = min(kBlockN, n - col0) / 4;
+      const int rank = static_cast<int>(dev::cluster_rank());
+      const int first = rank * rows / pieces, last = (rank + 1) * rows / pieces;
 #pragma unroll 1
-    for (int e = tid; e < elements; e += 128) {
-      const float* at = slices + (e / quads) * kBlockN + 4 * (e % quads);
-      float4 sum;
+      for (int e = threadIdx.x - 128; e < (last - first) * quads; e += 256) {
+        const int r = first + e / quads, c = 4 * (e % quads);
+        const uint8_t* at = ring + (r * kRowFloats<kBlockN> + c) * 4;
+        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 1
-      for (int p0 = 0; p0 < pieces; p0 += kGroup) {
-        float4 v[kGroup];
+        for (int p0 = 0; p0 < pieces; p0 += kInFlight) {
+          float4 v[kInFlight];
 #pragma unroll
-        for (int g = 0; g < kGroup; ++g) {
-          if (p0 + g < pieces) {
-            v[g] = __ldcg(
-                reinterpret_cast<const float4*>(at + static_cast<size_t>(p0 + g) * kSliceFloats));
+          for (int g = 0; g < kInFlight; ++g) {
+            if (p0 + g < pieces) v[g] = dev::ld_peer_f4(dev::peer_smem_addr(at, p0 + g));
+          }
+#pragma unroll
+          for (int g = 0; g < kInFlight; ++g) {
+            if (p0 + g < pieces) s.x += v[g].x, s.y += v[g].y, s.z += v[g].z, s.w += v[g].w;
           }
         }
-#pragma unroll
-        for (int g = 0; g < kGroup; ++g) {
-          if (p0 + g == 0) {
-            sum = v[g];
-          } else if (p0 + g < pieces) {
-            sum.x += v[g].x, sum.y += v[g].y, sum.z += v[g].z, sum.w += v[g].w;
-          }
-        }
+        const uint2 packed{pack_bf16(s.x, s.y), pack_bf16(s.z, s.w)};
+        *reinterpret_cast<uint2*>(out + static_cast<int64_t>(row0 + r) * n + col0 + c) = packed;
       }
-      const uint2 packed{pack_bf16(sum.x, sum.y), pack_bf16(sum.z, sum.w)};
-      *reinterpret_cast<uint2*>(c + static_cast<int64_t>(e / quads) * n + 4 * (e % quads)) = packed;
     }
+    dev::cluster_sync();  // the peers are done reading this CTA's ring before it exits
   }
+
+ private:
+  static constexpr int kStashBarrier = 3;  // named barriers 1, 2: the consumers' store_slice
+  static constexpr int kInFlight = 4;      // peer loads a thread has in flight (8 spilled)
 };
 
 // The plain GEMM: C[M, N] = A[M, K] B^T, the grouped raster, local TMA stores; with kSplitK, the
@@ -493,6 +456,9 @@ struct SplitSchedule {
 template <int kBlockN, bool kSplitK = false>
 struct PlainGemm {
   static constexpr FusionTraits kTraits{.a_rows = true, .split_k = kSplitK};
+  static_assert(128 * SplitSchedule::kRowFloats<kBlockN> * 4 <=
+                    TileConfig<kBlockN>::kStages * TileConfig<kBlockN>::kStageBytes,
+                "a split tile's sums fit in the stage ring");
   CUtensorMap a;  // A [M, K], boxes of 128 rows x 64
   CUtensorMap c;  // C [M, N], boxes of 64 rows x 64 columns
   GroupedRaster raster;
@@ -528,9 +494,9 @@ struct PlainGemm {
                         ConsumerState&) const {
     const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
     if constexpr (kSplitK) {
-      if (split.is_piece(tile.position) &&
-          !split.template add_piece<kBlockN>(acc, tile.position, consumer, row0, col0, m, n)) {
-        return;  // another piece stores the tile, or this one did
+      if (split.is_piece(tile.position)) {  // the cluster adds the pieces up (finish)
+        split.template stash<kBlockN>(acc, consumer, stage_ring());
+        return;
       }
     }
     store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
@@ -539,7 +505,15 @@ struct PlainGemm {
   }
   __device__ void consumer_done(ConsumerState&) const {}
   __device__ void side_task(int, int) const {}
-  __device__ void finish() const {}
+  __device__ void finish() const {
+    if constexpr (kSplitK) {  // CTA b's last work item, whole + b, is a piece if any is
+      const int t = split.whole + static_cast<int>(blockIdx.x);
+      const bool has_piece = t < num_tiles();
+      int tm = 0, tn = 0;
+      if (has_piece) raster.tile(split.tile_of(t), tm, tn);
+      split.template sum<kBlockN>(has_piece, tm, tn, m, n, stage_ring());
+    }
+  }
 };
 template <int kBlockN>
 using SplitGemm = PlainGemm<kBlockN, true>;
@@ -555,9 +529,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                 const __grid_constant__ Fusion fusion) {
   static_assert(check_fusion<Cfg, Fusion>());
   constexpr FusionTraits kTraits = Fusion::kTraits;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem =
-      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* smem = stage_ring();
   uint8_t* epilogue_smem = smem + Cfg::kStages * Cfg::kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(epilogue_smem + Cfg::kEpilogueBytes);
   uint64_t* empty = full + Cfg::kStages;

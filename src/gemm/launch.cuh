@@ -61,17 +61,55 @@ void preload_all() {
   }
 }
 
-// Launches gemm_kernel<..., Fusion> on `grid` persistent CTAs; throws naming `op` if it fails.
+// The launch's configuration: `grid` persistent CTAs, in clusters of `cluster` (grid a multiple).
+template <class Cfg>
+struct LaunchShape {
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute attr{};
+  LaunchShape(int grid, int cluster, cudaStream_t stream) {
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(Cfg::kThreads);
+    config.dynamicSmemBytes = Cfg::kSmemBytes;
+    config.stream = stream;
+    if (cluster > 1) {
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim = {static_cast<unsigned>(cluster), 1, 1};
+      config.attrs = &attr;
+      config.numAttrs = 1;
+    }
+  }
+};
+
+// Launches gemm_kernel<..., Fusion> on `grid` persistent CTAs (in clusters of `cluster`: the
+// split GEMM's); throws naming `op` if it fails.
 template <int kBlockN, bool kTransB, class Fusion>
 void launch(const Fusion& fusion, const CUtensorMap& map_b, int64_t k, int grid,
-            cudaStream_t stream, const char* op) {
+            cudaStream_t stream, const char* op, int cluster = 1) {
   using Cfg = TileConfig<kBlockN>;
   auto kernel = prepared_kernel<kBlockN, kTransB, Fusion>();
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_b, static_cast<int>(k), fusion);
-  const cudaError_t err = cudaGetLastError();
+  cudaError_t err = cudaSuccess;
+  if (cluster > 1) {
+    LaunchShape<Cfg> shape(grid, cluster, stream);
+    err = cudaLaunchKernelEx(&shape.config, kernel, map_b, static_cast<int>(k), fusion);
+  } else {
+    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_b, static_cast<int>(k), fusion);
+  }
+  if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess) {
     throw Error(ErrorCode::kCuda, std::string(op) + ": launch failed: " + cudaGetErrorString(err));
   }
+}
+
+// CTAs of gemm_kernel<..., Fusion> the current device runs at once in clusters of `cluster`
+// (clusters x cluster; a cluster's CTAs share a GPC, whose SMs need not divide evenly).
+template <int kBlockN, bool kTransB, class Fusion>
+int cluster_ctas(int cluster) {
+  using Cfg = TileConfig<kBlockN>;
+  auto kernel = prepared_kernel<kBlockN, kTransB, Fusion>();
+  LaunchShape<Cfg> shape(cluster, cluster, nullptr);
+  int clusters = 0;
+  MK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &shape.config));
+  return clusters * cluster;
 }
 
 }  // namespace mk::gemm_engine

@@ -7,7 +7,14 @@
 //   a CTA runs its full waves' k-blocks, then its piece of the last wave's;
 //   the HBM floor: A + B + C at the rate that many CTAs pull (a CTA alone pulls a few tens of
 //   GB/s: few tiles need split K to reach the HBM rate);
-//   split K adds its partial sums (written and read in L2) and the counters' clearing.
+//   split K (a tile's pieces one cluster) adds the cluster's barriers and each CTA's share of
+//   the sum, read from the pieces' shared memory.
+// The split terms and the 64-wide tile's HBM rate were refitted to the cluster split's sweep of
+// 2026-12-02 (60 shapes, M 1-768, pieces 1-8 at the plan's width): on each shape the plan picks
+// the fastest option measured. Measured there: a split costs about 2 us over K whole on the same
+// CTAs even at M = 1 (1 x 7168 x 2048: 12.8 us in 2 pieces of 128-wide tiles, 10.7 us K whole
+// in 64-wide ones, both on 112 CTAs), and its sum reads a peer's shared memory at about 30 GB/s
+// a CTA (M 16 -> 128 at 2048 x 7168 in 6 pieces: +2.4 us).
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -18,34 +25,30 @@
 namespace mk {
 namespace {
 
+using gemm_engine::ClusterCtas;
+using gemm_engine::kMaxSplit;
+
 constexpr double kWgmmaFlopsPerSm = 5.6e12;  // bf16 dense, one SM (8192^3 at 128 x 256 tiles)
 constexpr double kL2Bytes = 10.3e12;         // L2 to SMs, all CTAs together
 constexpr double kL2BytesPerCta = 110e9;     // one CTA's loads at most
 constexpr double kHbmBytes = 3.6e12;         // HBM, all CTAs together
 constexpr double kLaunchSeconds = 3e-6;
-constexpr double kSplitSeconds = 1.5e-6;  // the counters' clearing and the last pieces' reads
-constexpr int kMaxSplit = 32;
-// The library's own splits, by the sweeps of 2026-12-01 (the journal), where the model expects
-// the rule's gain:
-//   few tiles (no full wave, at most two tile-rows, tiles for at most a quarter of the SMs): the
-//     loads bound the time; pieces of 16 k-blocks or more (shorter ones lost), 25%;
-//   more rows without a full wave, where K whole leaves a quarter of the SMs or more idle: pieces
-//   of
-//     32 k-blocks or more (384 and 512 x 2048 x 7168 lost in pieces of 28-37 k-blocks against K
-//     whole on 96-128 of the 132 SMs), 10%; their work items may take several rounds of the CTAs;
-//   the last of one to three full waves: in one round of pieces of 16 k-blocks or more, 10%.
-constexpr int64_t kFewTilesRows = 256;
-constexpr int kMinKBlocks = 16;
-constexpr int kMidMinKBlocks = 32;
-constexpr double kFewTilesGain = 1.25;
+// Split K (its pieces one cluster): the fixed cost over K whole, then each CTA's share of the
+// sum - the tile's rows x width x 4 bytes over the pieces' shared memory.
+constexpr double kClusterSeconds = 2e-6;
+constexpr double kPeerBytesPerCta = 30e9;
+// The library's own splits: where the last wave (or the only one) leaves at least half of the
+// SMs idle, after at most kMaxWavesBeforeSplit full waves, in pieces of kMinKBlocks or more, by
+// kSplitGain over K whole at least.
+constexpr int kMinKBlocks = 8;
 constexpr int64_t kMaxWavesBeforeSplit = 3;
-constexpr double kSplitGain = 1.10;
+constexpr double kSplitGain = 1.05;
 
 // HBM bytes per second one CTA pulls with its ring of stages (wider tiles: more bytes in flight).
 double hbm_per_cta(int block_n) {
   switch (block_n) {
     case 64:
-      return 25e9;
+      return 29e9;
     case 128:
       return 34e9;
     case 192:
@@ -55,21 +58,31 @@ double hbm_per_cta(int block_n) {
   }
 }
 
-struct Estimate {
-  double seconds;
-  int64_t whole;
-  int ctas;
-};
-
 int64_t tile_count(int64_t m, int64_t n, int block_n) {
   return (m + 127) / 128 * ((n + block_n - 1) / block_n);
 }
 
-Estimate estimate(int64_t m, int64_t n, int64_t k, int block_n, int pieces, int sms) {
+// A plan's shape: CTAs, whole tiles and pieces (split 1: K whole).
+struct Shape {
+  int ctas;
+  int64_t whole;
+  int pieces;
+};
+
+// The launch split K in `pieces` needs: the full waves on every CTA of the clusters, then the
+// last wave's tiles in one round of clusters. Nothing (ctas 0) where that is not possible.
+Shape split_shape(int64_t tiles, int64_t k_blocks, int pieces, const ClusterCtas& clusters) {
+  const int ctas = clusters[pieces];
+  if (pieces < 2 || pieces > k_blocks || ctas < pieces) return {0, 0, 0};
+  const int64_t last = tiles % ctas;
+  if (last == 0 || last * pieces > ctas) return {0, 0, 0};
+  const bool full_waves = tiles >= ctas;
+  return {full_waves ? ctas : static_cast<int>(last * pieces), tiles - last, pieces};
+}
+
+double estimate_seconds(int64_t m, int64_t n, int64_t k, int block_n, const Shape& shape) {
   const int64_t tiles = tile_count(m, n, block_n);
   const int64_t k_blocks = (k + 63) / 64;
-  const int64_t full_waves = tiles / sms, last = tiles % sms;
-  if (last == 0) pieces = 1;
   const double a_rows = static_cast<double>(std::min<int64_t>(m, 128));
   const auto k_block_seconds = [&](int64_t active) {
     const double rate = std::min(kL2BytesPerCta, kL2Bytes / static_cast<double>(active));
@@ -77,28 +90,34 @@ Estimate estimate(int64_t m, int64_t n, int64_t k, int block_n, int pieces, int 
     const double wgmma = 128.0 * block_n * 64 * 2 / kWgmmaFlopsPerSm;
     return std::max(loads, wgmma);
   };
-  double compute = static_cast<double>(full_waves * k_blocks) * k_block_seconds(sms);
-  if (last > 0) {  // the last wave's tiles, or their pieces: in rounds of `sms` work items
-    const int64_t items = last * pieces, active = std::min<int64_t>(sms, items);
-    compute += static_cast<double>((items + sms - 1) / sms * ((k_blocks + pieces - 1) / pieces)) *
-               k_block_seconds(active);
-  }
-  const int64_t ctas = std::min<int64_t>(sms, full_waves > 0 ? tiles : last * pieces);
-  const double bytes = 2.0 * static_cast<double>(m * k + n * k + m * n);
-  const double hbm = bytes / std::min(kHbmBytes, static_cast<double>(ctas) * hbm_per_cta(block_n));
+  const int64_t rounds = shape.whole / shape.ctas;  // whole tiles: all K, a round at a time
+  double compute = static_cast<double>(rounds * k_blocks) * k_block_seconds(shape.ctas);
   double split = 0;
-  if (pieces > 1) {
-    split =
-        kSplitSeconds + static_cast<double>(last * pieces) * a_rows * block_n * 4 * 2 / kL2Bytes;
+  if (shape.pieces > 1) {  // one round of pieces
+    const int64_t items = (tiles - shape.whole) * shape.pieces;
+    compute +=
+        static_cast<double>((k_blocks + shape.pieces - 1) / shape.pieces) * k_block_seconds(items);
+    split = kClusterSeconds + a_rows * block_n * 4 / kPeerBytesPerCta;
+  } else if (tiles % shape.ctas != 0) {  // K whole: a last, partial round
+    compute += static_cast<double>(k_blocks) * k_block_seconds(tiles % shape.ctas);
   }
-  return {std::max(compute, hbm) + split + kLaunchSeconds, tiles - last * (pieces > 1),
-          static_cast<int>(ctas)};
+  const double bytes = 2.0 * static_cast<double>(m * k + n * k + m * n);
+  const double hbm =
+      bytes / std::min(kHbmBytes, static_cast<double>(shape.ctas) * hbm_per_cta(block_n));
+  return std::max(compute, hbm) + split + kLaunchSeconds;
 }
 
 }  // namespace
 
+ClusterCtas gemm_engine::even_clusters(int sms) {
+  ClusterCtas out{};
+  for (int p = 0; p <= kMaxSplit; ++p) out[p] = p < 2 ? sms : sms / p * p;
+  return out;
+}
+
 GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block_n,
-                                int requested_split_k, const char* op) {
+                                int requested_split_k, const char* op,
+                                const ClusterCtas& clusters) {
   if (requested_split_k < 0 || requested_split_k > kMaxSplit) {
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(op) + ": split_k = " + std::to_string(requested_split_k) +
@@ -108,56 +127,49 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(op) + ": sms = " + std::to_string(sms) + "; expected >= 1");
   }
+  ClusterCtas fit{};  // the clusters' CTAs within the SMs allowed
+  for (int p = 2; p <= kMaxSplit; ++p) fit[p] = std::min(clusters[p], sms / p * p);
   const int64_t k_blocks = (k + 63) / 64;
-  const auto plan_for = [&](int block_n, int pieces) {
-    const Estimate e = estimate(m, n, k, block_n, pieces, sms);
+  const auto plan_for = [&](int block_n, const Shape& shape) {
     GemmPlan p;
     p.block_n = block_n;
-    p.ctas = e.ctas;
+    p.ctas = shape.ctas;
     p.tiles = tile_count(m, n, block_n);
-    p.whole_tiles = e.whole;
-    p.split_k = p.whole_tiles < p.tiles ? pieces : 1;
-    p.estimate_us = e.seconds * 1e6;
+    p.whole_tiles = shape.whole;
+    p.split_k = shape.pieces;
+    p.estimate_us = estimate_seconds(m, n, k, block_n, shape) * 1e6;
     return p;
   };
   // K whole: the width with the fewest estimated tile-waves (pick_block_n; it validates a
   // requested width).
   const int whole_width = pick_block_n(requested_block_n, m, n, sms, op);
-  if (requested_split_k == 1) return plan_for(whole_width, 1);
   const int64_t whole_tiles = tile_count(m, n, whole_width);
-  GemmPlan split;  // the best split, at any allowed width, by its estimate times its required gain
-  double split_cost = 0;
+  const GemmPlan whole = plan_for(
+      whole_width, {static_cast<int>(std::min<int64_t>(sms, whole_tiles)), whole_tiles, 1});
+  if (requested_split_k == 1) return whole;
+  GemmPlan split;  // the best split at any allowed width
   for (int block_n : {256, 192, 128, 64}) {
     if (requested_block_n != 0 && block_n != requested_block_n) continue;
     const int64_t tiles = tile_count(m, n, block_n);
-    const int64_t full_waves = tiles / sms, last = tiles % sms;
-    if (last == 0) continue;  // whole waves: nothing to split
-    int first = 2, most = 1;
-    // Which rule allows a split here, and its shortest piece and required gain.
-    const bool few_tiles = full_waves == 0 && m <= kFewTilesRows && tiles <= sms / 4;
-    const bool mid = full_waves == 0 && m > kFewTilesRows && whole_tiles * 4 <= sms * 3;
-    const bool last_wave = full_waves > 0 && full_waves <= kMaxWavesBeforeSplit;
-    const int min_piece = mid ? kMidMinKBlocks : kMinKBlocks;
-    if (requested_split_k != 0) {
-      first = most = static_cast<int>(std::min<int64_t>(requested_split_k, k_blocks));
-    } else if (few_tiles || mid || last_wave) {  // the last of full waves: one round of pieces
-      most = static_cast<int>(std::clamp<int64_t>(
-          std::min<int64_t>(k_blocks / min_piece, last_wave ? sms / last : kMaxSplit), 1,
-          kMaxSplit));
-    }
-    const double gain = requested_split_k > 1 ? 1.0 : few_tiles ? kFewTilesGain : kSplitGain;
-    for (int pieces = std::max(first, 2); pieces <= most; ++pieces) {
-      const GemmPlan p = plan_for(block_n, pieces);
-      if (split.block_n == 0 || p.estimate_us * gain < split_cost) {
-        split = p;
-        split_cost = p.estimate_us * gain;
+    for (int pieces = kMaxSplit; pieces >= 2; --pieces) {
+      if (requested_split_k > 1 && pieces > requested_split_k) continue;
+      const Shape shape = split_shape(tiles, k_blocks, pieces, fit);
+      if (shape.ctas == 0) continue;
+      if (requested_split_k == 0) {  // the library's rule
+        const int64_t last = tiles - shape.whole;
+        if (last * 2 > fit[pieces] || tiles / fit[pieces] > kMaxWavesBeforeSplit ||
+            k_blocks / pieces < kMinKBlocks) {
+          continue;
+        }
       }
+      const GemmPlan p = plan_for(block_n, shape);
+      if (split.block_n == 0 || p.estimate_us < split.estimate_us) split = p;
+      if (requested_split_k > 1) break;  // the most pieces that fit, at this width
     }
   }
-  const GemmPlan whole = plan_for(whole_width, 1);
   if (split.block_n == 0) return whole;
   if (requested_split_k > 1) return split;
-  return split_cost <= whole.estimate_us ? split : whole;
+  return split.estimate_us * kSplitGain <= whole.estimate_us ? split : whole;
 }
 
 std::string GemmPlan::describe() const {
@@ -166,10 +178,9 @@ std::string GemmPlan::describe() const {
   if (split_tiles > 0 && split_k > 1) {
     std::snprintf(line, sizeof(line),
                   "tiles 128x%dx64: %lld, %lld whole on %d CTAs, the last wave's %lld in %d "
-                  "pieces of K each (%lld work items); model %.1f us",
+                  "pieces of K each, a cluster of %d CTAs a tile; model %.1f us",
                   block_n, static_cast<long long>(tiles), static_cast<long long>(whole_tiles), ctas,
-                  static_cast<long long>(split_tiles), split_k,
-                  static_cast<long long>(whole_tiles + split_tiles * split_k), estimate_us);
+                  static_cast<long long>(split_tiles), split_k, split_k, estimate_us);
   } else {
     std::snprintf(line, sizeof(line), "tiles 128x%dx64: %lld on %d CTAs, K whole; model %.1f us",
                   block_n, static_cast<long long>(tiles), ctas, estimate_us);

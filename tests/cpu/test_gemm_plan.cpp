@@ -50,13 +50,13 @@ TEST(GemmPlan, HeuristicMatchesTheSweep) {
 }
 
 GemmPlan plan(int64_t m, int64_t n, int64_t k, int block_n = 0, int split_k = 0, int sms = kSms) {
-  return gemm_engine::plan_gemm(m, n, k, sms, block_n, split_k, "test_op");
+  return gemm_engine::plan_gemm(m, n, k, sms, block_n, split_k, "test_op",
+                                gemm_engine::even_clusters(sms));
 }
 
-// Every plan is launchable: its work items fill at most its CTAs' rounds, its pieces are
-// non-empty, and the split tiles are the last wave's.
-void expect_consistent(const GemmPlan& p, int64_t m, int64_t n, int64_t k, int sms,
-                       bool own_choice = true) {
+// Every plan is launchable: K whole on at most the SMs, or the full waves whole on every CTA
+// of the clusters and the last wave's tiles in one round of clusters of split_k CTAs.
+void expect_consistent(const GemmPlan& p, int64_t m, int64_t n, int64_t k, int sms) {
   SCOPED_TRACE(std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) + ": " +
                p.describe());
   EXPECT_TRUE(p.block_n == 64 || p.block_n == 128 || p.block_n == 192 || p.block_n == 256);
@@ -64,16 +64,15 @@ void expect_consistent(const GemmPlan& p, int64_t m, int64_t n, int64_t k, int s
   EXPECT_GE(p.ctas, 1);
   EXPECT_LE(p.ctas, sms);
   EXPECT_GE(p.split_k, 1);
-  EXPECT_LE(p.split_k, std::max<int64_t>(1, (k + 63) / 64));
+  EXPECT_LE(p.split_k, std::min<int64_t>(gemm_engine::kMaxSplit, (k + 63) / 64));
   if (p.split_k == 1) {
     EXPECT_EQ(p.whole_tiles, p.tiles);
+    EXPECT_EQ(p.ctas, std::min<int64_t>(sms, p.tiles));
   } else {
-    EXPECT_EQ(p.whole_tiles, p.tiles / sms * sms);  // the full waves stay whole
-    EXPECT_EQ(p.tiles - p.whole_tiles, p.tiles % sms);
-    // The library's split of the last of full waves: its pieces in one round of the CTAs.
-    if (own_choice && p.whole_tiles > 0) {
-      EXPECT_LE((p.tiles - p.whole_tiles) * p.split_k, sms);
-    }
+    EXPECT_EQ(p.ctas % p.split_k, 0);
+    EXPECT_EQ(p.whole_tiles % p.ctas, 0);
+    EXPECT_LT(p.whole_tiles, p.tiles);
+    EXPECT_LE((p.tiles - p.whole_tiles) * p.split_k, p.ctas);
   }
   EXPECT_GT(p.estimate_us, 0);
 }
@@ -93,35 +92,27 @@ TEST(GemmPlan, FewTilesSplitKToFillTheSms) {
   EXPECT_GE(big.block_n, 192) << big.describe();  // (the sweep: 192 and 256 within 1%)
 }
 
-TEST(GemmPlan, MidMWithoutAFullWaveSplitsInLongPieces) {
-  // Where K whole leaves a quarter of the SMs or more idle (640 x 2048 x 7168, DeepSeek-V3's
-  // down projection at 640 tokens: 80 tiles, 0.64 of cuBLAS on 2026-12-01): split, in pieces of
-  // 32 k-blocks or more.
-  for (const auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{640, 2048, 7168},
-                               {768, 2048, 7168},
-                               {384, 4096, 14336}}) {
-    const GemmPlan p = plan(m, n, k);
-    expect_consistent(p, m, n, k, kSms);
-    EXPECT_GT(p.split_k, 1) << p.describe();
-    EXPECT_GE((k + 63) / 64 / p.split_k, 32) << p.describe();
-    EXPECT_GE(p.ctas, 110) << p.describe();
-  }
-  // K whole on 128 of 132 SMs: whole (its split measured slower).
-  EXPECT_EQ(plan(512, 2048, 7168).split_k, 1) << plan(512, 2048, 7168).describe();
-}
-
-TEST(GemmPlan, RequestedSplitIsKeptWhereThereIsALastWave) {
-  const GemmPlan p = plan(1000, 2056, 520, 128, 3, 7);  // 8 x 17 tiles on 7 CTAs: 3 left over
-  expect_consistent(p, 1000, 2056, 520, 7, false);
+TEST(GemmPlan, RequestedSplitIsTheMostPiecesThatFit) {
+  // 8 x 17 tiles on 132 SMs: 132 whole, the last 4 in 3 pieces each.
+  const GemmPlan p = plan(1000, 2056, 520, 128, 3);
+  expect_consistent(p, 1000, 2056, 520, kSms);
   EXPECT_EQ(p.split_k, 3);
-  EXPECT_EQ(p.whole_tiles, 136 - 136 % 7);
+  EXPECT_EQ(p.whole_tiles, 132);
+  // 128 tiles: 8 pieces fill no cluster round (128 CTAs in clusters of 8 hold every tile
+  // whole), 7 do (126 whole, 2 tiles x 7 pieces).
+  const GemmPlan seven = plan(128, 8192, 8192, 64, 8);
+  expect_consistent(seven, 128, 8192, 8192, kSms);
+  EXPECT_EQ(seven.split_k, 7);
+  EXPECT_EQ(seven.whole_tiles, 126);
   EXPECT_EQ(plan(256, 512, 8192, 64, 1).split_k, 1);          // 1: never split
   EXPECT_EQ(plan(1, 8, 64, 64, 8).split_k, 1);                // one k-block: nothing to split
-  EXPECT_EQ(plan(4096, 4096, 4096, 256, 4, 128).split_k, 1);  // 512 tiles: whole waves
+  EXPECT_EQ(plan(4096, 4096, 4096, 256, 2, 128).split_k, 1);  // 512 tiles: whole waves
+  // 264 tiles on 7 SMs: no number of pieces puts the leftover tiles in one round.
+  EXPECT_EQ(plan(1000, 2056, 520, 64, 3, 7).split_k, 1);
 }
 
 TEST(GemmPlan, BadSplitNamesOpAndValue) {
-  for (int bad : {-1, 33}) {
+  for (int bad : {-1, 9}) {
     try {
       plan(128, 128, 128, 0, bad);
       FAIL() << "expected an error for split_k " << bad;
@@ -142,8 +133,8 @@ TEST(GemmPlan, RandomShapesPlanConsistently) {
     const int64_t k = 8 * (1 + static_cast<int64_t>(gen() % 4000));
     const int sms = 1 + static_cast<int>(gen() % 132);
     const int block_n = gen() % 3 ? 0 : 64 * (1 + static_cast<int>(gen() % 4));
-    const int split_k = gen() % 3 ? 0 : static_cast<int>(gen() % 33);
-    expect_consistent(plan(m, n, k, block_n, split_k, sms), m, n, k, sms, split_k == 0);
+    const int split_k = gen() % 3 ? 0 : static_cast<int>(gen() % 9);
+    expect_consistent(plan(m, n, k, block_n, split_k, sms), m, n, k, sms);
   }
 }
 

@@ -119,26 +119,32 @@ TEST(Gemm, RandomShapes) {
                   static_cast<int64_t>(8 * (1 + gen() % 300)),
                   static_cast<int64_t>(8 * (1 + gen() % 1200))};
     GemmConfig config;
-    config.split_k = static_cast<int>(1 + gen() % 12);
+    config.split_k = static_cast<int>(1 + gen() % 8);
     config.sms = static_cast<int>(1 + gen() % 40);
     config.block_n = 64 * static_cast<int>(1 + gen() % 4);
     expect_gemm_matches(s, gen(), config, gen() % 2 ? BLayout::kKN : BLayout::kNK);
   }
 }
 
-// Split K: the pieces of a tile add up to the whole (against fp64 and cuBLAS), deterministically
-// (two runs bitwise equal), whichever piece arrives last; decode-sized M and the last wave's.
+// Split K: the pieces of a tile (one cluster) add up to the whole (against fp64 and cuBLAS),
+// deterministically (two runs bitwise equal); decode-sized M, partial tiles and the last wave's.
 TEST(Gemm, SplitKPiecesAddUp) {
   MKT_REQUIRE_GPU();
   const std::vector<Shape> shapes = {{1, 2048, 7168},  {64, 4096, 14336}, {200, 520, 1000},
                                      {129, 264, 4096}, {333, 4104, 8},    {7, 24, 520}};
-  for (int split_k : {2, 3, 8, 32}) {
+  for (int split_k : {2, 3, 5, 8}) {
     for (int block_n : {64, 256}) {
       GemmConfig config;
       config.split_k = split_k;
       config.block_n = block_n;
-      for (const Shape& s : shapes) expect_gemm_matches(s, fresh_seed(), config);
-      config.sms = 7;  // full rounds of whole tiles, then the leftover tiles in pieces
+      for (const Shape& s : shapes) {
+        if (s.k > 64) EXPECT_GT(gemm_plan(s.m, s.n, s.k, config).split_k, 1);  // it does split
+        expect_gemm_matches(s, fresh_seed(), config);
+      }
+      config.sms = 65;  // full rounds of whole tiles, then the leftover tiles in pieces
+      const GemmPlan p = gemm_plan(1000, 2056, 520, config);
+      EXPECT_GT(p.split_k, 1) << p.describe();
+      EXPECT_GT(p.whole_tiles, 0) << p.describe();
       expect_gemm_matches({1000, 2056, 520}, fresh_seed(), config, BLayout::kKN);
     }
   }
@@ -149,8 +155,8 @@ TEST(Gemm, SplitKPiecesAddUp) {
   }
 }
 
-// A split GEMM captured in a CUDA graph (its scratch allocation and counter clearing are graph
-// nodes), replayed with new inputs: each replay equals a direct call bitwise.
+// A split GEMM captured in a CUDA graph (one kernel node: the pieces meet in their cluster's
+// shared memory), replayed with new inputs: each replay equals a direct call bitwise.
 TEST(Gemm, SplitKGraphReplays) {
   MKT_REQUIRE_GPU();
   const Shape s{16, 2048, 7168};
@@ -241,7 +247,7 @@ TEST(SanitizeGemm, Small) {
   GemmConfig config;
   config.block_n = 192;
   expect_gemm_matches({130, 392, 72}, fresh_seed(), config, BLayout::kKN);
-  GemmConfig split;  // split K: the slices, the counters and the last piece's sum
+  GemmConfig split;  // split K: the stash, the cluster barriers and the sum over peers
   split.split_k = 3;
   expect_gemm_matches({70, 200, 1000}, fresh_seed(), split);
 }
