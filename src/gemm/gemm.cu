@@ -96,9 +96,10 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
   gemm_engine::SplitSchedule split{static_cast<int>(plan.whole_tiles), plan.split_k,
                                    static_cast<int>((k + 63) / 64), static_cast<__nv_bfloat16*>(c)};
   // Split K: one round of pieces after the whole tiles, each tile's pieces one cluster.
-  if (kSplitK && (plan.split_k > split.k_iters || plan.split_k > split.kMaxPieces ||
-                  plan.whole_tiles % plan.ctas != 0 || plan.ctas % plan.split_k != 0 ||
-                  (plan.tiles - plan.whole_tiles) * plan.split_k > plan.ctas)) {
+  if (kSplitK &&
+      (plan.split_k < 2 || plan.split_k > split.k_iters || plan.split_k > split.kMaxPieces ||
+       plan.whole_tiles % plan.ctas != 0 || plan.ctas % plan.split_k != 0 ||
+       (plan.tiles - plan.whole_tiles) * plan.split_k > plan.ctas)) {
     throw Error(ErrorCode::kInternal,
                 "gemm: a split plan the kernel cannot run: " + plan.describe());
   }
