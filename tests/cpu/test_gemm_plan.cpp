@@ -111,6 +111,31 @@ TEST(GemmPlan, RequestedSplitIsTheMostPiecesThatFit) {
   EXPECT_EQ(plan(1000, 2056, 520, 64, 3, 7).split_k, 1);
 }
 
+// The H200's clusters do not tile its 132 SMs evenly (cudaOccupancyMaxActiveClusters at 227 KB a
+// CTA, 2026-12-02): the plan keeps every split inside what fits and falls back to fewer pieces.
+TEST(GemmPlan, UnevenClusterCapacity) {
+  const gemm_engine::ClusterCtas h200{132, 132, 132, 117, 120, 110, 102, 105, 120};
+  const auto with = [&](int64_t m, int64_t n, int64_t k, int block_n, int split_k) {
+    return gemm_engine::plan_gemm(m, n, k, kSms, block_n, split_k, "test_op", h200);
+  };
+  // 16 tiles of 128 x 128: 8 pieces need 128 CTAs in clusters of 8 (120 fit), 7 need 112 (105
+  // fit), 6 need 96 (102 fit).
+  const GemmPlan forced = with(1, 2048, 7168, 128, 8);
+  expect_consistent(forced, 1, 2048, 7168, kSms);
+  EXPECT_EQ(forced.split_k, 6) << forced.describe();
+  EXPECT_EQ(forced.ctas, 96) << forced.describe();
+  // The library's choice stays within the capacity too, on random shapes.
+  std::mt19937_64 gen(std::random_device{}());
+  for (int i = 0; i < 2000; ++i) {
+    const int64_t m = 1 + static_cast<int64_t>(gen() % 4096);
+    const int64_t n = 8 * (1 + static_cast<int64_t>(gen() % 4000));
+    const int64_t k = 8 * (1 + static_cast<int64_t>(gen() % 4000));
+    const GemmPlan p = with(m, n, k, 0, static_cast<int>(gen() % 9));
+    expect_consistent(p, m, n, k, kSms);
+    if (p.split_k > 1) EXPECT_LE(p.ctas, h200[p.split_k]) << p.describe();
+  }
+}
+
 TEST(GemmPlan, BadSplitNamesOpAndValue) {
   for (int bad : {-1, 9}) {
     try {
