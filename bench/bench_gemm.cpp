@@ -267,23 +267,20 @@ int main(int argc, char** argv) {
       }
       if (!splits.empty() && !check_only) {
         const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k);
+        std::vector<mk::GemmConfig> configs(splits.size());
         std::vector<std::function<void(int)>> ops;
-        for (const int pieces : splits) {
-          ops.push_back([&, pieces](int i) {
-            mk::GemmConfig config;
-            config.block_n = plan.block_n;
-            config.split_k = pieces;
-            mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, layout, s, config);
+        for (std::size_t i = 0; i < splits.size(); ++i) {
+          configs[i].block_n = plan.block_n;
+          configs[i].split_k = splits[i];
+          ops.push_back([&, i](int j) {
+            mk::gemm(a[j & 1], b[j & 1], c, sh.m, sh.n, sh.k, layout, s, configs[i]);
           });
         }
         ops.push_back(theirs);
         const std::vector<double> t = median_ms(iters, s, ops);
         std::printf("  splits %-13s n%d:", label.c_str(), plan.block_n);
         for (std::size_t i = 0; i < splits.size(); ++i) {  // asked: pieces/CTAs it got, ms
-          mk::GemmConfig config;
-          config.block_n = plan.block_n;
-          config.split_k = splits[i];
-          const mk::GemmPlan got = mk::gemm_plan(sh.m, sh.n, sh.k, config);
+          const mk::GemmPlan got = mk::gemm_plan(sh.m, sh.n, sh.k, configs[i]);
           std::printf("  %d:%d/%d %.4f", splits[i], got.split_k, got.ctas, t[i]);
         }
         std::printf("  cuBLAS %.4f ms\n", t.back());

@@ -127,8 +127,8 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(op) + ": sms = " + std::to_string(sms) + "; expected >= 1");
   }
-  ClusterCtas fit{};  // the clusters' CTAs within the SMs allowed
-  for (int p = 2; p <= kMaxSplit; ++p) fit[p] = std::min(clusters[p], sms / p * p);
+  ClusterCtas fit = gemm_engine::even_clusters(sms);  // the clusters' CTAs within the SMs allowed
+  for (int p = 2; p <= kMaxSplit; ++p) fit[p] = std::min(fit[p], clusters[p]);
   const int64_t k_blocks = (k + 63) / 64;
   const auto plan_for = [&](int block_n, const Shape& shape) {
     GemmPlan p;
