@@ -365,12 +365,13 @@ __device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0,
 // are computed in `pieces` pieces of their k-blocks, in the launch's last round, each tile's
 // pieces on the CTAs of one thread-block cluster (the launch's cluster size is `pieces`, its
 // grid a multiple of it, and `whole` a multiple of the grid: the last round's work item
-// whole + b is CTA b's, piece b % pieces = its cluster rank). After its k-blocks each piece's
-// consumers write their fp32 sums into the CTA's own stage ring (free once the mainloop is
-// done: stash); then, past a cluster barrier, CTA j of the cluster adds up rows
-// [j R / P, (j + 1) R / P) of the tile's R rows inside C over the P CTAs' shared memory, in piece
-// order - deterministic - and stores them as bf16 (sum). No memory outside the CTAs, no counters,
-// nothing for the host to allocate or clear.
+// whole + b is CTA b's, piece b % pieces = its cluster rank). The tile's R rows inside C are
+// dealt out in blocks of Q = ceil(R / P): CTA j owns rows [jQ, jQ + Q). After its k-blocks,
+// and a cluster barrier that says every piece's mainloop is done (the stage rings are free),
+// each piece's consumers store their fp32 sums of the rows inside C straight into the owners'
+// stage rings (push: remote stores, nothing waits for them); past a second barrier every owner
+// adds up its rows from its own shared memory, in piece order - deterministic - and stores them
+// as bf16 (sum). No memory outside the CTAs, no counters, nothing for the host to allocate.
 struct SplitSchedule {
   static constexpr int kMaxPieces = 8;  // the portable cluster size
   int whole = 0;                        // work items [0, whole): tiles (raster order), K whole
@@ -390,64 +391,69 @@ struct SplitSchedule {
   // Whether work item t is a piece of a tile (else a whole tile, stored as usual).
   __device__ bool is_piece(int t) const { return t >= whole && pieces > 1; }
 
-  // The tile's fp32 sums in the ring: row-major, rows padded by 8 floats (a warp's float2 stores
-  // then take the two wavefronts 256 bytes need).
+  // An owner's ring: [piece][Q rows][kBlockN + 8 floats] - rows padded by 8 floats, so that a
+  // warp's float2 stores (8 rows x 32 bytes) take the two wavefronts their 256 bytes need.
   template <int kBlockN>
   static constexpr int kRowFloats = kBlockN + 8;
+  __device__ int rows_per_owner(int rows) const { return (rows + pieces - 1) / pieces; }
 
-  // Both consumer warpgroups (256 threads), after a piece's k-blocks: their accumulators into
-  // the ring at `ring`, once both are done reading its stages.
+  // Both consumer warpgroups, a piece's sums (slice rows [64 consumer, + 64) of the tile whose
+  // first row is row0): the first cluster barrier, then each pair of the rows inside C into its
+  // owner's ring.
   template <int kBlockN, int kRegs>
-  __device__ void stash(const float (&acc)[kRegs], int consumer, uint8_t* ring) const {
-    dev::named_barrier_sync(kStashBarrier, 256);  // the other warpgroup's last wgmma has retired
+  __device__ void push(const float (&acc)[kRegs], int consumer, int row0, int m,
+                       uint8_t* ring) const {
+    dev::cluster_sync();  // every piece's mainloop done: the rings are free
+    const int rows = min(128, m - row0), per_owner = rows_per_owner(rows);
+    const uint32_t piece = dev::cluster_rank();
     const int tid = threadIdx.x % 128;
-    // Pair i: row r + 8 (i % 2), columns 8 (i / 2) + 2 (tid % 4) and + 1.
+    // Pair i: tile row r + 8 (i % 2), columns 8 (i / 2) + 2 (tid % 4) and + 1.
     const int r = consumer * 64 + (tid / 32) * 16 + (tid % 32) / 4;
-    float2* row = reinterpret_cast<float2*>(ring) + (r * kRowFloats<kBlockN> + 2 * (tid % 4)) / 2;
 #pragma unroll
-    for (int i = 0; i < kRegs / 2; ++i) {
-      row[(i % 2) * 4 * kRowFloats<kBlockN> + 4 * (i / 2)] =
-          make_float2(acc[2 * i], acc[2 * i + 1]);
-    }
-  }
-
-  // Every thread of the CTA, last (both cluster barriers; the consumers' 256 threads add up).
-  // `tm`, `tn`: the tile of this CTA's piece (any values when it has none: has_piece false).
-  template <int kBlockN>
-  __device__ void sum(bool has_piece, int tm, int tn, int m, int n, const uint8_t* ring) const {
-    dev::cluster_sync();  // every piece of the cluster's tile stashed
-    if (has_piece && threadIdx.x >= 128) {
-      const int row0 = tm * 128, col0 = tn * kBlockN;
-      const int rows = min(128, m - row0), quads = min(kBlockN, n - col0) / 4;
-      const int rank = static_cast<int>(dev::cluster_rank());
-      const int first = rank * rows / pieces, last = (rank + 1) * rows / pieces;
-#pragma unroll 1
-      for (int e = threadIdx.x - 128; e < (last - first) * quads; e += 256) {
-        const int r = first + e / quads, c = 4 * (e % quads);
-        const uint8_t* at = ring + (r * kRowFloats<kBlockN> + c) * 4;
-        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 1
-        for (int p0 = 0; p0 < pieces; p0 += kInFlight) {
-          float4 v[kInFlight];
+    for (int half = 0; half < 2; ++half) {
+      const int row = r + 8 * half;
+      if (row >= rows) continue;
+      const int owner = row / per_owner;
+      const uint8_t* at =
+          ring +
+          ((piece * per_owner + row - owner * per_owner) * kRowFloats<kBlockN> + 2 * (tid % 4)) * 4;
+      const uint32_t base = dev::peer_smem_addr(at, owner);
 #pragma unroll
-          for (int g = 0; g < kInFlight; ++g) {
-            if (p0 + g < pieces) v[g] = dev::ld_peer_f4(dev::peer_smem_addr(at, p0 + g));
-          }
-#pragma unroll
-          for (int g = 0; g < kInFlight; ++g) {
-            if (p0 + g < pieces) s.x += v[g].x, s.y += v[g].y, s.z += v[g].z, s.w += v[g].w;
-          }
-        }
-        const uint2 packed{pack_bf16(s.x, s.y), pack_bf16(s.z, s.w)};
-        *reinterpret_cast<uint2*>(out + static_cast<int64_t>(row0 + r) * n + col0 + c) = packed;
+      for (int i = half; i < kRegs / 2; i += 2) {
+        dev::st_peer_f2(base + 32 * (i / 2), acc[2 * i], acc[2 * i + 1]);
       }
     }
-    dev::cluster_sync();  // the peers are done reading this CTA's ring before it exits
   }
 
- private:
-  static constexpr int kStashBarrier = 3;  // named barriers 1, 2: the consumers' store_slice
-  static constexpr int kInFlight = 4;      // peer loads a thread has in flight (8 spilled)
+  // Every thread of the CTA, last: the first cluster barrier unless this thread's push passed
+  // it, the second; then the consumers' 256 threads add up the CTA's rows of its tile (tm, tn).
+  template <int kBlockN>
+  __device__ void sum(bool has_piece, int tm, int tn, int m, int n, const uint8_t* ring) const {
+    const bool consumer = threadIdx.x >= 128;
+    if (!(has_piece && consumer)) dev::cluster_sync();  // (the pushers' first)
+    dev::cluster_sync();                                // every push has landed
+    if (!has_piece || !consumer) return;
+    const int row0 = tm * 128, col0 = tn * kBlockN;
+    const int rows = min(128, m - row0), quads = min(kBlockN, n - col0) / 4;
+    const int per_owner = rows_per_owner(rows);
+    const int first = static_cast<int>(dev::cluster_rank()) * per_owner;
+    const int mine = max(0, min(per_owner, rows - first));
+    const int piece_floats = per_owner * kRowFloats<kBlockN>;
+#pragma unroll 1
+    for (int e = threadIdx.x - 128; e < mine * quads; e += 256) {
+      const int r = e / quads, c = 4 * (e % quads);
+      const float* at = reinterpret_cast<const float*>(ring) + r * kRowFloats<kBlockN> + c;
+      float4 s = *reinterpret_cast<const float4*>(at);
+#pragma unroll 1
+      for (int p = 1; p < pieces; ++p) {
+        const float4 v = *reinterpret_cast<const float4*>(at + p * piece_floats);
+        s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+      }
+      const uint2 packed{pack_bf16(s.x, s.y), pack_bf16(s.z, s.w)};
+      *reinterpret_cast<uint2*>(out + static_cast<int64_t>(row0 + first + r) * n + col0 + c) =
+          packed;
+    }
+  }
 };
 
 // The plain GEMM: C[M, N] = A[M, K] B^T, the grouped raster, local TMA stores; with kSplitK, the
@@ -456,7 +462,7 @@ struct SplitSchedule {
 template <int kBlockN, bool kSplitK = false>
 struct PlainGemm {
   static constexpr FusionTraits kTraits{.a_rows = true, .split_k = kSplitK};
-  static_assert(128 * SplitSchedule::kRowFloats<kBlockN> * 4 <=
+  static_assert((128 + SplitSchedule::kMaxPieces) * SplitSchedule::kRowFloats<kBlockN> * 4 <=
                     TileConfig<kBlockN>::kStages * TileConfig<kBlockN>::kStageBytes,
                 "a split tile's sums fit in the stage ring");
   CUtensorMap a;  // A [M, K], boxes of 128 rows x 64
@@ -495,7 +501,7 @@ struct PlainGemm {
     const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
     if constexpr (kSplitK) {
       if (split.is_piece(tile.position)) {  // the cluster adds the pieces up (finish)
-        split.template stash<kBlockN>(acc, consumer, stage_ring());
+        split.template push<kBlockN>(acc, consumer, tile.m * 128, m, stage_ring());
         return;
       }
     }

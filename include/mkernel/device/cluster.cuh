@@ -1,11 +1,10 @@
-// mkernel/device/cluster.cuh - thread-block clusters (sm_90): the cluster barrier and reads of a
-// peer CTA's shared memory (distributed shared memory).
+// mkernel/device/cluster.cuh - thread-block clusters (sm_90): the cluster barrier and stores into
+// a peer CTA's shared memory (distributed shared memory).
 //
 // A kernel launched with a cluster dimension runs its cluster's CTAs at the same time, on SMs of
-// one GPC; each may read the others' shared memory through the SM-to-SM network, between two
-// cluster barriers: the writer's arrive (release) and the reader's wait (acquire) order the
-// writes before the reads, and a second barrier keeps a CTA's shared memory alive until its
-// peers are done reading it.
+// one GPC; each may write (and read) the others' shared memory through the SM-to-SM network.
+// Cluster barriers order it: the writer's arrive (release) and the reader's wait (acquire) put
+// the writes before the reads; a CTA's shared memory must outlive its peers' accesses.
 #pragma once
 
 #include <cstdint>
@@ -34,14 +33,10 @@ __device__ __forceinline__ uint32_t peer_smem_addr(const void* p, uint32_t rank)
   return addr;
 }
 
-// 16 bytes of a peer's shared memory (an address from peer_smem_addr, 16-byte aligned).
-__device__ __forceinline__ float4 ld_peer_f4(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
+// 8 bytes into a peer's shared memory (an address from peer_smem_addr, 8-byte aligned): the
+// store does not wait for the far SM; the next cluster barrier's release publishes it.
+__device__ __forceinline__ void st_peer_f2(uint32_t addr, float x, float y) {
+  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
 
 }  // namespace mk::dev
