@@ -403,7 +403,7 @@ struct SplitSchedule {
   template <int kBlockN, int kRegs>
   __device__ void push(const float (&acc)[kRegs], int consumer, int row0, int m,
                        uint8_t* ring) const {
-    dev::cluster_sync();  // every piece's mainloop done: the rings are free
+    dev::cluster_sync_relaxed();  // every piece's mainloop done: the rings are free
     const int rows = min(128, m - row0), per_owner = rows_per_owner(rows);
     const uint32_t piece = dev::cluster_rank();
     const int tid = threadIdx.x % 128;
@@ -430,7 +430,7 @@ struct SplitSchedule {
   template <int kBlockN>
   __device__ void sum(bool has_piece, int tm, int tn, int m, int n, const uint8_t* ring) const {
     const bool consumer = threadIdx.x >= 128;
-    if (!(has_piece && consumer)) dev::cluster_sync();  // (the pushers' first)
+    if (!(has_piece && consumer)) dev::cluster_sync_relaxed();  // (the pushers' first)
     dev::cluster_sync();                                // every push has landed
     if (!has_piece || !consumer) return;
     const int row0 = tm * 128, col0 = tn * kBlockN;

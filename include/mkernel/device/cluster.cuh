@@ -26,6 +26,13 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
+// The same barrier without the release: for a point after which peers will write into this CTA's
+// shared memory that it has only read before (values already in registers) - nothing of this
+// thread's needs publishing, and the release's GPU-scope fence is skipped.
+__device__ __forceinline__ void cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
 // The address in CTA `rank`'s shared memory of what `p` is in this CTA's (the same layout).
 __device__ __forceinline__ uint32_t peer_smem_addr(const void* p, uint32_t rank) {
   uint32_t addr;
