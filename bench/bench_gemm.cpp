@@ -113,6 +113,7 @@ int main(int argc, char** argv) {
   bool check_only = false;
   bool sweep = false;
   std::vector<int> splits;  // --splits: the plan's width in each of these pieces of K
+  mk::GemmConfig base;      // --block-m: every op's tile height (0: the library's choice)
   // The default sweep (issue 28): decode, gemm_ar's and MoE's M up to large M, on model-like N
   // and K (Llama-70B's projections, DeepSeek-V3's expert shapes, a square one).
   std::vector<Shape> shapes;
@@ -138,6 +139,8 @@ int main(int argc, char** argv) {
       check_only = true;
     else if (a == "--sweep")
       sweep = true;
+    else if (a == "--block-m" && i + 1 < argc)
+      base.block_m = std::atoi(argv[++i]);
     else if (a == "--splits" && i + 1 < argc) {
       const std::string v = argv[++i];
       for (std::size_t p = 0; p < v.size();) {
@@ -159,11 +162,12 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--json FILE] [--iters N] [--check] [--sweep] [--shapes MxNxK,...] "
-                   "[--layouts nk,kn] [--splits 1,2,4,...]\n"
+                   "[--layouts nk,kn] [--splits 1,2,4,...] [--block-m 128|192]\n"
                    "  --sweep: also time every tile width (64, 128, 192, 256) per shape (K whole\n"
                    "  where the plan does not split it), and the plan's width with K whole\n"
                    "  --splits: also time the plan's width with the last wave in each of these\n"
-                   "  numbers of pieces of K (1: K whole)\n",
+                   "  numbers of pieces of K (1: K whole)\n"
+                   "  --block-m: the tile height of every op timed (default: the plan's)\n",
                    argv[0]);
       return 2;
     }
@@ -197,7 +201,9 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&c, sh.m * sh.n * 2));
       CK(cudaMalloc(&c_blas, sh.m * sh.n * 2));
       const float one = 1.f, zero = 0.f;
-      auto ours = [&](int i) { mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, layout, s); };
+      auto ours = [&](int i) {
+        mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, layout, s, base);
+      };
       auto theirs = [&](int i) {  // column-major C^T = op(B) A^T
         CK(cublasGemmEx(h, kn ? CUBLAS_OP_N : CUBLAS_OP_T, CUBLAS_OP_N, sh.n, sh.m, sh.k, &one,
                         b[i & 1], CUDA_R_16BF, kn ? sh.n : sh.k, a[i & 1], CUDA_R_16BF, sh.k, &zero,
@@ -232,7 +238,7 @@ int main(int argc, char** argv) {
         rows << (rows.tellp() > 0 ? ",\n" : "") << "    {\"shape\": {\"M\": " << sh.m
              << ", \"N\": " << sh.n << ", \"K\": " << sh.k << "}, \"b_layout\": \""
              << (kn ? "kn" : "nk") << "\", \"plan\": \""
-             << mk::gemm_plan(sh.m, sh.n, sh.k).describe()
+             << mk::gemm_plan(sh.m, sh.n, sh.k, base).describe()
              << "\", \"dtype\": \"bf16\", \"ms\": {\"mkernel\": " << ms
              << ", \"gemm_alone\": " << ms_blas << "}, \"limit_ms\": " << ms_blas
              << ", \"ratio_to_limit\": " << ms / ms_blas << ", \"tflops\": " << flops / ms * 1e-9
@@ -241,17 +247,20 @@ int main(int argc, char** argv) {
       }
       if (sweep && !check_only) {
         std::vector<std::function<void(int)>> widths;
-        for (int w : {64, 128, 192, 256}) {
-          widths.push_back([&, w](int i) {
-            mk::GemmConfig config;
-            config.block_n = w;
+        std::vector<int> w;  // the widths of the height timed
+        for (int width : {64, 128, 192, 256}) {
+          if (base.block_m == 192 && width > 128) continue;
+          w.push_back(width);
+          widths.push_back([&, width](int i) {
+            mk::GemmConfig config = base;
+            config.block_n = width;
             mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, layout, s, config);
           });
         }
         // The plan's width with K whole: what its split of the last wave buys.
-        const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k);
+        const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k, base);
         widths.push_back([&](int i) {
-          mk::GemmConfig config;
+          mk::GemmConfig config = base;
           config.block_n = plan.block_n;
           config.split_k = 1;
           mk::gemm(a[i & 1], b[i & 1], c, sh.m, sh.n, sh.k, layout, s, config);
@@ -259,15 +268,14 @@ int main(int argc, char** argv) {
         widths.push_back(theirs);
         const std::vector<double> t = median_ms(iters, s, widths);
         std::printf("  sweep %-14s", label.c_str());
-        const int w[] = {64, 128, 192, 256};
-        for (int i = 0; i < 4; ++i) std::printf("  n%d %.3f", w[i], t[i]);
-        std::printf("  cuBLAS %.3f ms\n", t[5]);
+        for (std::size_t i = 0; i < w.size(); ++i) std::printf("  n%d %.3f", w[i], t[i]);
+        std::printf("  cuBLAS %.3f ms\n", t.back());
         std::printf("  plan  %-14s  %s; n%d with K whole %.3f ms\n", label.c_str(),
-                    plan.describe().c_str(), plan.block_n, t[4]);
+                    plan.describe().c_str(), plan.block_n, t[w.size()]);
       }
       if (!splits.empty() && !check_only) {
-        const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k);
-        std::vector<mk::GemmConfig> configs(splits.size());
+        const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k, base);
+        std::vector<mk::GemmConfig> configs(splits.size(), base);
         std::vector<std::function<void(int)>> ops;
         for (std::size_t i = 0; i < splits.size(); ++i) {
           configs[i].block_n = plan.block_n;
@@ -278,7 +286,7 @@ int main(int argc, char** argv) {
         }
         ops.push_back(theirs);
         const std::vector<double> t = median_ms(iters, s, ops);
-        std::printf("  splits %-13s n%d:", label.c_str(), plan.block_n);
+        std::printf("  splits %-13s %dx%d:", label.c_str(), plan.block_m, plan.block_n);
         for (std::size_t i = 0; i < splits.size(); ++i) {  // asked: pieces/CTAs it got, ms
           const mk::GemmPlan got = mk::gemm_plan(sh.m, sh.n, sh.k, configs[i]);
           std::printf("  %d:%d/%d %.4f", splits[i], got.split_k, got.ctas, t[i]);

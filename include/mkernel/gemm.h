@@ -24,6 +24,8 @@ enum class GroupedLayout {
 constexpr int kGroupedRowBlock = 128;
 
 struct GemmConfig {
+  int block_m = 0;  // gemm: tile height 128, or 192 (three consumer warpgroups; widths 64 and
+                    // 128); 0 = the library's choice. grouped_gemm: 0 or 128.
   int block_n = 0;  // tile width 64, 128, 192 or 256; 0 = the library's choice (or
                     // MKERNEL_GEMM_BLOCK_N, when set)
   int sms = 0;      // persistent CTAs; 0 = every SM of the device
@@ -38,7 +40,8 @@ struct GemmConfig {
 // loads at the L2 rate the active CTAs share), against the HBM floor at the rate that many CTAs
 // can pull, plus split K's sum of the pieces.
 struct GemmPlan {
-  int block_n = 0;               // tile width (tiles are 128 x block_n x 64)
+  int block_m = 128;             // tile height (tiles are block_m x block_n x 64)
+  int block_n = 0;               // tile width
   int ctas = 0;                  // persistent CTAs
   int64_t tiles = 0;             // output tiles
   int64_t whole_tiles = 0;       // of which computed whole, one CTA each (the full waves)

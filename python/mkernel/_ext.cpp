@@ -398,9 +398,11 @@ NB_MODULE(_C, m) {
   m.def(
       "gemm",
       [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, int64_t m_rows, int64_t n, int64_t k,
-         std::string_view b_layout, std::uintptr_t stream, int block_n, int split_k) {
+         std::string_view b_layout, std::uintptr_t stream, int block_n, int split_k,
+         int block_m) {
         const mk::BLayout layout = parse_layout(b_layout, "gemm");
         mk::GemmConfig config;
+        config.block_m = block_m;
         config.block_n = block_n;
         config.split_k = split_k;
         nb::gil_scoped_release nogil;
@@ -408,10 +410,10 @@ NB_MODULE(_C, m) {
                  layout, as_stream(stream), config);
       },
       "a"_a, "b"_a, "c"_a, "m"_a, "n"_a, "k"_a, "b_layout"_a, "stream"_a, "block_n"_a = 0,
-      "split_k"_a = 0,
+      "split_k"_a = 0, "block_m"_a = 0,
       "C[M, N] = A[M, K] @ op(B) in bf16 with fp32 accumulation on the current device; B is [N, K] "
-      "('nk') or [K, N] ('kn'). Stream-ordered; no host synchronisation. block_n, split_k: "
-      "GemmConfig's (0: the library's choice; split_k 1: K whole).");
+      "('nk') or [K, N] ('kn'). Stream-ordered; no host synchronisation. block_n, split_k, "
+      "block_m: GemmConfig's (0: the library's choice; split_k 1: K whole).");
 
   m.def(
       "grouped_gemm",

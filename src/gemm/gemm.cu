@@ -88,11 +88,11 @@ namespace {
 
 using gemm_engine::make_map;
 
-template <int kBlockN, bool kTransB, bool kSplitK>
+template <int kBlockM, int kBlockN, bool kTransB, bool kSplitK>
 void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k,
             const GemmPlan& plan, cudaStream_t stream) {
-  using Fusion = gemm_engine::PlainGemm<kBlockN, kSplitK>;
-  const int last_rows = gemm_engine::last_tile_rows(m);
+  using Fusion = gemm_engine::PlainGemm<kBlockN, kSplitK, kBlockM>;
+  const int last_rows = gemm_engine::last_tile_rows(m, kBlockM);
   gemm_engine::SplitSchedule split{static_cast<int>(plan.whole_tiles), plan.split_k,
                                    static_cast<int>((k + 63) / 64), static_cast<__nv_bfloat16*>(c)};
   // Split K: one round of pieces after the whole tiles, each tile's pieces one cluster.
@@ -103,18 +103,44 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
     throw Error(ErrorCode::kInternal,
                 "gemm: a split plan the kernel cannot run: " + plan.describe());
   }
-  const Fusion fusion{
-      make_map(a, m, k, 128),
-      make_map(c, m, n, 64),
-      {static_cast<int>((m + 127) / 128), static_cast<int>((n + kBlockN - 1) / kBlockN)},
-      static_cast<int>(n),
-      make_map(a, m, k, last_rows),
-      last_rows,
-      static_cast<int>(m),
-      split};
-  gemm_engine::launch<kBlockN, kTransB, Fusion>(
+  const Fusion fusion{make_map(a, m, k, kBlockM),
+                      make_map(c, m, n, 64),
+                      {static_cast<int>((m + kBlockM - 1) / kBlockM),
+                       static_cast<int>((n + kBlockN - 1) / kBlockN)},
+                      static_cast<int>(n),
+                      make_map(a, m, k, last_rows),
+                      last_rows,
+                      static_cast<int>(m),
+                      split};
+  gemm_engine::launch<kBlockN, kTransB, Fusion, kBlockM>(
       fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, plan.ctas, stream, kOp,
       kSplitK ? plan.split_k : 1);
+}
+
+// The plan's kernel: its tile height, width, B layout and whether it splits K.
+void launch_plan(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k,
+                 bool trans_b, const GemmPlan& plan, cudaStream_t stream) {
+  const bool split = plan.split_k > 1 && plan.whole_tiles < plan.tiles;
+  gemm_engine::dispatch(plan.block_n, trans_b, [&]<int kBlockN, bool kTransB>() {
+    if constexpr (kBlockN == 64 || kBlockN == 128) {
+      if (plan.block_m == 192) {
+        if (split) {
+          launch<192, kBlockN, kTransB, true>(a, b, c, m, n, k, plan, stream);
+        } else {
+          launch<192, kBlockN, kTransB, false>(a, b, c, m, n, k, plan, stream);
+        }
+        return;
+      }
+    }
+    if (plan.block_m != 128) {
+      throw Error(ErrorCode::kInternal, "gemm: a plan the kernels cannot run: " + plan.describe());
+    }
+    if (split) {
+      launch<128, kBlockN, kTransB, true>(a, b, c, m, n, k, plan, stream);
+    } else {
+      launch<128, kBlockN, kTransB, false>(a, b, c, m, n, k, plan, stream);
+    }
+  });
 }
 
 }  // namespace
@@ -177,15 +203,16 @@ int gemm_engine::pick_block_n(int requested, int64_t m, int64_t n, int sms, cons
 
 namespace {
 
-template <int kBlockN, bool kTransB, template <int> class Fusion = gemm_engine::PlainGemm>
+template <int kBlockN, bool kTransB, template <int> class Fusion = gemm_engine::PlainGemm,
+          int kBlockM = 128>
 void add_resources(std::vector<GemmKernelResources>& out, const char* what = "gemm") {
-  auto kernel = gemm_engine::prepared_kernel<kBlockN, kTransB, Fusion<kBlockN>>();
+  auto kernel = gemm_engine::prepared_kernel<kBlockN, kTransB, Fusion<kBlockN>, kBlockM>();
   cudaFuncAttributes attr{};
   MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  out.push_back(
-      {std::string(what) + " 128x" + std::to_string(kBlockN) + (kTransB ? " B[K,N]" : " B[N,K]"),
-       attr.numRegs, static_cast<int64_t>(attr.localSizeBytes),
-       static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
+  out.push_back({std::string(what) + " " + std::to_string(kBlockM) + "x" + std::to_string(kBlockN) +
+                     (kTransB ? " B[K,N]" : " B[N,K]"),
+                 attr.numRegs, static_cast<int64_t>(attr.localSizeBytes),
+                 static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
 }
 
 }  // namespace
@@ -202,7 +229,7 @@ void require_shape(int64_t m, int64_t n, int64_t k) {
 }
 
 // The current device's CTAs in clusters of 2..8 split GEMM CTAs (asked once per device: every
-// width's kernel takes all of an SM's shared memory alike).
+// tile shape's kernel takes all of an SM's shared memory alike, one CTA an SM).
 const gemm_engine::ClusterCtas& device_clusters(int device) {
   static std::mutex mutex;
   static std::map<int, gemm_engine::ClusterCtas> known;
@@ -226,7 +253,7 @@ GemmPlan plan_checked(int64_t m, int64_t n, int64_t k, const GemmConfig& config)
   int sms = config.sms;
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int block_n = config.block_n != 0 ? config.block_n : detail::process_overrides().block_n;
-  return gemm_engine::plan_gemm(m, n, k, sms, block_n, config.split_k, kOp,
+  return gemm_engine::plan_gemm(m, n, k, sms, config.block_m, block_n, config.split_k, kOp,
                                 device_clusters(device));
 }
 
@@ -249,13 +276,7 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
     std::fprintf(stderr, "[mkernel] gemm %lldx%lldx%lld: %s\n", static_cast<long long>(m),
                  static_cast<long long>(n), static_cast<long long>(k), plan.describe().c_str());
   }
-  gemm_engine::dispatch(plan.block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
-    if (plan.split_k > 1 && plan.whole_tiles < plan.tiles) {
-      launch<kBlockN, kTransB, true>(a, b, c, m, n, k, plan, stream);
-    } else {
-      launch<kBlockN, kTransB, false>(a, b, c, m, n, k, plan, stream);
-    }
-  });
+  launch_plan(a, b, c, m, n, k, b_layout == BLayout::kKN, plan, stream);
 }
 
 GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, const GemmConfig& config) {
@@ -281,6 +302,14 @@ std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
   add_resources<128, true, gemm_engine::SplitGemm>(out, "split");
   add_resources<192, true, gemm_engine::SplitGemm>(out, "split");
   add_resources<256, true, gemm_engine::SplitGemm>(out, "split");
+  add_resources<64, false, gemm_engine::TallGemm, 192>(out);
+  add_resources<128, false, gemm_engine::TallGemm, 192>(out);
+  add_resources<64, true, gemm_engine::TallGemm, 192>(out);
+  add_resources<128, true, gemm_engine::TallGemm, 192>(out);
+  add_resources<64, false, gemm_engine::TallSplitGemm, 192>(out, "split");
+  add_resources<128, false, gemm_engine::TallSplitGemm, 192>(out, "split");
+  add_resources<64, true, gemm_engine::TallSplitGemm, 192>(out, "split");
+  add_resources<128, true, gemm_engine::TallSplitGemm, 192>(out, "split");
   add_resources<64, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<128, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<192, false, gemm_engine::GroupedGemm>(out, "grouped");

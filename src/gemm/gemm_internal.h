@@ -58,10 +58,12 @@ using ClusterCtas = std::array<int, kMaxSplit + 1>;
 ClusterCtas even_clusters(int sms);
 
 // gemm()'s plan on `sms` CTAs (`clusters`: how many of them run in clusters of p): the
-// requested width (0: any) and split (0: any, 1: none; else at most this many pieces) or the
-// cost model's best (src/gemm/plan.cpp). Throws (naming `op`) on a bad width or split.
-GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block_n,
-                   int requested_split_k, const char* op, const ClusterCtas& clusters);
+// requested height (0: the library's), width (0: any) and split (0: any, 1: none; else at most
+// this many pieces) or the cost model's best (src/gemm/plan.cpp). Throws (naming `op`) on a bad
+// height, width or split.
+GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block_m,
+                   int requested_block_n, int requested_split_k, const char* op,
+                   const ClusterCtas& clusters);
 }  // namespace gemm_engine
 
 namespace gemm_engine {

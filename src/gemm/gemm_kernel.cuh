@@ -63,14 +63,19 @@
 namespace mk::gemm_engine {
 
 // kMaxStages: a cap on the stage ring below what fits (bench/bench_stages.cu measures what a
-// stage is worth; the library uses the default).
-template <int kBlockN_, int kMaxStages = 8>
+// stage is worth; the library uses the default). kBlockM: 128 rows (two consumer warpgroups) or
+// 192 (three: the plain GEMM's tall tiles, for M just above a multiple of 128 - at M = 192 one
+// tile-row instead of two half-empty ones).
+template <int kBlockN_, int kMaxStages = 8, int kBlockM_ = 128>
 struct TileConfig {
-  static constexpr int kBlockM = 128;       // 2 consumer warpgroups x 64 rows
+  static constexpr int kBlockM = kBlockM_;  // 64 rows per consumer warpgroup
   static constexpr int kBlockN = kBlockN_;  // 64, 128, 192 or 256
   static constexpr int kBlockK = 64;        // 64 bf16 = 128 bytes = one swizzle row
-  static constexpr int kConsumers = 2;
+  static constexpr int kConsumers = kBlockM / 64;
   static constexpr int kThreads = 128 * (1 + kConsumers);
+  // Registers per thread the CTA is launched with (64 K over its threads, in steps of 8), which
+  // setmaxnreg moves between the producer and the consumers: 168 at 384 threads, 128 at 512.
+  static constexpr int kRegsPerThread = 65536 / kThreads / 8 * 8;
   static constexpr int kABytes = kBlockM * kBlockK * 2;
   static constexpr int kBBytes = kBlockN * kBlockK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
@@ -89,6 +94,7 @@ struct TileConfig {
   static_assert(kStages >= 3, "too few pipeline stages fit");
   static_assert(kSmemBytes <= kSmemLimit, "shared memory per CTA on sm_90");
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "tile widths of wgmma_ops.cuh");
+  static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups");
 };
 
 // The stage ring's start: the dynamic shared memory, aligned to the 1024 bytes of the 128-byte
@@ -157,9 +163,9 @@ struct EpilogueRing {
   }
 };
 
-// Rows of the last tile-row of an M-row matrix (1..128).
-__host__ __device__ constexpr int last_tile_rows(int64_t m) {
-  return static_cast<int>(m - (m - 1) / 128 * 128);
+// Rows of the last tile-row of an M-row matrix (1..block_m).
+__host__ __device__ constexpr int last_tile_rows(int64_t m, int block_m = 128) {
+  return static_cast<int>(m - (m - 1) / block_m * block_m);
 }
 
 // What a Fusion policy declares about itself (`static constexpr FusionTraits kTraits`): the
@@ -168,9 +174,9 @@ __host__ __device__ constexpr int last_tile_rows(int64_t m) {
 // (load_b(dst, bar, tile, k0): a stage's kBBytes of B, as the engine's boxes would lay it out -
 // e.g. rows gathered from two places of one matrix), and the registers per thread
 // of the producer and the consumer warpgroups (side work may need more than the defaults).
-// setmaxnreg moves registers within what the CTA was launched with - 168 per thread (64 K / 384,
-// in steps of 8) - so producer + 2 x consumer must stay within 3 x 168 = 504, or the consumers'
-// allocation waits forever.
+// setmaxnreg moves registers within what the CTA was launched with - TileConfig::kRegsPerThread,
+// 168 at two consumer warpgroups - so producer + 2 x consumer must stay within 3 x 168 = 504
+// (4 x 128 = 512 with three), or the consumers' allocation waits forever.
 struct FusionTraits {
   bool a_rows = false;
   bool init_shared = false;
@@ -249,7 +255,8 @@ constexpr bool fusion_matches() {
                    8 ==
                0 &&
            t.consumer_regs % 8 == 0 &&
-           t.producer_regs + Cfg::kConsumers * t.consumer_regs <= (1 + Cfg::kConsumers) * 168;
+           t.producer_regs + Cfg::kConsumers * t.consumer_regs <=
+               (1 + Cfg::kConsumers) * Cfg::kRegsPerThread;
   }
 }
 
@@ -276,7 +283,7 @@ constexpr bool check_fusion() {
                 "takes the EpilogueRing");
   static_assert(traits.producer_regs % 8 == 0 && traits.consumer_regs % 8 == 0 &&
                     traits.producer_regs + Cfg::kConsumers * traits.consumer_regs <=
-                        (1 + Cfg::kConsumers) * 168,
+                        (1 + Cfg::kConsumers) * Cfg::kRegsPerThread,
                 "setmaxnreg split beyond the CTA's registers");
   static_assert(fusion_matches<Cfg, F>());
   return true;
@@ -397,17 +404,17 @@ struct SplitSchedule {
   static constexpr int kRowFloats = kBlockN + 8;
   __device__ int rows_per_owner(int rows) const { return (rows + pieces - 1) / pieces; }
 
-  // Both consumer warpgroups, a piece's sums (slice rows [64 consumer, + 64) of the tile whose
-  // first row is row0): the first cluster barrier, then the rows inside C into their owners'
-  // rings, 16 bytes a store. A thread holds column pairs of rows r and r + 8 in each 8-column
-  // group; lanes 2j and 2j + 1 swap a pair (shuffles), so that the even lane stores 4 consecutive
-  // columns of row r and the odd lane the same 4 columns of row r + 8: half the remote stores
-  // that 8-byte pairs take.
-  template <int kBlockN, int kRegs>
+  // Every consumer warpgroup, a piece's sums (slice rows [64 consumer, + 64) of the kBlockM-row
+  // tile whose first row is row0): the first cluster barrier, then the rows inside C into their
+  // owners' rings, 16 bytes a store. A thread holds column pairs of rows r and r + 8 in each
+  // 8-column group; lanes 2j and 2j + 1 swap a pair (shuffles), so that the even lane stores 4
+  // consecutive columns of row r and the odd lane the same 4 columns of row r + 8: half the remote
+  // stores that 8-byte pairs take.
+  template <int kBlockN, int kBlockM, int kRegs>
   __device__ void push(const float (&acc)[kRegs], int consumer, int row0, int m,
                        uint8_t* ring) const {
     dev::cluster_sync_relaxed();  // every piece's mainloop done: the rings are free
-    const int rows = min(128, m - row0), per_owner = rows_per_owner(rows);
+    const int rows = min(kBlockM, m - row0), per_owner = rows_per_owner(rows);
     const uint32_t piece = dev::cluster_rank();
     const int tid = threadIdx.x % 128;
     const bool odd = tid % 2 == 1;
@@ -429,21 +436,23 @@ struct SplitSchedule {
   }
 
   // Every thread of the CTA, last: the first cluster barrier unless this thread's push passed
-  // it, the second; then the consumers' 256 threads add up the CTA's rows of its tile (tm, tn).
-  template <int kBlockN>
+  // it, the second; then the consumers' threads (2 kBlockM) add up the CTA's rows of its tile
+  // (tm, tn).
+  template <int kBlockN, int kBlockM>
   __device__ void sum(bool has_piece, int tm, int tn, int m, int n, const uint8_t* ring) const {
+    constexpr int kConsumerThreads = 2 * kBlockM;  // 128 a warpgroup of 64 rows
     const bool consumer = threadIdx.x >= 128;
     if (!(has_piece && consumer)) dev::cluster_sync_relaxed();  // (the pushers' first)
     dev::cluster_sync();                                        // every push has landed
     if (!has_piece || !consumer) return;
-    const int row0 = tm * 128, col0 = tn * kBlockN;
-    const int rows = min(128, m - row0), quads = min(kBlockN, n - col0) / 4;
+    const int row0 = tm * kBlockM, col0 = tn * kBlockN;
+    const int rows = min(kBlockM, m - row0), quads = min(kBlockN, n - col0) / 4;
     const int per_owner = rows_per_owner(rows);
     const int first = static_cast<int>(dev::cluster_rank()) * per_owner;
     const int mine = max(0, min(per_owner, rows - first));
     const int piece_floats = per_owner * kRowFloats<kBlockN>;
 #pragma unroll 1
-    for (int e = threadIdx.x - 128; e < mine * quads; e += 256) {
+    for (int e = threadIdx.x - 128; e < mine * quads; e += kConsumerThreads) {
       const int r = e / quads, c = 4 * (e % quads);
       const float* at = reinterpret_cast<const float*>(ring) + r * kRowFloats<kBlockN> + c;
       float4 s = *reinterpret_cast<const float4*>(at);
@@ -462,18 +471,22 @@ struct SplitSchedule {
 // The plain GEMM: C[M, N] = A[M, K] B^T, the grouped raster, local TMA stores; with kSplitK, the
 // last wave's tiles in pieces of K (SplitSchedule) - a kernel of its own, so that whole-K
 // launches run exactly the kernel they ran before split K existed.
-template <int kBlockN, bool kSplitK = false>
+template <int kBlockN, bool kSplitK = false, int kBlockM = 128>
 struct PlainGemm {
-  static constexpr FusionTraits kTraits{.a_rows = true, .split_k = kSplitK};
-  static_assert((128 + SplitSchedule::kMaxPieces) * SplitSchedule::kRowFloats<kBlockN> * 4 <=
-                    TileConfig<kBlockN>::kStages * TileConfig<kBlockN>::kStageBytes,
+  using Cfg = TileConfig<kBlockN, 8, kBlockM>;
+  // Three consumer warpgroups share 512 threads' registers: 152 each (accumulators of at most
+  // 128 columns) beside the producer's 40.
+  static constexpr FusionTraits kTraits{
+      .a_rows = true, .split_k = kSplitK, .consumer_regs = kBlockM == 128 ? 232 : 152};
+  static_assert((kBlockM + SplitSchedule::kMaxPieces) * SplitSchedule::kRowFloats<kBlockN> * 4 <=
+                    Cfg::kStages * Cfg::kStageBytes,
                 "a split tile's sums fit in the stage ring");
-  CUtensorMap a;  // A [M, K], boxes of 128 rows x 64
+  CUtensorMap a;  // A [M, K], boxes of kBlockM rows x 64
   CUtensorMap c;  // C [M, N], boxes of 64 rows x 64 columns
   GroupedRaster raster;
   int n;
   CUtensorMap a_last;  // A again, boxes of the last tile-row's rows x 64
-  int last_rows;       // rows of the last tile-row (1..128)
+  int last_rows;       // rows of the last tile-row (1..kBlockM)
   int m;
   SplitSchedule split;
 
@@ -494,17 +507,17 @@ struct PlainGemm {
 
   __device__ void wait_operands(const Tile&) const {}
   __device__ bool last_row(const Tile& tile) const { return tile.m == raster.tiles_m - 1; }
-  __device__ int a_rows(const Tile& tile) const { return last_row(tile) ? last_rows : 128; }
+  __device__ int a_rows(const Tile& tile) const { return last_row(tile) ? last_rows : kBlockM; }
   __device__ void load_a(void* dst, uint64_t* bar, const Tile& tile, int k0) const {
-    dev::tma_load_2d(dst, last_row(tile) ? &a_last : &a, bar, k0, tile.m * 128);
+    dev::tma_load_2d(dst, last_row(tile) ? &a_last : &a, bar, k0, tile.m * kBlockM);
   }
   template <int kRegs>
   __device__ void store(float (&acc)[kRegs], const Tile& tile, int consumer, uint8_t* scratch,
                         ConsumerState&) const {
-    const int row0 = tile.m * 128 + consumer * 64, col0 = tile.n * kBlockN;
+    const int row0 = tile.m * kBlockM + consumer * 64, col0 = tile.n * kBlockN;
     if constexpr (kSplitK) {
       if (split.is_piece(tile.position)) {  // the cluster adds the pieces up (finish)
-        split.template push<kBlockN>(acc, consumer, tile.m * 128, m, stage_ring());
+        split.template push<kBlockN, kBlockM>(acc, consumer, tile.m * kBlockM, m, stage_ring());
         return;
       }
     }
@@ -520,14 +533,23 @@ struct PlainGemm {
       const bool has_piece = t < num_tiles();
       int tm = 0, tn = 0;
       if (has_piece) raster.tile(split.tile_of(t), tm, tn);
-      split.template sum<kBlockN>(has_piece, tm, tn, m, n, stage_ring());
+      split.template sum<kBlockN, kBlockM>(has_piece, tm, tn, m, n, stage_ring());
     }
   }
 };
 template <int kBlockN>
 using SplitGemm = PlainGemm<kBlockN, true>;
+// The tall tiles (192 rows): widths 64 and 128 (a consumer's accumulators within 152 registers).
+template <int kBlockN>
+using TallGemm = PlainGemm<kBlockN, false, 192>;
+template <int kBlockN>
+using TallSplitGemm = PlainGemm<kBlockN, true, 192>;
 static_assert(check_fusion_widths<PlainGemm>());
 static_assert(check_fusion_widths<SplitGemm>());
+static_assert(check_fusion<TileConfig<64, 8, 192>, TallGemm<64>>() &&
+              check_fusion<TileConfig<128, 8, 192>, TallGemm<128>>() &&
+              check_fusion<TileConfig<64, 8, 192>, TallSplitGemm<64>>() &&
+              check_fusion<TileConfig<128, 8, 192>, TallSplitGemm<128>>());
 
 // B box of an N-major stage: 64 K rows x 64 N values (128 bytes a row).
 constexpr int kMnBoxBytes = 64 * 128;

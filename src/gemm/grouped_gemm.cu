@@ -207,6 +207,10 @@ void gemm_engine::grouped_gemm(const void* a, const void* b, void* c, const int3
   if (config.split_k != 0 && config.split_k != 1) {
     invalid("split_k = " + std::to_string(config.split_k) + "; the grouped GEMM does not split K");
   }
+  if (config.block_m != 0 && config.block_m != 128) {
+    invalid("block_m = " + std::to_string(config.block_m) +
+            "; the grouped GEMM's tiles are 128 rows (expected 0 or 128)");
+  }
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
   check_grouped_pointers(

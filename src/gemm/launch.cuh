@@ -39,10 +39,10 @@ void dispatch(int block_n, bool trans_b, Fn&& fn) {
 }
 
 // gemm_kernel<..., Fusion> with its shared memory allowed on the current device (which also loads
-// the kernel now).
-template <int kBlockN, bool kTransB, class Fusion>
+// the kernel now). kBlockM: 128-row tiles, or the plain GEMM's 192-row ones.
+template <int kBlockN, bool kTransB, class Fusion, int kBlockM = 128>
 auto prepared_kernel() {
-  using Cfg = TileConfig<kBlockN>;
+  using Cfg = TileConfig<kBlockN, 8, kBlockM>;
   constexpr auto kernel = gemm_kernel<Cfg, kTransB, Fusion>;
   detail::allow_dynamic_smem<kernel>(Cfg::kSmemBytes);
   return kernel;
@@ -82,11 +82,11 @@ struct LaunchShape {
 
 // Launches gemm_kernel<..., Fusion> on `grid` persistent CTAs (in clusters of `cluster`: the
 // split GEMM's); throws naming `op` if it fails.
-template <int kBlockN, bool kTransB, class Fusion>
+template <int kBlockN, bool kTransB, class Fusion, int kBlockM = 128>
 void launch(const Fusion& fusion, const CUtensorMap& map_b, int64_t k, int grid,
             cudaStream_t stream, const char* op, int cluster = 1) {
-  using Cfg = TileConfig<kBlockN>;
-  auto kernel = prepared_kernel<kBlockN, kTransB, Fusion>();
+  using Cfg = TileConfig<kBlockN, 8, kBlockM>;
+  auto kernel = prepared_kernel<kBlockN, kTransB, Fusion, kBlockM>();
   cudaError_t err = cudaSuccess;
   if (cluster > 1) {
     LaunchShape<Cfg> shape(grid, cluster, stream);

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <string>
+#include <utility>
 
 #include "gemm/gemm_internal.h"
 #include "mkernel/error.h"
@@ -58,8 +59,8 @@ double hbm_per_cta(int block_n) {
   }
 }
 
-int64_t tile_count(int64_t m, int64_t n, int block_n) {
-  return (m + 127) / 128 * ((n + block_n - 1) / block_n);
+int64_t tile_count(int64_t m, int64_t n, int block_m, int block_n) {
+  return (m + block_m - 1) / block_m * ((n + block_n - 1) / block_n);
 }
 
 // A plan's shape: CTAs, whole tiles and pieces (split 1: K whole).
@@ -80,14 +81,15 @@ Shape split_shape(int64_t tiles, int64_t k_blocks, int pieces, const ClusterCtas
   return {full_waves ? ctas : static_cast<int>(last * pieces), tiles - last, pieces};
 }
 
-double estimate_seconds(int64_t m, int64_t n, int64_t k, int block_n, const Shape& shape) {
-  const int64_t tiles = tile_count(m, n, block_n);
+double estimate_seconds(int64_t m, int64_t n, int64_t k, int block_m, int block_n,
+                        const Shape& shape) {
+  const int64_t tiles = tile_count(m, n, block_m, block_n);
   const int64_t k_blocks = (k + 63) / 64;
-  const double a_rows = static_cast<double>(std::min<int64_t>(m, 128));
+  const double a_rows = static_cast<double>(std::min<int64_t>(m, block_m));
   const auto k_block_seconds = [&](int64_t active) {
     const double rate = std::min(kL2BytesPerCta, kL2Bytes / static_cast<double>(active));
     const double loads = (a_rows + block_n) * 128 / rate;
-    const double wgmma = 128.0 * block_n * 64 * 2 / kWgmmaFlopsPerSm;
+    const double wgmma = static_cast<double>(block_m) * block_n * 64 * 2 / kWgmmaFlopsPerSm;
     return std::max(loads, wgmma);
   };
   const int64_t rounds = shape.whole / shape.ctas;  // whole tiles: all K, a round at a time
@@ -115,9 +117,21 @@ ClusterCtas gemm_engine::even_clusters(int sms) {
   return out;
 }
 
-GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block_n,
-                                int requested_split_k, const char* op,
+GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block_m,
+                                int requested_block_n, int requested_split_k, const char* op,
                                 const ClusterCtas& clusters) {
+  if (requested_block_m != 0 && requested_block_m != 128 && requested_block_m != 192) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(op) + ": block_m = " + std::to_string(requested_block_m) +
+                    "; expected 0 (the library's choice), 128 or 192");
+  }
+  if (requested_block_m == 192 && requested_block_n != 0 && requested_block_n != 64 &&
+      requested_block_n != 128) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(op) +
+                    ": block_m = 192 with block_n = " + std::to_string(requested_block_n) +
+                    "; 192-row tiles are 64 or 128 wide (three consumers' accumulators)");
+  }
   if (requested_split_k < 0 || requested_split_k > kMaxSplit) {
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(op) + ": split_k = " + std::to_string(requested_split_k) +
@@ -130,27 +144,46 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
   ClusterCtas fit = gemm_engine::even_clusters(sms);  // the clusters' CTAs within the SMs allowed
   for (int p = 2; p <= kMaxSplit; ++p) fit[p] = std::min(fit[p], clusters[p]);
   const int64_t k_blocks = (k + 63) / 64;
-  const auto plan_for = [&](int block_n, const Shape& shape) {
+  const auto plan_for = [&](int block_m, int block_n, const Shape& shape) {
     GemmPlan p;
+    p.block_m = block_m;
     p.block_n = block_n;
     p.ctas = shape.ctas;
-    p.tiles = tile_count(m, n, block_n);
+    p.tiles = tile_count(m, n, block_m, block_n);
     p.whole_tiles = shape.whole;
     p.split_k = shape.pieces;
-    p.estimate_us = estimate_seconds(m, n, k, block_n, shape) * 1e6;
+    p.estimate_us = estimate_seconds(m, n, k, block_m, block_n, shape) * 1e6;
     return p;
   };
-  // K whole: the width with the fewest estimated tile-waves (pick_block_n; it validates a
-  // requested width).
-  const int whole_width = pick_block_n(requested_block_n, m, n, sms, op);
-  const int64_t whole_tiles = tile_count(m, n, whole_width);
-  const GemmPlan whole = plan_for(
-      whole_width, {static_cast<int>(std::min<int64_t>(sms, whole_tiles)), whole_tiles, 1});
+  const auto k_whole = [&](int block_m, int block_n) {
+    const int64_t tiles = tile_count(m, n, block_m, block_n);
+    return plan_for(block_m, block_n, {static_cast<int>(std::min<int64_t>(sms, tiles)), tiles, 1});
+  };
+  // The tile shapes allowed: 128 rows at any width, 192 rows at 64 and 128 (only when asked).
+  const auto allowed = [&](int block_m, int block_n) {
+    if (requested_block_n != 0 && block_n != requested_block_n) return false;
+    if (block_m == 192) return requested_block_m == 192 && (block_n == 64 || block_n == 128);
+    return requested_block_m != 192;
+  };
+  // K whole: 128-row tiles of the width with the fewest estimated tile-waves (pick_block_n; it
+  // validates a requested width); 192-row ones of the width the model prefers.
+  GemmPlan whole;
+  if (requested_block_m == 192) {
+    for (int block_n : {128, 64}) {
+      if (!allowed(192, block_n)) continue;
+      const GemmPlan p = k_whole(192, block_n);
+      if (whole.block_n == 0 || p.estimate_us < whole.estimate_us) whole = p;
+    }
+  } else {
+    whole = k_whole(128, pick_block_n(requested_block_n, m, n, sms, op));
+  }
   if (requested_split_k == 1) return whole;
-  GemmPlan split;  // the best split at any allowed width
-  for (int block_n : {256, 192, 128, 64}) {
-    if (requested_block_n != 0 && block_n != requested_block_n) continue;
-    const int64_t tiles = tile_count(m, n, block_n);
+  GemmPlan split;  // the best split at any allowed tile shape
+  constexpr std::pair<int, int> kShapes[] = {{128, 256}, {128, 192}, {128, 128},
+                                             {128, 64},  {192, 128}, {192, 64}};
+  for (const auto& [block_m, block_n] : kShapes) {
+    if (!allowed(block_m, block_n)) continue;
+    const int64_t tiles = tile_count(m, n, block_m, block_n);
     for (int pieces = kMaxSplit; pieces >= 2; --pieces) {
       if (requested_split_k > 1 && pieces > requested_split_k) continue;
       const Shape shape = split_shape(tiles, k_blocks, pieces, fit);
@@ -162,7 +195,7 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
           continue;
         }
       }
-      const GemmPlan p = plan_for(block_n, shape);
+      const GemmPlan p = plan_for(block_m, block_n, shape);
       if (split.block_n == 0 || p.estimate_us < split.estimate_us) split = p;
       if (requested_split_k > 1) break;  // the most pieces that fit, at this width
     }
@@ -177,13 +210,14 @@ std::string GemmPlan::describe() const {
   const int64_t split_tiles = tiles - whole_tiles;
   if (split_tiles > 0 && split_k > 1) {
     std::snprintf(line, sizeof(line),
-                  "tiles 128x%dx64: %lld, %lld whole on %d CTAs, the last wave's %lld in %d "
+                  "tiles %dx%dx64: %lld, %lld whole on %d CTAs, the last wave's %lld in %d "
                   "pieces of K each, a cluster of %d CTAs a tile; model %.1f us",
-                  block_n, static_cast<long long>(tiles), static_cast<long long>(whole_tiles), ctas,
-                  static_cast<long long>(split_tiles), split_k, split_k, estimate_us);
+                  block_m, block_n, static_cast<long long>(tiles),
+                  static_cast<long long>(whole_tiles), ctas, static_cast<long long>(split_tiles),
+                  split_k, split_k, estimate_us);
   } else {
-    std::snprintf(line, sizeof(line), "tiles 128x%dx64: %lld on %d CTAs, K whole; model %.1f us",
-                  block_n, static_cast<long long>(tiles), ctas, estimate_us);
+    std::snprintf(line, sizeof(line), "tiles %dx%dx64: %lld on %d CTAs, K whole; model %.1f us",
+                  block_m, block_n, static_cast<long long>(tiles), ctas, estimate_us);
   }
   return line;
 }

@@ -49,8 +49,9 @@ TEST(GemmPlan, HeuristicMatchesTheSweep) {
   EXPECT_EQ(pick(0, 1, 8), 64);  // one tile whatever the width: the cheapest
 }
 
-GemmPlan plan(int64_t m, int64_t n, int64_t k, int block_n = 0, int split_k = 0, int sms = kSms) {
-  return gemm_engine::plan_gemm(m, n, k, sms, block_n, split_k, "test_op",
+GemmPlan plan(int64_t m, int64_t n, int64_t k, int block_n = 0, int split_k = 0, int sms = kSms,
+              int block_m = 0) {
+  return gemm_engine::plan_gemm(m, n, k, sms, block_m, block_n, split_k, "test_op",
                                 gemm_engine::even_clusters(sms));
 }
 
@@ -59,8 +60,13 @@ GemmPlan plan(int64_t m, int64_t n, int64_t k, int block_n = 0, int split_k = 0,
 void expect_consistent(const GemmPlan& p, int64_t m, int64_t n, int64_t k, int sms) {
   SCOPED_TRACE(std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) + ": " +
                p.describe());
-  EXPECT_TRUE(p.block_n == 64 || p.block_n == 128 || p.block_n == 192 || p.block_n == 256);
-  EXPECT_EQ(p.tiles, (m + 127) / 128 * ((n + p.block_n - 1) / p.block_n));
+  EXPECT_TRUE(p.block_m == 128 || p.block_m == 192);
+  if (p.block_m == 192) {
+    EXPECT_TRUE(p.block_n == 64 || p.block_n == 128);
+  } else {
+    EXPECT_TRUE(p.block_n == 64 || p.block_n == 128 || p.block_n == 192 || p.block_n == 256);
+  }
+  EXPECT_EQ(p.tiles, (m + p.block_m - 1) / p.block_m * ((n + p.block_n - 1) / p.block_n));
   EXPECT_GE(p.ctas, 1);
   EXPECT_LE(p.ctas, sms);
   EXPECT_GE(p.split_k, 1);
@@ -116,7 +122,7 @@ TEST(GemmPlan, RequestedSplitIsTheMostPiecesThatFit) {
 TEST(GemmPlan, UnevenClusterCapacity) {
   const gemm_engine::ClusterCtas h200{132, 132, 132, 117, 120, 110, 102, 105, 120};
   const auto with = [&](int64_t m, int64_t n, int64_t k, int block_n, int split_k) {
-    return gemm_engine::plan_gemm(m, n, k, kSms, block_n, split_k, "test_op", h200);
+    return gemm_engine::plan_gemm(m, n, k, kSms, 0, block_n, split_k, "test_op", h200);
   };
   // 16 tiles of 128 x 128: 8 pieces need 128 CTAs in clusters of 8 (120 fit), 7 need 112 (105
   // fit), 6 need 96 (102 fit).
@@ -150,6 +156,35 @@ TEST(GemmPlan, BadSplitNamesOpAndValue) {
   }
 }
 
+TEST(GemmPlan, TallTiles) {
+  // 192 rows when asked: one tile-row at M = 192, the model's width of 64 or 128.
+  const GemmPlan p = plan(192, 8192, 8192, 0, 0, kSms, 192);
+  expect_consistent(p, 192, 8192, 8192, kSms);
+  EXPECT_EQ(p.block_m, 192);
+  EXPECT_EQ(p.tiles, 8192 / p.block_n);
+  EXPECT_NE(p.describe().find("tiles 192x"), std::string::npos) << p.describe();
+  // Split K at 192 rows: 2048 / 64 = 32 tiles, K = 7168 in pieces.
+  const GemmPlan split = plan(192, 2048, 7168, 64, 4, kSms, 192);
+  expect_consistent(split, 192, 2048, 7168, kSms);
+  EXPECT_EQ(split.block_m, 192);
+  EXPECT_EQ(split.split_k, 4);
+  EXPECT_EQ(split.ctas, 128);
+  // Bad heights, and widths 192-row tiles do not have, name the op and the values.
+  for (const auto& [block_m, block_n, what] :
+       {std::tuple{96, 0, "test_op: block_m = 96"},
+        {256, 64, "test_op: block_m = 256"},
+        {192, 256, "test_op: block_m = 192 with block_n = 256"},
+        {192, 192, "test_op: block_m = 192 with block_n = 192"}}) {
+    try {
+      plan(1024, 1024, 1024, block_n, 0, kSms, block_m);
+      FAIL() << "expected an error for " << what;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(GemmPlan, RandomShapesPlanConsistently) {
   std::mt19937_64 gen(std::random_device{}());
   for (int i = 0; i < 3000; ++i) {
@@ -157,9 +192,14 @@ TEST(GemmPlan, RandomShapesPlanConsistently) {
     const int64_t n = 8 * (1 + static_cast<int64_t>(gen() % 4000));
     const int64_t k = 8 * (1 + static_cast<int64_t>(gen() % 4000));
     const int sms = 1 + static_cast<int>(gen() % 132);
-    const int block_n = gen() % 3 ? 0 : 64 * (1 + static_cast<int>(gen() % 4));
+    const int block_m = gen() % 3 ? 0 : (gen() % 2 ? 128 : 192);
+    const int block_n = gen() % 3        ? 0
+                        : block_m == 192 ? 64 * (1 + static_cast<int>(gen() % 2))
+                                         : 64 * (1 + static_cast<int>(gen() % 4));
     const int split_k = gen() % 3 ? 0 : static_cast<int>(gen() % 9);
-    expect_consistent(plan(m, n, k, block_n, split_k, sms), m, n, k, sms);
+    const GemmPlan p = plan(m, n, k, block_n, split_k, sms, block_m);
+    expect_consistent(p, m, n, k, sms);
+    if (block_m != 0) EXPECT_EQ(p.block_m, block_m);
   }
 }
 

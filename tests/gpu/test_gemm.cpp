@@ -24,8 +24,9 @@ std::string name(const Shape& s) {
 
 void expect_gemm_matches(const Shape& s, uint64_t seed, GemmConfig config = {},
                          BLayout layout = BLayout::kNK) {
-  SCOPED_TRACE(name(s) + " block_n " + std::to_string(config.block_n) + " split_k " +
-               std::to_string(config.split_k) + " sms " + std::to_string(config.sms) +
+  SCOPED_TRACE(name(s) + " block_m " + std::to_string(config.block_m) + " block_n " +
+               std::to_string(config.block_n) + " split_k " + std::to_string(config.split_k) +
+               " sms " + std::to_string(config.sms) +
                (layout == BLayout::kKN ? " B [K, N]" : " B [N, K]") + ": " +
                gemm_plan(s.m, s.n, s.k, config).describe());
   const bool kn = layout == BLayout::kKN;
@@ -155,6 +156,44 @@ TEST(Gemm, SplitKPiecesAddUp) {
   }
 }
 
+// 192-row tiles (three consumer warpgroups), both widths and B layouts: edge shapes (partial
+// tile-rows of 1..191 rows, N and K tails), few CTAs (many tiles each), and split K in clusters.
+TEST(Gemm, TallTiles) {
+  MKT_REQUIRE_GPU();
+  const std::vector<Shape> shapes = {{1, 8, 8},        {192, 8192, 1024}, {193, 264, 72},
+                                     {383, 520, 1000}, {129, 4104, 136},  {1000, 1000, 1000}};
+  std::mt19937_64 gen(fresh_seed());
+  for (int block_n : {64, 128}) {
+    for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
+      GemmConfig config;
+      config.block_m = 192;
+      config.block_n = block_n;
+      for (const Shape& s : shapes) {
+        EXPECT_EQ(gemm_plan(s.m, s.n, s.k, config).block_m, 192);
+        expect_gemm_matches(s, gen(), config, layout);
+      }
+      config.sms = 7;
+      expect_gemm_matches({1000, 2056, 520}, gen(), config, layout);
+      for (int split_k : {2, 3, 8}) {
+        GemmConfig split = config;
+        split.sms = 0;
+        split.split_k = split_k;
+        for (const Shape& s : std::vector<Shape>{{192, 2048, 7168}, {150, 264, 4096}}) {
+          const GemmPlan p = gemm_plan(s.m, s.n, s.k, split);
+          EXPECT_GT(p.split_k, 1) << p.describe();
+          EXPECT_EQ(p.block_m, 192) << p.describe();
+          expect_gemm_matches(s, gen(), split, layout);
+        }
+      }
+    }
+  }
+  // The widths 192-row tiles do not have are refused before launch.
+  GemmConfig wide;
+  wide.block_m = 192;
+  wide.block_n = 256;
+  EXPECT_THROW(gemm_plan(192, 8192, 8192, wide), Error);
+}
+
 // A split GEMM captured in a CUDA graph (one kernel node: the pieces meet in their cluster's
 // shared memory), replayed with new inputs: each replay equals a direct call bitwise.
 TEST(Gemm, SplitKGraphReplays) {
@@ -247,9 +286,15 @@ TEST(SanitizeGemm, Small) {
   GemmConfig config;
   config.block_n = 192;
   expect_gemm_matches({130, 392, 72}, fresh_seed(), config, BLayout::kKN);
-  GemmConfig split;  // split K: the stash, the cluster barriers and the sum over peers
+  GemmConfig split;  // split K: the pushes into peers, the cluster barriers and the sums
   split.split_k = 3;
   expect_gemm_matches({70, 200, 1000}, fresh_seed(), split);
+  GemmConfig tall;  // 192-row tiles, K whole and split
+  tall.block_m = 192;
+  tall.block_n = 64;
+  expect_gemm_matches({250, 200, 136}, fresh_seed(), tall);
+  tall.split_k = 3;
+  expect_gemm_matches({190, 136, 1000}, fresh_seed(), tall, BLayout::kKN);
 }
 
 }  // namespace
