@@ -267,8 +267,9 @@ TEST(Gemm, RejectsBadArgumentsBeforeLaunch) {
 TEST(Gemm, KernelsDoNotSpill) {
   MKT_REQUIRE_GPU();
   const std::vector<GemmKernelResources> kernels = detail::gemm_kernel_resources();
-  // plain, split K and grouped, 4 widths x 2 B layouts; grouped_swiglu_down 128 and 256 wide
-  ASSERT_EQ(kernels.size(), 26u);
+  // plain, split K and grouped, 4 widths x 2 B layouts; plain and split K at 192 rows, 2 widths
+  // x 2 layouts; grouped_swiglu_down 128 and 256 wide
+  ASSERT_EQ(kernels.size(), 34u);
   for (const GemmKernelResources& k : kernels) {
     SCOPED_TRACE(k.name);
     EXPECT_EQ(k.local_bytes, 0) << "local memory (register spills or a stack frame)";
