@@ -399,17 +399,15 @@ struct SplitSchedule {
   __device__ bool is_piece(int t) const { return t >= whole && pieces > 1; }
 
   // An owner's ring: [piece][Q rows][kBlockN + 8 floats] - rows padded by 8 floats, so that a
-  // warp's float4 stores (16 rows x 32 bytes) take the four wavefronts their 512 bytes need.
+  // warp's float2 stores (8 rows x 32 bytes) take the two wavefronts their 256 bytes need.
   template <int kBlockN>
   static constexpr int kRowFloats = kBlockN + 8;
   __device__ int rows_per_owner(int rows) const { return (rows + pieces - 1) / pieces; }
 
   // Every consumer warpgroup, a piece's sums (slice rows [64 consumer, + 64) of the kBlockM-row
-  // tile whose first row is row0): the first cluster barrier, then the rows inside C into their
-  // owners' rings, 16 bytes a store. A thread holds column pairs of rows r and r + 8 in each
-  // 8-column group; lanes 2j and 2j + 1 swap a pair (shuffles), so that the even lane stores 4
-  // consecutive columns of row r and the odd lane the same 4 columns of row r + 8: half the remote
-  // stores that 8-byte pairs take.
+  // tile whose first row is row0): the first cluster barrier, then each pair of the rows inside C
+  // into its owner's ring. (16-byte stores - lanes swapping pairs by shuffles - measured the
+  // same, 2026-12-02: the count of remote stores is not what the sum waits for.)
   template <int kBlockN, int kBlockM, int kRegs>
   __device__ void push(const float (&acc)[kRegs], int consumer, int row0, int m,
                        uint8_t* ring) const {
@@ -417,21 +415,21 @@ struct SplitSchedule {
     const int rows = min(kBlockM, m - row0), per_owner = rows_per_owner(rows);
     const uint32_t piece = dev::cluster_rank();
     const int tid = threadIdx.x % 128;
-    const bool odd = tid % 2 == 1;
-    const int row = consumer * 64 + (tid / 32) * 16 + (tid % 32) / 4 + (odd ? 8 : 0);
-    const int owner = min(row, rows - 1) / per_owner;
-    const uint8_t* at =
-        ring + ((piece * per_owner + row - owner * per_owner) * kRowFloats<kBlockN> +
-                2 * ((tid % 4) & 2)) *
-                   4;
-    const uint32_t base = dev::peer_smem_addr(at, owner);
+    // Pair i: tile row r + 8 (i % 2), columns 8 (i / 2) + 2 (tid % 4) and + 1.
+    const int r = consumer * 64 + (tid / 32) * 16 + (tid % 32) / 4;
 #pragma unroll
-    for (int g = 0; g < kRegs / 4; ++g) {  // columns [8 g, 8 g + 8)
-      const float x = __shfl_xor_sync(0xffffffffu, odd ? acc[4 * g] : acc[4 * g + 2], 1);
-      const float y = __shfl_xor_sync(0xffffffffu, odd ? acc[4 * g + 1] : acc[4 * g + 3], 1);
+    for (int half = 0; half < 2; ++half) {
+      const int row = r + 8 * half;
       if (row >= rows) continue;
-      dev::st_peer_f4(base + 32 * g, odd ? x : acc[4 * g], odd ? y : acc[4 * g + 1],
-                      odd ? acc[4 * g + 2] : x, odd ? acc[4 * g + 3] : y);
+      const int owner = row / per_owner;
+      const uint8_t* at =
+          ring +
+          ((piece * per_owner + row - owner * per_owner) * kRowFloats<kBlockN> + 2 * (tid % 4)) * 4;
+      const uint32_t base = dev::peer_smem_addr(at, owner);
+#pragma unroll
+      for (int i = half; i < kRegs / 2; i += 2) {
+        dev::st_peer_f2(base + 32 * (i / 2), acc[2 * i], acc[2 * i + 1]);
+      }
     }
   }
 

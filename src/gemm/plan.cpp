@@ -1,4 +1,5 @@
-// gemm()'s plan: the tile width and the split of the last wave, by a cost model of the H200.
+// gemm()'s plan: the tile height (a rule, below), then the width and the split of the last wave
+// by a cost model of the H200.
 //
 // Fitted to bench_gemm's sweep of 2026-12-01 (docs/PERFORMANCE.md; 96 shapes x 4 widths): it
 // ranks the widths within 0.5% of the best measured one (geomean), where the fixed efficiency
@@ -8,17 +9,18 @@
 //   the HBM floor: A + B + C at the rate that many CTAs pull (a CTA alone pulls a few tens of
 //   GB/s: few tiles need split K to reach the HBM rate);
 //   split K (a tile's pieces one cluster) adds the cluster's barriers and each CTA's share of
-//   the sum, read from the pieces' shared memory.
+//   the sum, pushed into the owners' shared memory.
 // The split terms and the 64-wide tile's HBM rate were refitted to the cluster split's sweep of
 // 2026-12-02 (60 shapes, M 1-768, pieces 1-8 at the plan's width): on each shape the plan picks
 // the fastest option measured. Measured there: a split costs about 2 us over K whole on the same
 // CTAs even at M = 1 (1 x 7168 x 2048: 12.8 us in 2 pieces of 128-wide tiles, 10.7 us K whole
 // in 64-wide ones, both on 112 CTAs), and its sum reads a peer's shared memory at about 30 GB/s
-// a CTA (M 16 -> 128 at 2048 x 7168 in 6 pieces: +2.4 us).
+// a CTA (M 16 -> 128 at 2048 x 7168 in 6 pieces: +2.4 us). At 192-row tiles (M = 192, the six
+// (N, K) of the sweep, 2026-12-02) the model picked the fastest measured width and split on all
+// six.
 #include <algorithm>
 #include <cstdio>
 #include <string>
-#include <utility>
 
 #include "gemm/gemm_internal.h"
 #include "mkernel/error.h"
@@ -159,18 +161,26 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
     const int64_t tiles = tile_count(m, n, block_m, block_n);
     return plan_for(block_m, block_n, {static_cast<int>(std::min<int64_t>(sms, tiles)), tiles, 1});
   };
-  // The tile shapes allowed: 128 rows at any width, 192 rows at 64 and 128 (only when asked).
-  const auto allowed = [&](int block_m, int block_n) {
+  // The tile height: 192 rows where asked, and where M is 129..192 - one tile-row of 192 instead
+  // of two of 128, the second mostly empty (a third less tensor work; measured 2026-12-02 at
+  // M = 192 on the six (N, K) of the sweep: 0-43% faster than the best 128-row plan, 5 of 6
+  // ahead). Elsewhere the 128-row tiles' padding is no larger and their widths reach 256.
+  const bool tall =
+      requested_block_m == 192 ||
+      (requested_block_m == 0 && m > 128 && m <= 192 &&
+       (requested_block_n == 0 || requested_block_n == 64 || requested_block_n == 128));
+  const int block_m = tall ? 192 : 128;
+  // The widths allowed: any at 128 rows, 64 and 128 at 192.
+  const auto allowed = [&](int block_n) {
     if (requested_block_n != 0 && block_n != requested_block_n) return false;
-    if (block_m == 192) return requested_block_m == 192 && (block_n == 64 || block_n == 128);
-    return requested_block_m != 192;
+    return !tall || block_n == 64 || block_n == 128;
   };
   // K whole: 128-row tiles of the width with the fewest estimated tile-waves (pick_block_n; it
   // validates a requested width); 192-row ones of the width the model prefers.
   GemmPlan whole;
-  if (requested_block_m == 192) {
+  if (tall) {
     for (int block_n : {128, 64}) {
-      if (!allowed(192, block_n)) continue;
+      if (!allowed(block_n)) continue;
       const GemmPlan p = k_whole(192, block_n);
       if (whole.block_n == 0 || p.estimate_us < whole.estimate_us) whole = p;
     }
@@ -178,11 +188,9 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
     whole = k_whole(128, pick_block_n(requested_block_n, m, n, sms, op));
   }
   if (requested_split_k == 1) return whole;
-  GemmPlan split;  // the best split at any allowed tile shape
-  constexpr std::pair<int, int> kShapes[] = {{128, 256}, {128, 192}, {128, 128},
-                                             {128, 64},  {192, 128}, {192, 64}};
-  for (const auto& [block_m, block_n] : kShapes) {
-    if (!allowed(block_m, block_n)) continue;
+  GemmPlan split;  // the best split at any allowed width
+  for (int block_n : {256, 192, 128, 64}) {
+    if (!allowed(block_n)) continue;
     const int64_t tiles = tile_count(m, n, block_m, block_n);
     for (int pieces = kMaxSplit; pieces >= 2; --pieces) {
       if (requested_split_k > 1 && pieces > requested_split_k) continue;

@@ -157,6 +157,12 @@ TEST(GemmPlan, BadSplitNamesOpAndValue) {
 }
 
 TEST(GemmPlan, TallTiles) {
+  // The library's height: 192 rows for M 129..192 (one tile-row, not two), else 128; a width
+  // 192-row tiles do not have keeps 128 rows.
+  for (int64_t m : {129, 150, 192}) EXPECT_EQ(plan(m, 8192, 8192).block_m, 192) << m;
+  for (int64_t m : {1, 128, 193, 256, 384, 8192}) EXPECT_EQ(plan(m, 8192, 8192).block_m, 128) << m;
+  EXPECT_EQ(plan(192, 8192, 8192, 256).block_m, 128);
+  EXPECT_EQ(plan(192, 8192, 8192, 0, 0, kSms, 128).block_m, 128);
   // 192 rows when asked: one tile-row at M = 192, the model's width of 64 or 128.
   const GemmPlan p = plan(192, 8192, 8192, 0, 0, kSms, 192);
   expect_consistent(p, 192, 8192, 8192, kSms);

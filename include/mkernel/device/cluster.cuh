@@ -40,12 +40,10 @@ __device__ __forceinline__ uint32_t peer_smem_addr(const void* p, uint32_t rank)
   return addr;
 }
 
-// 16 bytes into a peer's shared memory (an address from peer_smem_addr, 16-byte aligned): the
+// 8 bytes into a peer's shared memory (an address from peer_smem_addr, 8-byte aligned): the
 // store does not wait for the far SM; the next cluster barrier's release publishes it.
-__device__ __forceinline__ void st_peer_f4(uint32_t addr, float x, float y, float z, float w) {
-  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(x), "f"(y),
-               "f"(z), "f"(w)
-               : "memory");
+__device__ __forceinline__ void st_peer_f2(uint32_t addr, float x, float y) {
+  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
 
 }  // namespace mk::dev
