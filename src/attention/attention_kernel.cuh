@@ -390,18 +390,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           dev::mbarrier_arrive_expect_tx(q_full, Cfg::kQBytes);
           policy.load_q(q_smem, q_full, w);
           ++tiles;
-          for (int i = 0; i < w.blocks; ++i, ++it) {
-            const int s = it % kStages;
-            const uint32_t phase = ((it / kStages) & 1) ^ 1;
+          // In the order the consumers use them: K of block i before V of block i - 1 (they
+          // issue Q K^T(i) before P V(i - 1)), so that no K load waits behind a V stage.
+          auto load = [&](int which, int i, const typename Policy::KvBlock& blk) {
+            const int s = (it + i) % kStages;
+            uint64_t* empty = which == 0 ? &k_empty[s] : &v_empty[s];
+            uint64_t* full = which == 0 ? &k_full[s] : &v_full[s];
+            uint8_t* dst = (which == 0 ? k_smem : v_smem) + s * Cfg::kKvBytes;
+            dev::mbarrier_wait(empty, (((it + i) / kStages) & 1) ^ 1);  // first lap: at once
+            dev::mbarrier_arrive_expect_tx(full, Cfg::kKvBytes);
+            policy.load_kv(dst, full, w, blk, which);
+          };
+          typename Policy::KvBlock prev{};
+          for (int i = 0; i < w.blocks; ++i) {
             const typename Policy::KvBlock blk = policy.kv_block(w, i);
             policy.wait_kv(w, blk);
-            dev::mbarrier_wait(&k_empty[s], phase);
-            dev::mbarrier_arrive_expect_tx(&k_full[s], Cfg::kKvBytes);
-            policy.load_kv(k_smem + s * Cfg::kKvBytes, &k_full[s], w, blk, 0);
-            dev::mbarrier_wait(&v_empty[s], phase);
-            dev::mbarrier_arrive_expect_tx(&v_full[s], Cfg::kKvBytes);
-            policy.load_kv(v_smem + s * Cfg::kKvBytes, &v_full[s], w, blk, 1);
+            load(0, i, blk);
+            if (i > 0) load(1, i - 1, prev);
+            prev = blk;
           }
+          load(1, w.blocks - 1, prev);
+          it += w.blocks;
         });
       }
     } else if (threadIdx.x >= 32) {
