@@ -93,6 +93,7 @@ struct RingAttention {
   // The side warps copy with 2 vectors in flight per lane and keep the schedule's counters.
   static constexpr int kProducerRegs = 56;
   static constexpr int kConsumerRegs = 224;
+  static constexpr bool kKeysAhead = true;  // (attention_kernel.cuh: the block walk between loads)
 
   DeviceComm comm;
   CUtensorMap q;        // (D, H, L, P, B) over the user's q: P parts of L rows
