@@ -132,6 +132,14 @@ void launch_plan(const void* a, const void* b, void* c, int64_t m, int64_t n, in
         return;
       }
     }
+    if (plan.block_m == 64) {
+      if (split) {
+        launch<64, kBlockN, kTransB, true>(a, b, c, m, n, k, plan, stream);
+      } else {
+        launch<64, kBlockN, kTransB, false>(a, b, c, m, n, k, plan, stream);
+      }
+      return;
+    }
     if (plan.block_m != 128) {
       throw Error(ErrorCode::kInternal, "gemm: a plan the kernels cannot run: " + plan.describe());
     }
@@ -213,6 +221,14 @@ void add_resources(std::vector<GemmKernelResources>& out, const char* what = "ge
                      (kTransB ? " B[K,N]" : " B[N,K]"),
                  attr.numRegs, static_cast<int64_t>(attr.localSizeBytes),
                  static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
+}
+
+// fn.template operator()<kBlockN, kTransB>() for every width and B layout.
+template <class Fn>
+void for_each_width(Fn&& fn) {
+  for (int block_n : {64, 128, 192, 256}) {
+    for (bool trans_b : {false, true}) gemm_engine::dispatch(block_n, trans_b, fn);
+  }
 }
 
 }  // namespace
@@ -310,6 +326,10 @@ std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
   add_resources<128, false, gemm_engine::TallSplitGemm, 192>(out, "split");
   add_resources<64, true, gemm_engine::TallSplitGemm, 192>(out, "split");
   add_resources<128, true, gemm_engine::TallSplitGemm, 192>(out, "split");
+  for_each_width([&]<int kBlockN, bool kTransB>() {
+    add_resources<kBlockN, kTransB, gemm_engine::ShortGemm, 64>(out);
+    add_resources<kBlockN, kTransB, gemm_engine::ShortSplitGemm, 64>(out, "split");
+  });
   add_resources<64, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<128, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<192, false, gemm_engine::GroupedGemm>(out, "grouped");

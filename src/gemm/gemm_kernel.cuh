@@ -63,9 +63,9 @@
 namespace mk::gemm_engine {
 
 // kMaxStages: a cap on the stage ring below what fits (bench/bench_stages.cu measures what a
-// stage is worth; the library uses the default). kBlockM: 128 rows (two consumer warpgroups) or
-// 192 (three: the plain GEMM's tall tiles, for M just above a multiple of 128 - at M = 192 one
-// tile-row instead of two half-empty ones).
+// stage is worth; the library's is EngineTileConfig's, below). kBlockM: 128 rows (two consumer
+// warpgroups), or for the plain GEMM 64 (one: decode batches, M <= 64 - half the A bytes of a
+// stage, so more of B in flight) or 192 (three: M 129..192 in one tile-row instead of two).
 template <int kBlockN_, int kMaxStages = 8, int kBlockM_ = 128>
 struct TileConfig {
   static constexpr int kBlockM = kBlockM_;  // 64 rows per consumer warpgroup
@@ -94,8 +94,14 @@ struct TileConfig {
   static_assert(kStages >= 3, "too few pipeline stages fit");
   static_assert(kSmemBytes <= kSmemLimit, "shared memory per CTA on sm_90");
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "tile widths of wgmma_ops.cuh");
-  static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups");
+  static_assert(kBlockM == 64 || kBlockM == 128 || kBlockM == 192,
+                "one, two or three consumer warpgroups");
 };
+
+// The tile configurations the library launches: at most 8 stages, or at 64 rows as many as fit
+// up to 16 (their stages are small; a CTA streaming weights wants its bytes in flight).
+template <int kBlockN, int kBlockM = 128>
+using EngineTileConfig = TileConfig<kBlockN, kBlockM == 64 ? 16 : 8, kBlockM>;
 
 // The stage ring's start: the dynamic shared memory, aligned to the 1024 bytes of the 128-byte
 // swizzle's atom.
@@ -471,11 +477,11 @@ struct SplitSchedule {
 // launches run exactly the kernel they ran before split K existed.
 template <int kBlockN, bool kSplitK = false, int kBlockM = 128>
 struct PlainGemm {
-  using Cfg = TileConfig<kBlockN, 8, kBlockM>;
+  using Cfg = EngineTileConfig<kBlockN, kBlockM>;
   // Three consumer warpgroups share 512 threads' registers: 152 each (accumulators of at most
   // 128 columns) beside the producer's 40.
   static constexpr FusionTraits kTraits{
-      .a_rows = true, .split_k = kSplitK, .consumer_regs = kBlockM == 128 ? 232 : 152};
+      .a_rows = true, .split_k = kSplitK, .consumer_regs = kBlockM == 192 ? 152 : 232};
   static_assert((kBlockM + SplitSchedule::kMaxPieces) * SplitSchedule::kRowFloats<kBlockN> * 4 <=
                     Cfg::kStages * Cfg::kStageBytes,
                 "a split tile's sums fit in the stage ring");
@@ -542,12 +548,25 @@ template <int kBlockN>
 using TallGemm = PlainGemm<kBlockN, false, 192>;
 template <int kBlockN>
 using TallSplitGemm = PlainGemm<kBlockN, true, 192>;
+// The short tiles (64 rows, one consumer warpgroup): every width.
+template <int kBlockN>
+using ShortGemm = PlainGemm<kBlockN, false, 64>;
+template <int kBlockN>
+using ShortSplitGemm = PlainGemm<kBlockN, true, 64>;
 static_assert(check_fusion_widths<PlainGemm>());
 static_assert(check_fusion_widths<SplitGemm>());
-static_assert(check_fusion<TileConfig<64, 8, 192>, TallGemm<64>>() &&
-              check_fusion<TileConfig<128, 8, 192>, TallGemm<128>>() &&
-              check_fusion<TileConfig<64, 8, 192>, TallSplitGemm<64>>() &&
-              check_fusion<TileConfig<128, 8, 192>, TallSplitGemm<128>>());
+static_assert(check_fusion<EngineTileConfig<64, 192>, TallGemm<64>>() &&
+              check_fusion<EngineTileConfig<128, 192>, TallGemm<128>>() &&
+              check_fusion<EngineTileConfig<64, 192>, TallSplitGemm<64>>() &&
+              check_fusion<EngineTileConfig<128, 192>, TallSplitGemm<128>>());
+template <template <int> class Policy>
+constexpr bool check_short_widths() {
+  return check_fusion<EngineTileConfig<64, 64>, Policy<64>>() &&
+         check_fusion<EngineTileConfig<128, 64>, Policy<128>>() &&
+         check_fusion<EngineTileConfig<192, 64>, Policy<192>>() &&
+         check_fusion<EngineTileConfig<256, 64>, Policy<256>>();
+}
+static_assert(check_short_widths<ShortGemm>() && check_short_widths<ShortSplitGemm>());
 
 // B box of an N-major stage: 64 K rows x 64 N values (128 bytes a row).
 constexpr int kMnBoxBytes = 64 * 128;

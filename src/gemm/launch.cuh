@@ -39,10 +39,10 @@ void dispatch(int block_n, bool trans_b, Fn&& fn) {
 }
 
 // gemm_kernel<..., Fusion> with its shared memory allowed on the current device (which also loads
-// the kernel now). kBlockM: 128-row tiles, or the plain GEMM's 192-row ones.
+// the kernel now). kBlockM: 128-row tiles, or the plain GEMM's 64- and 192-row ones.
 template <int kBlockN, bool kTransB, class Fusion, int kBlockM = 128>
 auto prepared_kernel() {
-  using Cfg = TileConfig<kBlockN, 8, kBlockM>;
+  using Cfg = EngineTileConfig<kBlockN, kBlockM>;
   constexpr auto kernel = gemm_kernel<Cfg, kTransB, Fusion>;
   detail::allow_dynamic_smem<kernel>(Cfg::kSmemBytes);
   return kernel;
@@ -85,7 +85,7 @@ struct LaunchShape {
 template <int kBlockN, bool kTransB, class Fusion, int kBlockM = 128>
 void launch(const Fusion& fusion, const CUtensorMap& map_b, int64_t k, int grid,
             cudaStream_t stream, const char* op, int cluster = 1) {
-  using Cfg = TileConfig<kBlockN, 8, kBlockM>;
+  using Cfg = EngineTileConfig<kBlockN, kBlockM>;
   auto kernel = prepared_kernel<kBlockN, kTransB, Fusion, kBlockM>();
   cudaError_t err = cudaSuccess;
   if (cluster > 1) {

@@ -122,10 +122,11 @@ ClusterCtas gemm_engine::even_clusters(int sms) {
 GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block_m,
                                 int requested_block_n, int requested_split_k, const char* op,
                                 const ClusterCtas& clusters) {
-  if (requested_block_m != 0 && requested_block_m != 128 && requested_block_m != 192) {
+  if (requested_block_m != 0 && requested_block_m != 64 && requested_block_m != 128 &&
+      requested_block_m != 192) {
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(op) + ": block_m = " + std::to_string(requested_block_m) +
-                    "; expected 0 (the library's choice), 128 or 192");
+                    "; expected 0 (the library's choice), 64, 128 or 192");
   }
   if (requested_block_m == 192 && requested_block_n != 0 && requested_block_n != 64 &&
       requested_block_n != 128) {
@@ -165,18 +166,21 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
   // of two of 128, the second mostly empty (a third less tensor work; measured 2026-12-02 at
   // M = 192 on the six (N, K) of the sweep: 0-43% faster than the best 128-row plan, 5 of 6
   // ahead). Elsewhere the 128-row tiles' padding is no larger and their widths reach 256.
+  // And 64 rows (one consumer warpgroup) where asked and for M <= 64: no tensor work on rows
+  // outside C, and half the A bytes of a stage, so more of B (the weights) in flight.
   const bool tall =
       requested_block_m == 192 ||
       (requested_block_m == 0 && m > 128 && m <= 192 &&
        (requested_block_n == 0 || requested_block_n == 64 || requested_block_n == 128));
-  const int block_m = tall ? 192 : 128;
+  const bool short_rows = requested_block_m == 64 || (requested_block_m == 0 && m <= 64);
+  const int block_m = tall ? 192 : short_rows ? 64 : 128;
   // The widths allowed: any at 128 rows, 64 and 128 at 192.
   const auto allowed = [&](int block_n) {
     if (requested_block_n != 0 && block_n != requested_block_n) return false;
     return !tall || block_n == 64 || block_n == 128;
   };
-  // K whole: 128-row tiles of the width with the fewest estimated tile-waves (pick_block_n; it
-  // validates a requested width); 192-row ones of the width the model prefers.
+  // K whole: 64- and 128-row tiles of the width with the fewest estimated tile-waves
+  // (pick_block_n; it validates a requested width); 192-row ones of the width the model prefers.
   GemmPlan whole;
   if (tall) {
     for (int block_n : {128, 64}) {
@@ -185,7 +189,7 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
       if (whole.block_n == 0 || p.estimate_us < whole.estimate_us) whole = p;
     }
   } else {
-    whole = k_whole(128, pick_block_n(requested_block_n, m, n, sms, op));
+    whole = k_whole(block_m, pick_block_n(requested_block_n, m, n, sms, op));
   }
   if (requested_split_k == 1) return whole;
   GemmPlan split;  // the best split at any allowed width

@@ -60,7 +60,7 @@ GemmPlan plan(int64_t m, int64_t n, int64_t k, int block_n = 0, int split_k = 0,
 void expect_consistent(const GemmPlan& p, int64_t m, int64_t n, int64_t k, int sms) {
   SCOPED_TRACE(std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) + ": " +
                p.describe());
-  EXPECT_TRUE(p.block_m == 128 || p.block_m == 192);
+  EXPECT_TRUE(p.block_m == 64 || p.block_m == 128 || p.block_m == 192);
   if (p.block_m == 192) {
     EXPECT_TRUE(p.block_n == 64 || p.block_n == 128);
   } else {
@@ -160,7 +160,10 @@ TEST(GemmPlan, TallTiles) {
   // The library's height: 192 rows for M 129..192 (one tile-row, not two), else 128; a width
   // 192-row tiles do not have keeps 128 rows.
   for (int64_t m : {129, 150, 192}) EXPECT_EQ(plan(m, 8192, 8192).block_m, 192) << m;
-  for (int64_t m : {1, 128, 193, 256, 384, 8192}) EXPECT_EQ(plan(m, 8192, 8192).block_m, 128) << m;
+  for (int64_t m : {65, 128, 193, 256, 384, 8192}) EXPECT_EQ(plan(m, 8192, 8192).block_m, 128) << m;
+  for (int64_t m : {1, 8, 64}) EXPECT_EQ(plan(m, 8192, 8192).block_m, 64) << m;
+  EXPECT_EQ(plan(8, 2048, 7168, 256, 4).block_m, 64);  // every width, split too
+  EXPECT_EQ(plan(8, 2048, 7168, 256, 4).split_k, 4);
   EXPECT_EQ(plan(192, 8192, 8192, 256).block_m, 128);
   EXPECT_EQ(plan(192, 8192, 8192, 0, 0, kSms, 128).block_m, 128);
   // 192 rows when asked: one tile-row at M = 192, the model's width of 64 or 128.
@@ -198,7 +201,7 @@ TEST(GemmPlan, RandomShapesPlanConsistently) {
     const int64_t n = 8 * (1 + static_cast<int64_t>(gen() % 4000));
     const int64_t k = 8 * (1 + static_cast<int64_t>(gen() % 4000));
     const int sms = 1 + static_cast<int>(gen() % 132);
-    const int block_m = gen() % 3 ? 0 : (gen() % 2 ? 128 : 192);
+    const int block_m = gen() % 3 ? 0 : 64 * (1 + static_cast<int>(gen() % 3));
     const int block_n = gen() % 3        ? 0
                         : block_m == 192 ? 64 * (1 + static_cast<int>(gen() % 2))
                                          : 64 * (1 + static_cast<int>(gen() % 4));

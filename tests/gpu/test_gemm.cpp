@@ -156,33 +156,39 @@ TEST(Gemm, SplitKPiecesAddUp) {
   }
 }
 
-// 192-row tiles (three consumer warpgroups), both widths and B layouts: edge shapes (partial
-// tile-rows of 1..191 rows, N and K tails), few CTAs (many tiles each), and split K in clusters.
-TEST(Gemm, TallTiles) {
+// 64-row tiles (one consumer warpgroup, every width) and 192-row tiles (three, widths 64 and
+// 128), both B layouts: edge shapes (partial tile-rows, N and K tails), few CTAs (many tiles
+// each), and split K in clusters.
+TEST(Gemm, TileHeights) {
   MKT_REQUIRE_GPU();
   const std::vector<Shape> shapes = {{1, 8, 8},        {192, 8192, 1024}, {193, 264, 72},
-                                     {383, 520, 1000}, {129, 4104, 136},  {1000, 1000, 1000}};
+                                     {383, 520, 1000}, {129, 4104, 136},  {1000, 1000, 1000},
+                                     {64, 2056, 520},  {63, 264, 4096}};
   std::mt19937_64 gen(fresh_seed());
-  for (int block_n : {64, 128}) {
-    for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
-      GemmConfig config;
-      config.block_m = 192;
-      config.block_n = block_n;
-      for (const Shape& s : shapes) {
-        EXPECT_EQ(gemm_plan(s.m, s.n, s.k, config).block_m, 192);
-        expect_gemm_matches(s, gen(), config, layout);
-      }
-      config.sms = 7;
-      expect_gemm_matches({1000, 2056, 520}, gen(), config, layout);
-      for (int split_k : {2, 3, 8}) {
-        GemmConfig split = config;
-        split.sms = 0;
-        split.split_k = split_k;
-        for (const Shape& s : std::vector<Shape>{{192, 2048, 7168}, {150, 264, 4096}}) {
-          const GemmPlan p = gemm_plan(s.m, s.n, s.k, split);
-          EXPECT_GT(p.split_k, 1) << p.describe();
-          EXPECT_EQ(p.block_m, 192) << p.describe();
-          expect_gemm_matches(s, gen(), split, layout);
+  for (const auto& [block_m, widths] :
+       {std::pair{64, std::vector<int>{64, 128, 192, 256}}, {192, std::vector<int>{64, 128}}}) {
+    for (int block_n : widths) {
+      for (BLayout layout : {BLayout::kNK, BLayout::kKN}) {
+        GemmConfig config;
+        config.block_m = block_m;
+        config.block_n = block_n;
+        for (const Shape& s : shapes) {
+          EXPECT_EQ(gemm_plan(s.m, s.n, s.k, config).block_m, block_m);
+          expect_gemm_matches(s, gen(), config, layout);
+        }
+        config.sms = 7;
+        expect_gemm_matches({1000, 2056, 520}, gen(), config, layout);
+        for (int split_k : {2, 3, 8}) {
+          GemmConfig split = config;
+          split.sms = 0;
+          split.split_k = split_k;
+          for (const Shape& s :
+               std::vector<Shape>{{block_m, 2048, 7168}, {block_m - 42, 264, 4096}}) {
+            const GemmPlan p = gemm_plan(s.m, s.n, s.k, split);
+            EXPECT_GT(p.split_k, 1) << p.describe();
+            EXPECT_EQ(p.block_m, block_m) << p.describe();
+            expect_gemm_matches(s, gen(), split, layout);
+          }
         }
       }
     }
@@ -268,8 +274,8 @@ TEST(Gemm, KernelsDoNotSpill) {
   MKT_REQUIRE_GPU();
   const std::vector<GemmKernelResources> kernels = detail::gemm_kernel_resources();
   // plain, split K and grouped, 4 widths x 2 B layouts; plain and split K at 192 rows, 2 widths
-  // x 2 layouts; grouped_swiglu_down 128 and 256 wide
-  ASSERT_EQ(kernels.size(), 34u);
+  // x 2 layouts, and at 64 rows, 4 widths x 2 layouts; grouped_swiglu_down 128 and 256 wide
+  ASSERT_EQ(kernels.size(), 50u);
   for (const GemmKernelResources& k : kernels) {
     SCOPED_TRACE(k.name);
     EXPECT_EQ(k.local_bytes, 0) << "local memory (register spills or a stack frame)";
@@ -290,6 +296,12 @@ TEST(SanitizeGemm, Small) {
   GemmConfig split;  // split K: the pushes into peers, the cluster barriers and the sums
   split.split_k = 3;
   expect_gemm_matches({70, 200, 1000}, fresh_seed(), split);
+  GemmConfig short_rows;  // 64-row tiles, K whole and split
+  short_rows.block_m = 64;
+  short_rows.block_n = 128;
+  expect_gemm_matches({70, 200, 136}, fresh_seed(), short_rows);
+  short_rows.split_k = 4;
+  expect_gemm_matches({9, 136, 1000}, fresh_seed(), short_rows, BLayout::kKN);
   GemmConfig tall;  // 192-row tiles, K whole and split
   tall.block_m = 192;
   tall.block_n = 64;
