@@ -162,7 +162,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--json FILE] [--iters N] [--check] [--sweep] [--shapes MxNxK,...] "
-                   "[--layouts nk,kn] [--splits 1,2,4,...] [--block-m 128|192]\n"
+                   "[--layouts nk,kn] [--splits 1,2,4,...] [--block-m 64|128|192]\n"
                    "  --sweep: also time every tile width (64, 128, 192, 256) per shape (K whole\n"
                    "  where the plan does not split it), and the plan's width with K whole\n"
                    "  --splits: also time the plan's width with the last wave in each of these\n"

@@ -83,6 +83,17 @@ CUtensorMap gemm_engine::make_b_map(const void* b, int64_t n, int64_t k, int blo
 }
 
 static_assert(gemm_engine::kMaxSplit == gemm_engine::SplitSchedule::kMaxPieces);
+// device_clusters measures the cluster capacity once, with the 128-row split kernel, for every
+// tile shape: true while each of them holds an SM alone (more than half its shared memory).
+template <int kBlockN, int kBlockM>
+constexpr bool holds_an_sm() {
+  using Cfg = gemm_engine::EngineTileConfig<kBlockN, kBlockM>;
+  return Cfg::kSmemBytes > Cfg::kSmemLimit / 2;
+}
+static_assert(holds_an_sm<64, 64>() && holds_an_sm<128, 64>() && holds_an_sm<192, 64>() &&
+              holds_an_sm<256, 64>() && holds_an_sm<64, 128>() && holds_an_sm<128, 128>() &&
+              holds_an_sm<192, 128>() && holds_an_sm<256, 128>() && holds_an_sm<64, 192>() &&
+              holds_an_sm<128, 192>());
 
 namespace {
 
@@ -185,7 +196,8 @@ void gemm_engine::require_multiple_of_8(int64_t value, const char* op, const cha
 // with its width but wide tiles use the tensor cores better (each wgmma re-reads the A slice from
 // shared memory whatever its width); the efficiencies are from the H200 sweep in
 // docs/PERFORMANCE.md.
-int gemm_engine::pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op) {
+int gemm_engine::pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op,
+                              int block_m) {
   int block_n = requested;
   if (block_n == 0) {
     struct Option {
@@ -195,7 +207,7 @@ int gemm_engine::pick_block_n(int requested, int64_t m, int64_t n, int sms, cons
     constexpr Option kOptions[] = {{256, 1.0}, {192, 0.97}, {128, 0.9}, {64, 0.75}};
     double best = 0;
     for (const Option& o : kOptions) {
-      const int64_t tiles = (m + 127) / 128 * ((n + o.width - 1) / o.width);
+      const int64_t tiles = (m + block_m - 1) / block_m * ((n + o.width - 1) / o.width);
       const int64_t waves = (tiles + sms - 1) / sms;
       const double cost = static_cast<double>(waves) * o.width / o.efficiency;
       if (block_n == 0 || cost < best) block_n = o.width, best = cost;

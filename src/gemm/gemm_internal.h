@@ -44,9 +44,9 @@ void require_device_pointer(const void* p, const char* op, const char* name, int
 void require_multiple_of_8(int64_t value, const char* op, const char* what);
 
 // Tile width for an [m, n] output on `sms` CTAs: `requested` if not 0 (the caller's config, or
-// MKERNEL_GEMM_BLOCK_N folded into it), else the width with the fewest estimated tile-waves.
-// Throws (naming `op`) on a bad width.
-int pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op);
+// MKERNEL_GEMM_BLOCK_N folded into it), else the width with the fewest estimated tile-waves of
+// block_m-row tiles. Throws (naming `op`) on a bad width.
+int pick_block_n(int requested, int64_t m, int64_t n, int sms, const char* op, int block_m = 128);
 
 // Split K runs a tile's pieces as one thread-block cluster (gemm_kernel.cuh, SplitSchedule): at
 // most the portable cluster size of pieces.

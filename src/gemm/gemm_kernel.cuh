@@ -7,7 +7,8 @@
 // One CTA per SM. Warpgroup 0 is the producer (one thread issues TMA loads of A and B tiles into
 // a ring of kStages shared-memory stages; its other three warps are free for a fused kernel's side
 // task, e.g. pushing this rank's rows to its peers); warpgroups 1..kConsumers are consumers, each
-// owning 64 rows of the 128-row tile and issuing wgmma on them.
+// owning 64 rows of the kBlockM-row tile (128; the plain GEMM also 64 and 192) and issuing wgmma
+// on them.
 //
 // The kernel is the mainloop; a Fusion policy supplies everything else, so that the plain GEMM and
 // the fused kernels share it (see PlainGemm below for the trivial one). Every policy has
@@ -23,7 +24,7 @@
 // and declares in `static constexpr FusionTraits kTraits` which of these it also provides:
 // (kTraits.split_k: the scheduler's tiles carry their k-blocks - Tile::kb_begin, kb_end - and
 // the epilogue adds up the pieces: SplitSchedule below; otherwise every item runs all of K)
-//   a_rows(tile)                  rows of the tile's A box (default 128); a tile-row at the
+//   a_rows(tile)                  rows of the tile's A box (default kBlockM); a tile-row at the
 //                                 matrix edge loads only its rows (below)
 //   init_shared()                 thread 0, before the first __syncthreads (mbarriers)
 //   mid_tile(state)               a consumer's thread 0 halfway through each tile's k-blocks
@@ -38,7 +39,7 @@
 // compile (each policy static_asserts it for its widths; the kernel once more).
 //
 //   smem:     [ stage 0 | ... | stage S-1 | epilogue buffers | full[S] | empty[S] ]
-//   stage s:  [ A tile (128 x 64) | B tile (kBlockN x 64) ]   both 128-byte swizzled
+//   stage s:  [ A tile (kBlockM x 64) | B tile (kBlockN x 64) ]   both 128-byte swizzled
 //   producer: wait empty[s] -> arm full[s] with the stage's bytes -> TMA A, TMA B
 //   consumer: wait full[s] -> 4 x wgmma k16 -> commit; once the previous stage's group retired,
 //             arrive empty[prev]
@@ -145,8 +146,8 @@ struct Tile {
 };
 
 // The stages of the ring that follow a tile's k-blocks for its epilogue (Fusion::epilogue_loads):
-// `count` of them from ring position `first`. Both consumers wait for each stage, read what they
-// need and release it (the stage's empty barrier counts both). count 0: none.
+// `count` of them from ring position `first`. Every consumer waits for each stage, reads what it
+// needs and releases it (the stage's empty barrier counts them all). count 0: none.
 struct EpilogueRing {
   uint8_t* stages = nullptr;
   uint64_t* full = nullptr;
@@ -304,7 +305,7 @@ constexpr bool check_fusion_widths() {
          check_fusion<TileConfig<256>, Policy<256>>();
 }
 
-// Bytes of a stage's A box for a tile: a_rows(tile) rows, or the whole 128.
+// Bytes of a stage's A box for a tile: a_rows(tile) rows, or the whole kBlockM.
 template <class Cfg, class Fusion>
 __device__ __forceinline__ int a_stage_bytes(const Fusion& fusion, const Tile& tile) {
   if constexpr (Fusion::kTraits.a_rows) {

@@ -130,10 +130,11 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
   }
   if (requested_block_m == 192 && requested_block_n != 0 && requested_block_n != 64 &&
       requested_block_n != 128) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(op) +
-                    ": block_m = 192 with block_n = " + std::to_string(requested_block_n) +
-                    "; 192-row tiles are 64 or 128 wide (three consumers' accumulators)");
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        std::string(op) + ": block_m = 192 with block_n = " + std::to_string(requested_block_n) +
+            "; 192-row tiles are 64 or 128 wide (three consumers' accumulators; the width is "
+            "GemmConfig::block_n, or MKERNEL_GEMM_BLOCK_N where that is 0)");
   }
   if (requested_split_k < 0 || requested_split_k > kMaxSplit) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -189,7 +190,7 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
       if (whole.block_n == 0 || p.estimate_us < whole.estimate_us) whole = p;
     }
   } else {
-    whole = k_whole(block_m, pick_block_n(requested_block_n, m, n, sms, op));
+    whole = k_whole(block_m, pick_block_n(requested_block_n, m, n, sms, op, block_m));
   }
   if (requested_split_k == 1) return whole;
   GemmPlan split;  // the best split at any allowed width
