@@ -133,32 +133,21 @@ void launch_plan(const void* a, const void* b, void* c, int64_t m, int64_t n, in
                  bool trans_b, const GemmPlan& plan, cudaStream_t stream) {
   const bool split = plan.split_k > 1 && plan.whole_tiles < plan.tiles;
   gemm_engine::dispatch(plan.block_n, trans_b, [&]<int kBlockN, bool kTransB>() {
-    if constexpr (kBlockN == 64 || kBlockN == 128) {
-      if (plan.block_m == 192) {
-        if (split) {
-          launch<192, kBlockN, kTransB, true>(a, b, c, m, n, k, plan, stream);
-        } else {
-          launch<192, kBlockN, kTransB, false>(a, b, c, m, n, k, plan, stream);
-        }
-        return;
-      }
-    }
-    if (plan.block_m == 64) {
+    auto run = [&]<int kBlockM>() {
       if (split) {
-        launch<64, kBlockN, kTransB, true>(a, b, c, m, n, k, plan, stream);
+        launch<kBlockM, kBlockN, kTransB, true>(a, b, c, m, n, k, plan, stream);
       } else {
-        launch<64, kBlockN, kTransB, false>(a, b, c, m, n, k, plan, stream);
+        launch<kBlockM, kBlockN, kTransB, false>(a, b, c, m, n, k, plan, stream);
       }
-      return;
+    };
+    if constexpr (kBlockN == 64 || kBlockN == 128) {  // the widths of 192-row tiles
+      if (plan.block_m == 192) return run.template operator()<192>();
     }
+    if (plan.block_m == 64) return run.template operator()<64>();
     if (plan.block_m != 128) {
       throw Error(ErrorCode::kInternal, "gemm: a plan the kernels cannot run: " + plan.describe());
     }
-    if (split) {
-      launch<128, kBlockN, kTransB, true>(a, b, c, m, n, k, plan, stream);
-    } else {
-      launch<128, kBlockN, kTransB, false>(a, b, c, m, n, k, plan, stream);
-    }
+    run.template operator()<128>();
   });
 }
 
