@@ -111,6 +111,63 @@ inline MoeRouting moe_route_reference(const std::vector<std::vector<int64_t>>& t
   return out;
 }
 
+// Across nodes (docs/design/moe.md, "Across nodes"): ranks_per_node consecutive ranks a node. A
+// token crosses the network once per destination node, to its rail peer there (the rank of that
+// node with the source's local index), which forwards it over NVLink to the ranks of its node
+// holding its experts (keeping its own rows). Rows to the source's own node go over NVLink
+// directly, as within one node. The received layout is moe_route_reference's whatever the path.
+struct MoeRelayed {
+  int32_t src = -1;    // the source rank
+  int32_t token = -1;  // its token
+  bool operator==(const MoeRelayed&) const = default;
+};
+struct MoeNodeTraffic {
+  // [src][dst node]: the tokens src sends over the network to its rail peer on that node, in
+  // token order, each once whatever it holds there; empty for src's own node.
+  std::vector<std::vector<std::vector<int32_t>>> crossing;
+  // [relay][dst rank]: what the rail peer forwards to rank dst of its node (itself included: the
+  // rows it keeps), in (source, token) order, each token once a destination rank.
+  std::vector<std::vector<std::vector<MoeRelayed>>> relayed;
+  // [src][dst rank]: tokens sent over NVLink directly (dst on src's node), as MoeSent's.
+  std::vector<std::vector<std::vector<int32_t>>> direct;
+};
+
+inline MoeNodeTraffic moe_node_traffic_reference(const std::vector<std::vector<int64_t>>& topk,
+                                                 int k, int num_experts, int ranks_per_node) {
+  const int world = static_cast<int>(topk.size());
+  const int nodes = world / ranks_per_node;
+  const int e_local = num_experts / world;
+  MoeNodeTraffic out;
+  out.crossing.assign(world, std::vector<std::vector<int32_t>>(nodes));
+  out.relayed.assign(world, std::vector<std::vector<MoeRelayed>>(world));
+  out.direct.assign(world, std::vector<std::vector<int32_t>>(world));
+  for (int src = 0; src < world; ++src) {
+    const int home = src / ranks_per_node;
+    const int64_t tokens = static_cast<int64_t>(topk[src].size()) / k;
+    for (int32_t t = 0; t < tokens; ++t) {
+      std::vector<bool> to_rank(world, false);
+      for (int j = 0; j < k; ++j) {
+        const int64_t e = topk[src][static_cast<size_t>(t) * k + j];
+        if (e >= 0 && e < num_experts) to_rank[e / e_local] = true;
+      }
+      for (int node = 0; node < nodes; ++node) {
+        bool any = false;
+        for (int d = node * ranks_per_node; d < (node + 1) * ranks_per_node; ++d) {
+          if (!to_rank[d]) continue;
+          any = true;
+          if (node == home) {
+            out.direct[src][d].push_back(t);
+          } else {
+            out.relayed[node * ranks_per_node + src % ranks_per_node][d].push_back({src, t});
+          }
+        }
+        if (any && node != home) out.crossing[src][node].push_back(t);
+      }
+    }
+  }
+  return out;
+}
+
 // bf16 <-> float, round to nearest even (as __float2bfloat16_rn).
 inline float bf16_to_float(uint16_t v) {
   const uint32_t bits = static_cast<uint32_t>(v) << 16;

@@ -1,6 +1,7 @@
 // The MoE routing contract's CPU reference (moe_reference.h, docs/design/moe.md) against
-// hand-worked cases: what lands where, in which order, what travels once, capacity overflow,
-// bad indices, and the combine's fp32 sum in slot order.
+// hand-worked cases: what lands where, in which order, what travels once (within a node, and
+// across nodes through the rail peers), capacity overflow, bad indices, and the combine's fp32
+// sum in slot order.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -133,6 +134,82 @@ TEST(MoeRouting, RandomRoutingConservesRows) {
           want += any;
         }
         EXPECT_EQ(static_cast<int64_t>(r.sent[s].tokens[d].size()), want);
+      }
+    }
+  }
+}
+
+// Two nodes of two ranks, eight experts (two a rank), top-3:
+//   rank 0 (node 0): t0 -> {4, 6, 0} (ranks 2, 3 on node 1; itself), t1 -> {5, 4, -1} (rank 2
+//   twice), t2 -> {1, 2, 3} (node 0 only)
+//   rank 3 (node 1): t0 -> {0, 2, 7} (ranks 0, 1 on node 0; itself)
+TEST(MoeRouting, AcrossNodesATokenCrossesOnceANode) {
+  const std::vector<std::vector<int64_t>> topk = {{4, 6, 0, 5, 4, -1, 1, 2, 3}, {}, {}, {0, 2, 7}};
+  const MoeNodeTraffic n = moe_node_traffic_reference(topk, 3, 8, 2);
+  // Rank 0: t0 and t1 cross to node 1 once each (t0 has experts on both of its ranks); t2 does
+  // not cross. Rank 3: t0 crosses to node 0 once (two ranks there).
+  EXPECT_EQ(n.crossing[0][1], (std::vector<int32_t>{0, 1}));
+  EXPECT_TRUE(n.crossing[0][0].empty());
+  EXPECT_EQ(n.crossing[3][0], (std::vector<int32_t>{0}));
+  // The rail peers: rank 0's is rank 2 (local index 0), rank 3's is rank 1 (local index 1).
+  EXPECT_EQ(n.relayed[2][2], (std::vector<MoeRelayed>{{0, 0}, {0, 1}}));  // kept by rank 2
+  EXPECT_EQ(n.relayed[2][3], (std::vector<MoeRelayed>{{0, 0}}));          // forwarded
+  EXPECT_EQ(n.relayed[1][0], (std::vector<MoeRelayed>{{3, 0}}));
+  EXPECT_EQ(n.relayed[1][1], (std::vector<MoeRelayed>{{3, 0}}));
+  // Within a node: NVLink directly.
+  EXPECT_EQ(n.direct[0][0], (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(n.direct[0][1], (std::vector<int32_t>{2}));
+  EXPECT_EQ(n.direct[3][3], (std::vector<int32_t>{0}));
+}
+
+TEST(MoeRouting, AcrossNodesEveryRankGetsWhatOneNodeWouldSend) {
+  // Random routing on 1-4 nodes of 1-4 ranks: every (source, token, destination rank) of the
+  // one-node routing arrives exactly once - directly within the node, else through the relay
+  // whose node it is - and a token crosses to a node once, only where it has experts there.
+  std::mt19937_64 gen(99);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int per_node = 1 + static_cast<int>(gen() % 4);
+    const int world = per_node * (1 + static_cast<int>(gen() % 4));
+    const int e_local = 1 + static_cast<int>(gen() % 4);
+    const int experts = world * e_local;
+    const int k = 1 + static_cast<int>(gen() % std::min(8, experts));
+    std::vector<std::vector<int64_t>> topk(world);
+    for (auto& t : topk) {
+      const int tokens = static_cast<int>(gen() % 30);
+      for (int i = 0; i < tokens * k; ++i) {
+        t.push_back(gen() % 6 == 0 ? -1 : static_cast<int64_t>(gen() % experts));
+      }
+    }
+    const int64_t room = world * 30 * k + e_local * 127;  // the worst case: all rows fit
+    const MoeRouting flat = moe_route_reference(topk, k, experts, MoeRefLayout::kPadded, room);
+    const MoeNodeTraffic n = moe_node_traffic_reference(topk, k, experts, per_node);
+    for (int s = 0; s < world; ++s) {
+      const int home = s / per_node;
+      for (int d = 0; d < world; ++d) {
+        const int node = d / per_node;
+        std::vector<int32_t> got;
+        if (node == home) {
+          got = n.direct[s][d];
+        } else {
+          const int relay = node * per_node + s % per_node;
+          for (const MoeRelayed& r : n.relayed[relay][d]) {
+            if (r.src == s) got.push_back(r.token);
+          }
+          for (int32_t t : got) {  // it crossed to that node, once
+            EXPECT_EQ(std::count(n.crossing[s][node].begin(), n.crossing[s][node].end(), t), 1);
+          }
+        }
+        EXPECT_EQ(got, flat.sent[s].tokens[d]) << "source " << s << " destination " << d;
+      }
+      for (int node = 0; node < world / per_node; ++node) {  // nothing crosses for nothing
+        for (int32_t t : n.crossing[s][node]) {
+          bool any = false;
+          for (int d = node * per_node; d < (node + 1) * per_node; ++d) {
+            any = any ||
+                  std::count(flat.sent[s].tokens[d].begin(), flat.sent[s].tokens[d].end(), t) > 0;
+          }
+          EXPECT_TRUE(any) << "source " << s << " token " << t << " node " << node;
+        }
       }
     }
   }
