@@ -26,7 +26,8 @@ constexpr int kGroupedRowBlock = 128;
 struct GemmConfig {
   int block_m = 0;  // gemm: tile height 64 (one consumer warpgroup), 128, or 192 (three;
                     // widths 64 and 128); 0 = the library's choice (64 for M <= 64, 192 for
-                    // M 129..192, else 128). grouped_gemm: 0 or 128.
+                    // M 129..192 unless the width asked for is 192 or 256, else 128).
+                    // grouped_gemm: 0 or 128.
   int block_n = 0;  // tile width 64, 128, 192 or 256; 0 = the library's choice (or
                     // MKERNEL_GEMM_BLOCK_N, when set)
   int sms = 0;      // persistent CTAs; 0 = every SM of the device

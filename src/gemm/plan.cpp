@@ -14,8 +14,9 @@
 // 2026-12-02 (60 shapes, M 1-768, pieces 1-8 at the plan's width): on each shape the plan picks
 // the fastest option measured. Measured there: a split costs about 2 us over K whole on the same
 // CTAs even at M = 1 (1 x 7168 x 2048: 12.8 us in 2 pieces of 128-wide tiles, 10.7 us K whole
-// in 64-wide ones, both on 112 CTAs), and its sum reads a peer's shared memory at about 30 GB/s
-// a CTA (M 16 -> 128 at 2048 x 7168 in 6 pieces: +2.4 us). At 192-row tiles (M = 192, the six
+// in 64-wide ones, both on 112 CTAs), and its sum (then remote loads, cf3bf32) moved about 30 GB/s
+// a CTA (M 16 -> 128 at 2048 x 7168 in 6 pieces: +2.4 us); kPeerBytesPerCta was not refitted for
+// the push that replaced them (a8d0277: faster at few rows, 1-2 us slower at 128). At 192-row tiles (M = 192, the six
 // (N, K) of the sweep, 2026-12-02) the model picked the fastest measured width and split on all
 // six.
 #include <algorithm>
