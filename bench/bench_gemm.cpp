@@ -112,6 +112,7 @@ int main(int argc, char** argv) {
   int iters = 20;
   bool check_only = false;
   bool sweep = false;
+  bool candidates = false;  // --candidates: every distinct plan, measured beside the model
   std::vector<int> splits;  // --splits: the plan's width in each of these pieces of K
   mk::GemmConfig base;      // --block-m: every op's tile height (0: the library's choice)
   // The default sweep (issue 28): decode, gemm_ar's and MoE's M up to large M, on model-like N
@@ -139,6 +140,8 @@ int main(int argc, char** argv) {
       check_only = true;
     else if (a == "--sweep")
       sweep = true;
+    else if (a == "--candidates")
+      candidates = true;
     else if (a == "--block-m" && i + 1 < argc)
       base.block_m = std::atoi(argv[++i]);
     else if (a == "--splits" && i + 1 < argc) {
@@ -162,12 +165,15 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--json FILE] [--iters N] [--check] [--sweep] [--shapes MxNxK,...] "
-                   "[--layouts nk,kn] [--splits 1,2,4,...] [--block-m 64|128|192]\n"
+                   "[--layouts nk,kn] [--splits 1,2,4,...] [--block-m 64|128|192] [--candidates]\n"
                    "  --sweep: also time every tile width (64, 128, 192, 256) per shape (K whole\n"
                    "  where the plan does not split it), and the plan's width with K whole\n"
                    "  --splits: also time the plan's width with the last wave in each of these\n"
                    "  numbers of pieces of K (1: K whole)\n"
-                   "  --block-m: the tile height of every op timed (default: the plan's)\n",
+                   "  --block-m: the tile height of every op timed (default: the plan's)\n"
+                   "  --candidates: also time every distinct plan gemm_plan makes for the shape\n"
+                   "  (heights, widths, 1-8 pieces), each with the plan model's estimate: the\n"
+                   "  data to refit src/gemm/plan.cpp against\n",
                    argv[0]);
       return 2;
     }
@@ -292,6 +298,47 @@ int main(int argc, char** argv) {
           std::printf("  %d:%d/%d %.4f", splits[i], got.split_k, got.ctas, t[i]);
         }
         std::printf("  cuBLAS %.4f ms\n", t.back());
+      }
+      if (candidates && !check_only) {
+        // Every plan the config space reaches (deduplicated), timed in one interleaved set.
+        std::vector<mk::GemmConfig> configs;
+        std::vector<mk::GemmPlan> plans;
+        for (int height : {64, 128, 192}) {
+          if ((height == 64 && sh.m > 128) || (height == 192 && sh.m > 384)) continue;
+          for (int width : {64, 128, 192, 256}) {
+            if (height == 192 && width > 128) continue;
+            for (int pieces = 1; pieces <= 8; ++pieces) {
+              mk::GemmConfig config;
+              config.block_m = height;
+              config.block_n = width;
+              config.split_k = pieces;
+              const mk::GemmPlan p = mk::gemm_plan(sh.m, sh.n, sh.k, config);
+              const bool seen = std::any_of(plans.begin(), plans.end(), [&](const mk::GemmPlan& q) {
+                return q.block_m == p.block_m && q.block_n == p.block_n && q.split_k == p.split_k &&
+                       q.ctas == p.ctas;
+              });
+              if (!seen) configs.push_back(config), plans.push_back(p);
+            }
+          }
+        }
+        std::vector<std::function<void(int)>> ops;
+        for (std::size_t i = 0; i < configs.size(); ++i) {
+          ops.push_back([&, i](int j) {
+            mk::gemm(a[j & 1], b[j & 1], c, sh.m, sh.n, sh.k, layout, s, configs[i]);
+          });
+        }
+        ops.push_back(theirs);
+        const std::vector<double> t = median_ms(iters, s, ops);
+        const mk::GemmPlan chosen = mk::gemm_plan(sh.m, sh.n, sh.k);
+        for (std::size_t i = 0; i < plans.size(); ++i) {
+          const mk::GemmPlan& p = plans[i];
+          const bool is_chosen = p.block_m == chosen.block_m && p.block_n == chosen.block_n &&
+                                 p.split_k == chosen.split_k && p.ctas == chosen.ctas;
+          std::printf("  cand %-14s %3dx%-3d s%d %3d CTAs  model %8.1f us  measured %8.1f us%s\n",
+                      label.c_str(), p.block_m, p.block_n, p.split_k, p.ctas, p.estimate_us,
+                      t[i] * 1e3, is_chosen ? "  <- plan" : "");
+        }
+        std::printf("  cand %-14s cuBLAS %.1f us\n", label.c_str(), t.back() * 1e3);
       }
       for (int i = 0; i < 2; ++i) cudaFree(a[i]), cudaFree(b[i]);
       cudaFree(c), cudaFree(c_blas);
