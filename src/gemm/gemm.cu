@@ -319,15 +319,11 @@ std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
   add_resources<128, true, gemm_engine::SplitGemm>(out, "split");
   add_resources<192, true, gemm_engine::SplitGemm>(out, "split");
   add_resources<256, true, gemm_engine::SplitGemm>(out, "split");
-  add_resources<64, false, gemm_engine::TallGemm, 192>(out);
-  add_resources<128, false, gemm_engine::TallGemm, 192>(out);
-  add_resources<64, true, gemm_engine::TallGemm, 192>(out);
-  add_resources<128, true, gemm_engine::TallGemm, 192>(out);
-  add_resources<64, false, gemm_engine::TallSplitGemm, 192>(out, "split");
-  add_resources<128, false, gemm_engine::TallSplitGemm, 192>(out, "split");
-  add_resources<64, true, gemm_engine::TallSplitGemm, 192>(out, "split");
-  add_resources<128, true, gemm_engine::TallSplitGemm, 192>(out, "split");
   for_each_width([&]<int kBlockN, bool kTransB>() {
+    if constexpr (kBlockN <= 128) {  // 192-row tiles: widths 64 and 128
+      add_resources<kBlockN, kTransB, gemm_engine::TallGemm, 192>(out);
+      add_resources<kBlockN, kTransB, gemm_engine::TallSplitGemm, 192>(out, "split");
+    }
     add_resources<kBlockN, kTransB, gemm_engine::ShortGemm, 64>(out);
     add_resources<kBlockN, kTransB, gemm_engine::ShortSplitGemm, 64>(out, "split");
   });

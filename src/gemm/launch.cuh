@@ -104,7 +104,7 @@ void launch(const Fusion& fusion, const CUtensorMap& map_b, int64_t k, int grid,
 // (clusters x cluster; a cluster's CTAs share a GPC, whose SMs need not divide evenly).
 template <int kBlockN, bool kTransB, class Fusion>
 int cluster_ctas(int cluster) {
-  using Cfg = TileConfig<kBlockN>;
+  using Cfg = EngineTileConfig<kBlockN>;
   auto kernel = prepared_kernel<kBlockN, kTransB, Fusion>();
   LaunchShape<Cfg> shape(cluster, cluster, nullptr);
   int clusters = 0;

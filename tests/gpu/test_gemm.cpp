@@ -296,18 +296,19 @@ TEST(SanitizeGemm, Small) {
   GemmConfig split;  // split K: the pushes into peers, the cluster barriers and the sums
   split.split_k = 3;
   expect_gemm_matches({70, 200, 1000}, fresh_seed(), split);
-  GemmConfig short_rows;  // 64-row tiles, K whole and split
-  short_rows.block_m = 64;
-  short_rows.block_n = 128;
-  expect_gemm_matches({70, 200, 136}, fresh_seed(), short_rows);
-  short_rows.split_k = 4;
-  expect_gemm_matches({9, 136, 1000}, fresh_seed(), short_rows, BLayout::kKN);
-  GemmConfig tall;  // 192-row tiles, K whole and split
-  tall.block_m = 192;
-  tall.block_n = 64;
-  expect_gemm_matches({250, 200, 136}, fresh_seed(), tall);
-  tall.split_k = 3;
-  expect_gemm_matches({190, 136, 1000}, fresh_seed(), tall, BLayout::kKN);
+  struct Height {  // 64- and 192-row tiles: K whole, then split (B [K, N])
+    int block_m, block_n, split_k;
+    Shape whole, pieces;
+  };
+  for (const Height& h : {Height{64, 128, 4, {70, 200, 136}, {9, 136, 1000}},
+                          Height{192, 64, 3, {250, 200, 136}, {190, 136, 1000}}}) {
+    GemmConfig config;
+    config.block_m = h.block_m;
+    config.block_n = h.block_n;
+    expect_gemm_matches(h.whole, fresh_seed(), config);
+    config.split_k = h.split_k;
+    expect_gemm_matches(h.pieces, fresh_seed(), config, BLayout::kKN);
+  }
 }
 
 }  // namespace
