@@ -1,24 +1,22 @@
 // gemm()'s plan: the tile height (a rule, below), then the width and the split of the last wave
 // by a cost model of the H200.
 //
-// Fitted to bench_gemm's sweep of 2026-12-01 (docs/PERFORMANCE.md; 96 shapes x 4 widths): it
-// ranks the widths within 0.5% of the best measured one (geomean), where the fixed efficiency
-// table before it lost up to 64% at few tiles. The model, per width and split:
+// The model, per width and split:
 //   one k-block on a CTA = max(its wgmma, its A and B loads at the L2 rate the active CTAs share);
 //   a CTA runs its full waves' k-blocks, then its piece of the last wave's;
 //   the HBM floor: A + B + C at the rate that many CTAs pull (a CTA alone pulls a few tens of
 //   GB/s: few tiles need split K to reach the HBM rate);
 //   split K (a tile's pieces one cluster) adds the cluster's barriers and each CTA's share of
 //   the sum, pushed into the owners' shared memory.
-// The split terms and the 64-wide tile's HBM rate were refitted to the cluster split's sweep of
-// 2026-12-02 (60 shapes, M 1-768, pieces 1-8 at the plan's width): on each shape the plan picks
-// the fastest option measured. Measured there: a split costs about 2 us over K whole on the same
-// CTAs even at M = 1 (1 x 7168 x 2048: 12.8 us in 2 pieces of 128-wide tiles, 10.7 us K whole
-// in 64-wide ones, both on 112 CTAs), and its sum (then remote loads, cf3bf32) moved about 30 GB/s
-// a CTA (M 16 -> 128 at 2048 x 7168 in 6 pieces: +2.4 us); kPeerBytesPerCta was not refitted for
-// the push that replaced them (a8d0277: faster at few rows, 1-2 us slower at 128). At 192-row tiles (M = 192, the six
-// (N, K) of the sweep, 2026-12-02) the model picked the fastest measured width and split on all
-// six.
+// Its constants are fitted to bench_gemm --candidates of 2026-12-03 (docs/PERFORMANCE.md): every
+// distinct plan of 84 shapes - M 1-2048 on the sweep's six (N, K), heights 64/128/192, widths,
+// 1-8 pieces - timed side by side, about 1,900 launches. The fit chose the constants whose plans
+// lose least against the fastest option measured on each shape (geomean 0.9% over it, against
+// 1.4% with the constants before; the worst, 192 x 2048 x 7168, is the height rule's), with a
+// weak pull toward predicting the times themselves (rms error 26% -> 15%). The constants it
+// found are the physical ones a big GEMM shows: 686 TFLOP/s of wgmma, 12 TB/s from L2.
+// Where the estimates of two splits tie (both at the HBM rate), fewer pieces and the narrower
+// tile win: measured faster (64 x 2048 x 7168: 4 pieces 13.2 us, 6 pieces 14.2).
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -32,15 +30,15 @@ namespace {
 using gemm_engine::ClusterCtas;
 using gemm_engine::kMaxSplit;
 
-constexpr double kWgmmaFlopsPerSm = 5.6e12;  // bf16 dense, one SM (8192^3 at 128 x 256 tiles)
-constexpr double kL2Bytes = 10.3e12;         // L2 to SMs, all CTAs together
-constexpr double kL2BytesPerCta = 110e9;     // one CTA's loads at most
-constexpr double kHbmBytes = 3.6e12;         // HBM, all CTAs together
-constexpr double kLaunchSeconds = 3e-6;
+constexpr double kWgmmaFlopsPerSm = 5.2e12;  // bf16 dense, one SM (688 TFLOP/s on 132)
+constexpr double kL2Bytes = 12e12;           // L2 to SMs, all CTAs together
+constexpr double kL2BytesPerCta = 160e9;     // one CTA's loads at most
+constexpr double kHbmBytes = 3.7e12;         // HBM, all CTAs together
+constexpr double kLaunchSeconds = 0.8e-6;
 // Split K (its pieces one cluster): the fixed cost over K whole, then each CTA's share of the
 // sum - the tile's rows x width x 4 bytes over the pieces' shared memory.
-constexpr double kClusterSeconds = 2e-6;
-constexpr double kPeerBytesPerCta = 30e9;
+constexpr double kClusterSeconds = 3.4e-6;
+constexpr double kPeerBytesPerCta = 37e9;
 // The library's own splits: where the last wave (or the only one) leaves at least half of the
 // SMs idle, after at most kMaxWavesBeforeSplit full waves, in pieces of kMinKBlocks or more, by
 // kSplitGain over K whole at least.
@@ -48,19 +46,9 @@ constexpr int kMinKBlocks = 8;
 constexpr int64_t kMaxWavesBeforeSplit = 3;
 constexpr double kSplitGain = 1.05;
 
-// HBM bytes per second one CTA pulls with its ring of stages (wider tiles: more bytes in flight).
-double hbm_per_cta(int block_n) {
-  switch (block_n) {
-    case 64:
-      return 29e9;
-    case 128:
-      return 34e9;
-    case 192:
-      return 36e9;
-    default:
-      return 38e9;
-  }
-}
+// HBM bytes per second one CTA pulls with its ring of stages: the 64-wide tile's stages hold
+// half the bytes of the wider ones'.
+double hbm_per_cta(int block_n) { return block_n == 64 ? 36e9 : 70e9; }
 
 int64_t tile_count(int64_t m, int64_t n, int block_m, int block_n) {
   return (m + block_m - 1) / block_m * ((n + block_n - 1) / block_n);
@@ -210,7 +198,8 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
         }
       }
       const GemmPlan p = plan_for(block_m, block_n, shape);
-      if (split.block_n == 0 || p.estimate_us < split.estimate_us) split = p;
+      // Ties (both at the HBM rate) go to the later: fewer pieces, a narrower tile.
+      if (split.block_n == 0 || p.estimate_us <= split.estimate_us) split = p;
       if (requested_split_k > 1) break;  // the most pieces that fit, at this width
     }
   }
