@@ -1,5 +1,5 @@
-// gemm()'s plan: the tile height (a rule, below), then the width and the split of the last wave
-// by a cost model of the H200.
+// gemm()'s plan by a cost model of the H200: the width and the split of the last wave, and the
+// tile height where a rule leaves two (below).
 //
 // The model, per width and split:
 //   one k-block on a CTA = max(its wgmma, its A and B loads at the L2 rate the active CTAs share);
@@ -8,13 +8,15 @@
 //   GB/s: few tiles need split K to reach the HBM rate);
 //   split K (a tile's pieces one cluster) adds the cluster's barriers and each CTA's share of
 //   the sum, pushed into the owners' shared memory.
-// Its constants are fitted to bench_gemm --candidates of 2026-12-03 (docs/PERFORMANCE.md): every
+//   the wgmma rate of a width: a narrower wgmma reads more shared memory per flop (64 wide:
+//   0.77 of 256's, 128: 0.95, 192: 0.97).
+// Its constants are fitted to bench_gemm --candidates of 2026-12-03 (docs/PERFORMANCE.md; the
+// data and the fit: bench/data/gemm_candidates-h200.csv, scripts/fit_gemm_plan.py): every
 // distinct plan of 84 shapes - M 1-2048 on the sweep's six (N, K), heights 64/128/192, widths,
 // 1-8 pieces - timed side by side, about 1,900 launches. The fit chose the constants whose plans
-// lose least against the fastest option measured on each shape (geomean 0.9% over it, against
-// 1.4% with the constants before; the worst, 192 x 2048 x 7168, is the height rule's), with a
-// weak pull toward predicting the times themselves (rms error 26% -> 15%). The constants it
-// found are the physical ones a big GEMM shows: 686 TFLOP/s of wgmma, 12 TB/s from L2.
+// lose least against the fastest option measured on each shape (geomean 0.5% over it, against
+// 1.4% with the constants before), with a weak pull toward predicting the times themselves (rms
+// error 26% -> 12%).
 // Where the estimates of two splits tie (both at the HBM rate), fewer pieces and the narrower
 // tile win: measured faster (64 x 2048 x 7168: 4 pieces 13.2 us, 6 pieces 14.2).
 #include <algorithm>
@@ -30,15 +32,15 @@ namespace {
 using gemm_engine::ClusterCtas;
 using gemm_engine::kMaxSplit;
 
-constexpr double kWgmmaFlopsPerSm = 5.2e12;  // bf16 dense, one SM (688 TFLOP/s on 132)
-constexpr double kL2Bytes = 12e12;           // L2 to SMs, all CTAs together
-constexpr double kL2BytesPerCta = 160e9;     // one CTA's loads at most
-constexpr double kHbmBytes = 3.7e12;         // HBM, all CTAs together
-constexpr double kLaunchSeconds = 0.8e-6;
+constexpr double kWgmmaFlopsPerSm = 5.5e12;  // bf16 dense, one SM, at 256-wide tiles
+constexpr double kL2Bytes = 15e12;           // L2 to SMs, all CTAs together
+constexpr double kL2BytesPerCta = 110e9;     // one CTA's loads at most
+constexpr double kHbmBytes = 3.75e12;        // HBM, all CTAs together
+constexpr double kLaunchSeconds = 1.4e-6;
 // Split K (its pieces one cluster): the fixed cost over K whole, then each CTA's share of the
 // sum - the tile's rows x width x 4 bytes over the pieces' shared memory.
-constexpr double kClusterSeconds = 3.4e-6;
-constexpr double kPeerBytesPerCta = 37e9;
+constexpr double kClusterSeconds = 2.8e-6;
+constexpr double kPeerBytesPerCta = 26e9;
 // The library's own splits: where the last wave (or the only one) leaves at least half of the
 // SMs idle, after at most kMaxWavesBeforeSplit full waves, in pieces of kMinKBlocks or more, by
 // kSplitGain over K whole at least.
@@ -48,7 +50,12 @@ constexpr double kSplitGain = 1.05;
 
 // HBM bytes per second one CTA pulls with its ring of stages: the 64-wide tile's stages hold
 // half the bytes of the wider ones'.
-double hbm_per_cta(int block_n) { return block_n == 64 ? 36e9 : 70e9; }
+double hbm_per_cta(int block_n) { return block_n == 64 ? 35e9 : 72e9; }
+
+// The wgmma rate of a width against 256 (a narrower wgmma reads more shared memory per flop).
+double wgmma_efficiency(int block_n) {
+  return block_n == 64 ? 0.77 : block_n == 128 ? 0.95 : block_n == 192 ? 0.97 : 1.0;
+}
 
 int64_t tile_count(int64_t m, int64_t n, int block_m, int block_n) {
   return (m + block_m - 1) / block_m * ((n + block_n - 1) / block_n);
@@ -80,7 +87,8 @@ double estimate_seconds(int64_t m, int64_t n, int64_t k, int block_m, int block_
   const auto k_block_seconds = [&](int64_t active) {
     const double rate = std::min(kL2BytesPerCta, kL2Bytes / static_cast<double>(active));
     const double loads = (a_rows + block_n) * 128 / rate;
-    const double wgmma = static_cast<double>(block_m) * block_n * 64 * 2 / kWgmmaFlopsPerSm;
+    const double wgmma = static_cast<double>(block_m) * block_n * 64 * 2 /
+                         (kWgmmaFlopsPerSm * wgmma_efficiency(block_n));
     return std::max(loads, wgmma);
   };
   const int64_t rounds = shape.whole / shape.ctas;  // whole tiles: all K, a round at a time
@@ -152,60 +160,76 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
     const int64_t tiles = tile_count(m, n, block_m, block_n);
     return plan_for(block_m, block_n, {static_cast<int>(std::min<int64_t>(sms, tiles)), tiles, 1});
   };
-  // The tile height: 192 rows where asked, and where M is 129..192 - one tile-row of 192 instead
-  // of two of 128, the second mostly empty (a third less tensor work; measured 2026-12-02 at
-  // M = 192 on the six (N, K) of the sweep: 0-43% faster than the best 128-row plan, 5 of 6
-  // ahead). Elsewhere the 128-row tiles' padding is no larger and their widths reach 256.
-  // And 64 rows (one consumer warpgroup) where asked and for M <= 64: no tensor work on rows
-  // outside C, and half the A bytes of a stage, so more of B (the weights) in flight.
-  const bool tall =
-      requested_block_m == 192 ||
-      (requested_block_m == 0 && m > 128 && m <= 192 &&
-       (requested_block_n == 0 || requested_block_n == 64 || requested_block_n == 128));
-  const bool short_rows = requested_block_m == 64 || (requested_block_m == 0 && m <= 64);
-  const int block_m = tall ? 192 : short_rows ? 64 : 128;
-  // The widths allowed: any at 128 rows, 64 and 128 at 192.
-  const auto allowed = [&](int block_n) {
-    if (requested_block_n != 0 && block_n != requested_block_n) return false;
-    return !tall || block_n == 64 || block_n == 128;
+  // The best plan at one tile height, and the estimate it was chosen by (a split's times
+  // kSplitGain: the library splits only for a clear gain).
+  struct Choice {
+    GemmPlan plan;
+    double score;
   };
-  // K whole: 64- and 128-row tiles of the width with the fewest estimated tile-waves
-  // (pick_block_n; it validates a requested width); 192-row ones of the width the model prefers.
-  GemmPlan whole;
-  if (tall) {
-    for (int block_n : {128, 64}) {
-      if (!allowed(block_n)) continue;
-      const GemmPlan p = k_whole(192, block_n);
-      if (whole.block_n == 0 || p.estimate_us < whole.estimate_us) whole = p;
-    }
-  } else {
-    whole = k_whole(block_m, pick_block_n(requested_block_n, m, n, sms, op, block_m));
-  }
-  if (requested_split_k == 1) return whole;
-  GemmPlan split;  // the best split at any allowed width
-  for (int block_n : {256, 192, 128, 64}) {
-    if (!allowed(block_n)) continue;
-    const int64_t tiles = tile_count(m, n, block_m, block_n);
-    for (int pieces = kMaxSplit; pieces >= 2; --pieces) {
-      if (requested_split_k > 1 && pieces > requested_split_k) continue;
-      const Shape shape = split_shape(tiles, k_blocks, pieces, fit);
-      if (shape.ctas == 0) continue;
-      if (requested_split_k == 0) {  // the library's rule
-        const int64_t last = tiles - shape.whole;
-        if (last * 2 > fit[pieces] || tiles / fit[pieces] > kMaxWavesBeforeSplit ||
-            k_blocks / pieces < kMinKBlocks) {
-          continue;
-        }
+  const auto best_at = [&](int block_m) -> Choice {
+    const bool tall = block_m == 192;
+    // The widths allowed: any at 64 and 128 rows, 64 and 128 at 192.
+    const auto allowed = [&](int block_n) {
+      if (requested_block_n != 0 && block_n != requested_block_n) return false;
+      return !tall || block_n == 64 || block_n == 128;
+    };
+    // K whole: 64- and 128-row tiles of the width with the fewest estimated tile-waves
+    // (pick_block_n; it validates a requested width); 192-row ones of the width the model
+    // prefers.
+    GemmPlan whole;
+    if (tall) {
+      for (int block_n : {128, 64}) {
+        if (!allowed(block_n)) continue;
+        const GemmPlan p = k_whole(192, block_n);
+        if (whole.block_n == 0 || p.estimate_us < whole.estimate_us) whole = p;
       }
-      const GemmPlan p = plan_for(block_m, block_n, shape);
-      // Ties (both at the HBM rate) go to the later: fewer pieces, a narrower tile.
-      if (split.block_n == 0 || p.estimate_us <= split.estimate_us) split = p;
-      if (requested_split_k > 1) break;  // the most pieces that fit, at this width
+    } else {
+      whole = k_whole(block_m, pick_block_n(requested_block_n, m, n, sms, op, block_m));
     }
+    if (requested_split_k == 1) return {whole, whole.estimate_us};
+    GemmPlan split;  // the best split at any allowed width
+    for (int block_n : {256, 192, 128, 64}) {
+      if (!allowed(block_n)) continue;
+      const int64_t tiles = tile_count(m, n, block_m, block_n);
+      for (int pieces = kMaxSplit; pieces >= 2; --pieces) {
+        if (requested_split_k > 1 && pieces > requested_split_k) continue;
+        const Shape shape = split_shape(tiles, k_blocks, pieces, fit);
+        if (shape.ctas == 0) continue;
+        if (requested_split_k == 0) {  // the library's rule
+          const int64_t last = tiles - shape.whole;
+          if (last * 2 > fit[pieces] || tiles / fit[pieces] > kMaxWavesBeforeSplit ||
+              k_blocks / pieces < kMinKBlocks) {
+            continue;
+          }
+        }
+        const GemmPlan p = plan_for(block_m, block_n, shape);
+        // Ties (both at the HBM rate) go to the later: fewer pieces, a narrower tile.
+        if (split.block_n == 0 || p.estimate_us <= split.estimate_us) split = p;
+        if (requested_split_k > 1) break;  // the most pieces that fit, at this width
+      }
+    }
+    if (split.block_n == 0) return {whole, whole.estimate_us};
+    if (requested_split_k > 1) return {split, split.estimate_us};
+    const double split_score = split.estimate_us * kSplitGain;
+    return split_score <= whole.estimate_us ? Choice{split, split_score}
+                                            : Choice{whole, whole.estimate_us};
+  };
+  // The tile height: as asked; else 64 rows (one consumer warpgroup) for M <= 64 - no tensor
+  // work on rows outside C, and half the A bytes of a stage, so more of B (the weights) in
+  // flight; for M 129..192 the model's choice of one tile-row of 192 (a third less tensor work
+  // than two of 128, the second mostly empty; measured 2026-12-02 at M = 192 on the six (N, K)
+  // of the sweep: 0-43% faster than the best 128-row plan on 5 of 6) and 128-row tiles (the
+  // sixth, 192 x 2048 x 7168: 128 x 64 tiles in 2 pieces, 18.1 us against 20.6-21.8 at 192 rows,
+  // 2026-12-03); elsewhere 128, whose padding is no larger and whose widths reach 256.
+  if (requested_block_m != 0) return best_at(requested_block_m).plan;
+  if (m <= 64) return best_at(64).plan;
+  const bool tall_fits =
+      requested_block_n == 0 || requested_block_n == 64 || requested_block_n == 128;
+  if (m > 128 && m <= 192 && tall_fits) {
+    const Choice tall = best_at(192), square = best_at(128);
+    return square.score < tall.score ? square.plan : tall.plan;
   }
-  if (split.block_n == 0) return whole;
-  if (requested_split_k > 1) return split;
-  return split.estimate_us * kSplitGain <= whole.estimate_us ? split : whole;
+  return best_at(128).plan;
 }
 
 std::string GemmPlan::describe() const {
