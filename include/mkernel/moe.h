@@ -100,11 +100,9 @@ void moe_dispatch(Communicator& comm, const MoeProblem& problem, const void* x,
 // expert e) @ op(w[e]) for every local expert, each 128-row tile multiplied as soon as its rows
 // have landed (docs/design/moe.md). w: [E_local, N, H] (BLayout::kNK, nn.Linear's layout) or
 // [E_local, H, N] (kKN) bf16, N a multiple of 8; y: [rows, N] bf16 in the dispatch layout (rows
-// without a (source, token, slot) are not written); recv_x: [rows, H] bf16, where the other
-// ranks' rows land (the caller's buffer, which it may keep) - this rank's own rows are not
-// copied there: the GEMM reads them straight from x (their handle rows name this rank and the
-// token); expert_rows, handle: as moe_dispatch's. The same workspace as moe_dispatch's
-// (moe_workspace_bytes).
+// without a (source, token, slot) are not written); recv_x: [rows, H] bf16, the dispatched rows
+// (the GEMM reads them from here: the caller's buffer, which it may keep); expert_rows, handle:
+// as moe_dispatch's. The same workspace as moe_dispatch's (moe_workspace_bytes).
 void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void* x,
                        const void* topk_idx, IndexType index_type, const void* w, BLayout w_layout,
                        int64_t n, void* y, void* recv_x, int32_t* expert_rows, int32_t* handle,

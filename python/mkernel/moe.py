@@ -181,13 +181,8 @@ def _dispatch_gemm_impl(x, topk_idx, w, comm, num_experts, b_layout, layout, cap
                          expert_rows.data_ptr(), handle.data_ptr(), ws.data_ptr(), c._stream(),
                          sms, block_n)
     # (Without return_received the rows stay internal: freed after the launch in stream order.)
-    if not return_received:
-        return y, expert_rows, handle, recv.new_empty((0,) + tuple(recv.shape[1:]))
-    if tokens > 0:  # the GEMM read this rank's own rows from x: recv has the others' only
-        flat, h = recv.view(-1, hidden), handle
-        own = (h[:, 0] == c.rank).unsqueeze(1)
-        flat.copy_(torch.where(own, x2[h[:, 1].clamp(min=0, max=tokens - 1)], flat))
-    return y, expert_rows, handle, recv
+    kept = recv if return_received else recv.new_empty((0,) + tuple(recv.shape[1:]))
+    return y, expert_rows, handle, kept
 
 
 def _gemm_width(x, w, b_layout):

@@ -15,8 +15,7 @@
 //   num_tiles(), tile(t)          scheduler: which output tile the t-th work item is (and
 //                                 which of its k-blocks: Tile::kb_begin, kb_end)
 //   wait_operands(tile)           producer, before the tile's first load (fused: "rows arrived")
-//   load_a(dst, bar, tile, k0)    TMA of the tile's A box (the policy knows where A lives);
-//                                 or, with kTraits.gather_a, gather_rows + gather_a (below)
+//   load_a(dst, bar, tile, k0)    TMA of the tile's A box (the policy knows where A lives)
 //   store(acc, tile, consumer, scratch, state)   epilogue: where a consumer's 64 x kBlockN slice
 //                                 goes (state: the policy's ConsumerState, kept across tiles)
 //   consumer_done(state)          each consumer warpgroup, after its last tile
@@ -35,15 +34,6 @@
 //   load_epilogue(dst, bar, tile, i)  k-blocks - the producer fills stage i (arms `bar` and
 //                                 issues its TMA loads, e.g. a peer's partial sums) - and
 //                                 store(..., ring) gets them as an EpilogueRing (below)
-//   gather_rows(tile, lane)       instead of load_a: A's rows gathered one by one (rows that
-//   gather_a(dst, bar, rows, k0, lane)  live in different places, e.g. tokens routed to an
-//                                 expert). All 32 lanes of the producer warp run the producer
-//                                 loop; at each tile's start gather_rows returns what the lane
-//                                 needs (say, its rows' addresses), then for each k-block
-//                                 gather_a copies the lane's part of the stage's A box with
-//                                 cp.async into the 128-byte-swizzled layout TMA would make and
-//                                 ends with cp_async_arrive(bar) (each stage's full barrier
-//                                 counts the 32 lanes). Lane 0 still loads B by TMA.
 // with its batched B and register split. check_fusion<Cfg, Fusion>() holds the declaration
 // against the members: a misspelt or missing hook, or one present but not declared, fails to
 // compile (each policy static_asserts it for its widths; the kernel once more).
@@ -201,8 +191,7 @@ struct FusionTraits {
   bool epilogue_loads = false;
   bool batched_b = false;
   bool load_b = false;
-  bool split_k = false;   // work items may be pieces of a tile's k-blocks (Tile::kb_begin, kb_end)
-  bool gather_a = false;  // A by gather_rows + gather_a (the producer warp's 32 lanes), not load_a
+  bool split_k = false;  // work items may be pieces of a tile's k-blocks (Tile::kb_begin, kb_end)
   int producer_regs = 40;
   int consumer_regs = 232;
 };
@@ -216,22 +205,13 @@ concept FusionBase = requires(const F f, const Tile& tile, int i, void* dst, uin
   { f.num_tiles() } -> std::same_as<int>;
   { f.tile(i) } -> std::same_as<Tile>;
   { f.wait_operands(tile) } -> std::same_as<void>;
+  { f.load_a(dst, bar, tile, i) } -> std::same_as<void>;
   { f.consumer_done(state) } -> std::same_as<void>;
   { f.side_task(i, i) } -> std::same_as<void>;
   { f.finish() } -> std::same_as<void>;
 };
 
 // Whether F provides each optional hook, as the engine calls it.
-template <class F>
-concept HasLoadA = requires(const F f, void* dst, uint64_t* bar, const Tile& tile, int k0) {
-  { f.load_a(dst, bar, tile, k0) } -> std::same_as<void>;
-};
-template <class F>
-concept HasGatherA = requires(const F f, void* dst, uint64_t* bar, const Tile& tile, int k0,
-                              int lane) {
-  {f.gather_rows(tile, lane)};
-  { f.gather_a(dst, bar, f.gather_rows(tile, lane), k0, lane) } -> std::same_as<void>;
-};
 template <class F>
 concept HasARows = requires(const F f, const Tile& tile) {
   { f.a_rows(tile) } -> std::same_as<int>;
@@ -274,9 +254,9 @@ constexpr bool fusion_matches() {
     return false;
   } else {
     constexpr FusionTraits t = F::kTraits;
-    return t.gather_a == HasGatherA<F> && t.gather_a != HasLoadA<F> && t.a_rows == HasARows<F> &&
-           t.load_b == HasLoadB<F> && t.init_shared == HasInitShared<F> &&
-           t.mid_tile == HasMidTile<F> && t.epilogue_loads == HasEpilogueLoads<F> &&
+    return t.a_rows == HasARows<F> && t.load_b == HasLoadB<F> &&
+           t.init_shared == HasInitShared<F> && t.mid_tile == HasMidTile<F> &&
+           t.epilogue_loads == HasEpilogueLoads<F> &&
            (t.epilogue_loads ? HasRingStore<F, Cfg::kAccRegs>
                              : HasStore<F, Cfg::kAccRegs>)&&t.producer_regs %
                    8 ==
@@ -293,15 +273,9 @@ template <class Cfg, class F>
 constexpr bool check_fusion() {
   constexpr int kRegs = Cfg::kAccRegs;
   static_assert(FusionBase<F, kRegs>,
-                "a Fusion policy needs kTraits, num_tiles, tile, wait_operands, consumer_done, "
-                "side_task and finish with the engine's signatures");
+                "a Fusion policy needs kTraits, num_tiles, tile, wait_operands, load_a, "
+                "consumer_done, side_task and finish with the engine's signatures");
   constexpr FusionTraits traits = F::kTraits;
-  static_assert(traits.gather_a == HasGatherA<F>,
-                "kTraits.gather_a does not match gather_rows(tile, lane) + gather_a(dst, bar, "
-                "rows, k0, lane)");
-  static_assert(traits.gather_a != HasLoadA<F>,
-                "A comes by load_a(dst, bar, tile, k0) or, with kTraits.gather_a, by gather_a: "
-                "one of the two");
   static_assert(traits.a_rows == HasARows<F>, "kTraits.a_rows does not match an a_rows(tile)");
   static_assert(traits.load_b == HasLoadB<F>,
                 "kTraits.load_b does not match a load_b(dst, bar, tile, k0)");
@@ -613,7 +587,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
-      dev::mbarrier_init(&full[s], kTraits.gather_a ? 1 + 32 : 1);  // (gather_a: the lanes)
+      dev::mbarrier_init(&full[s], 1);
       dev::mbarrier_init(&empty[s], Cfg::kConsumers);
     }
     if constexpr (kTraits.init_shared) fusion.init_shared();
@@ -627,43 +601,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (warpgroup == 0) {
     // ---- producer ----
     dev::warpgroup_reg_dealloc<kTraits.producer_regs>();
-    // One thread issues the loads; with gather_a the warp's 32 lanes (lane 0 also loads B).
-    constexpr int kLanes = kTraits.gather_a ? 32 : 1;
-    static_assert(!(kTraits.gather_a && kTraits.epilogue_loads), "not both (no policy needs it)");
-    if (threadIdx.x < kLanes) {
-      const int lane = threadIdx.x;
-      const bool leader = lane == 0;
-      if (leader) dev::tma_prefetch_descriptor(&tma_b);
+    if (threadIdx.x == 0) {
+      dev::tma_prefetch_descriptor(&tma_b);
       int it = 0;  // k-iterations issued by this CTA, across tiles: position in the stage ring
       for (int t = blockIdx.x; t < fusion.num_tiles(); t += gridDim.x) {
         const Tile tile = fusion.tile(t);
-        if (leader) fusion.wait_operands(tile);
-        // gather_a: the leader's acquire (wait_operands) before the lanes' reads.
-        if constexpr (kTraits.gather_a) __syncwarp();
-        const auto rows = [&] {
-          if constexpr (Fusion::kTraits.gather_a) {
-            return fusion.gather_rows(tile, lane);
-          } else {
-            return 0;
-          }
-        }();
+        fusion.wait_operands(tile);
         const int tn = tile.n;
-        const int stage_bytes =
-            (kTraits.gather_a ? 0 : a_stage_bytes<Cfg>(fusion, tile)) + Cfg::kBBytes;
+        const int stage_bytes = a_stage_bytes<Cfg>(fusion, tile) + Cfg::kBBytes;
         const int kb_begin = kTraits.split_k ? tile.kb_begin : 0;
         const int kb_end = kTraits.split_k && tile.kb_end >= 0 ? tile.kb_end : k_iters;
         for (int kb = kb_begin; kb < kb_end; ++kb, ++it) {
           const int s = it % Cfg::kStages;
           const uint32_t phase = (it / Cfg::kStages) & 1;
           dev::mbarrier_wait(&empty[s], phase ^ 1);  // first lap passes at once
-          if constexpr (kTraits.gather_a) {
-            fusion.gather_a(stage_a(s), &full[s], rows, kb * Cfg::kBlockK, lane);
-          }
-          if (!leader) continue;
           dev::mbarrier_arrive_expect_tx(&full[s], stage_bytes);
-          if constexpr (!kTraits.gather_a) {
-            fusion.load_a(stage_a(s), &full[s], tile, kb * Cfg::kBlockK);
-          }
+          fusion.load_a(stage_a(s), &full[s], tile, kb * Cfg::kBlockK);
           if constexpr (kTraits.load_b) {
             fusion.load_b(stage_b(s), &full[s], tile, kb * Cfg::kBlockK);
           } else if constexpr (kTraits.batched_b) {  // B [batches][...]: 3-D boxes, batch = shard
@@ -718,8 +671,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const int s = it % Cfg::kStages;
         const uint32_t phase = (it / Cfg::kStages) & 1;
         dev::mbarrier_wait(&full[s], phase);
-        // gather_a's rows came by cp.async (the generic proxy); wgmma reads by the async proxy.
-        if constexpr (kTraits.gather_a) dev::fence_proxy_async_shared();
         dev::wgmma_fence_operands(acc);
         dev::wgmma_fence();
 #pragma unroll

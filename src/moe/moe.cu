@@ -251,19 +251,13 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
   const std::size_t notify_smem = 4 * (static_cast<std::size_t>(d.world) * (e_local + 1) + e_local);
   moe::notify_kernel<<<1, moe::kThreads, notify_smem, stream>>>(dc, d, ws, tiles_n, expert_rows);
   launch_check(kDispatchGemm);
-  {  // this rank's own rows: handles and block counts (the GEMM reads them from x)
-    const int64_t pairs = problem.tokens * problem.top_k;
-    const int blocks = static_cast<int>(std::clamp<int64_t>((pairs + 255) / 256, 1, 4 * plan.ctas));
-    moe::own_rows_kernel<<<blocks, 256, 0, stream>>>(d, ws, topk_idx,
-                                                     index_type == IndexType::kInt64, handle);
-    launch_check(kDispatchGemm);
-  }
   const moe::LayoutTables lt = moe::layout_tables(d.world, d.experts_local);
   auto* tables =
       reinterpret_cast<int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.layout);
   gemm_engine::dispatch(block_n, w_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     moe::MoeDispatchGemm<kBlockN> f{};
-    f.grouped.c = gemm_engine::make_map(y, plan.rows, n, 64);  // (A: gathered, no map)
+    f.grouped.a = gemm_engine::make_map(recv_x, plan.rows, problem.hidden, 128);
+    f.grouped.c = gemm_engine::make_map(y, plan.rows, n, 64);
     f.grouped.c_ptr = static_cast<__nv_bfloat16*>(y);
     f.grouped.row_start = tables + lt.row_start;
     f.grouped.row_count = tables + lt.row_count;

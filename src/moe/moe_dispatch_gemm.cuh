@@ -6,24 +6,19 @@
 //                   source's counts -> the receive side's layout (LayoutTables: expert starts,
 //                   source prefixes, rows per source) and the grouped GEMM's scheduler tables
 //                   (row_start, row_count, tile_prefix); the block arrival counters zeroed
-//   own_rows_kernel this rank's own (token, slot) pairs for its own experts (by_local): their
-//                   handle rows, each counted into its 128-row block's arrival counter - nothing
-//                   is copied: the GEMM reads these rows straight from x
 //   the fused launch: the GEMM engine with MoeDispatchGemm, one CTA per SM:
 //     side warps (the producer warpgroup's three spare warps):
 //       1. send    channel c's share of the rows for each other rank, in chunks of kChunkRows;
 //                  after each chunk signal kOp + c with step = chunks so far
-//       2. receive channel c's share of every other rank's rows, chunk by chunk as signalled:
-//                  copied to their rows of recv_x (once per local expert of the token), each
-//                  counted into its block's arrival counter after its handle row
-//       3. the handle's unused rows set to -1
-//     producer warp: before a tile's first load, lane 0 waits until its block counter reaches
-//               the tile's rows; then every lane reads the handle of its four rows of the tile
-//               and gathers them (cp.async, 128 bytes a row and k-block) - this rank's own
-//               rows from x, the others' from recv_x; lane 0 loads B by TMA
+//       2. local   this rank's rows for its own experts, in layout order (by_local), in units of
+//                  kChunkRows taken by the CTAs in turn: the first experts' blocks fill first
+//       3. receive channel c's share of every other rank's rows, chunk by chunk as signalled:
+//                  copied to their rows (once per local expert of the token)
+//       4. the handle's unused rows set to -1
+//       every placed row counts itself into its 128-row block's arrival counter
+//     producer: before a tile's first load, waits until its block counter reaches the tile's
+//               rows, then orders that acquire before its TMA reads (proxy fence)
 //     consumers: the grouped GEMM's (y in the dispatch layout)
-//   So recv_x holds the other ranks' rows only: at world 1 no row is copied at all, where the
-//   copies (x -> recv_x, T k rows) once cost the weights' stream its HBM time (docs/design/moe.md).
 //
 //   block of a layout row:  padded - row / 128 (experts start on multiples of 128);
 //                           masked - e x ceil(capacity / 128) + (row - e x capacity) / 128
@@ -130,40 +125,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   launch.end();
 }
 
-// The 128-row block of layout row `row` of local expert e (whose arrival counter counts it).
-__device__ __forceinline__ int64_t row_block(const Dims& d, int e, int64_t row) {
-  return d.masked ? e * d.blocks_per_expert + (row - e * d.capacity) / kRowBlock : row / kRowBlock;
-}
-
-// This rank's own rows for its own experts (the header): pair i of by_local (layout order) ->
-// its row's handle and a count in the row's block. After notify_kernel (the tables, the
-// counters zeroed), before the fused launch (stream order: its producer sees the counts).
-__global__ void own_rows_kernel(Dims d, Workspace ws, const void* topk, bool topk_int64,
-                                int32_t* handle) {
-  const int el_n = d.experts_local, k = d.top_k, me = d.rank;
-  const LayoutTables lt = layout_tables(d.world, el_n);
-  const int32_t* tables = ws.at<int32_t>(me, ws.layout);
-  const int32_t* pos = ws.at<int32_t>(me, ws.pos);
-  const int32_t* by_local = ws.at<int32_t>(me, ws.by_local);
-  unsigned long long* counters =
-      reinterpret_cast<unsigned long long*>(ws.at<uint64_t>(me, ws.counters));
-  const int local = tables[lt.local];
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < local; i += gridDim.x * blockDim.x) {
-    const int p = by_local[i];
-    const int64_t expert =
-        topk_int64 ? static_cast<const int64_t*>(topk)[p] : static_cast<const int32_t*>(topk)[p];
-    const int e = static_cast<int>(expert) - me * el_n;
-    const int at = tables[lt.pre + me * el_n + e] + pos[p];
-    if (at >= tables[lt.row_count + e]) continue;  // past the room (notify recorded it)
-    const int row = tables[lt.start + e] + at;
-    int32_t* h = handle + static_cast<int64_t>(row) * 3;
-    h[0] = me;
-    h[1] = p / k;
-    h[2] = p % k;
-    atomicAdd(counters + row_block(d, e, row), 1ull);
-  }
-}
-
 // One warp copies a row of n16 16-byte words, kInFlight per lane (kFresh: src may have been
 // written during the kernel - read through L2). The side warps run on the producer warpgroup's
 // few registers: 32-bit indices, four vectors in flight (eight spilled).
@@ -190,10 +151,9 @@ template <int kBlockN>
 struct MoeDispatchGemm {
   // The side warps copy rows and keep the layout's bookkeeping: the producer warpgroup needs 88
   // registers for them without spilling (ptxas, every width; 72 spilled 16 bytes); the
-  // consumers' 208 hold the widest tile's 128 accumulators without spilling too. A's rows are
-  // gathered (gather_rows, gather_a): this rank's own from x, the others' from recv_x.
+  // consumers' 208 hold the widest tile's 128 accumulators without spilling too.
   static constexpr gemm_engine::FusionTraits kTraits{
-      .batched_b = true, .gather_a = true, .producer_regs = 88, .consumer_regs = 208};
+      .batched_b = true, .producer_regs = 88, .consumer_regs = 208};
   static constexpr int kSideBarrier = 3;  // named barrier of the 96 side threads
 
   gemm_engine::GroupedGemm<kBlockN> grouped;  // A = recv [rows, H], C = y, the layout's tables
@@ -211,60 +171,23 @@ struct MoeDispatchGemm {
   __device__ int num_tiles() const { return grouped.num_tiles(); }
   __device__ gemm_engine::Tile tile(int t) const { return grouped.tile(t); }
 
+  __device__ int64_t block_of(int e, int64_t row) const {
+    return d.masked ? e * d.blocks_per_expert + (row - e * d.capacity) / kRowBlock
+                    : row / kRowBlock;
+  }
+
   // The tile's rows have all been placed.
   __device__ void wait_operands(const gemm_engine::Tile& tile) const {
     if (tile.rows <= 0) return;
-    const int64_t b = row_block(d, tile.shard, tile.row);
+    const int64_t b = block_of(tile.shard, tile.row);
     const dev::Launch launch = dev::Launch::begin(comm);
     const uint64_t* counter = ws.at<uint64_t>(d.rank, ws.counters) + b;
     launch.wait_local(counter, static_cast<uint64_t>(tile.rows), static_cast<uint32_t>(b));
     dev::fence_proxy_async_global();
   }
 
-  // A lane's rows of a tile: rows lane, lane + 32, lane + 64, lane + 96 (null: not in the
-  // tile's group), where they are - x (this rank's own tokens) or recv_x (placed by the side
-  // warps: their handle rows are written before the count lane 0 waited for).
-  struct LaneRows {
-    const __nv_bfloat16* row[4];
-  };
-  __device__ LaneRows gather_rows(const gemm_engine::Tile& tile, int lane) const {
-    LaneRows out;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = lane + 32 * j;
-      out.row[j] = nullptr;
-      if (r >= tile.rows) continue;
-      const int64_t row = tile.row + r;
-      const int32_t src = __ldcg(handle + row * 3), token = __ldcg(handle + row * 3 + 1);
-      out.row[j] =
-          src == d.rank ? x + static_cast<int64_t>(token) * d.hidden : recv + row * d.hidden;
-    }
-    return out;
-  }
-  // Columns [k0, k0 + 64) of the tile's rows into the stage's A box: row r at r x 128 bytes, its
-  // 16-byte chunk c at (c ^ (r % 8)) x 16 - TMA's 128-byte swizzle, which the wgmma descriptors
-  // read. Coalesced: each instruction copies four whole 128-byte row segments, lane l chunk l % 8
-  // of row 4 i + l / 8 (its address shuffled from the lane that holds it), not 32 rows' chunk c
-  // - 32 lines an instruction, measured twice as slow as TMA at compute-bound sizes (88f6019).
-  // Columns past H read as zeros; rows outside the group keep what the stage held (their outputs
-  // are not stored).
-  __device__ void gather_a(void* dst, uint64_t* bar, const LaneRows& rows, int k0, int lane) const {
-    uint8_t* box = static_cast<uint8_t*>(dst);
-    const int c = lane % 8, col = k0 + 8 * c;
-    const bool inside = col < d.hidden;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll 2  // (unrolled 8: a register spilled at the producer's 88)
-      for (int i = 0; i < 8; ++i) {
-        const int q = 4 * i + lane / 8, r = 32 * j + q;  // row r's address: lane q's row[j]
-        const auto* p = reinterpret_cast<const __nv_bfloat16*>(
-            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(rows.row[j]), q));
-        if (p == nullptr) continue;
-        dev::cp_async_16(box + r * 128 + ((c ^ (r % 8)) * 16), p + (inside ? col : 0),
-                         inside ? 16u : 0u);
-      }
-    }
-    dev::cp_async_arrive(bar);
+  __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
+    grouped.load_a(dst, bar, tile, k0);
   }
 
   template <int kRegs>
@@ -293,7 +216,7 @@ struct MoeDispatchGemm {
       h[2] = slot;
       __threadfence();  // the row's bytes (every lane's, ordered by __syncwarp) before the count
       atomicAdd(reinterpret_cast<unsigned long long*>(ws.at<uint64_t>(d.rank, ws.counters) +
-                                                      row_block(d, e, row)),
+                                                      block_of(e, row)),
                 1ull);
     }
   }
@@ -305,7 +228,7 @@ struct MoeDispatchGemm {
     }
   }
 
-  // The side warps' three steps (the header). Indices are 32-bit (rows and tokens below 2^31):
+  // The side warps' four steps (the header). Indices are 32-bit (rows and tokens below 2^31):
   // these warps run on the producer warpgroup's few registers.
   __device__ void side_task(int thread, int threads) const {
     const int warp = thread / 32, lane = thread % 32, warps = threads / 32;
@@ -352,7 +275,24 @@ struct MoeDispatchGemm {
       }
     }
 
-    // 2. Channel c's share of every other rank's rows, chunk by chunk as they land.
+    // 2. This rank's rows for its own experts, in layout order, units taken by the CTAs in turn.
+    const int32_t* by_local = ws.at<int32_t>(me, ws.by_local);
+    const int local = tables[lt.local];
+    for (int unit = c * kChunkRows; unit < local; unit += channels * kChunkRows) {
+      const int end = min(local, unit + kChunkRows);
+      for (int i = unit + warp; i < end; i += warps) {
+        const int p = by_local[i];
+        const int e = static_cast<int>(topk_at(p)) - me * el_n;
+        const int at = tables[lt.pre + me * el_n + e] + pos[p];
+        if (at >= tables[lt.row_count + e]) continue;  // past the room (notify recorded it)
+        const int row = tables[lt.start + e] + at;
+        copy_row_warp<false>(x16 + static_cast<int64_t>(p / k) * n16,
+                             recv16 + static_cast<int64_t>(row) * n16, n16, lane);
+        placed(e, row, me, p / k, p % k, lane);
+      }
+    }
+
+    // 3. Channel c's share of every other rank's rows, chunk by chunk as they land.
     for (int i = 1; i < d.world; ++i) {
       const int src = (me - i + d.world) % d.world;
       int64_t lo, hi;
@@ -387,7 +327,7 @@ struct MoeDispatchGemm {
       }
     }
 
-    // 3. The handle's rows that no (source, token, slot) landed in.
+    // 4. The handle's rows that no (source, token, slot) landed in.
     for (int e = c; e < el_n; e += channels) {
       const int64_t start = tables[lt.start + e];
       const int64_t end =

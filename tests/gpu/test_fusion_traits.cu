@@ -12,28 +12,19 @@ namespace {
 using Cfg = TileConfig<128>;
 
 // The required hooks and store(), without a declaration: each policy below adds its kTraits.
-// A comes by load_a, or (kTraits.gather_a) by gather_rows + gather_a.
-struct RequiredButA {
+struct Required {
   struct ConsumerState {};
   __device__ int num_tiles() const { return 0; }
   __device__ Tile tile(int) const { return {}; }
   __device__ void wait_operands(const Tile&) const {}
+  __device__ void load_a(void*, uint64_t*, const Tile&, int) const {}
   __device__ void consumer_done(ConsumerState&) const {}
   __device__ void side_task(int, int) const {}
   __device__ void finish() const {}
+};
+struct Plain : Required {
   template <int kRegs>
   __device__ void store(const float (&)[kRegs], const Tile&, int, uint8_t*, ConsumerState&) const {}
-};
-struct Required : RequiredButA {
-  __device__ void load_a(void*, uint64_t*, const Tile&, int) const {}
-};
-using Plain = Required;
-struct GatherHooks {
-  struct Rows {
-    const void* row[4];
-  };
-  __device__ Rows gather_rows(const Tile&, int) const { return {}; }
-  __device__ void gather_a(void*, uint64_t*, const Rows&, int, int) const {}
 };
 
 struct Minimal : Plain {
@@ -80,29 +71,7 @@ struct TooManyRegisters : Plain {
   static constexpr FusionTraits kTraits{.producer_regs = 64, .consumer_regs = 232};
 };
 // No store() at all.
-struct NoStore {
-  struct ConsumerState {};
-  static constexpr FusionTraits kTraits{};
-  __device__ int num_tiles() const { return 0; }
-  __device__ Tile tile(int) const { return {}; }
-  __device__ void wait_operands(const Tile&) const {}
-  __device__ void load_a(void*, uint64_t*, const Tile&, int) const {}
-  __device__ void consumer_done(ConsumerState&) const {}
-  __device__ void side_task(int, int) const {}
-  __device__ void finish() const {}
-};
-// A gathered: declared with its hooks and no load_a; its hooks undeclared (and no load_a);
-// declared next to a load_a; no way to A at all.
-struct GatherA : RequiredButA, GatherHooks {
-  static constexpr FusionTraits kTraits{.gather_a = true};
-};
-struct GatherAUndeclared : RequiredButA, GatherHooks {
-  static constexpr FusionTraits kTraits{};
-};
-struct GatherAAndLoadA : Required, GatherHooks {
-  static constexpr FusionTraits kTraits{.gather_a = true};
-};
-struct NoA : RequiredButA {
+struct NoStore : Required {
   static constexpr FusionTraits kTraits{};
 };
 // No declaration at all.
@@ -120,10 +89,6 @@ static_assert(!fusion_matches<Cfg, LoadBUndeclared>());
 static_assert(!fusion_matches<Cfg, TooManyRegisters>());
 static_assert(!fusion_matches<Cfg, NoStore>());
 static_assert(!fusion_matches<Cfg, Undeclared>());
-static_assert(fusion_matches<Cfg, GatherA>());
-static_assert(!fusion_matches<Cfg, GatherAUndeclared>());
-static_assert(!fusion_matches<Cfg, GatherAAndLoadA>());
-static_assert(!fusion_matches<Cfg, NoA>());
 
 TEST(FusionTraits, DeclarationsAreCheckedAtCompileTime) {
   SUCCEED() << "the static_asserts of tests/gpu/test_fusion_traits.cu compiled";

@@ -207,11 +207,9 @@ MoeProblem problem_of(const World& w, int rank) {
   return p;
 }
 
-// The dispatch's outputs against the reference, bit for bit. own_rows = false
-// (moe_dispatch_gemm): recv holds the other ranks' rows only - the GEMM reads this rank's own
-// from x.
+// The dispatch's outputs against the reference, bit for bit.
 void check_dispatch(const World& w, int rank, const MoePlan& plan, const Buffers& b,
-                    cudaStream_t s, bool own_rows = true) {
+                    cudaStream_t s) {
   const MoeReceived& want = w.ref.received[rank];
   std::vector<int32_t> rows(plan.experts_local), handle(plan.rows * 3);
   std::vector<uint16_t> recv(plan.rows * w.c.hidden);
@@ -233,7 +231,7 @@ void check_dispatch(const World& w, int rank, const MoePlan& plan, const Buffers
       }
       continue;
     }
-    if (ref.src < 0 || (!own_rows && ref.src == rank)) continue;
+    if (ref.src < 0) continue;
     const uint16_t* sent = &w.x[ref.src][static_cast<size_t>(ref.token * w.c.hidden)];
     if (std::memcmp(sent, &recv[r * w.c.hidden], w.c.hidden * 2) != 0 && bad_rows++ < 5) {
       ADD_FAILURE() << "row " << r << " differs from rank " << ref.src << "'s token " << ref.token;
@@ -629,7 +627,7 @@ void expect_fused(Communicator& comm, const FusedCase& f, uint64_t seed, int cal
       EXPECT_EQ(e.code(), ErrorCode::kOutOfMemory) << e.what();
     }
     EXPECT_NO_THROW(comm.check());
-    ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, got, s, /*own_rows=*/false));
+    ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, got, s));
     std::vector<int32_t> handle(plan.rows * 3);
     MKT_CUDA(cudaMemcpy(handle.data(), got.handle, handle.size() * 4, cudaMemcpyDeviceToHost));
     std::vector<uint16_t> a(plan.rows * f.n), b(plan.rows * f.n);
@@ -755,14 +753,10 @@ TEST(InProcessMoeDispatchGemm, GraphReplaysWithNewRouting) {
       ready(comm, s);
       MKT_CUDA(cudaGraphLaunch(exec, s));
       comm.synchronize(s);
-      ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, b, s, /*own_rows=*/false));
-      // The reference: the same rows dispatched (moe_dispatch, every row in recv) through the
-      // grouped GEMM.
-      ready(comm, s);
-      moe_dispatch(comm, p, ref.x, ref.topk, c.index, ref.recv, ref.rows, ref.handle, ws.data(), s);
-      comm.synchronize(s);
-      grouped_gemm(ref.recv, weights, y_ref, ref.rows, plan.experts_local, plan.capacity, n,
-                   c.hidden, BLayout::kNK, s, gemm_config, GroupedLayout::kPadded);
+      ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, b, s));
+      // The reference: the same rows through the grouped GEMM.
+      grouped_gemm(b.recv, weights, y_ref, b.rows, plan.experts_local, plan.capacity, n, c.hidden,
+                   BLayout::kNK, s, gemm_config, GroupedLayout::kPadded);
       MKT_CUDA(cudaStreamSynchronize(s));
       std::vector<int32_t> handle(plan.rows * 3);
       std::vector<uint16_t> got(plan.rows * n), want(plan.rows * n);

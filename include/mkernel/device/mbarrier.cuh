@@ -61,20 +61,4 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-// cp.async (not bulk): 16 bytes from global memory (read through L2, not L1: rows other CTAs
-// wrote during the kernel are fresh) into shared memory; src_bytes < 16 fills the rest with
-// zeros (0: all zeros, src not read).
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-
-// One arrival on `bar` once every cp.async this thread issued before it has landed (the
-// barrier's count includes it: .noinc).
-__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar))
-               : "memory");
-}
-
 }  // namespace mk::dev
