@@ -70,7 +70,7 @@ def pick_block_n(m, n, bm):
 def best_at(p, m, n, k, bm):
     """plan.cpp's best_at: (score, block_m, block_n, pieces, ctas)."""
     kb = -(-k // 64)
-    widths = (64, 128) if bm == 192 else (256, 192, 128, 64)
+    widths = (128, 64) if bm == 192 else (256, 192, 128, 64)  # plan.cpp's order (ties)
     whole = None
     for bn in (widths if bm == 192 else (pick_block_n(m, n, bm),)):
         t = tiles(m, n, bm, bn)
@@ -78,7 +78,7 @@ def best_at(p, m, n, k, bm):
         if whole is None or c[0] < whole[0]:
             whole = c
     split = None
-    for bn in widths[::-1] if bm == 192 else (256, 192, 128, 64):
+    for bn in widths:
         t = tiles(m, n, bm, bn)
         for pieces in range(8, 1, -1):
             cap = CLUSTERS[pieces]
@@ -89,7 +89,7 @@ def best_at(p, m, n, k, bm):
                 continue
             ctas = cap if t >= cap else last * pieces
             c = (estimate(p, m, n, k, bm, bn, ctas, t - last, pieces), bm, bn, pieces, ctas)
-            if split is None or c[0] <= split[0]:  # ties: fewer pieces, a narrower tile
+            if split is None or c[0] <= split[0]:  # ties: fewer pieces
                 split = c
     if split is not None and split[0] * SPLIT_GAIN <= whole[0]:
         return (split[0] * SPLIT_GAIN,) + split[1:]

@@ -16,9 +16,9 @@
 // 1-8 pieces - timed side by side, about 1,900 launches. The fit chose the constants whose plans
 // lose least against the fastest option measured on each shape (geomean 0.5% over it, against
 // 1.4% with the constants before), with a weak pull toward predicting the times themselves (rms
-// error 26% -> 12%).
-// Where the estimates of two splits tie (both at the HBM rate), fewer pieces and the narrower
-// tile win: measured faster (64 x 2048 x 7168: 4 pieces 13.2 us, 6 pieces 14.2).
+// error 26% -> 12.5%).
+// Where the estimates of two splits of one width tie (both at the HBM rate), fewer pieces win:
+// measured faster (64 x 2048 x 7168: 4 pieces 13.2 us, 6 pieces 14.2).
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -203,7 +203,7 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
           }
         }
         const GemmPlan p = plan_for(block_m, block_n, shape);
-        // Ties (both at the HBM rate) go to the later: fewer pieces, a narrower tile.
+        // Ties (both at the HBM rate) go to the later: fewer pieces.
         if (split.block_n == 0 || p.estimate_us <= split.estimate_us) split = p;
         if (requested_split_k > 1) break;  // the most pieces that fit, at this width
       }
@@ -227,6 +227,10 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
       requested_block_n == 0 || requested_block_n == 64 || requested_block_n == 128;
   if (m > 128 && m <= 192 && tall_fits) {
     const Choice tall = best_at(192), square = best_at(128);
+    // A split asked for: the height that splits, where only one does.
+    if (requested_split_k > 1 && (tall.plan.split_k > 1) != (square.plan.split_k > 1)) {
+      return tall.plan.split_k > 1 ? tall.plan : square.plan;
+    }
     return square.score < tall.score ? square.plan : tall.plan;
   }
   return best_at(128).plan;
