@@ -131,10 +131,13 @@ def evaluate(p, shapes, verbose=False):
 
 
 def rms_log_error(p, shapes):
-    errs = [math.log(estimate(p, m, n, k, bm, bn, ctas,
-                              tiles(m, n, bm, bn) - (tiles(m, n, bm, bn) % CLUSTERS[pc]
-                                                     if pc > 1 else 0), pc) * 1e6 / t)
-            for (m, n, k), s in shapes.items() for (bm, bn, pc, ctas), t in s["measured"].items()]
+    errs = []
+    for (m, n, k), s in shapes.items():
+        for (bm, bn, pc, ctas), t in s["measured"].items():
+            whole = tiles(m, n, bm, bn)
+            if pc > 1:
+                whole -= whole % CLUSTERS[pc]  # the last wave's tiles go in pieces
+            errs.append(math.log(estimate(p, m, n, k, bm, bn, ctas, whole, pc) * 1e6 / t))
     return math.sqrt(sum(e * e for e in errs) / len(errs))
 
 

@@ -21,6 +21,9 @@ namespace mk {
 namespace {
 
 constexpr int kSms = 132;  // H200
+// The H200's CTAs in clusters of 0..8 at 227 KB a CTA (cudaOccupancyMaxActiveClusters,
+// 2026-12-02): they do not tile its 132 SMs evenly.
+constexpr gemm_engine::ClusterCtas kH200Clusters{132, 132, 132, 117, 120, 110, 102, 105, 120};
 
 int pick(int requested, int64_t m, int64_t n) {
   return gemm_engine::pick_block_n(requested, m, n, kSms, "test_op");
@@ -125,9 +128,8 @@ TEST(GemmPlan, RequestedSplitIsTheMostPiecesThatFit) {
 // The H200's clusters do not tile its 132 SMs evenly (cudaOccupancyMaxActiveClusters at 227 KB a
 // CTA, 2026-12-02): the plan keeps every split inside what fits and falls back to fewer pieces.
 TEST(GemmPlan, UnevenClusterCapacity) {
-  const gemm_engine::ClusterCtas h200{132, 132, 132, 117, 120, 110, 102, 105, 120};
   const auto with = [&](int64_t m, int64_t n, int64_t k, int block_n, int split_k) {
-    return gemm_engine::plan_gemm(m, n, k, kSms, 0, block_n, split_k, "test_op", h200);
+    return gemm_engine::plan_gemm(m, n, k, kSms, 0, block_n, split_k, "test_op", kH200Clusters);
   };
   // 16 tiles of 128 x 128: 8 pieces need 128 CTAs in clusters of 8 (120 fit), 7 need 112 (105
   // fit), 6 need 96 (102 fit).
@@ -143,7 +145,7 @@ TEST(GemmPlan, UnevenClusterCapacity) {
     const int64_t k = 8 * (1 + static_cast<int64_t>(gen() % 4000));
     const GemmPlan p = with(m, n, k, 0, static_cast<int>(gen() % 9));
     expect_consistent(p, m, n, k, kSms);
-    if (p.split_k > 1) EXPECT_LE(p.ctas, h200[p.split_k]) << p.describe();
+    if (p.split_k > 1) EXPECT_LE(p.ctas, kH200Clusters[p.split_k]) << p.describe();
   }
 }
 
@@ -153,7 +155,6 @@ TEST(GemmPlan, UnevenClusterCapacity) {
 // chose 3-20% slower than the fastest option measured, the plan now takes that option (us, the
 // first sample of 2026-12-03: the plan before, then now).
 TEST(GemmPlan, RefitChoosesTheMeasuredBest) {
-  const gemm_engine::ClusterCtas h200{132, 132, 132, 117, 120, 110, 102, 105, 120};
   struct Case {
     int64_t m, n, k;
     int block_m, block_n, split_k;
@@ -166,7 +167,8 @@ TEST(GemmPlan, RefitChoosesTheMeasuredBest) {
            Case{256, 2048, 7168, 128, 64, 2},   // 128 x 192 in 5 22.8, 19.0
            Case{256, 28672, 8192, 128, 128, 2}  // 128 x 256 whole 210.3, 203.1
        }) {
-    const GemmPlan p = gemm_engine::plan_gemm(c.m, c.n, c.k, kSms, 0, 0, 0, "test_op", h200);
+    const GemmPlan p =
+        gemm_engine::plan_gemm(c.m, c.n, c.k, kSms, 0, 0, 0, "test_op", kH200Clusters);
     expect_consistent(p, c.m, c.n, c.k, kSms);
     EXPECT_EQ(p.block_m, c.block_m) << p.describe();
     EXPECT_EQ(p.block_n, c.block_n) << p.describe();
@@ -180,7 +182,6 @@ TEST(GemmPlan, RefitChoosesTheMeasuredBest) {
 // (scripts/fit_gemm_plan.py), at most 5.4% on a shape. A change to the model that chooses worse
 // on measured data fails here.
 TEST(GemmPlan, LosesLittleAgainstTheMeasuredCandidates) {
-  const gemm_engine::ClusterCtas h200{132, 132, 132, 117, 120, 110, 102, 105, 120};
   std::ifstream csv(std::string(MKERNEL_SOURCE_DIR) + "/bench/data/gemm_candidates-h200.csv");
   ASSERT_TRUE(csv.good()) << "bench/data/gemm_candidates-h200.csv";
   struct Candidate {
@@ -203,7 +204,7 @@ TEST(GemmPlan, LosesLittleAgainstTheMeasuredCandidates) {
   double log_loss = 0, worst = 1;
   for (const auto& [shape, candidates] : shapes) {
     const auto [m, n, k] = shape;
-    const GemmPlan p = gemm_engine::plan_gemm(m, n, k, kSms, 0, 0, 0, "test_op", h200);
+    const GemmPlan p = gemm_engine::plan_gemm(m, n, k, kSms, 0, 0, 0, "test_op", kH200Clusters);
     double best = 1e30, chosen = 0;
     for (const Candidate& c : candidates) {
       best = std::min(best, c.us);
