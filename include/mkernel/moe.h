@@ -129,17 +129,17 @@ void moe_combine(Communicator& comm, const MoeProblem& problem, const void* y,
 // checks, worst-case buffers, one node) is moe_dispatch's; the layout (padded or masked) is the
 // one the experts' rows take between the steps.
 //
-// Today three launches on `stream`: moe_dispatch; the experts' GEMMs in one launch (gate / up
-// with SwiGLU in its epilogue, then down, a down tile starting once the gate / up tiles of its
-// rows are stored); moe_combine - the intermediates in the caller's `scratch`. (One persistent
-// launch with the dispatch and the combine inside is the plan: docs/design/moe_layer.md.)
+// One persistent launch on `stream` (after the routing's small kernels and two memsets): the rows
+// placed as they arrive, the gate / up tiles (SwiGLU in their epilogue) once their rows are in,
+// a down tile once the gate / up tiles of its rows are stored, each down row written straight
+// into its source's combine slot, and every token summed once its slots are in - the
+// intermediates in the caller's `scratch` (docs/design/moe_layer.md).
 struct MoeLayerPlan {
   MoePlan dispatch;               // the dispatch / combine (symmetric workspace: its bytes)
   int64_t intermediate = 0;       // I
-  std::size_t scratch_bytes = 0;  // moe_layer's `scratch`: the dispatched rows, the
-                                  // intermediate, the experts' outputs (dispatch.rows x (2H + I)
-                                  // bf16), their counts, the handle, the GEMMs' tables and
-                                  // counters
+  std::size_t scratch_bytes = 0;  // moe_layer's `scratch`: the dispatched rows and the
+                                  // intermediate (dispatch.rows x (H + I) bf16), the rows per
+                                  // expert, the handle, the gate / up tile-rows' counters
   std::string describe() const;
 };
 MoeLayerPlan moe_layer_plan(const Communicator& comm, const MoeProblem& problem,
@@ -150,9 +150,9 @@ MoeLayerPlan moe_layer_plan(const Communicator& comm, const MoeProblem& problem,
 // every rank. scratch: this rank's device memory (256-byte aligned) of moe_layer_plan()'s
 // scratch_bytes, for the call's intermediates - nothing is allocated inside, so CUDA graphs
 // capture the call as it is; reusable once the call's work on the stream is done.
-// config.sms: CTAs of every kernel of the layer (0, or more than the communicator's SM budget:
-// the budget); config.block_n:
-// the experts' GEMMs' tile width, 128 or 256 (0: chosen; 256 needs I a multiple of 128).
+// config.sms: CTAs of the launch (0, or more than the communicator's SM budget: the budget);
+// config.block_n: the experts' GEMMs' tile width, 128 or 256 (0: chosen; 256 needs I a multiple
+// of 128).
 void moe_layer(Communicator& comm, const MoeProblem& problem, int64_t intermediate, const void* x,
                const void* topk_idx, IndexType index_type, const float* topk_weights,
                const void* w13, const void* w2, void* out, void* workspace, void* scratch,

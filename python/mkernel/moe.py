@@ -310,7 +310,7 @@ def moe_layer_plan(comm, tokens: int, hidden: int, top_k: int, num_experts: int,
                    max_tokens: int = 0, sms: int = 0, block_n: int = 0):
     """(rows, capacity, experts_local, ctas, workspace_bytes, scratch_bytes, description) of a
     moe_layer call: the symmetric workspace it shares with the dispatch, and the per-call scratch
-    (the dispatched rows, the intermediate, the experts' outputs) it takes from the allocator."""
+    (the dispatched rows and the intermediate) it takes from the allocator."""
     return _C.moe_layer_plan(comm._impl, tokens, max_tokens if max_tokens > 0 else tokens, hidden,
                              top_k, num_experts, layout, capacity, intermediate, sms, block_n)
 
@@ -400,9 +400,10 @@ def moe_layer(x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.
     multiple of 64. x [T, H] bf16, topk_idx [T, k] int32 / int64 (global expert ids, -1 = none),
     topk_weights [T, k] float32; num_experts, layout, capacity and max_tokens as moe_dispatch's.
     The intermediate is rounded to bf16 once; the combine sums in fp32 in slot order (the same
-    bits every run). Today three launches (dispatch; gate / up with SwiGLU in the GEMM's epilogue
-    and down, in one launch; combine); a CUDA graph replays them with new routing,
-    torch.compile sees one op. sms: CTAs of every kernel (0: the communicator's SM budget);
+    bits every run). One persistent launch (after the routing's small kernels): rows placed as
+    they arrive, gate / up with SwiGLU in its epilogue, down, each down row sent to its source's
+    combine slot and every token summed there; a CUDA graph replays it with new routing,
+    torch.compile sees one op. sms: CTAs of the launch (0: the communicator's SM budget);
     block_n: the experts' GEMMs' tile width, 128 or 256 (0: chosen).
     """
     op = _layer_impl if _direct(x, topk_idx, topk_weights, w13, w2) else _layer_op

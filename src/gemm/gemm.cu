@@ -335,8 +335,6 @@ std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
   add_resources<128, true, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<192, true, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<256, true, gemm_engine::GroupedGemm>(out, "grouped");
-  add_resources<128, false, gemm_engine::GroupedSwigluDown>(out, "grouped_swiglu_down");
-  add_resources<256, false, gemm_engine::GroupedSwigluDown>(out, "grouped_swiglu_down");
   return out;
 }
 

@@ -67,34 +67,40 @@ GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block
 }  // namespace gemm_engine
 
 namespace gemm_engine {
-// An MoE layer's two expert GEMMs in one launch (grouped_gemm.cuh, GroupedSwigluDown):
-// h[rows, I] = silu(A Wg^T) * (A Wu^T) and y[rows, H] = h W2^T per group, w13 [groups][2I, H] bf16
-// (the gate's I rows, then the up's), w2 [groups][H, I], A [rows, H] and groups as grouped_gemm()'s
-// (`rows`: max_rows, or the capacity of a group when masked); I a multiple of 64, H of 8.
-// block_n: the tile width, 0 (chosen), 128 or 256. sms: the CTAs - every one of them must be
-// resident (the down tiles wait for the gate / up tiles of their rows: the communicator's SM
-// budget when ranks share the GPU); comm: the waits' time limit. tables: grouped_tables_bytes;
-// done: swiglu_down_counters_bytes (zeroed here). Errors name `op`.
-void grouped_swiglu_down(const DeviceComm& comm, const void* a, const void* w13, const void* w2,
-                         void* h, void* y, const int32_t* group_rows, int groups, int64_t rows,
-                         int64_t intermediate, int64_t hidden, GroupedLayout layout, int block_n,
-                         int sms, int32_t* tables, uint64_t* done, cudaStream_t stream,
-                         const char* op);
+// An MoE layer's two expert GEMMs in one launch (grouped_gemm.cuh, GroupedSwigluDown; moe_layer's
+// launch builds on it): h[rows, I] = silu(A Wg^T) * (A Wu^T) and y[rows, H] = h W2^T per group,
+// w13 [groups][2I, H] bf16 (the gate's I rows, then the up's), w2 [groups][H, I], A [rows, H];
+// I a multiple of 64, H of 8. Every CTA must be resident (the down tiles wait for the gate / up
+// tiles of their rows). The tile-rows' done counters: swiglu_down_counters_bytes.
 std::size_t swiglu_down_counters_bytes(int groups, int64_t total_rows);
-// mk::grouped_gemm with the group tables in `tables` (as grouped_swiglu_down's; nullptr:
+// The two GEMMs' tile width for these rows: block_n if not 0 (checked), else chosen.
+int swiglu_down_width(int block_n, int64_t total_rows, int groups, int64_t intermediate, int sms,
+                      const char* op);
+// The policy, its tensor maps encoded:
+// tables: row_start [groups], row_count [groups], tile_prefix [groups + 1] with one tile per
+// tile-row; done: the tile-rows' counters, zeroed before the launch.
+template <int kBlockN>
+struct GroupedSwigluDown;
+template <int kBlockN>
+GroupedSwigluDown<kBlockN> swiglu_down_policy(const DeviceComm& comm, const void* a,
+                                              const void* w13, const void* w2, void* h, void* y,
+                                              const int32_t* tables, uint64_t* done, int groups,
+                                              int64_t total_rows, int64_t intermediate,
+                                              int64_t hidden);
+// mk::grouped_gemm with the group tables in `tables` (as swiglu_down_policy's; nullptr:
 // stream-ordered scratch, what the public function does).
 void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_rows, int groups,
                   int64_t rows, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream,
                   const GemmConfig& config, GroupedLayout layout, int32_t* tables);
 std::size_t grouped_tables_bytes(int groups);
-// grouped_swiglu_down's I: a positive multiple of 64 below 2^30, else kInvalidArgument naming
+// The SwiGLU GEMMs' I: a positive multiple of 64 below 2^30, else kInvalidArgument naming
 // `op` and the value.
 void require_swiglu_intermediate(int64_t intermediate, const char* op);
-// grouped_swiglu_down's tile width: 0 (chosen), 128 or 256 (256: I a multiple of 128), else
+// The SwiGLU GEMMs' tile width: 0 (chosen), 128 or 256 (256: I a multiple of 128), else
 // kInvalidArgument naming `op`, the argument's `name` and the value.
 void require_swiglu_width(int block_n, int64_t intermediate, const char* op, const char* name);
-// Loads the grouped GEMM's kernels (every width and B layout) and grouped_swiglu_down's now: ops
-// that launch them between kernels that wait for peers (moe_layer) must not load them lazily.
+// Loads the grouped GEMM's kernels (every width and B layout) now, with the communicator's
+// kernels: none loads lazily behind a peer's kernel that waits.
 void preload_grouped();
 }  // namespace gemm_engine
 

@@ -251,51 +251,29 @@ void gemm_engine::grouped_gemm(const void* a, const void* b, void* c, const int3
 
 void gemm_engine::preload_grouped() {
   preload_all<GroupedGemm>();
-  prepared_kernel<128, false, GroupedSwigluDown<128>>();
-  prepared_kernel<256, false, GroupedSwigluDown<256>>();
   cudaFuncAttributes attr{};
   MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, grouped_prep_kernel));
 }
 
-void gemm_engine::grouped_swiglu_down(const DeviceComm& comm, const void* a, const void* w13,
-                                      const void* w2, void* h, void* y, const int32_t* group_rows,
-                                      int groups, int64_t rows, int64_t intermediate,
-                                      int64_t hidden, GroupedLayout layout, int block_n, int sms,
-                                      int32_t* tables, uint64_t* done, cudaStream_t stream,
-                                      const char* op) {
-  const int64_t total_rows = grouped_total_rows(op, groups, rows, layout);
-  require_swiglu_intermediate(intermediate, op);
-  gemm_engine::require_multiple_of_8(hidden, op, "hidden");
-  int device = 0;
-  MK_CUDA_CHECK(cudaGetDevice(&device));
-  if (hidden >= (int64_t{1} << 31)) {
-    throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": hidden must be < 2^31");
-  }
-  const std::size_t weights = static_cast<std::size_t>(groups) *
-                              static_cast<std::size_t>(intermediate) *
-                              static_cast<std::size_t>(hidden);
-  check_grouped_pointers(op, a, w13, h, group_rows, groups, total_rows, intermediate, 2 * weights,
-                         hidden, device);
-  check_grouped_pointers(op, h, w2, y, group_rows, groups, total_rows, hidden, weights,
-                         intermediate, device);
-  gemm_engine::require_device_pointer(done, op, "done counters", device, 8);
-  if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+int gemm_engine::swiglu_down_width(int block_n, int64_t total_rows, int groups,
+                                   int64_t intermediate, int sms, const char* op) {
   // Tiles of 128 x 256 (gate / up: 128 h columns) where I allows and the plain GEMM of the
   // gate / up's width (2I) would take 256-wide tiles, else 128 x 128 (which ran the gate / up
   // GEMM well below the plain 256-wide one: journal, 2026-12-02); or the requested width.
   require_swiglu_width(block_n, intermediate, op, "block_n");
   const int64_t width_rows = std::max<int64_t>(total_rows, int64_t{groups} * 128);
-  const int width =
-      block_n != 0 ? block_n
-      : intermediate % 128 == 0 && pick_block_n(0, width_rows, 2 * intermediate, sms, op) == 256
-          ? 256
-          : 128;
-  const int half = width / 2;
-  std::optional<StreamScratch> own;  // the prep tables, unless the caller gives them
-  // Tile-rows per group (tiles_n 1): the gate / up and the down tiles share them.
-  const int32_t* prepped =
-      prep_groups(tables, own, group_rows, groups, total_rows, rows, layout, 1, stream);
-  MK_CUDA_CHECK(cudaMemsetAsync(done, 0, swiglu_down_counters_bytes(groups, total_rows), stream));
+  if (block_n != 0) return block_n;
+  return intermediate % 128 == 0 && pick_block_n(0, width_rows, 2 * intermediate, sms, op) == 256
+             ? 256
+             : 128;
+}
+
+template <int kBlockN>
+gemm_engine::GroupedSwigluDown<kBlockN> gemm_engine::swiglu_down_policy(
+    const DeviceComm& comm, const void* a, const void* w13, const void* w2, void* h, void* y,
+    const int32_t* tables, uint64_t* done, int groups, int64_t total_rows, int64_t intermediate,
+    int64_t hidden) {
+  constexpr int half = kBlockN / 2;
   // w13 [G][2][I / half][half][H]: a box is `half` rows of the gate and the same rows of the up.
   const cuuint64_t dims[5] = {static_cast<cuuint64_t>(hidden), static_cast<cuuint64_t>(half),
                               static_cast<cuuint64_t>(intermediate / half), 2,
@@ -305,36 +283,35 @@ void gemm_engine::grouped_swiglu_down(const DeviceComm& comm, const void* a, con
                                  static_cast<cuuint64_t>(hidden * intermediate) * 2,
                                  static_cast<cuuint64_t>(hidden * intermediate) * 4};
   const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(half), 1, 2, 1};
-  auto run = [&]<int kBlockN>() {
-    GroupedSwigluDown<kBlockN> f{};
-    f.comm = comm;
-    f.x = make_map(a, total_rows, hidden, 128);
-    f.h_a = make_map(h, total_rows, intermediate, 128);
-    f.h_c = make_map(h, total_rows, intermediate, 64);
-    f.y = make_map(y, total_rows, hidden, 64);
-    f.w13 = encode_map(w13, 5, dims, strides, box);
-    f.w2 = make_map_3d(w2, groups, hidden, intermediate, kBlockN);
-    f.h_ptr = static_cast<__nv_bfloat16*>(h);
-    f.y_ptr = static_cast<__nv_bfloat16*>(y);
-    f.row_start = prepped;
-    f.row_count = prepped + groups;
-    f.tile_prefix = prepped + 2 * groups;
-    f.done = done;
-    f.groups = groups;
-    f.tiles_up = static_cast<int>(intermediate / (kBlockN / 2));  // I / kHalf
-    f.tiles_down = static_cast<int>((hidden + kBlockN - 1) / kBlockN);
-    f.inter = static_cast<int>(intermediate);
-    f.hidden = static_cast<int>(hidden);
-    f.kb_up = static_cast<int>((hidden + 63) / 64);
-    f.kb_down = static_cast<int>((intermediate + 63) / 64);
-    launch<kBlockN, false>(f, f.w13, hidden, sms, stream, op);
-  };
-  if (width == 256) {
-    run.template operator()<256>();
-  } else {
-    run.template operator()<128>();
-  }
+  GroupedSwigluDown<kBlockN> f{};
+  f.comm = comm;
+  f.x = make_map(a, total_rows, hidden, 128);
+  f.h_a = make_map(h, total_rows, intermediate, 128);
+  f.h_c = make_map(h, total_rows, intermediate, 64);
+  f.y = make_map(y, total_rows, hidden, 64);
+  f.w13 = encode_map(w13, 5, dims, strides, box);
+  f.w2 = make_map_3d(w2, groups, hidden, intermediate, kBlockN);
+  f.h_ptr = static_cast<__nv_bfloat16*>(h);
+  f.y_ptr = static_cast<__nv_bfloat16*>(y);
+  f.row_start = tables;
+  f.row_count = tables + groups;
+  f.tile_prefix = tables + 2 * groups;
+  f.done = done;
+  f.groups = groups;
+  f.tiles_up = static_cast<int>(intermediate / half);
+  f.tiles_down = static_cast<int>((hidden + kBlockN - 1) / kBlockN);
+  f.inter = static_cast<int>(intermediate);
+  f.hidden = static_cast<int>(hidden);
+  f.kb_up = static_cast<int>((hidden + 63) / 64);
+  f.kb_down = static_cast<int>((intermediate + 63) / 64);
+  return f;
 }
+template gemm_engine::GroupedSwigluDown<128> gemm_engine::swiglu_down_policy<128>(
+    const DeviceComm&, const void*, const void*, const void*, void*, void*, const int32_t*,
+    uint64_t*, int, int64_t, int64_t, int64_t);
+template gemm_engine::GroupedSwigluDown<256> gemm_engine::swiglu_down_policy<256>(
+    const DeviceComm&, const void*, const void*, const void*, void*, void*, const int32_t*,
+    uint64_t*, int, int64_t, int64_t, int64_t);
 
 std::size_t gemm_engine::swiglu_down_counters_bytes(int groups, int64_t total_rows) {
   // Tile-rows: sum over groups of ceil(rows / 128) <= total_rows / 128 + groups.

@@ -260,12 +260,15 @@ struct GroupedSwigluDown {
     // that made these tiles far slower than the plain GEMM where experts are many and small
     // (journal, 2026-12-02). __fdividef: 2 ulp, and 0 where exp(-gate) passes 2^126 (silu's
     // limit there).
-    float h[kRegs / 2];
+    // h in place of the gate's half of the accumulators (the next tile's first wgmma overwrites
+    // them: no register holds both; a separate h array spilled at moe_layer's 208 registers).
+    float(&a)[kRegs] = const_cast<float(&)[kRegs]>(acc);
 #pragma unroll
     for (int i = 0; i < kRegs / 2; ++i) {
-      const float gate = acc[i], up = acc[i + kRegs / 2];
-      h[i] = __fdividef(gate, 1.f + __expf(-gate)) * up;
+      const float gate = a[i], up = a[i + kRegs / 2];
+      a[i] = __fdividef(gate, 1.f + __expf(-gate)) * up;
     }
+    const float(&h)[kRegs / 2] = reinterpret_cast<const float(&)[kRegs / 2]>(a);
     const int col0 = tile.n * kHalf;
     if (rows >= 64) {
       store_slice(h, col0, inter, consumer, scratch, [&](const uint8_t* buf, int j) {

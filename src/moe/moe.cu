@@ -11,6 +11,7 @@
 #include "mkernel/moe.h"
 #include "moe/moe_dispatch_gemm.cuh"
 #include "moe/moe_kernels.cuh"
+#include "moe/moe_layer.cuh"
 #include "moe/moe_plan.h"
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
@@ -73,6 +74,7 @@ moe::Workspace workspace_of(const SymmetricRange& range, const moe::Offsets& o) 
   w.by_local = o.by_local;
   w.layout = o.layout;
   w.counters = o.counters;
+  w.comb_count = o.comb_count;
   return w;
 }
 
@@ -281,6 +283,83 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
   });
 }
 
+void moe::launch_layer(Communicator& comm, const MoeProblem& problem, int64_t intermediate,
+                       const void* x, const void* topk_idx, IndexType index_type,
+                       const float* topk_weights, const void* w13, const void* w2, void* out,
+                       void* workspace, void* recv, void* h, int32_t* expert_rows, int32_t* handle,
+                       uint64_t* done, cudaStream_t stream, const MoeConfig& config,
+                       const char* op) {
+  const Checked c = check_common(comm, problem, config, workspace, stream, op);
+  check_dispatch_operands(comm, problem, c, op, x, topk_idx, index_type, recv, expert_rows, handle,
+                          workspace, {}, {});
+  const MoePlan& plan = c.plan.plan;
+  print(comm, op, problem, plan);
+  moe::Dims d = dims_of(comm, problem, c.plan);
+  d.local_list = true;
+  const moe::Workspace ws = workspace_of(c.workspace, c.plan.offsets);
+  const DeviceComm dc = comm.device_comm();
+  const int64_t total_rows = d.masked ? d.capacity * d.experts_local : d.rows;
+  // Every CTA must be resident (down tiles wait for gate / up tiles, sums for down tiles): the
+  // communicator's SM budget, or fewer on request.
+  const int width = gemm_engine::swiglu_down_width(config.block_n, total_rows, d.experts_local,
+                                                   intermediate, plan.ctas, op);
+  const int stride = moe::comb_count_stride(problem.hidden);
+  // The launches before the fused one (after every host step that can throw: the policy's tensor
+  // maps are encoded first, so a refusal leaves no peer waiting for this rank's counts).
+  const auto prep = [&] {
+    if (index_type == IndexType::kInt64) {
+      launch_route(dc, d, ws, static_cast<const int64_t*>(topk_idx), c.plan.chunks(problem.tokens),
+                   stream, op);
+    } else {
+      launch_route(dc, d, ws, static_cast<const int32_t*>(topk_idx), c.plan.chunks(problem.tokens),
+                   stream, op);
+    }
+    const auto e_local = static_cast<std::size_t>(d.experts_local);
+    const std::size_t notify_smem =
+        4 * (static_cast<std::size_t>(d.world) * (e_local + 1) + e_local);
+    moe::notify_kernel<<<1, moe::kThreads, notify_smem, stream>>>(dc, d, ws, 1, expert_rows);
+    launch_check(op);
+    // This call's combine counters (this rank's tokens) and the tile-rows' counters from zero:
+    // no peer counts into them before this rank's launch has sent it rows.
+    if (problem.tokens > 0) {
+      MK_CUDA_CHECK(cudaMemsetAsync(static_cast<uint8_t*>(workspace) + c.plan.offsets.comb_count, 0,
+                                    static_cast<std::size_t>(problem.tokens) * stride * 8, stream));
+    }
+    MK_CUDA_CHECK(cudaMemsetAsync(
+        done, 0, gemm_engine::swiglu_down_counters_bytes(d.experts_local, total_rows), stream));
+  };
+  const moe::LayoutTables lt = moe::layout_tables(d.world, d.experts_local);
+  const auto* tables =
+      reinterpret_cast<const int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.layout);
+  auto run = [&]<int kBlockN>() {
+    moe::MoeLayerFused<kBlockN> f{};
+    // (No y: the down tiles store into the combine's slots. The policy's y map gets recv.)
+    f.gemms = gemm_engine::swiglu_down_policy<kBlockN>(dc, recv, w13, w2, h, recv,
+                                                       tables + lt.row_start, done, d.experts_local,
+                                                       total_rows, intermediate, problem.hidden);
+    f.dispatch.comm = dc;
+    f.dispatch.d = d;
+    f.dispatch.ws = ws;
+    f.dispatch.topk = topk_idx;
+    f.dispatch.topk_int64 = index_type == IndexType::kInt64;
+    f.dispatch.x = static_cast<const __nv_bfloat16*>(x);
+    f.dispatch.recv = static_cast<__nv_bfloat16*>(recv);
+    f.dispatch.handle = handle;
+    f.dispatch.drop_blocks = static_cast<int>((problem.hidden + kBlockN - 1) / kBlockN);
+    f.dispatch.drop_stride = stride;
+    f.weights = topk_weights;
+    f.out = static_cast<__nv_bfloat16*>(out);
+    f.count_stride = stride;
+    prep();
+    gemm_engine::launch<kBlockN, false>(f, f.gemms.w13, problem.hidden, plan.ctas, stream, op);
+  };
+  if (width == 256) {
+    run.template operator()<256>();
+  } else {
+    run.template operator()<128>();
+  }
+}
+
 void moe_combine(Communicator& comm, const MoeProblem& problem, const void* y,
                  const float* topk_weights, const int32_t* handle, void* out, void* workspace,
                  cudaStream_t stream, const MoeConfig& config) {
@@ -341,10 +420,34 @@ void preload_moe_kernels(bool) {
 const bool kPreloadRegistered = register_kernel_preload(&preload_moe_kernels);
 const bool kFusedPreloadRegistered = register_kernel_preload([](bool) {
   gemm_engine::preload_all<moe::MoeDispatchGemm>();
-  gemm_engine::preload_grouped();  // moe_layer's GEMMs, between its dispatch and combine
+  gemm_engine::prepared_kernel<128, false, moe::MoeLayerFused<128>>();  // moe_layer's launch
+  gemm_engine::prepared_kernel<256, false, moe::MoeLayerFused<256>>();
+  gemm_engine::preload_grouped();  // the public grouped GEMMs
 });
 
 }  // namespace
+
+std::vector<GemmKernelResources> moe_kernel_resources() {
+  std::vector<GemmKernelResources> out;
+  auto add = [&](const std::string& name, auto kernel) {
+    cudaFuncAttributes attr{};
+    MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    out.push_back({name, attr.numRegs, static_cast<int64_t>(attr.localSizeBytes),
+                   static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
+  };
+  for (int block_n : {64, 128, 192, 256}) {
+    for (bool trans_b : {false, true}) {
+      gemm_engine::dispatch(block_n, trans_b, [&]<int kBlockN, bool kTransB>() {
+        add("moe_dispatch_gemm " + std::to_string(kBlockN) + (kTransB ? " B[K,N]" : " B[N,K]"),
+            gemm_engine::prepared_kernel<kBlockN, kTransB, moe::MoeDispatchGemm<kBlockN>>());
+      });
+    }
+  }
+  add("moe_layer 128", gemm_engine::prepared_kernel<128, false, moe::MoeLayerFused<128>>());
+  add("moe_layer 256", gemm_engine::prepared_kernel<256, false, moe::MoeLayerFused<256>>());
+  return out;
+}
+
 }  // namespace detail
 
 }  // namespace mk

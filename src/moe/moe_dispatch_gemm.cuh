@@ -165,6 +165,8 @@ struct MoeDispatchGemm {
   const __nv_bfloat16* x;  // [T, H]
   __nv_bfloat16* recv;     // [rows, H]: the layout's rows, the GEMM's A
   int32_t* handle;         // [rows][3]
+  int drop_blocks = 0;     // moe_layer: column blocks a dropped row counts in at its source
+  int drop_stride = 0;     // (its combine counters per token; 0 blocks: moe_dispatch_gemm)
 
   struct ConsumerState {};
 
@@ -221,6 +223,15 @@ struct MoeDispatchGemm {
     }
   }
 
+  // A row past its expert's room (the capacity error, which notify recorded): moe_layer counts
+  // it as done at its source in every column block, so that the sums there do not wait for it
+  // (they leave it out: its flag is not set). One lane calls.
+  __device__ void dropped(int src, int token) const {
+    unsigned long long* count = reinterpret_cast<unsigned long long*>(
+        ws.at<uint64_t>(src, ws.comb_count) + static_cast<int64_t>(token) * drop_stride);
+    for (int b = 0; b < drop_blocks; ++b) atomicAdd_system(count + b, 1ull);
+  }
+
   // Rows [first, last) of the layout's unused tail of expert e's region: handle -1.
   __device__ void unused_rows(int64_t first, int64_t last, int thread, int threads) const {
     for (int64_t r = first + thread; r < last; r += threads) {
@@ -231,6 +242,13 @@ struct MoeDispatchGemm {
   // The side warps' four steps (the header). Indices are 32-bit (rows and tokens below 2^31):
   // these warps run on the producer warpgroup's few registers.
   __device__ void side_task(int thread, int threads) const {
+    place_local(thread, threads);
+    place_received(thread, threads);
+  }
+
+  // Steps 1 and 2: the rows this rank sends, and its rows for its own experts (no peer waited
+  // for).
+  __device__ void place_local(int thread, int threads) const {
     const int warp = thread / 32, lane = thread % 32, warps = threads / 32;
     const int c = blockIdx.x, channels = gridDim.x;
     const int el_n = d.experts_local, k = d.top_k, me = d.rank;
@@ -284,13 +302,27 @@ struct MoeDispatchGemm {
         const int p = by_local[i];
         const int e = static_cast<int>(topk_at(p)) - me * el_n;
         const int at = tables[lt.pre + me * el_n + e] + pos[p];
-        if (at >= tables[lt.row_count + e]) continue;  // past the room (notify recorded it)
+        if (at >= tables[lt.row_count + e]) {  // past the room (notify recorded it)
+          if (lane == 0) dropped(me, p / k);
+          continue;
+        }
         const int row = tables[lt.start + e] + at;
         copy_row_warp<false>(x16 + static_cast<int64_t>(p / k) * n16,
                              recv16 + static_cast<int64_t>(row) * n16, n16, lane);
         placed(e, row, me, p / k, p % k, lane);
       }
     }
+  }
+
+  // Steps 3 and 4: the rows other ranks sent, as they land, and the handle's unused rows.
+  __device__ void place_received(int thread, int threads) const {
+    const int warp = thread / 32, lane = thread % 32, warps = threads / 32;
+    const int c = blockIdx.x, channels = gridDim.x;
+    const int el_n = d.experts_local, k = d.top_k, me = d.rank;
+    const int n16 = static_cast<int>(d.hidden / 8);
+    const LayoutTables lt = layout_tables(d.world, el_n);
+    const int32_t* tables = ws.at<int32_t>(me, ws.layout);
+    int4* recv16 = reinterpret_cast<int4*>(recv);
 
     // 3. Channel c's share of every other rank's rows, chunk by chunk as they land.
     for (int i = 1; i < d.world; ++i) {
@@ -317,7 +349,10 @@ struct MoeDispatchGemm {
             const int e = __ldcg(m + 1 + 2 * j);
             if (e < 0) continue;
             const int at = pre[e] + __ldcg(m + 2 + 2 * j);
-            if (at >= tables[lt.row_count + e]) continue;
+            if (at >= tables[lt.row_count + e]) {
+              if (lane == 0) dropped(src, __ldcg(m));
+              continue;
+            }
             const int row = tables[lt.start + e] + at;
             copy_row_warp<true>(rx + static_cast<int64_t>(slot) * n16,
                                 recv16 + static_cast<int64_t>(row) * n16, n16, lane);

@@ -1,6 +1,6 @@
-// Host side of moe_layer: moe_dispatch -> the experts' gate / up (SwiGLU in its epilogue) and
-// down GEMMs in one launch -> moe_combine, on one stream, the intermediates in the caller's
-// scratch.
+// Host side of moe_layer: the checks, the scratch's parts, then moe::launch_layer (moe.cu): the
+// route kernels, the layout, and one launch for the dispatch, the experts' gate / up (SwiGLU in
+// its epilogue) and down GEMMs and the combine (moe_layer.cuh).
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -20,21 +20,19 @@ constexpr const char* kOp = "moe_layer";
 
 std::size_t align256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-// The scratch's parts, in order: recv_x [rows, H], h [rows, I], y [rows, H] (bf16), expert_rows
-// [E_local] int32, handle [rows][3] int32, the GEMMs' group tables, their done counters.
+// The scratch's parts, in order: recv_x [rows, H], h [rows, I] (bf16), expert_rows [E_local]
+// int32, handle [rows][3] int32, the gate / up tile-rows' done counters.
 struct ScratchParts {
-  std::size_t recv, h, y, expert_rows, handle, tables, done, total;
+  std::size_t recv, h, expert_rows, handle, done, total;
 };
 ScratchParts scratch_parts(const MoePlan& plan, int64_t hidden, int64_t intermediate) {
   const auto rows = static_cast<std::size_t>(plan.rows);
   ScratchParts p{};
   p.recv = 0;
   p.h = p.recv + align256(rows * hidden * 2);
-  p.y = p.h + align256(rows * intermediate * 2);
-  p.expert_rows = p.y + align256(rows * hidden * 2);
+  p.expert_rows = p.h + align256(rows * intermediate * 2);
   p.handle = p.expert_rows + align256(static_cast<std::size_t>(plan.experts_local) * 4);
-  p.tables = p.handle + align256(rows * 12);
-  p.done = p.tables + align256(gemm_engine::grouped_tables_bytes(plan.experts_local));
+  p.done = p.handle + align256(rows * 12);
   p.total = p.done + align256(gemm_engine::swiglu_down_counters_bytes(plan.experts_local,
                                                                       static_cast<int64_t>(rows)));
   return p;
@@ -44,7 +42,7 @@ ScratchParts scratch_parts(const MoePlan& plan, int64_t hidden, int64_t intermed
 
 std::string MoeLayerPlan::describe() const {
   return dispatch.describe() + "; I " + std::to_string(intermediate) +
-         ": gate / up + SwiGLU and down grouped GEMMs in one launch, " +
+         ": dispatch, gate / up + SwiGLU, down and combine in one launch, " +
          std::to_string(scratch_bytes) + " B scratch";
 }
 
@@ -72,8 +70,8 @@ void moe_layer(Communicator& comm, const MoeProblem& problem, int64_t intermedia
   const auto h = static_cast<std::size_t>(problem.hidden);
   const auto i = static_cast<std::size_t>(intermediate);
   const auto experts = static_cast<std::size_t>(d.experts_local);
-  // Everything the four steps check, before the first launch: nothing runs (and no peer waits
-  // for this rank) on a refusal. x and topk_idx are moe_dispatch's first checks.
+  // Everything checked before the first launch: nothing runs (and no peer waits for this rank)
+  // on a refusal. x, topk_idx and the workspace are launch_layer's first checks.
   detail::require_device_pointer(comm, scratch, 256, kOp, "scratch");
   detail::require_device_pointer(comm, w13, 16, kOp, "w13");
   detail::require_device_pointer(comm, w2, 16, kOp, "w2");
@@ -95,31 +93,13 @@ void moe_layer(Communicator& comm, const MoeProblem& problem, int64_t intermedia
             {"scratch", scratch, plan.scratch_bytes, true}});
   const ScratchParts parts = scratch_parts(d, problem.hidden, intermediate);
   auto* base = static_cast<uint8_t*>(scratch);
-  void* recv = base + parts.recv;
-  void* inter = base + parts.h;
-  void* y = base + parts.y;
-  auto* expert_rows = reinterpret_cast<int32_t*>(base + parts.expert_rows);
-  auto* handle = reinterpret_cast<int32_t*>(base + parts.handle);
-  auto* tables = reinterpret_cast<int32_t*>(base + parts.tables);
-  auto* done = reinterpret_cast<uint64_t*>(base + parts.done);
-  // (moe_dispatch checks x and topk_idx first; the combine's checks are all made above.)
-  moe_dispatch(comm, problem, x, topk_idx, index_type, recv, expert_rows, handle, workspace, stream,
-               config);
-  const bool masked = problem.layout == MoeLayout::kMasked;
-  const GroupedLayout layout = masked ? GroupedLayout::kMasked : GroupedLayout::kPadded;
-  const int64_t rows = masked ? d.capacity : d.rows;  // grouped_gemm's `rows`
-  // Nothing below allocates (the group tables and counters are in the scratch too): a CUDA graph
-  // captures the call as three kernels and their prep, and nothing can fail between the
-  // dispatch and the combine that the checks above did not rule out. The experts' GEMMs run on
-  // the communicator's SM budget unless config.sms says otherwise: their down tiles wait for
-  // gate / up tiles of other CTAs, so every CTA must be resident, also beside the kernels of
-  // ranks that share this GPU.
-  const int budget = comm.topology().sm_budget();
-  const int sms = config.sms > 0 ? std::min(config.sms, budget) : budget;
-  gemm_engine::grouped_swiglu_down(comm.device_comm(), recv, w13, w2, inter, y, expert_rows,
-                                   d.experts_local, rows, intermediate, problem.hidden, layout,
-                                   config.block_n, sms, tables, done, stream, kOp);
-  moe_combine(comm, problem, y, topk_weights, handle, out, workspace, stream, config);
+  // Nothing below allocates: a CUDA graph captures the call as it is (the route kernels, the
+  // layout's, two memsets and the one launch).
+  moe::launch_layer(comm, problem, intermediate, x, topk_idx, index_type, topk_weights, w13, w2,
+                    out, workspace, base + parts.recv, base + parts.h,
+                    reinterpret_cast<int32_t*>(base + parts.expert_rows),
+                    reinterpret_cast<int32_t*>(base + parts.handle),
+                    reinterpret_cast<uint64_t*>(base + parts.done), stream, config, kOp);
 }
 
 }  // namespace mk

@@ -111,6 +111,7 @@ Plan plan_moe(int world, int sm_budget, const MoeProblem& p, const MoeConfig& co
     plan.blocks = (out.rows + kMoeRowBlock - 1) / kMoeRowBlock;
   }
   take(o.counters, static_cast<uint64_t>(plan.blocks) * 8);
+  take(o.comb_count, t * static_cast<uint64_t>(comb_count_stride(p.hidden)) * 8);
   o.bytes = at;
   out.workspace_bytes = at;
   return plan;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "mkernel/device_comm.h"
 #include "mkernel/moe.h"
@@ -26,6 +27,9 @@ struct Offsets {
                           // for its own experts, in its layout's order
   uint64_t layout = 0;    // int32 LayoutTables (the receive side's layout, the notify kernel's)
   uint64_t counters = 0;  // uint64 [blocks]: rows placed in each 128-row block of the layout
+  // moe_layer only (laid out for every plan):
+  uint64_t comb_count = 0;  // uint64 [max_tokens][ceil(hidden / 128)]: slots of each (token,
+                            // column block) summed-ready at the source
   uint64_t bytes = 0;
 };
 
@@ -76,8 +80,30 @@ struct Plan {
   int chunks(int64_t tokens) const;
 };
 
+// moe_layer's combine counters per token: one per 128 columns of the hidden size.
+constexpr int comb_count_stride(int64_t hidden) { return static_cast<int>((hidden + 127) / 128); }
+
+// moe_layer's one launch (moe.cu; moe_layer.cpp has checked every argument but x, topk_idx and
+// the workspace, which this checks first): the route kernels, notify, then the fused launch
+// (moe_layer.cuh) - recv [rows, H] and h [rows, I] bf16, expert_rows, handle and done
+// (gemm_engine::swiglu_down_counters_bytes) in the caller's scratch.
+void launch_layer(Communicator& comm, const MoeProblem& problem, int64_t intermediate,
+                  const void* x, const void* topk_idx, IndexType index_type,
+                  const float* topk_weights, const void* w13, const void* w2, void* out,
+                  void* workspace, void* recv, void* h, int32_t* expert_rows, int32_t* handle,
+                  uint64_t* done, cudaStream_t stream, const MoeConfig& config, const char* op);
+
 // Throws mk::Error(kInvalidArgument) naming `op` and what is wrong with the problem or config.
 Plan plan_moe(int world, int sm_budget, const MoeProblem& problem, const MoeConfig& config,
               const char* op);
 
 }  // namespace mk::moe
+
+namespace mk {
+struct GemmKernelResources;  // gemm/gemm_internal.h
+}
+namespace mk::detail {
+// Every MoE kernel on the GEMM engine the library launches (moe_dispatch_gemm's widths and B
+// layouts, moe_layer's two widths), with its compiled resources.
+std::vector<GemmKernelResources> moe_kernel_resources();
+}  // namespace mk::detail

@@ -21,9 +21,11 @@
 
 #include "../cpu/moe_reference.h"
 #include "collective_checks.h"
+#include "gemm/gemm_internal.h"
 #include "gemm_reference.h"
 #include "gpu_test_util.h"
 #include "mkernel/moe.h"
+#include "moe/moe_plan.h"
 
 namespace mk::test {
 namespace {
@@ -815,6 +817,17 @@ TEST(LaunchedMoe, DispatchGemmMatchesTheGroupedGemm) {
   for (size_t i = 0; i < kFusedCases.size(); ++i) {
     if (kFusedCases[i].moe.experts % comm->world_size() != 0) continue;
     expect_fused(*comm, kFusedCases[i], 121 + i);
+  }
+}
+
+// The compiler's resource report for the MoE kernels on the GEMM engine: no local memory.
+TEST(InProcessMoe, KernelsDoNotSpill) {
+  MKT_REQUIRE_GPU();
+  const std::vector<GemmKernelResources> kernels = detail::moe_kernel_resources();
+  ASSERT_EQ(kernels.size(), 10u);  // moe_dispatch_gemm 4 widths x 2 B layouts, moe_layer 2
+  for (const GemmKernelResources& k : kernels) {
+    EXPECT_EQ(k.local_bytes, 0) << k.name << " uses local memory (register spills or a stack)";
+    std::printf("  %-28s %3d registers\n", k.name.c_str(), k.registers);
   }
 }
 
