@@ -27,9 +27,6 @@
 //   a_rows(tile)                  rows of the tile's A box (default kBlockM); a tile-row at the
 //                                 matrix edge loads only its rows (below)
 //   init_shared()                 thread 0, before the first __syncthreads (mbarriers)
-//   prologue(thread, threads)     every thread of the CTA, before the roles split (work every
-//                                 tile waits for, done at the whole CTA's rate: moe_layer's
-//                                 local rows)
 //   mid_tile(state)               a consumer's thread 0 halfway through each tile's k-blocks
 //                                 (e.g. to signal what its previous epilogue sent, once landed,
 //                                 without waiting for the next one)
@@ -190,7 +187,6 @@ __host__ __device__ constexpr int last_tile_rows(int64_t m, int block_m = 128) {
 struct FusionTraits {
   bool a_rows = false;
   bool init_shared = false;
-  bool prologue = false;
   bool mid_tile = false;
   bool epilogue_loads = false;
   bool batched_b = false;
@@ -229,10 +225,6 @@ concept HasInitShared = requires(const F f) {
   { f.init_shared() } -> std::same_as<void>;
 };
 template <class F>
-concept HasPrologue = requires(const F f, int i) {
-  { f.prologue(i, i) } -> std::same_as<void>;
-};
-template <class F>
 concept HasMidTile = requires(const F f, typename F::ConsumerState& state) {
   { f.mid_tile(state) } -> std::same_as<void>;
 };
@@ -263,8 +255,8 @@ constexpr bool fusion_matches() {
   } else {
     constexpr FusionTraits t = F::kTraits;
     return t.a_rows == HasARows<F> && t.load_b == HasLoadB<F> &&
-           t.init_shared == HasInitShared<F> && t.prologue == HasPrologue<F> &&
-           t.mid_tile == HasMidTile<F> && t.epilogue_loads == HasEpilogueLoads<F> &&
+           t.init_shared == HasInitShared<F> && t.mid_tile == HasMidTile<F> &&
+           t.epilogue_loads == HasEpilogueLoads<F> &&
            (t.epilogue_loads ? HasRingStore<F, Cfg::kAccRegs>
                              : HasStore<F, Cfg::kAccRegs>)&&t.producer_regs %
                    8 ==
@@ -289,8 +281,6 @@ constexpr bool check_fusion() {
                 "kTraits.load_b does not match a load_b(dst, bar, tile, k0)");
   static_assert(traits.init_shared == HasInitShared<F>,
                 "kTraits.init_shared does not match an init_shared()");
-  static_assert(traits.prologue == HasPrologue<F>,
-                "kTraits.prologue does not match a prologue(thread, threads)");
   static_assert(traits.mid_tile == HasMidTile<F>,
                 "kTraits.mid_tile does not match a mid_tile(state)");
   static_assert(traits.epilogue_loads == HasEpilogueLoads<F>,
@@ -604,7 +594,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     dev::mbarrier_init_fence();
   }
   __syncthreads();
-  if constexpr (kTraits.prologue) fusion.prologue(threadIdx.x, Cfg::kThreads);
 
   const int k_iters = (k + Cfg::kBlockK - 1) / Cfg::kBlockK;
   const int warpgroup = threadIdx.x / 128;

@@ -7,15 +7,11 @@
 //                   source prefixes, rows per source) and the grouped GEMM's scheduler tables
 //                   (row_start, row_count, tile_prefix); the block arrival counters zeroed
 //   the fused launch: the GEMM engine with MoeDispatchGemm, one CTA per SM:
-//     every warp first (the engine's prologue, before the roles split):
+//     side warps (the producer warpgroup's three spare warps):
 //       1. send    channel c's share of the rows for each other rank, in chunks of kChunkRows;
 //                  after each chunk signal kOp + c with step = chunks so far
 //       2. local   this rank's rows for its own experts, in layout order (by_local), in units of
 //                  kChunkRows taken by the CTAs in turn: the first experts' blocks fill first
-//       (work that waits for no peer, at the whole GPU's copy rate: on the three side warps
-//       alone the tiles starved for rows - moe_layer, DeepSeek-V3 at 4096 tokens, 1.6 ms of
-//       10.4 spent waiting)
-//     side warps (the producer warpgroup's three spare warps):
 //       3. receive channel c's share of every other rank's rows, chunk by chunk as signalled:
 //                  copied to their rows (once per local expert of the token)
 //       4. the handle's unused rows set to -1
@@ -157,8 +153,8 @@ struct MoeDispatchGemm {
   // registers for them without spilling (ptxas, every width; 72 spilled 16 bytes); the
   // consumers' 208 hold the widest tile's 128 accumulators without spilling too.
   static constexpr gemm_engine::FusionTraits kTraits{
-      .prologue = true, .batched_b = true, .producer_regs = 88, .consumer_regs = 208};
-  static constexpr int kSideBarrier = 3;  // named barrier of the threads placing rows
+      .batched_b = true, .producer_regs = 88, .consumer_regs = 208};
+  static constexpr int kSideBarrier = 3;  // named barrier of the 96 side threads
 
   gemm_engine::GroupedGemm<kBlockN> grouped;  // A = recv [rows, H], C = y, the layout's tables
   DeviceComm comm;
@@ -243,12 +239,15 @@ struct MoeDispatchGemm {
     }
   }
 
-  // The four steps of the header: 1 and 2 on every thread first, 3 and 4 on the side warps.
-  __device__ void prologue(int thread, int threads) const { place_local(thread, threads); }
-  __device__ void side_task(int thread, int threads) const { place_received(thread, threads); }
+  // The side warps' four steps (the header). Indices are 32-bit (rows and tokens below 2^31):
+  // these warps run on the producer warpgroup's few registers.
+  __device__ void side_task(int thread, int threads) const {
+    place_local(thread, threads);
+    place_received(thread, threads);
+  }
 
-  // Steps 1 and 2: the rows this rank sends, and its rows for its own experts - work that waits
-  // for no peer. Indices are 32-bit (rows and tokens below 2^31).
+  // Steps 1 and 2: the rows this rank sends, and its rows for its own experts (no peer waited
+  // for).
   __device__ void place_local(int thread, int threads) const {
     const int warp = thread / 32, lane = thread % 32, warps = threads / 32;
     const int c = blockIdx.x, channels = gridDim.x;
@@ -315,8 +314,7 @@ struct MoeDispatchGemm {
     }
   }
 
-  // Steps 3 and 4: the rows other ranks sent, as they land, and the handle's unused rows (on the
-  // producer warpgroup's few registers).
+  // Steps 3 and 4: the rows other ranks sent, as they land, and the handle's unused rows.
   __device__ void place_received(int thread, int threads) const {
     const int warp = thread / 32, lane = thread % 32, warps = threads / 32;
     const int c = blockIdx.x, channels = gridDim.x;

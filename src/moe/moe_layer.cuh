@@ -4,11 +4,9 @@
 // Per rank and call, on its stream: the route kernels and notify_kernel (as moe_dispatch_gemm's:
 // the layout, the GEMMs' tables with one tile per tile-row, the block counters zeroed), the
 // combine counters zeroed (a memset), then the GEMM engine with MoeLayerFused, one CTA per SM:
-//   every warp  first (the engine's prologue): the rows sent and this rank's own rows placed, as
-//               moe_dispatch_gemm's
-//   side warps  the rows received placed as they land, the handle's unused rows; a row past
-//               its expert's room (the capacity error, recorded by notify) is counted as done at
-//               its source, without data
+//   side warps  the rows placed, as moe_dispatch_gemm's (send, this rank's own, receive, the
+//               handle's unused rows); a row past its expert's room (the capacity error,
+//               recorded by notify) is counted as done at its source, without data
 //   producer    a gate / up tile waits for its rows (the block counter), a down tile for the
 //               gate / up tiles of its tile-row (GroupedSwigluDown)
 //   consumers   gate / up: SwiGLU, h stored, the tile-row's count (GroupedSwigluDown); down:
@@ -42,7 +40,7 @@ struct MoeLayerFused {
   // The side warps place rows (88 registers, as moe_dispatch_gemm's); the consumers hold the
   // widest tile's accumulators in the rest.
   static constexpr gemm_engine::FusionTraits kTraits{
-      .prologue = true, .load_b = true, .split_k = true, .producer_regs = 88, .consumer_regs = 208};
+      .load_b = true, .split_k = true, .producer_regs = 88, .consumer_regs = 208};
 
   MoeDispatchGemm<kBlockN> dispatch;              // the rows' placement and the tiles' waits for
                                                   // them (its `grouped` is not used)
@@ -221,7 +219,6 @@ struct MoeLayerFused {
     return static_cast<uint32_t>(__ldcg(reinterpret_cast<const int32_t*>(p)));
   }
 
-  __device__ void prologue(int thread, int threads) const { dispatch.prologue(thread, threads); }
   __device__ void side_task(int thread, int threads) const { dispatch.side_task(thread, threads); }
 
   // Every thread of every CTA, last: the combine's sums (all warps: the side warps once the rows
