@@ -10,8 +10,9 @@
 // error, far below what a wrong expert, slot, weight, a gate / up mix-up or a lost K tail gives
 // (errors of 30-40x the bound in that model); a small numeric drift (1% on the gate) would pass.
 // Also: -1 slots, skewed routing with empty experts, ranks with fewer tokens, padded and masked
-// layouts, deterministic repeats, graph replays with new routing and inputs, a missing rank (the
-// time-limit error), refusals before launch with the output untouched.
+// layouts, deterministic repeats, graph replays with new routing and inputs, capacity overflow
+// (the rows that fit summed, the error raised), a missing rank (the time-limit error), refusals
+// before launch with the output untouched.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -35,6 +36,7 @@ struct LayerCase {
   MoeLayout layout = MoeLayout::kPadded;
   bool skewed = false;
   int sms = 0;  // MoeConfig::sms (few CTAs: many waves, down tiles waiting on other CTAs' rows)
+  int64_t capacity = 0;  // MoeProblem::capacity (0: every row fits)
 };
 
 std::string describe(const LayerCase& c, int world) {
@@ -198,6 +200,7 @@ MoeProblem problem_of(const LayerCase& c, int rank) {
   p.top_k = c.top_k;
   p.num_experts = c.experts;
   p.layout = c.layout;
+  p.capacity = c.capacity;
   return p;
 }
 
@@ -354,6 +357,58 @@ TEST(InProcessMoeLayer, World4) {
 TEST(InProcessMoeLayer, World8) {
   MKT_REQUIRE_GPU();
   run_layer_cases(8, {{8, 2, 128, 64, 48}, {16, 8, 128, 128, 40, MoeLayout::kMasked, true}}, 901);
+}
+
+// Masked, room for 20 rows an expert, skewed routing: the rows past an expert's room are not
+// computed - its owner's synchronize() raises kOutOfMemory naming the expert, once - and every
+// token's output sums the slots that fit: each expert's first 20 rows in (source rank, token,
+// slot) order.
+TEST(InProcessMoeLayer, CapacityOverflow) {
+  MKT_REQUIRE_GPU();
+  for (int world : {1, 2}) {
+    run_in_process(world, [&](Communicator& comm) {
+      LayerCase c{8, 2, 256, 128, 200, MoeLayout::kMasked, true};
+      c.capacity = 20;
+      const uint64_t seed = 1001;
+      SCOPED_TRACE(describe(c, world) + ", capacity 20, rank " + std::to_string(comm.rank()));
+      RankLayer l(comm, c, seed);
+      // Every rank's slots in the layout's order; those past their expert's room become -1.
+      std::vector<Inputs> kept;
+      for (int r = 0; r < world; ++r) kept.push_back(inputs_of(c, r, seed));
+      std::vector<int64_t> rows(c.experts, 0);
+      std::vector<bool> overflowed(c.experts, false);
+      for (Inputs& in : kept) {
+        for (int32_t& e : in.topk) {
+          if (e >= 0 && rows[e]++ >= c.capacity) {
+            overflowed[e] = true;
+            e = -1;
+          }
+        }
+      }
+      ASSERT_TRUE(std::find(overflowed.begin(), overflowed.end(), true) != overflowed.end());
+      l.b.upload(inputs_of(c, l.rank, seed), l.s);
+      MKT_CUDA(cudaMemsetAsync(l.b.out, 0xff, l.b.out_bytes, l.s));  // poison
+      ready(comm, l.s);
+      l.call(comm);
+      bool mine = false;
+      for (int e = 0; e < l.e_local; ++e) mine = mine || overflowed[l.rank * l.e_local + e];
+      if (mine) {
+        try {
+          comm.synchronize(l.s);
+          ADD_FAILURE() << "no capacity error raised";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kOutOfMemory) << e.what();
+          EXPECT_NE(std::string(e.what()).find("local expert "), std::string::npos) << e.what();
+        }
+        EXPECT_NO_THROW(comm.check()) << "a data error is raised once";
+      } else {
+        EXPECT_NO_THROW(comm.synchronize(l.s));
+      }
+      const std::size_t count = static_cast<std::size_t>(l.p.tokens * c.hidden);
+      expect_matches(c, kept[l.rank], l.all, download(l.b, count, l.s));
+      comm.bootstrap().barrier();
+    });
+  }
 }
 
 // A rank that never joins: the others' layer ends with the time-limit error naming it (the
