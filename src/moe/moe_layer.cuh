@@ -91,7 +91,10 @@ struct MoeLayerFused {
     if (rows <= 0) return;
     // A failed launch (a peer missing: the rows were never placed, the handle may hold anything)
     // stores nothing: no source rank read from a stale handle, no count.
-    if (dev::Launch::begin(dispatch.comm).failed()) return;
+    // (One decision for the warpgroup: the abort flag may be raised while its threads read it,
+    // and the barriers below need all 128.)
+    const bool failed = dev::Launch::begin(dispatch.comm).failed();
+    if (dev::named_barrier_or(1 + consumer, 128, failed)) return;
     const Dims& d = dispatch.d;
     const Workspace& ws = dispatch.ws;
     const int64_t row0 = tile.row + consumer * 64;

@@ -412,8 +412,8 @@ TEST(InProcessMoeLayer, CapacityOverflow) {
 }
 
 // A rank that never joins: the others' layer ends with the time-limit error naming it (the
-// dispatch's wait), and nothing hangs - the GEMM launch behind it runs over what the dispatch left
-// (bounded; its waits return at once), the combine stops at its entry barrier.
+// dispatch's wait), and nothing hangs - once the launch has failed its remaining waits return at
+// once, the tiles run over what was placed and the down tiles store nothing.
 TEST(InProcessMoeLayer, MissingRankTimesOut) {
   MKT_REQUIRE_GPU();
   CommOptions options;
