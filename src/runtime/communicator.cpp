@@ -385,11 +385,12 @@ void Communicator::check() {
   ErrorCode error = ErrorCode::kInvalidArgument;
   if (code == static_cast<int32_t>(DeviceErrorCode::kCapacity)) {
     error = ErrorCode::kOutOfMemory;
-    msg << "moe_dispatch: rank " << data->rank << ": local expert " << data->peer << " received "
+    // (The routing contract of moe_dispatch, moe_dispatch_gemm and moe_layer alike.)
+    msg << "MoE routing: rank " << data->rank << ": local expert " << data->peer << " received "
         << data->observed << " rows but its layout holds " << data->expected
         << "; the rows that did not fit were not placed (nor combined): raise the capacity";
   } else if (code == static_cast<int32_t>(DeviceErrorCode::kBadIndex)) {
-    msg << "moe_dispatch: rank " << data->rank << ": topk_idx[" << data->peer << "]["
+    msg << "MoE routing: rank " << data->rank << ": topk_idx[" << data->peer << "]["
         << data->signal << "] = " << static_cast<int64_t>(data->observed)
         << " is not an expert id in [0, " << data->expected
         << ") nor -1; that slot was treated as -1";
