@@ -13,10 +13,10 @@
 //               each row of the tile straight to its source's combine slot [token][slot] (the
 //               handle), then per row the flag (this launch's epoch) and one count in the
 //               source's counter of (token, column block)
-//   every warp  last (finish), the combine's sums: this rank's (token, 256-column span) pairs
-//               dealt out over all warps of all CTAs; each waits until every valid slot of its
-//               token has counted in, then sums the slots that came, w x y in fp32 in slot
-//               order, rounded once - moe_combine's sum, bit for bit
+//   every warp  last (finish, once the CTA's tiles are done), the combine's sums: this rank's
+//               (token, 256-column span) pairs dealt out over all warps of all CTAs; each waits
+//               until every valid slot of its token has counted in, then sums the slots that
+//               came, w x y in fp32 in slot order, rounded once - moe_combine's sum, bit for bit
 // No y in the dispatch layout and no second pass over it: the down tiles' outputs land where the
 // sums read them. A token's slots sit in (mostly) different experts, so its sums can start only
 // near the end of the down tiles; they run on every warp then (a tail bound by memory: 2 x k x H
@@ -161,7 +161,6 @@ struct MoeLayerFused {
     const __nv_bfloat16* rows = ws.at<__nv_bfloat16>(me, ws.comb_x);
     const uint32_t* flags = ws.at<uint32_t>(me, ws.comb_flag);
     const int64_t items = d.tokens * spans;
-    __syncwarp();  // warp 0's lane 0 comes from the producer's loop
     for (int64_t i = warp; i < items; i += all_warps) {
       const int64_t token = i / spans;
       const int span = static_cast<int>(i % spans);
@@ -224,9 +223,11 @@ struct MoeLayerFused {
 
   __device__ void side_task(int thread, int threads) const { dispatch.side_task(thread, threads); }
 
-  // Every thread of every CTA, last: the combine's sums (all warps: the side warps once the rows
-  // are placed, the consumers after their last tile), then the launch's end.
+  // Every thread of every CTA, last: the combine's sums once the CTA's own tiles are done (the
+  // barrier: the sums' timed waits then span only other CTAs' last tiles, not the whole GEMM
+  // phase - and few sums could start earlier anyway), then the launch's end.
   __device__ void finish() const {
+    __syncthreads();
     const int warps = static_cast<int>(blockDim.x) / 32;
     combine(static_cast<int>(blockIdx.x) * warps + static_cast<int>(threadIdx.x) / 32,
             static_cast<int>(gridDim.x) * warps, static_cast<int>(threadIdx.x) % 32);
