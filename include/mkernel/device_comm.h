@@ -21,9 +21,12 @@ enum class SignalId : uint32_t {
 constexpr int kNumSignals = static_cast<int>(SignalId::kCount);
 
 // Arrivals from other nodes land in a second pad, in host-mapped memory (the communicator's
-// inter-node path, runtime/inter_node.h): [kHostPadSignals][world_size], word (s, src) raised by
+// inter-node path, runtime/inter_node.h): [kInterNodeSignals][world_size], word (s, src) raised by
 // the proxy when src's puts counted on s have landed; same values (signal_value) as the device pad.
-constexpr int kHostPadSignals = 4096;
+// Signal ids 0 .. kInterNodeSignals - 1, on every backend: the RDMA backends' write immediate
+// has 12 bits for the signal, 0xFFF meaning none. Plans size their signals by this, so a plan
+// that runs over sockets runs over RDMA too.
+constexpr int kInterNodeSignals = 4095;
 // A DeviceErrorRecord's signal with this bit set names a host-pad signal (the wait was for an
 // arrival from another node).
 constexpr uint32_t kHostPadSignalBit = 1u << 31;
@@ -77,7 +80,7 @@ struct DeviceComm {
                                   // check() raises once without breaking the communicator
   uint64_t timeout_ns;            // 0 = wait forever
   // The inter-node path (multi-node communicators, once created; null otherwise):
-  const uint64_t* host_signals;  // host-mapped pad [kHostPadSignals][world_size]
+  const uint64_t* host_signals;  // host-mapped pad [kInterNodeSignals][world_size]
   const int32_t* host_abort;     // host-mapped: non-zero once the path failed (lost peer, ...)
 };
 

@@ -79,13 +79,14 @@ FusedGemmPlan fused::plan_ag_gemm(const fused::PlanContext& comm, int64_t m, int
   piece_rows = std::min(piece_rows, p.shard_rows);
   // One op signal per piece and node (a shard's signals sit at node_of(shard) x pieces): at most
   // kMaxOpSignals / nodes pieces per shard; across nodes also one host-pad signal per piece and
-  // node after the entry signal (kHostPadSignals).
+  // node after the entry signal (kInterNodeSignals).
   p.nodes = comm.nodes;
   if (p.nodes > 1 && world > fused::kMaxGatherRanks) {
     invalid("across nodes at most " + std::to_string(fused::kMaxGatherRanks) + " ranks; got " +
             std::to_string(world));
   }
-  const int64_t max_pieces = p.nodes > 1 ? (kHostPadSignals - 1) / p.nodes : int64_t{kMaxOpSignals};
+  const int64_t max_pieces =
+      p.nodes > 1 ? (kInterNodeSignals - 1) / p.nodes : int64_t{kMaxOpSignals};
   piece_rows = std::max(piece_rows, (p.shard_rows + max_pieces - 1) / max_pieces);
   p.piece_rows = static_cast<int>(piece_rows);
   p.pieces = static_cast<int>((p.shard_rows + piece_rows - 1) / piece_rows);

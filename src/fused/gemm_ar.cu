@@ -84,11 +84,11 @@ FusedGemmPlan fused::plan_gemm_ar(const fused::PlanContext& comm, int64_t m, int
       max_col_tiles = std::max(max_col_tiles, (o + 1) * tiles_n / world - o * tiles_n / world);
     }
     const int64_t slices = 2 * tiles_m * max_col_tiles;
-    if (p.nodes * slices > kMaxOpSignals || 1 + 2 * slices > kHostPadSignals) {
+    if (p.nodes * slices > kMaxOpSignals || 1 + 2 * slices > kInterNodeSignals) {
       invalid("across " + std::to_string(p.nodes) + " nodes " + std::to_string(slices / 2) +
               " tiles of 128 x " + std::to_string(p.block_n) + " per rank; at most " +
-              std::to_string(std::min<int64_t>(kMaxOpSignals / p.nodes, (kHostPadSignals - 1) / 2) /
-                             2) +
+              std::to_string(
+                  std::min<int64_t>(kMaxOpSignals / p.nodes, (kInterNodeSignals - 1) / 2) / 2) +
               " are supported across nodes (use fewer rows or columns per call)");
     }
     p.ctas = static_cast<int>(std::min<int64_t>(tiles_m * tiles_n, budget));

@@ -74,13 +74,14 @@ FusedGemmPlan fused::plan_gemm_rs(const fused::PlanContext& comm, int64_t m, int
               std::to_string(world));
     }
     const int64_t slices = 2 * tiles_m * tiles_n;
-    if (p.nodes * slices > kMaxOpSignals || slices + 1 > kHostPadSignals) {
-      invalid("across " + std::to_string(p.nodes) + " nodes a shard of " +
-              std::to_string(p.shard_rows) + " x " + std::to_string(n) + " has " +
-              std::to_string(slices / 2) + " tiles of 128 x " + std::to_string(p.block_n) +
-              "; at most " +
-              std::to_string(std::min<int64_t>(kMaxOpSignals / p.nodes, kHostPadSignals - 1) / 2) +
-              " are supported across nodes (use fewer rows or columns per call)");
+    if (p.nodes * slices > kMaxOpSignals || slices + 1 > kInterNodeSignals) {
+      invalid(
+          "across " + std::to_string(p.nodes) + " nodes a shard of " +
+          std::to_string(p.shard_rows) + " x " + std::to_string(n) + " has " +
+          std::to_string(slices / 2) + " tiles of 128 x " + std::to_string(p.block_n) +
+          "; at most " +
+          std::to_string(std::min<int64_t>(kMaxOpSignals / p.nodes, kInterNodeSignals - 1) / 2) +
+          " are supported across nodes (use fewer rows or columns per call)");
     }
     p.workspace_bytes *= static_cast<std::size_t>(3 * p.nodes - 2);
     // bf16 on the wire when asked: the node sums, and the node's partials at two ranks per node

@@ -273,7 +273,7 @@ detail::InterNode& Communicator::inter_node() {
   c.backend = s.overrides.transport;
   c.socket_ifname = s.overrides.socket_ifname;
   c.ring_capacity = 4096;
-  c.num_signals = kHostPadSignals;
+  c.num_signals = kInterNodeSignals;
   c.timeout_seconds = s.timeout_seconds > 0 ? s.timeout_seconds : 300.0;
   c.host_memory.alloc = [](std::size_t bytes) -> void* {
     void* p = nullptr;
@@ -390,10 +390,9 @@ void Communicator::check() {
         << data->observed << " rows but its layout holds " << data->expected
         << "; the rows that did not fit were not placed (nor combined): raise the capacity";
   } else if (code == static_cast<int32_t>(DeviceErrorCode::kBadIndex)) {
-    msg << "MoE routing: rank " << data->rank << ": topk_idx[" << data->peer << "]["
-        << data->signal << "] = " << static_cast<int64_t>(data->observed)
-        << " is not an expert id in [0, " << data->expected
-        << ") nor -1; that slot was treated as -1";
+    msg << "MoE routing: rank " << data->rank << ": topk_idx[" << data->peer << "][" << data->signal
+        << "] = " << static_cast<int64_t>(data->observed) << " is not an expert id in [0, "
+        << data->expected << ") nor -1; that slot was treated as -1";
   } else {
     msg << "a kernel recorded data error code " << code;
     error = ErrorCode::kInternal;

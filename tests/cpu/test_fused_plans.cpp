@@ -192,14 +192,14 @@ TEST(FusedPlans, AgGemmPiecesArriveInRounds) {
 }
 
 // ag_gemm across nodes: each piece has a host-pad signal per node (after the entry signal), so
-// the pieces per shard shrink to fit kHostPadSignals; at most kMaxGatherRanks ranks.
+// the pieces per shard shrink to fit kInterNodeSignals; at most kMaxGatherRanks ranks.
 TEST(FusedPlans, AgGemmAcrossNodesFitsTheHostPad) {
   const PlanContext two_nodes{4, 2, 132, 2};
   FusedGemmConfig tiny_pieces;
   tiny_pieces.piece_rows = 1;
   const FusedGemmPlan p = plan_ag_gemm(two_nodes, 4 * 100000, 256, 64, tiny_pieces);
   EXPECT_EQ(p.nodes, 2);
-  EXPECT_LE(1 + 2 * p.pieces, kHostPadSignals) << p.describe();
+  EXPECT_LE(1 + 2 * p.pieces, kInterNodeSignals) << p.describe();
   EXPECT_GE(static_cast<int64_t>(p.pieces) * p.piece_rows, p.shard_rows) << p.describe();
   EXPECT_NE(p.describe().find("across 2 nodes"), std::string::npos) << p.describe();
   const FusedGemmPlan one_node = plan_ag_gemm(h200(4), 4 * 100000, 256, 64, tiny_pieces);
@@ -225,7 +225,7 @@ TEST(FusedPlans, GemmRsAcrossNodes) {
   EXPECT_EQ(p.workspace_bytes, std::size_t{4} * 2048 * 8192 * 4) << p.describe();
   EXPECT_NE(p.describe().find("across 2 nodes"), std::string::npos) << p.describe();
   const int64_t tiles = (p.shard_rows + 127) / 128 * ((8192 + p.block_n - 1) / p.block_n);
-  EXPECT_LE(2 * tiles + 1, kHostPadSignals);
+  EXPECT_LE(2 * tiles + 1, kInterNodeSignals);
   EXPECT_LE(2 * 2 * tiles, kMaxOpSignals);
   const PlanContext pair_of_nodes{2, 1, 132, 2};  // the two ranks are on different nodes
   EXPECT_FALSE(plan_gemm_rs(pair_of_nodes, 4096, 4096, 2048, {}).bf16_partials);

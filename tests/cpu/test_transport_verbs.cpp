@@ -6,9 +6,11 @@
 #include <string>
 
 #include "cpu_test_util.h"
+#include "mkernel/device_comm.h"
 #include "mkernel/transport/transport.h"
 #include "test_transport_util.h"
 #include "transport/verbs_loader.h"
+#include "transport/wire.h"
 
 namespace mk::transport {
 namespace {
@@ -118,6 +120,25 @@ TEST(TransportVerbs, ImmediateLimitsAreChecked) {
     auto t = make_transport(b, c, "cx7");
   });
   expect_unsupported_everywhere(outcomes, "at most 1048576 ranks and 4095 signals");
+}
+
+// The communicator asks every backend for kInterNodeSignals signals (runtime/communicator.cpp):
+// the RDMA backends must take that many - here they fail for want of libibverbs or a device,
+// never for the count. (4096 once went in, which the immediate cannot carry.)
+TEST(TransportVerbs, TakeTheCommunicatorsSignalCount) {
+  static_assert(kInterNodeSignals <= static_cast<int>(detail::kImmMaxSignals));
+  for (const char* backend : {"cx7", "efa"}) {
+    const auto outcomes = mk::test::run_group(1, [&](Bootstrap& b) {
+      HostSignalPad pad(1, kInterNodeSignals);
+      TransportConfig c;
+      c.signals = &pad;
+      c.num_signals = kInterNodeSignals;
+      auto t = make_transport(b, c, backend);
+    });
+    for (const Outcome& o : outcomes) {
+      EXPECT_EQ(o.message.find("signals (got"), std::string::npos) << backend << ": " << o.message;
+    }
+  }
 }
 
 TEST(TransportBackend, ChosenAtRunTime) {
