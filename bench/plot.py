@@ -584,8 +584,9 @@ def overview_rows(kind, doc, rows):
             sp = base / m if base and m else None
             label = shape_label(r["shape"])
         elif doc.get("kernel") == "moe_layer" and r["ms"].get("sequential") is None:
-            # one GPU: against the plain PyTorch layer (torch._grouped_mm)
-            base = number(r["ms"].get("torch_reference"))
+            # one GPU: against the plain PyTorch layer (torch._grouped_mm), or (ranks sharing the
+            # GPU) against the layer at world 1 on the same work
+            base = number(r["ms"].get("world1_same_work") or r["ms"].get("torch_reference"))
             sp = base / m if base and m else None
             label = shape_label(r["shape"])
         else:
@@ -614,6 +615,8 @@ def plot_overview(files, out):
                    "torch._grouped_mm" if doc.get("kernel") == "grouped_gemm" else
                    "torch._grouped_mm alone" if doc.get("kernel") == "moe_dispatch_gemm"
                    and one_gpu else
+                   "world 1 on the same work" if doc.get("kernel") == "moe_layer" and one_gpu
+                   and any(r["ms"].get("world1_same_work") is not None for r in rows) else
                    "the PyTorch layer" if doc.get("kernel") == "moe_layer" and one_gpu else
                    "torch SDPA" if doc.get("kernel") == "attention" and one_gpu else
                    "the engine on the same work" if doc.get("kernel") == "ring_attention"

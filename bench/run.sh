@@ -7,7 +7,9 @@
 #         torch._grouped_mm on MoE expert shapes, both layouts), moe_dispatch_gemm (one GPU:
 #         the fused launch, moe_dispatch / moe_combine and dispatch-then-grouped-GEMM against
 #         torch._grouped_mm on the MoE shapes), moe_layer (one GPU: the whole layer against
-#         the plain PyTorch layer on torch._grouped_mm), attention (one GPU: against torch SDPA's
+#         the plain PyTorch layer on torch._grouped_mm; then, when bench_moe_layer_ranks is built,
+#         two ranks as threads sharing the GPU against world 1 on the same work - bench mode writes
+#         bench/results/moe_layer-<gpu>-w2-one-gpu.json), attention (one GPU: against torch SDPA's
 #         best backend), ring_attention (one GPU: ranks as threads, against the engine on the
 #         same work and SMs), ag_gemm, gemm_rs, gemm_ar,
 #         transport (the socket proxy path over loopback; no GPU needed), p2p (NVLink push /
@@ -196,7 +198,20 @@ if [[ "$kernel" == grouped_gemm || "$kernel" == moe_dispatch_gemm || "$kernel" =
     one_gpu_args+=(--json "bench/results/${kernel}-${gpu}-w1.json")
   fi
   echo "bench/run.sh: $kernel $mode on 1 GPU"
-  exec python3 "$script" "${one_gpu_args[@]}"
+  if [[ "$kernel" != moe_layer ]]; then exec python3 "$script" "${one_gpu_args[@]}"; fi
+  status=0
+  python3 "$script" "${one_gpu_args[@]}" || status=$?
+  ranks_bin="${BUILD_DIR:-build}/bench/bench_moe_layer_ranks"
+  if [[ -x "$ranks_bin" ]]; then  # two ranks sharing the GPU (threads): the SM-side cost
+    ranks_args=(--ranks "${MKERNEL_RANKS:-2}")
+    [[ "$mode" == bench ]] &&
+      ranks_args+=(--json "bench/results/moe_layer-${gpu}-w${MKERNEL_RANKS:-2}-one-gpu.json")
+    [[ "$mode" == check ]] && ranks_args+=(--iters 1)
+    "$ranks_bin" "${ranks_args[@]}" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
+  else
+    echo "bench/run.sh: $ranks_bin is not built ('make'): the ranks-sharing-a-GPU part skipped" >&2
+  fi
+  exit "$status"
 fi
 
 if [[ ! -x "$build/bench/bench_collectives" || ! -x "$build/mkrun" ]]; then
