@@ -521,7 +521,7 @@ TEST(InProcessMoeLayer, RejectsBadArgumentsBeforeLaunch) {
 
 TEST(SanitizeMoe, Layer) {
   MKT_REQUIRE_GPU();
-  run_layer_cases(2, {{8, 2, 64, 64, 40}}, 801);
+  run_layer_cases(2, {{8, 2, 64, 64, 40, MoeLayout::kPadded, false, 4}}, 801);  // 4 CTAs a rank
 }
 
 }  // namespace
