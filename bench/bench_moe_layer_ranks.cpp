@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "bench_check.h"
+#include "bench_inprocess.h"
 #include "bench_kernels.h"
 #include "mkernel/mkernel.h"
 #include "mkernel/moe.h"
@@ -48,11 +49,6 @@ struct Result {
 };
 
 constexpr int kRounds = 7;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // One rank's layer over its share of the inputs (rank r: tokens [r T, (r + 1) T), experts
 // [r E_local, (r + 1) E_local)).
@@ -185,7 +181,7 @@ Result run_point(const Point& pt, int world, int iters) {
         if (r == 0) one_rounds.push_back(time_calls(one, iters, start, stop));
         l.comm->bootstrap().barrier();
       }
-      rank_ms[r] = median(rounds);
+      rank_ms[r] = mk::bench::median(rounds);
       CK(cudaEventDestroy(start));
       CK(cudaEventDestroy(stop));
       l.comm->synchronize(l.s);
@@ -200,7 +196,7 @@ Result run_point(const Point& pt, int world, int iters) {
   }
   for (auto& t : threads) t.join();
   result.ranks_ms = *std::max_element(rank_ms.begin(), rank_ms.end());
-  result.world1_ms = median(one_rounds);
+  result.world1_ms = mk::bench::median(one_rounds);
 
   unsigned int* diff_out;
   CK(cudaMalloc(reinterpret_cast<void**>(&diff_out), 8));
@@ -226,29 +222,10 @@ Result run_point(const Point& pt, int world, int iters) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int world = 2, iters = 5;
-  std::string json, commit = "unknown";
-  if (const char* c = std::getenv("MKERNEL_COMMIT")) commit = c;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string key = argv[i], value = argv[i + 1];
-    if (key == "--ranks") {
-      world = std::atoi(value.c_str());
-    } else if (key == "--iters") {
-      iters = std::atoi(value.c_str());
-    } else if (key == "--json") {
-      json = value;
-    } else if (key == "--commit") {
-      commit = value;
-    } else {
-      std::fprintf(stderr, "usage: %s [--ranks 2] [--iters 5] [--json FILE] [--commit SHA]\n",
-                   argv[0]);
-      return 2;
-    }
-  }
-  if (world < 1 || iters < 1) {
-    std::fprintf(stderr, "%s: --ranks and --iters must be positive\n", argv[0]);
-    return 2;
-  }
+  mk::bench::InProcessArgs args;
+  args.iters = 5;
+  if (!mk::bench::parse_inprocess_args(argc, argv, args)) return 2;
+  const int world = args.ranks, iters = args.iters;
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);  // a queue per rank's stream
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -287,22 +264,11 @@ int main(int argc, char** argv) {
                   flops / r.ranks_ms * 1e-9, r.correct ? "true" : "false");
     rows += row;
   }
-  if (!json.empty()) {
-    char date[32];
-    const std::time_t now = std::time(nullptr);
-    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-    FILE* f = std::fopen(json.c_str(), "w");
-    if (f == nullptr) {
-      std::perror(json.c_str());
-      return 2;
-    }
-    std::fprintf(f,
-                 "{\n  \"kernel\": \"moe_layer\",\n  \"commit\": \"%s\",\n  \"date\": \"%s\",\n"
-                 "  \"device\": \"%s\",\n  \"world_size\": %d,\n  \"gpus\": 1,\n  \"num_nodes\": "
-                 "1,\n  \"transport\": \"in-process (one GPU: ranks share it, peer rows stay in "
-                 "its memory)\",\n  \"rows\": [\n%s\n  ]\n}\n",
-                 commit.c_str(), date, prop.name, world, rows.c_str());
-    std::fclose(f);
+  if (!args.json.empty() &&
+      !mk::bench::write_inprocess_results(
+          args.json, "moe_layer", args.commit, prop.name, world,
+          "in-process (one GPU: ranks share it, peer rows stay in its memory)", rows)) {
+    return 2;
   }
   return all_ok ? 0 : 1;
 }

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "bench_check.h"
+#include "bench_inprocess.h"
 #include "bench_kernels.h"
 #include "mkernel/attention.h"
 #include "mkernel/mkernel.h"
@@ -69,11 +70,6 @@ void copy_rows(void* local, const void* full, const Point& p, int world, int ran
 }
 
 constexpr int kRounds = 9;  // timed rounds of `iters` calls, per op
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 Result run_point(const Point& p, int world, int iters) {
   const int64_t full_s = world * p.seq_local;
@@ -171,15 +167,15 @@ Result run_point(const Point& p, int world, int iters) {
         ring_rounds.push_back(time_calls(ring, true));
         engine_rounds.push_back(time_calls(engine, false));
       }
-      rank_ms[r] = median(ring_rounds);
-      engine_ms[r] = median(engine_rounds);
+      rank_ms[r] = mk::bench::median(ring_rounds);
+      engine_ms[r] = mk::bench::median(engine_rounds);
       comm->bootstrap().barrier();
       if (r == 0) {
         std::vector<double> alone;
         for (int round = 0; round < kRounds; ++round) {
           alone.push_back(time_calls(engine, false, /*together=*/false));
         }
-        result.engine_alone_ms = median(alone);
+        result.engine_alone_ms = mk::bench::median(alone);
       }
       comm->bootstrap().barrier();
       CK(cudaEventDestroy(start));
@@ -220,25 +216,10 @@ Result run_point(const Point& p, int world, int iters) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int world = 2, iters = 10;
-  std::string json, commit = "unknown";
-  if (const char* c = std::getenv("MKERNEL_COMMIT")) commit = c;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string key = argv[i], value = argv[i + 1];
-    if (key == "--ranks") {
-      world = std::atoi(value.c_str());
-    } else if (key == "--iters") {
-      iters = std::atoi(value.c_str());
-    } else if (key == "--json") {
-      json = value;
-    } else if (key == "--commit") {
-      commit = value;
-    } else {
-      std::fprintf(stderr, "usage: %s [--ranks 2] [--iters 10] [--json FILE] [--commit SHA]\n",
-                   argv[0]);
-      return 2;
-    }
-  }
+  mk::bench::InProcessArgs args;
+  args.iters = 10;
+  if (!mk::bench::parse_inprocess_args(argc, argv, args)) return 2;
+  const int world = args.ranks, iters = args.iters;
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);  // a queue per rank's stream
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -285,23 +266,11 @@ int main(int argc, char** argv) {
         r.correct ? "true" : "false");
     rows += row;
   }
-  if (!json.empty()) {
-    char date[32];
-    const std::time_t now = std::time(nullptr);
-    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-    FILE* f = std::fopen(json.c_str(), "w");
-    if (f == nullptr) {
-      std::perror(json.c_str());
-      return 2;
-    }
-    std::fprintf(
-        f,
-        "{\n  \"kernel\": \"ring_attention\",\n  \"commit\": \"%s\",\n  \"date\": \"%s\",\n"
-        "  \"device\": \"%s\",\n  \"world_size\": %d,\n  \"gpus\": 1,\n  \"num_nodes\": 1,\n"
-        "  \"transport\": \"in-process (one GPU: ranks share it, peer copies stay in its "
-        "memory)\",\n  \"rows\": [\n%s\n  ]\n}\n",
-        commit.c_str(), date, prop.name, world, rows.c_str());
-    std::fclose(f);
+  if (!args.json.empty() &&
+      !mk::bench::write_inprocess_results(
+          args.json, "ring_attention", args.commit, prop.name, world,
+          "in-process (one GPU: ranks share it, peer copies stay in its memory)", rows)) {
+    return 2;
   }
   return all_ok ? 0 : 1;
 }

@@ -234,12 +234,9 @@ std::vector<GemmKernelResources> detail::attention_kernel_resources() {
   auto add = [&]<int kHeadDim>() {
     using C = Cfg<kHeadDim>;
     using Policy = attention_engine::PlainAttention<kHeadDim>;
-    auto kernel = attention_host::prepared<C, Policy>();
-    cudaFuncAttributes attr{};
-    MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-    out.push_back({"attention D" + std::to_string(kHeadDim), attr.numRegs,
-                   static_cast<int64_t>(attr.localSizeBytes),
-                   static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
+    out.push_back(
+        kernel_resources("attention D" + std::to_string(kHeadDim),
+                         reinterpret_cast<const void*>(attention_host::prepared<C, Policy>())));
   };
   add.template operator()<64>();
   add.template operator()<128>();

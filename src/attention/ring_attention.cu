@@ -266,12 +266,10 @@ const bool kPreloadRegistered = register_kernel_preload([](bool) {
 void add_ring_attention_resources(std::vector<GemmKernelResources>& out) {
   auto add = [&]<int kHeadDim>() {
     prepare<kHeadDim>();
-    cudaFuncAttributes attr{};
-    MK_CUDA_CHECK(cudaFuncGetAttributes(
-        &attr, attention_engine::attention_kernel<Cfg<kHeadDim>, Policy<kHeadDim>>));
-    out.push_back({"ring_attention D" + std::to_string(kHeadDim), attr.numRegs,
-                   static_cast<int64_t>(attr.localSizeBytes),
-                   static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
+    out.push_back(
+        kernel_resources("ring_attention D" + std::to_string(kHeadDim),
+                         reinterpret_cast<const void*>(
+                             attention_engine::attention_kernel<Cfg<kHeadDim>, Policy<kHeadDim>>)));
   };
   add.template operator()<64>();
   add.template operator()<128>();

@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gemm/gemm_internal.h"
@@ -215,13 +216,11 @@ namespace {
 template <int kBlockN, bool kTransB, template <int> class Fusion = gemm_engine::PlainGemm,
           int kBlockM = 128>
 void add_resources(std::vector<GemmKernelResources>& out, const char* what = "gemm") {
-  auto kernel = gemm_engine::prepared_kernel<kBlockN, kTransB, Fusion<kBlockN>, kBlockM>();
-  cudaFuncAttributes attr{};
-  MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  out.push_back({std::string(what) + " " + std::to_string(kBlockM) + "x" + std::to_string(kBlockN) +
-                     (kTransB ? " B[K,N]" : " B[N,K]"),
-                 attr.numRegs, static_cast<int64_t>(attr.localSizeBytes),
-                 static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
+  out.push_back(detail::kernel_resources(
+      std::string(what) + " " + std::to_string(kBlockM) + "x" + std::to_string(kBlockN) +
+          (kTransB ? " B[K,N]" : " B[N,K]"),
+      reinterpret_cast<const void*>(
+          gemm_engine::prepared_kernel<kBlockN, kTransB, Fusion<kBlockN>, kBlockM>())));
 }
 
 // fn.template operator()<kBlockN, kTransB>() for every width and B layout.
@@ -299,6 +298,13 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
 GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, const GemmConfig& config) {
   require_shape(m, n, k);
   return plan_checked(m, n, k, config);
+}
+
+GemmKernelResources detail::kernel_resources(std::string name, const void* kernel) {
+  cudaFuncAttributes attr{};
+  MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  return {std::move(name), attr.numRegs, static_cast<int64_t>(attr.localSizeBytes),
+          static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)};
 }
 
 std::vector<GemmKernelResources> detail::gemm_kernel_resources() {

@@ -141,6 +141,8 @@ struct GemmKernelResources {
 namespace detail {
 // Every GEMM kernel instantiation the library launches, with its compiled resources.
 std::vector<GemmKernelResources> gemm_kernel_resources();
+// One kernel's compiled resources (cudaFuncGetAttributes), under `name`.
+GemmKernelResources kernel_resources(std::string name, const void* kernel);
 }  // namespace detail
 
 }  // namespace mk

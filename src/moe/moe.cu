@@ -164,6 +164,22 @@ void launch_route(const DeviceComm& dc, const moe::Dims& d, const moe::Workspace
   launch_check(op);
 }
 
+// The fused launches' prelude: the route kernels (either index type), then the one-CTA notify
+// kernel (the layout, the GEMM's tables with tiles_n tiles a tile-row, the counters zeroed).
+void launch_route_notify(const DeviceComm& dc, const moe::Dims& d, const moe::Workspace& ws,
+                         const void* topk_idx, IndexType index_type, int chunks, int tiles_n,
+                         int32_t* expert_rows, cudaStream_t stream, const char* op) {
+  if (index_type == IndexType::kInt64) {
+    launch_route(dc, d, ws, static_cast<const int64_t*>(topk_idx), chunks, stream, op);
+  } else {
+    launch_route(dc, d, ws, static_cast<const int32_t*>(topk_idx), chunks, stream, op);
+  }
+  const auto e_local = static_cast<std::size_t>(d.experts_local);
+  const std::size_t smem = 4 * (static_cast<std::size_t>(d.world) * (e_local + 1) + e_local);
+  moe::notify_kernel<<<1, moe::kThreads, smem, stream>>>(dc, d, ws, tiles_n, expert_rows);
+  launch_check(op);
+}
+
 template <class Idx>
 void launch_dispatch(Communicator& comm, const MoeProblem& problem, const moe::Plan& plan,
                      const SymmetricRange& range, const void* x, const void* topk_idx, void* recv_x,
@@ -242,17 +258,9 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
   d.local_list = true;
   const moe::Workspace ws = workspace_of(c.workspace, c.plan.offsets);
   const DeviceComm dc = comm.device_comm();
-  if (index_type == IndexType::kInt64) {
-    launch_route(dc, d, ws, static_cast<const int64_t*>(topk_idx), c.plan.chunks(problem.tokens),
-                 stream, kDispatchGemm);
-  } else {
-    launch_route(dc, d, ws, static_cast<const int32_t*>(topk_idx), c.plan.chunks(problem.tokens),
-                 stream, kDispatchGemm);
-  }
   const int tiles_n = static_cast<int>((n + block_n - 1) / block_n);
-  const std::size_t notify_smem = 4 * (static_cast<std::size_t>(d.world) * (e_local + 1) + e_local);
-  moe::notify_kernel<<<1, moe::kThreads, notify_smem, stream>>>(dc, d, ws, tiles_n, expert_rows);
-  launch_check(kDispatchGemm);
+  launch_route_notify(dc, d, ws, topk_idx, index_type, c.plan.chunks(problem.tokens), tiles_n,
+                      expert_rows, stream, kDispatchGemm);
   const moe::LayoutTables lt = moe::layout_tables(d.world, d.experts_local);
   auto* tables =
       reinterpret_cast<int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.layout);
@@ -307,18 +315,8 @@ void moe::launch_layer(Communicator& comm, const MoeProblem& problem, int64_t in
   // The launches before the fused one (after every host step that can throw: the policy's tensor
   // maps are encoded first, so a refusal leaves no peer waiting for this rank's counts).
   const auto prep = [&] {
-    if (index_type == IndexType::kInt64) {
-      launch_route(dc, d, ws, static_cast<const int64_t*>(topk_idx), c.plan.chunks(problem.tokens),
-                   stream, op);
-    } else {
-      launch_route(dc, d, ws, static_cast<const int32_t*>(topk_idx), c.plan.chunks(problem.tokens),
-                   stream, op);
-    }
-    const auto e_local = static_cast<std::size_t>(d.experts_local);
-    const std::size_t notify_smem =
-        4 * (static_cast<std::size_t>(d.world) * (e_local + 1) + e_local);
-    moe::notify_kernel<<<1, moe::kThreads, notify_smem, stream>>>(dc, d, ws, 1, expert_rows);
-    launch_check(op);
+    launch_route_notify(dc, d, ws, topk_idx, index_type, c.plan.chunks(problem.tokens), 1,
+                        expert_rows, stream, op);
     // This call's combine counters (this rank's tokens) and the tile-rows' counters from zero:
     // no peer counts into them before this rank's launch has sent it rows.
     if (problem.tokens > 0) {
@@ -429,11 +427,8 @@ const bool kFusedPreloadRegistered = register_kernel_preload([](bool) {
 
 std::vector<GemmKernelResources> moe_kernel_resources() {
   std::vector<GemmKernelResources> out;
-  auto add = [&](const std::string& name, auto kernel) {
-    cudaFuncAttributes attr{};
-    MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-    out.push_back({name, attr.numRegs, static_cast<int64_t>(attr.localSizeBytes),
-                   static_cast<int64_t>(attr.maxDynamicSharedSizeBytes)});
+  auto add = [&](std::string name, auto kernel) {
+    out.push_back(kernel_resources(std::move(name), reinterpret_cast<const void*>(kernel)));
   };
   for (int block_n : {64, 128, 192, 256}) {
     for (bool trans_b : {false, true}) {

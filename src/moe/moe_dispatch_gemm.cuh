@@ -242,13 +242,6 @@ struct MoeDispatchGemm {
   // The side warps' four steps (the header). Indices are 32-bit (rows and tokens below 2^31):
   // these warps run on the producer warpgroup's few registers.
   __device__ void side_task(int thread, int threads) const {
-    place_local(thread, threads);
-    place_received(thread, threads);
-  }
-
-  // Steps 1 and 2: the rows this rank sends, and its rows for its own experts (no peer waited
-  // for).
-  __device__ void place_local(int thread, int threads) const {
     const int warp = thread / 32, lane = thread % 32, warps = threads / 32;
     const int c = blockIdx.x, channels = gridDim.x;
     const int el_n = d.experts_local, k = d.top_k, me = d.rank;
@@ -312,17 +305,6 @@ struct MoeDispatchGemm {
         placed(e, row, me, p / k, p % k, lane);
       }
     }
-  }
-
-  // Steps 3 and 4: the rows other ranks sent, as they land, and the handle's unused rows.
-  __device__ void place_received(int thread, int threads) const {
-    const int warp = thread / 32, lane = thread % 32, warps = threads / 32;
-    const int c = blockIdx.x, channels = gridDim.x;
-    const int el_n = d.experts_local, k = d.top_k, me = d.rank;
-    const int n16 = static_cast<int>(d.hidden / 8);
-    const LayoutTables lt = layout_tables(d.world, el_n);
-    const int32_t* tables = ws.at<int32_t>(me, ws.layout);
-    int4* recv16 = reinterpret_cast<int4*>(recv);
 
     // 3. Channel c's share of every other rank's rows, chunk by chunk as they land.
     for (int i = 1; i < d.world; ++i) {
