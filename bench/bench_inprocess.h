@@ -22,6 +22,7 @@ struct InProcessArgs {
 // else or a non-positive count.
 inline bool parse_inprocess_args(int argc, char** argv, InProcessArgs& a) {
   if (const char* c = std::getenv("MKERNEL_COMMIT")) a.commit = c;
+  const int default_ranks = a.ranks, default_iters = a.iters;  // (for the usage line)
   bool ok = true;
   for (int i = 1; ok && i + 1 < argc; i += 2) {
     const std::string key = argv[i], value = argv[i + 1];
@@ -39,7 +40,7 @@ inline bool parse_inprocess_args(int argc, char** argv, InProcessArgs& a) {
   }
   if (!ok || a.ranks < 1 || a.iters < 1) {
     std::fprintf(stderr, "usage: %s [--ranks %d] [--iters %d] [--json FILE] [--commit SHA]\n",
-                 argv[0], a.ranks, a.iters);
+                 argv[0], default_ranks, default_iters);
     return false;
   }
   return true;
