@@ -17,7 +17,8 @@
 # from the system when it has one (its image of 2026-11-30 had 1.14 in /usr), else from `.deps`:
 # run scripts/pack_deps.sh here and carry `.deps` (and `build` to reuse a build made here).
 #
-# Environment knobs: BACKEND (socket), BUILD_TYPE (Release), CMAKE_ARGS, CTEST_ARGS
+# Environment knobs: BUILD (build: the CMake build directory), BACKEND (socket), BUILD_TYPE
+# (Release), CMAKE_ARGS, CTEST_ARGS
 # (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), SANITIZE_FILTER (gtest filter of the
 # sanitized tests: Sanitize*), SITE (/tmp/site), BENCH_KERNELS ("all
 # transport": bench/run.sh kernels; all = collectives, gemm and the fused kernels),
@@ -46,7 +47,7 @@ OUT="${OUT:-$REPO/out}"
 # The package the python step installs; the bench step's fused kernels import it.
 export PYTHONPATH="${SITE:-/tmp/site}${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
-BUILD="$REPO/build"
+BUILD="${BUILD:-$REPO/build}"
 GPU_TESTS="$BUILD/tests/mkernel_gpu_tests"
 BACKEND="${BACKEND:-socket}"
 BUILD_TYPE="${BUILD_TYPE:-Release}"
@@ -90,7 +91,7 @@ reuse_carried_build() {
     mkdir -p "$(dirname "$src")" && ln -s "$REPO" "$src" || return 1
     log "linked $src -> $REPO (the carried build's source path)"
   fi
-  log "reusing the carried build/ (made from $src); not rebuilding"
+  log "reusing the build/ there (made from $src): building what changed"
 }
 
 # Prints the GoogleTest root to configure with: nothing when the system has GoogleTest, else the
@@ -131,7 +132,12 @@ gtest_root() {
 }
 
 step_build() {
-  if reuse_carried_build; then return 0; fi
+  # A build/ already there (carried, or left by an earlier call on a warm machine) is brought up
+  # to date, never used as it stands: the sources may have changed since it was made.
+  if reuse_carried_build; then
+    cmake --build "$BUILD" -j "$JOBS" 2>&1 | tee -a "$OUT/build.log" | tail -3
+    return "${PIPESTATUS[0]}"
+  fi
   [[ -x "$CUDA_HOME/bin/nvcc" ]] || { log "no nvcc in $CUDA_HOME/bin"; return 1; }
   local gtest gtest_args=()
   gtest="$(gtest_root)" || return 1
