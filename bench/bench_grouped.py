@@ -178,9 +178,9 @@ def run_point(experts, rows, n, k, skew, gen, cpu_gen, mode):
     return counts, ms, flops, correct
 
 
-def bench_args(doc, quick=True, kernels=False):
+def bench_args(doc, quick=True, kernels=False, points=False):
     """The one-GPU benchmarks' command line: --mode check|bench, --json FILE[, --quick]
-    [, --kernels]."""
+    [, --kernels][, --points MODEL:T,... --repeat N]."""
     parser = argparse.ArgumentParser(description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("check", "bench"), default="bench")
@@ -190,6 +190,11 @@ def bench_args(doc, quick=True, kernels=False):
     if kernels:
         parser.add_argument("--kernels", action="store_true",
                             help="also print each op's kernels and their GPU time (profiler)")
+    if points:
+        parser.add_argument("--points", help="only these points, MODEL:TOKENS,... "
+                            "(e.g. deepseek_v3:8192)")
+        parser.add_argument("--repeat", type=int, default=1,
+                            help="measure each point N times, on fresh data each time")
     return parser.parse_args()
 
 

@@ -1,6 +1,7 @@
 """The MoE layer on one GPU (world 1), against the plain PyTorch layer on torch._grouped_mm.
 
     python3 bench/bench_moe_layer.py --mode check|bench [--json FILE] [--quick] [--kernels]
+                                     [--points MODEL:T,...] [--repeat N]
 
 --kernels also prints, per point, the GPU time of every kernel of mkernel.moe_layer and of
 compute_alone (torch.profiler): where the layer's time goes.
@@ -130,7 +131,7 @@ def run_point(comm, model, tokens, gen, mode, kernels=False):
 
 
 def main():
-    args = bench_args(__doc__, kernels=True)
+    args = bench_args(__doc__, kernels=True, points=True)
     if not torch.cuda.is_available():
         print("bench_moe_layer: no CUDA GPU", file=sys.stderr)
         return 2
@@ -142,9 +143,17 @@ def main():
           f"torch {torch.__version__}", flush=True)
     print(f"{'model':12} {'T':>5} {'mkernel':>9} {'torch':>9} {'compute':>9} {'disp+comb':>9} "
           f"{'x torch':>8} {'TFLOP/s':>8}  check", flush=True)
+    points = [(model, tokens) for model in MODELS for tokens in tokens_list]
+    if args.points:
+        points = [(p.split(":")[0], int(p.split(":")[1])) for p in args.points.split(",")]
+        unknown = [m for m, _ in points if m not in MODELS]
+        if unknown:
+            print(f"bench_moe_layer: unknown model {unknown[0]} (known: {', '.join(MODELS)})",
+                  file=sys.stderr)
+            return 2
     results, logs, all_ok = [], [], True
-    for model in MODELS:
-        for tokens in tokens_list:
+    for model, tokens in points:
+        for _ in range(args.repeat):
             ms, flops, ok, err, err_torch = run_point(comm, model, tokens, gen, args.mode,
                                                       args.kernels)
             all_ok &= ok

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A/B/... of patches on the GPU machine: each variant is the checkout with a list of patches
+# applied ("-" or "" for the checkout as it is), built in its own directory and installed in its
+# own site; then the benchmarks of BENCH_KERNELS (bench/run.sh kernels, default moe_layer) run
+# ROUNDS times with the variants interleaved (1 2 3 1 2 3 ...), so that drift of the machine hits
+# every variant alike.
+#
+#   bash scripts/ab_variants.sh ROUNDS VARIANT...    e.g.  2 - a.patch a.patch,b.patch
+#
+# Prints each round's tables with the variant named; every results file goes into
+# $OUT/ab-results.tar.gz as v<variant>-r<round>/<file>. The checkout is left as it was.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+rounds="${1:?usage: ab_variants.sh ROUNDS VARIANT...}"
+shift
+(($# >= 1)) || { echo "ab_variants: no variant" >&2; exit 2; }
+variants=("$@")
+kernels="${BENCH_KERNELS:-moe_layer}"
+OUT="${OUT:-$PWD/out}"
+results=/tmp/ab-results
+rm -rf "$results" && mkdir -p "$OUT" "$results"
+
+patches_of() { [[ "$1" == - ]] && return 0; tr ',' '\n' <<<"$1" | sed '/^$/d'; }
+
+for i in "${!variants[@]}"; do
+  mapfile -t list < <(patches_of "${variants[$i]}")
+  for p in "${list[@]}"; do git apply "$p" || { echo "ab_variants: $p does not apply" >&2; exit 2; }; done
+  BUILD="$PWD/build-v$i" SITE="/tmp/site-v$i" PYTHON_TESTS=0 OUT="/tmp/ab-log-v$i" \
+    bash scripts/device_run.sh build python 2>&1 | grep -E '^== ' | sed "s/^/[variant $i] /"
+  for ((j = ${#list[@]} - 1; j >= 0; j--)); do git apply -R "${list[$j]}"; done
+done
+
+for ((round = 1; round <= rounds; round++)); do
+  for i in "${!variants[@]}"; do
+    for kernel in $kernels; do
+      echo "==== round $round, variant $i (${variants[$i]}), $kernel"
+      marker="$(mktemp)"
+      PYTHONPATH="/tmp/site-v$i" BUILD_DIR="build-v$i" bash bench/run.sh "$kernel" bench 1 2>&1 |
+        grep -vE '^(bench/run.sh|bench_moe|moe_layer in-process)'
+      mkdir -p "$results/v$i-r$round"
+      find bench/results -maxdepth 1 -name '*.json' -newer "$marker" -exec cp -t "$results/v$i-r$round" {} +
+      rm -f "$marker"
+    done
+  done
+done
+tar -czf "$OUT/ab-results.tar.gz" -C "$results" .
