@@ -6,7 +6,9 @@
 namespace mk {
 
 // Signals are 64-bit words in every rank's symmetric signal pad, laid out [kNumSignals][world].
-// Word (s, src) on rank r is written by rank src only. Values are signal_value(epoch, step), so
+// Word (s, src) on rank r is written by rank src only - or, for a rank src of another node, by
+// its relay on r's node in its stead (Launch::signal_as: moe_dispatch's forwarded counts and
+// rows; src itself never writes there). Values are signal_value(epoch, step), so
 // they only grow: consecutive launches need no reset. Each named range has one slot per channel
 // (a channel is one CTA of a persistent kernel, grids equal on all ranks - except ring attention,
 // whose channels are its copy shares, so that its ranks may run different grids).

@@ -28,8 +28,11 @@
 // naming the expert and its rows: it is not placed, never silently dropped) and an expert id out
 // of range (kInvalidArgument, naming the token and slot: treated as -1). The launches complete.
 // Everything else is checked before launch (mk::Error). Stream-ordered, no host synchronisation,
-// CUDA-graph safe (counts and routing may change between replays). One node (NVLink or PCIe
-// peers), any world size; the ranks of a communicator call in the same order.
+// CUDA-graph safe (counts and routing may change between replays). Any world size; the ranks of
+// a communicator call in the same order. moe_dispatch and moe_combine also run across nodes (a
+// token crosses the network once per destination node, to the rail peer there, which forwards
+// it over NVLink; the results are the one-node ones bit for bit); moe_dispatch_gemm and
+// moe_layer run inside one node (refused before launch across nodes, kUnsupported).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -109,7 +112,9 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
                        void* workspace, cudaStream_t stream, const MoeConfig& config = {});
 
 // y [rows, H] bf16 in the dispatch layout (the dispatch's rows and handle, same problem);
-// topk_weights [T, k] fp32; out [T, H] bf16. The same workspace as the dispatch's.
+// topk_weights [T, k] fp32; out [T, H] bf16. The same workspace as the dispatch's - across nodes
+// also as that dispatch left it (the way each row came is kept there): no other moe_dispatch on
+// it between the two.
 void moe_combine(Communicator& comm, const MoeProblem& problem, const void* y,
                  const float* topk_weights, const int32_t* handle, void* out, void* workspace,
                  cudaStream_t stream, const MoeConfig& config = {});

@@ -9,12 +9,15 @@
 #include "gemm/launch.cuh"
 #include "mkernel/error.h"
 #include "mkernel/moe.h"
+#include "moe/moe_combine.cuh"
+#include "moe/moe_dispatch.cuh"
 #include "moe/moe_dispatch_gemm.cuh"
 #include "moe/moe_kernels.cuh"
 #include "moe/moe_layer.cuh"
 #include "moe/moe_plan.h"
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
+#include "runtime/inter_node_rings.h"
 #include "runtime/kernel_preload.h"
 #include "runtime/overrides.h"
 #include "runtime/validate.h"
@@ -28,7 +31,8 @@ constexpr const char* kDispatchGemm = "moe_dispatch_gemm";
 
 moe::Plan plan_for(const Communicator& comm, const MoeProblem& problem, const MoeConfig& config,
                    const char* op) {
-  return moe::plan_moe(comm.world_size(), comm.topology().sm_budget(), problem, config, op);
+  return moe::plan_moe(comm.world_size(), comm.topology().sm_budget(), problem, config, op,
+                       comm.topology().num_nodes);
 }
 
 void launch_check(const char* op) {
@@ -42,6 +46,8 @@ moe::Dims dims_of(const Communicator& comm, const MoeProblem& p, const moe::Plan
   moe::Dims d{};
   d.world = comm.world_size();
   d.rank = comm.rank();
+  d.me = comm.topology().local_rank;
+  d.nodes = comm.topology().num_nodes;
   d.experts = p.num_experts;
   d.experts_local = plan.plan.experts_local;
   d.top_k = p.top_k;
@@ -75,7 +81,65 @@ moe::Workspace workspace_of(const SymmetricRange& range, const moe::Offsets& o) 
   w.layout = o.layout;
   w.counters = o.counters;
   w.comb_count = o.comb_count;
+  w.chunk_ncnt = o.chunk_ncnt;
+  w.cross_list = o.cross_list;
+  w.send_slot = o.send_slot;
+  w.slot_route = o.slot_route;
+  w.recv_cross = o.recv_cross;
+  w.row_cross = o.row_cross;
+  w.relay_y = o.relay_y;
+  w.relay_flag = o.relay_flag;
   return w;
+}
+
+// The nodes as the route and dispatch kernels see them (one node: count 1, nothing else read).
+moe::NodeMap node_map_of(const Communicator& comm) {
+  const Topology& topo = comm.topology();
+  moe::NodeMap nm{};
+  nm.count = topo.num_nodes;
+  nm.per_node = topo.local_size;
+  if (topo.num_nodes == 1) return nm;
+  for (int r = 0; r < topo.world_size; ++r) {  // (moe_plan.cpp: at most kMoeMaxNodeRanks)
+    nm.node_of[r] = static_cast<int8_t>(topo.node_of[r]);
+    nm.local_of[r] = static_cast<int8_t>(topo.local_rank_of[r]);
+    nm.rank_at[topo.node_of[r] * topo.local_size + topo.local_rank_of[r]] = static_cast<int16_t>(r);
+  }
+  return nm;
+}
+
+// Across nodes: the communicator's inter-node rings and where the transfer regions live - in the
+// workspace (after its other fields; its allocation then registered with the path) or in the
+// path's pinned host staging (InterNode::host_staging). Collective on first use and when the
+// staging grows. One node: nothing (the kernel reads none of it).
+moe::NodeXfer node_xfer_of(Communicator& comm, const moe::Plan& plan, const SymmetricRange& range) {
+  moe::NodeXfer xf{};
+  if (plan.nodes == 1) return xf;
+  const moe::CrossRegion& cr = plan.cross;
+  const uint64_t bytes = 2 * static_cast<uint64_t>(plan.nodes) * (cr.bytes + plan.comb.bytes);
+  const detail::InterNodeStaging staging = detail::inter_node_staging(comm, bytes);
+  const bool in_workspace = staging.base == nullptr;
+  auto* base = reinterpret_cast<uint8_t*>(range.host_peers[comm.topology().local_rank]);
+  const detail::InterNodeRings path =
+      detail::inter_node_rings(comm, in_workspace ? base : nullptr, range.size);
+  xf.num_rings = std::min(path.count, moe::kMaxNodeRings);
+  for (int i = 0; i < xf.num_rings; ++i) xf.rings[i] = path.ring[i];
+  if (in_workspace) {
+    xf.xfer_offset = range.offset + plan.offsets.xfer;
+    xf.xfer = base + xf.xfer_offset;
+    xf.xfer_buffer = path.buffer;
+  } else {
+    xf.xfer = staging.base;
+    xf.xfer_buffer = staging.buffer;
+    xf.xfer_offset = 0;
+  }
+  xf.region_bytes = cr.bytes;
+  xf.meta_at = cr.meta_at;
+  xf.rows_at = cr.rows_at;
+  xf.cross_ints = cr.cross_ints;
+  xf.comb_at = 2 * static_cast<uint64_t>(plan.nodes) * cr.bytes;
+  xf.comb_bytes = plan.comb.bytes;
+  xf.comb_rows_at = plan.comb.rows_at;
+  return xf;
 }
 
 // What both ops check first: a usable one-node communicator, the stream, the plan, the
@@ -86,13 +150,14 @@ struct Checked {
 };
 
 Checked check_common(Communicator& comm, const MoeProblem& problem, const MoeConfig& config,
-                     void* workspace, cudaStream_t stream, const char* op) {
+                     void* workspace, cudaStream_t stream, const char* op,
+                     bool across_nodes = false) {
   detail::require_usable(comm, op);
-  if (comm.topology().num_nodes != 1) {
+  if (comm.topology().num_nodes != 1 && !across_nodes) {
     throw Error(ErrorCode::kUnsupported,
                 std::string(op) + ": the communicator spans " +
                     std::to_string(comm.topology().num_nodes) +
-                    " nodes; MoE dispatch / combine across nodes is not implemented yet "
+                    " nodes; across nodes only moe_dispatch and moe_combine are implemented yet "
                     "(expected 1 node)");
   }
   detail::require_stream(comm, stream, op);
@@ -155,12 +220,15 @@ void print(const Communicator& comm, const char* op, const MoeProblem& p, const 
 
 // The route kernels: chunk counts, then positions and send order (moe_kernels.cuh).
 template <class Idx>
-void launch_route(const DeviceComm& dc, const moe::Dims& d, const moe::Workspace& ws,
-                  const Idx* topk, int chunks, cudaStream_t stream, const char* op) {
-  const std::size_t smem = 4 * static_cast<std::size_t>(d.experts + d.world + d.experts_local);
-  moe::route_count_kernel<Idx><<<chunks, moe::kRouteThreads, smem, stream>>>(dc, d, topk, ws);
+void launch_route(const DeviceComm& dc, const moe::Dims& d, const moe::NodeMap& nm,
+                  const moe::Workspace& ws, const Idx* topk, int chunks, cudaStream_t stream,
+                  const char* op) {
+  const int node_keys = d.nodes > 1 ? d.nodes : 0;
+  const std::size_t smem =
+      4 * static_cast<std::size_t>(d.experts + d.world + node_keys + d.experts_local);
+  moe::route_count_kernel<Idx><<<chunks, moe::kRouteThreads, smem, stream>>>(dc, d, nm, topk, ws);
   launch_check(op);
-  moe::route_scan_kernel<Idx><<<chunks, moe::kRouteThreads, smem, stream>>>(d, topk, ws);
+  moe::route_scan_kernel<Idx><<<chunks, moe::kRouteThreads, smem, stream>>>(d, nm, topk, ws);
   launch_check(op);
 }
 
@@ -169,10 +237,11 @@ void launch_route(const DeviceComm& dc, const moe::Dims& d, const moe::Workspace
 void launch_route_notify(const DeviceComm& dc, const moe::Dims& d, const moe::Workspace& ws,
                          const void* topk_idx, IndexType index_type, int chunks, int tiles_n,
                          int32_t* expert_rows, cudaStream_t stream, const char* op) {
+  const moe::NodeMap one_node{1, d.world, {}, {}, {}};  // (the fused launches: one node)
   if (index_type == IndexType::kInt64) {
-    launch_route(dc, d, ws, static_cast<const int64_t*>(topk_idx), chunks, stream, op);
+    launch_route(dc, d, one_node, ws, static_cast<const int64_t*>(topk_idx), chunks, stream, op);
   } else {
-    launch_route(dc, d, ws, static_cast<const int32_t*>(topk_idx), chunks, stream, op);
+    launch_route(dc, d, one_node, ws, static_cast<const int32_t*>(topk_idx), chunks, stream, op);
   }
   const auto e_local = static_cast<std::size_t>(d.experts_local);
   const std::size_t smem = 4 * (static_cast<std::size_t>(d.world) * (e_local + 1) + e_local);
@@ -186,14 +255,16 @@ void launch_dispatch(Communicator& comm, const MoeProblem& problem, const moe::P
                      int32_t* expert_rows, int32_t* handle, cudaStream_t stream) {
   const moe::Dims d = dims_of(comm, problem, plan);
   const moe::Workspace ws = workspace_of(range, plan.offsets);
-  const DeviceComm dc = comm.device_comm();
+  const moe::NodeMap nm = node_map_of(comm);
+  const moe::NodeXfer xf = node_xfer_of(comm, plan, range);
+  const DeviceComm dc = comm.device_comm();  // (after the inter-node path exists: its host pad)
   const auto* topk = static_cast<const Idx*>(topk_idx);
-  launch_route(dc, d, ws, topk, plan.chunks(problem.tokens), stream, kDispatch);
+  launch_route(dc, d, nm, ws, topk, plan.chunks(problem.tokens), stream, kDispatch);
   // (Its shared-memory limit was raised when the communicator loaded it: preload_moe_kernels.)
   const int smem = static_cast<int>(moe::dispatch_smem_bytes(d.world, d.experts_local));
   moe::dispatch_kernel<Idx><<<plan.plan.ctas, moe::kThreads, smem, stream>>>(
-      dc, d, topk, static_cast<const __nv_bfloat16*>(x), ws, static_cast<__nv_bfloat16*>(recv_x),
-      expert_rows, handle);
+      dc, d, nm, xf, topk, static_cast<const __nv_bfloat16*>(x), ws,
+      static_cast<__nv_bfloat16*>(recv_x), expert_rows, handle);
   launch_check(kDispatch);
 }
 
@@ -211,7 +282,8 @@ void moe_dispatch(Communicator& comm, const MoeProblem& problem, const void* x,
                   const void* topk_idx, IndexType index_type, void* recv_x, int32_t* expert_rows,
                   int32_t* handle, void* workspace, cudaStream_t stream, const MoeConfig& config) {
   detail::DeviceGuard guard(comm.device());
-  const Checked c = check_common(comm, problem, config, workspace, stream, kDispatch);
+  const Checked c =
+      check_common(comm, problem, config, workspace, stream, kDispatch, /*across_nodes=*/true);
   check_dispatch_operands(comm, problem, c, kDispatch, x, topk_idx, index_type, recv_x, expert_rows,
                           handle, workspace, {}, {});
   const MoePlan& plan = c.plan.plan;
@@ -362,7 +434,8 @@ void moe_combine(Communicator& comm, const MoeProblem& problem, const void* y,
                  const float* topk_weights, const int32_t* handle, void* out, void* workspace,
                  cudaStream_t stream, const MoeConfig& config) {
   detail::DeviceGuard guard(comm.device());
-  const Checked c = check_common(comm, problem, config, workspace, stream, kCombine);
+  const Checked c =
+      check_common(comm, problem, config, workspace, stream, kCombine, /*across_nodes=*/true);
   const MoePlan& plan = c.plan.plan;
   const auto tokens = static_cast<std::size_t>(problem.tokens);
   const auto h = static_cast<std::size_t>(problem.hidden);
@@ -384,8 +457,10 @@ void moe_combine(Communicator& comm, const MoeProblem& problem, const void* y,
                             {"workspace", workspace, plan.workspace_bytes, true}});
   print(comm, kCombine, problem, plan);
   const moe::Dims d = dims_of(comm, problem, c.plan);
+  const moe::NodeMap nm = node_map_of(comm);
+  const moe::NodeXfer xf = node_xfer_of(comm, c.plan, c.workspace);
   moe::combine_kernel<<<plan.ctas, moe::kThreads, 0, stream>>>(
-      comm.device_comm(), d, static_cast<const __nv_bfloat16*>(y), topk_weights, handle,
+      comm.device_comm(), d, nm, xf, static_cast<const __nv_bfloat16*>(y), topk_weights, handle,
       workspace_of(c.workspace, c.plan.offsets), static_cast<__nv_bfloat16*>(out));
   launch_check(kCombine);
 }

@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   const int el_n = d.experts_local, words = el_n + 1;
-  const int32_t* totals = ws.at<int32_t>(d.rank, ws.totals);
+  const int32_t* totals = ws.at<int32_t>(d.me, ws.totals);
   for (int w = threadIdx.x; w < d.world * words; w += kThreads) {
     const int dst = w / words, i = w % words;
     const int32_t n = i < el_n ? totals[dst * el_n + i] : totals[d.experts + dst];
@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   const LayoutTables lt = layout_tables(d.world, el_n);
-  int32_t* tables = ws.at<int32_t>(d.rank, ws.layout);
+  int32_t* tables = ws.at<int32_t>(d.me, ws.layout);
   int32_t* start = tables + lt.start;
   for (int e = threadIdx.x; e < el_n; e += kThreads) {
     int32_t sum = 0;
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int e = threadIdx.x; e < el_n; e += kThreads) tables[lt.tile_prefix + e] = s_cnt[e];
   if (threadIdx.x == 0) tables[lt.tile_prefix + el_n] = static_cast<int32_t>(tiles);
   // The arrival counters start from zero (the last fused launch is over: stream order).
-  uint64_t* counters = ws.at<uint64_t>(d.rank, ws.counters);
+  uint64_t* counters = ws.at<uint64_t>(d.me, ws.counters);
   const int64_t blocks =
       d.masked ? d.blocks_per_expert * el_n : (d.rows + kRowBlock - 1) / kRowBlock;
   for (int64_t b = threadIdx.x; b < blocks; b += kThreads) counters[b] = 0;
@@ -183,7 +183,7 @@ struct MoeDispatchGemm {
     if (tile.rows <= 0) return;
     const int64_t b = block_of(tile.shard, tile.row);
     const dev::Launch launch = dev::Launch::begin(comm);
-    const uint64_t* counter = ws.at<uint64_t>(d.rank, ws.counters) + b;
+    const uint64_t* counter = ws.at<uint64_t>(d.me, ws.counters) + b;
     launch.wait_local(counter, static_cast<uint64_t>(tile.rows), static_cast<uint32_t>(b));
     dev::fence_proxy_async_global();
   }
@@ -217,7 +217,7 @@ struct MoeDispatchGemm {
       h[1] = token;
       h[2] = slot;
       __threadfence();  // the row's bytes (every lane's, ordered by __syncwarp) before the count
-      atomicAdd(reinterpret_cast<unsigned long long*>(ws.at<uint64_t>(d.rank, ws.counters) +
+      atomicAdd(reinterpret_cast<unsigned long long*>(ws.at<uint64_t>(d.me, ws.counters) +
                                                       block_of(e, row)),
                 1ull);
     }

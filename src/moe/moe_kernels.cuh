@@ -7,7 +7,7 @@
 //                        its (this rank, expert) stream, each (token, destination) pair's slot in
 //                        the send order; the last chunk writes the totals (local; no atomics on
 //                        positions, so the layout is a pure function of topk_idx)
-//   dispatch_kernel      persistent, one CTA per channel:
+//   dispatch_kernel      (moe_dispatch.cuh) persistent, one CTA per channel:
 //      entry barrier
 //      counts   -> every destination's signal pad: rows for each of its local experts, rows sent
 //      send     -> channel c's share of the rows for each destination: x[t] once per (token,
@@ -16,7 +16,7 @@
 //      place    <- every source's counts: the layout (expert starts, source prefixes); channel c
 //                  of every source: its rows copied to their expert-major rows, once per local
 //                  expert of the token, with the handle; unused rows' handle set to -1
-//   combine_kernel       persistent, one CTA per channel:
+//   combine_kernel       (moe_combine.cuh) persistent, one CTA per channel:
 //      entry barrier
 //      send     -> each row of y with a handle goes to its source rank's [token][slot] with a
 //                  presence flag (the launch's epoch); then signal kOp + c to every rank
@@ -62,6 +62,8 @@ __device__ __forceinline__ uint32_t count_signal(int i) {
 struct Dims {
   int world;
   int rank;
+  int me;             // this rank's index on its node (its workspace copy: Workspace::at)
+  int nodes;          // nodes of the communicator (1: every rank is local)
   int experts;        // E
   int experts_local;  // E_local
   int top_k;
@@ -89,15 +91,41 @@ struct Workspace {
   uint64_t chunk_dcnt;    // int32 [chunks][world]                  (local)
   uint64_t pos;           // int32 [max_tokens][top_k]              (local)
   uint64_t send_list;     // int32 [world][max_tokens]              (local)
-  uint64_t totals;        // int32 [experts + world]                (local)
+  uint64_t totals;        // int32 [experts + world + nodes]        (local)
   uint64_t by_local;      // int32 [max_tokens * top_k]              (local; moe_dispatch_gemm)
   uint64_t layout;        // int32 LayoutTables                      (local; moe_dispatch_gemm)
   uint64_t counters;      // uint64 [blocks]                         (local; moe_dispatch_gemm)
   uint64_t comb_count;    // uint64 [max_tokens][ceil(hidden / 128)] (at the source; moe_layer)
+  // Across nodes (moe_nodes.cuh; laid out for every plan, small on one node):
+  uint64_t chunk_ncnt;  // int32 [chunks][nodes]                (local)
+  uint64_t cross_list;  // int32 [nodes][max_tokens]            (local: tokens bound for node n)
+  uint64_t send_slot;   // int32 [max_tokens][top_k]            (local: a (token, rank) pair's slot
+                        //                                       in the send order, at its first
+                        //                                       slot bound for that rank)
+  uint64_t slot_route;  // int32 [max_tokens][top_k]  (nodes > 1; moe_plan.h has these five)
+  uint64_t recv_cross;  // int32 [world][max_tokens]
+  uint64_t row_cross;   // int32 [rows]
+  uint64_t relay_y;     // bf16 [nodes][max_tokens x top_k][hidden]
+  uint64_t relay_flag;  // uint32 [nodes][max_tokens x top_k]
 
+  // Field `field` in the workspace of local rank `local` (this rank: Dims::me).
   template <class T>
-  __device__ T* at(int rank, uint64_t field) const {
-    return reinterpret_cast<T*>(peers[rank] + offset + field);
+  __device__ T* at(int local, uint64_t field) const {
+    return reinterpret_cast<T*>(peers[local] + offset + field);
+  }
+};
+
+// The communicator's nodes as the route and dispatch kernels see them (one node: count 1, the
+// tables unused). Ranks across nodes are at most kMoeMaxNodeRanks (moe_plan.cpp checks).
+struct NodeMap {
+  int count;     // nodes
+  int per_node;  // ranks a node
+  int8_t node_of[kMoeMaxNodeRanks];
+  int8_t local_of[kMoeMaxNodeRanks];
+  int16_t rank_at[kMoeMaxNodeRanks];  // [node * per_node + local]
+
+  __device__ int node_of_expert(int64_t e, int experts_local) const {
+    return node_of[static_cast<int>(e / experts_local)];
   }
 };
 
@@ -128,6 +156,17 @@ __device__ __forceinline__ bool first_for_rank(const Idx* row, int j, int dst, c
   for (int i = 0; i < j; ++i) {
     const Idx e = row[i];
     if (valid_expert(e, d.experts) && static_cast<int>(e / d.experts_local) == dst) return false;
+  }
+  return true;
+}
+
+// Whether slot j is the first of its token's row to route to node `node` (the row crosses once).
+template <class Idx>
+__device__ __forceinline__ bool first_for_node(const Idx* row, int j, int node, const Dims& d,
+                                               const NodeMap& nm) {
+  for (int i = 0; i < j; ++i) {
+    const Idx e = row[i];
+    if (valid_expert(e, d.experts) && nm.node_of_expert(e, d.experts_local) == node) return false;
   }
   return true;
 }
@@ -164,10 +203,12 @@ __device__ __forceinline__ int64_t block_exclusive_scan(int32_t* values, int n) 
 // CTA, also for no tokens). Bad indices are recorded here, once.
 template <class Idx>
 __global__ void __launch_bounds__(kRouteThreads)
-    route_count_kernel(DeviceComm comm, Dims d, const Idx* topk, Workspace ws) {
-  extern __shared__ int32_t s_counts[];  // [experts] then [world]
+    route_count_kernel(DeviceComm comm, Dims d, NodeMap nm, const Idx* topk, Workspace ws) {
+  extern __shared__ int32_t s_counts[];  // [experts] then [world], then [nodes] across nodes
   int32_t* s_dcnt = s_counts + d.experts;
-  for (int i = threadIdx.x; i < d.experts + d.world; i += blockDim.x) s_counts[i] = 0;
+  int32_t* s_ncnt = s_dcnt + d.world;
+  const int keys = d.experts + d.world + (d.nodes > 1 ? d.nodes : 0);
+  for (int i = threadIdx.x; i < keys; i += blockDim.x) s_counts[i] = 0;
   __syncthreads();
   const int64_t t0 = blockIdx.x * d.chunk_tokens;
   const int64_t t1 = min64(d.tokens, t0 + d.chunk_tokens);
@@ -186,31 +227,44 @@ __global__ void __launch_bounds__(kRouteThreads)
     atomicAdd(&s_counts[e], 1);
     const int dst = static_cast<int>(e / d.experts_local);
     if (first_for_rank(topk + t * d.top_k, j, dst, d)) atomicAdd(&s_dcnt[dst], 1);
+    if (d.nodes > 1) {
+      const int node = nm.node_of[dst];
+      if (first_for_node(topk + t * d.top_k, j, node, d, nm)) atomicAdd(&s_ncnt[node], 1);
+    }
   }
   __syncthreads();
-  int32_t* cnt =
-      ws.at<int32_t>(d.rank, ws.chunk_cnt) + static_cast<int64_t>(blockIdx.x) * d.experts;
-  int32_t* dcnt =
-      ws.at<int32_t>(d.rank, ws.chunk_dcnt) + static_cast<int64_t>(blockIdx.x) * d.world;
+  int32_t* cnt = ws.at<int32_t>(d.me, ws.chunk_cnt) + static_cast<int64_t>(blockIdx.x) * d.experts;
+  int32_t* dcnt = ws.at<int32_t>(d.me, ws.chunk_dcnt) + static_cast<int64_t>(blockIdx.x) * d.world;
   for (int i = threadIdx.x; i < d.experts; i += blockDim.x) cnt[i] = s_counts[i];
   for (int i = threadIdx.x; i < d.world; i += blockDim.x) dcnt[i] = s_dcnt[i];
+  if (d.nodes > 1) {
+    int32_t* ncnt =
+        ws.at<int32_t>(d.me, ws.chunk_ncnt) + static_cast<int64_t>(blockIdx.x) * d.nodes;
+    for (int i = threadIdx.x; i < d.nodes; i += blockDim.x) ncnt[i] = s_ncnt[i];
+  }
 }
 
 // Positions and send order of chunk blockIdx.x (same grid as route_count_kernel).
 template <class Idx>
 __global__ void __launch_bounds__(kRouteThreads)
-    route_scan_kernel(Dims d, const Idx* topk, Workspace ws) {
-  extern __shared__ int32_t s_base[];  // [experts] then [world]: running positions
+    route_scan_kernel(Dims d, NodeMap nm, const Idx* topk, Workspace ws) {
+  // Running positions: [experts], [world], then [nodes] across nodes; then [E_local].
+  extern __shared__ int32_t s_base[];
   int32_t* s_dbase = s_base + d.experts;
-  int32_t* s_local = s_dbase + d.world;  // [E_local]: first entry of each own expert in by_local
+  int32_t* s_nbase = s_dbase + d.world;
+  const int node_keys = d.nodes > 1 ? d.nodes : 0;
+  int32_t* s_local = s_nbase + node_keys;  // [E_local]: first entry of each own expert in by_local
   const int c = blockIdx.x;
-  const int32_t* cnt = ws.at<int32_t>(d.rank, ws.chunk_cnt);
-  const int32_t* dcnt = ws.at<int32_t>(d.rank, ws.chunk_dcnt);
-  int32_t* totals = ws.at<int32_t>(d.rank, ws.totals);
-  for (int i = threadIdx.x; i < d.experts + d.world; i += blockDim.x) {
-    const bool expert = i < d.experts;
-    const int32_t* column = expert ? cnt + i : dcnt + (i - d.experts);
-    const int stride = expert ? d.experts : d.world;
+  const int32_t* cnt = ws.at<int32_t>(d.me, ws.chunk_cnt);
+  const int32_t* dcnt = ws.at<int32_t>(d.me, ws.chunk_dcnt);
+  const int32_t* ncnt = ws.at<int32_t>(d.me, ws.chunk_ncnt);
+  int32_t* totals = ws.at<int32_t>(d.me, ws.totals);  // experts, then world, then nodes
+  for (int i = threadIdx.x; i < d.experts + d.world + node_keys; i += blockDim.x) {
+    const bool expert = i < d.experts, rank = !expert && i < d.experts + d.world;
+    const int32_t* column = expert ? cnt + i
+                            : rank ? dcnt + (i - d.experts)
+                                   : ncnt + (i - d.experts - d.world);
+    const int stride = expert ? d.experts : rank ? d.world : d.nodes;
     int32_t sum = 0;
     for (int earlier = 0; earlier < c; ++earlier) {
       sum += column[static_cast<int64_t>(earlier) * stride];
@@ -234,12 +288,15 @@ __global__ void __launch_bounds__(kRouteThreads)
   }
   __syncthreads();
   if (threadIdx.x >= 32) return;
-  int32_t* by_local = ws.at<int32_t>(d.rank, ws.by_local);
+  int32_t* by_local = ws.at<int32_t>(d.me, ws.by_local);
   const int first_own = d.rank * d.experts_local;
   const int lane = threadIdx.x;
   const unsigned lower = (1u << lane) - 1;
-  int32_t* pos = ws.at<int32_t>(d.rank, ws.pos);
-  int32_t* send_list = ws.at<int32_t>(d.rank, ws.send_list);
+  int32_t* pos = ws.at<int32_t>(d.me, ws.pos);
+  int32_t* send_list = ws.at<int32_t>(d.me, ws.send_list);
+  int32_t* send_slot = ws.at<int32_t>(d.me, ws.send_slot);
+  int32_t* cross_list = ws.at<int32_t>(d.me, ws.cross_list);
+  int32_t* slot_route = ws.at<int32_t>(d.me, ws.slot_route);  // (the dispatch fills crossing ones)
   const int64_t t0 = static_cast<int64_t>(c) * d.chunk_tokens;
   const int64_t t1 = min64(d.tokens, t0 + d.chunk_tokens);
   for (int64_t p0 = t0 * d.top_k; p0 < t1 * d.top_k; p0 += 32) {
@@ -258,6 +315,7 @@ __global__ void __launch_bounds__(kRouteThreads)
     if (ok && (same & lower) == 0) s_base[e] += __popc(same);
     __syncwarp();
     if (active) pos[p] = my_pos;
+    if (node_keys > 0 && active) slot_route[p] = -1;
     if (d.local_list && ok && e >= first_own && e < first_own + d.experts_local) {
       by_local[s_local[e - first_own] + my_pos] = static_cast<int32_t>(p);
     }
@@ -266,11 +324,24 @@ __global__ void __launch_bounds__(kRouteThreads)
     const bool first = ok && first_for_rank(topk + t * d.top_k, j, dst, d);
     const unsigned to_same = __match_any_sync(~0u, first ? dst : -1);
     if (first) {
-      send_list[static_cast<int64_t>(dst) * d.max_tokens + s_dbase[dst] + __popc(to_same & lower)] =
-          static_cast<int32_t>(t);
+      const int32_t slot = s_dbase[dst] + __popc(to_same & lower);
+      send_list[static_cast<int64_t>(dst) * d.max_tokens + slot] = static_cast<int32_t>(t);
+      if (node_keys > 0) send_slot[p] = slot;
     }
     __syncwarp();
     if (first && (to_same & lower) == 0) s_dbase[dst] += __popc(to_same);
+    __syncwarp();
+    if (node_keys == 0) continue;
+    // Across nodes: the (token, node) pair's place in the node's crossing list.
+    const int node = ok ? nm.node_of[dst] : -1;
+    const bool crosses = ok && first_for_node(topk + t * d.top_k, j, node, d, nm);
+    const unsigned to_node = __match_any_sync(~0u, crosses ? node : -1);
+    if (crosses) {
+      cross_list[static_cast<int64_t>(node) * d.max_tokens + s_nbase[node] +
+                 __popc(to_node & lower)] = static_cast<int32_t>(t);
+    }
+    __syncwarp();
+    if (crosses && (to_node & lower) == 0) s_nbase[node] += __popc(to_node);
     __syncwarp();
   }
 }
@@ -278,12 +349,23 @@ __global__ void __launch_bounds__(kRouteThreads)
 // One warp copies a row of `n16` 16-byte words from src to each of the first `count`
 // destinations (dst[i]; nullptr: none), four words in flight per lane. The destinations stay in
 // registers: every index into dst is a compile-time constant.
-template <int kMaxDst>
+// kL2: the source is read through L2 only (bytes another node's puts landed while the kernel
+// ran: after the wait's acquire, no stale L1 line may serve them).
+template <int kMaxDst, bool kL2 = false>
 __device__ __forceinline__ void copy_row(const int4* src, int4* const (&dst)[kMaxDst], int count,
                                          int64_t n16, int lane) {
+  const auto load = [&](int64_t i) {
+    if constexpr (kL2) {
+      const uint4 v = dev::load_l2(src + i);
+      return make_int4(static_cast<int>(v.x), static_cast<int>(v.y), static_cast<int>(v.z),
+                       static_cast<int>(v.w));
+    } else {
+      return src[i];
+    }
+  };
   int64_t i = lane;
   for (; i + 96 < n16; i += 128) {
-    const int4 v0 = src[i], v1 = src[i + 32], v2 = src[i + 64], v3 = src[i + 96];
+    const int4 v0 = load(i), v1 = load(i + 32), v2 = load(i + 64), v3 = load(i + 96);
 #pragma unroll
     for (int k = 0; k < kMaxDst; ++k) {
       if (k >= count) break;
@@ -296,249 +378,13 @@ __device__ __forceinline__ void copy_row(const int4* src, int4* const (&dst)[kMa
     }
   }
   for (; i < n16; i += 32) {
-    const int4 v = src[i];
+    const int4 v = load(i);
 #pragma unroll
     for (int k = 0; k < kMaxDst; ++k) {
       if (k >= count) break;
       if (dst[k] != nullptr) dst[k][i] = v;
     }
   }
-}
-
-template <class Idx>
-__global__ void __launch_bounds__(kThreads, 1)
-    dispatch_kernel(DeviceComm comm, Dims d, const Idx* topk, const __nv_bfloat16* x, Workspace ws,
-                    __nv_bfloat16* out, int32_t* expert_rows, int32_t* handle) {
-  const dev::Launch launch = dev::Launch::begin(comm);
-  const int c = blockIdx.x, channels = gridDim.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int el_n = d.experts_local, words = el_n + 1;
-  // Every rank has entered this launch: done with the last one's receive regions and counts,
-  // and with what came before it on its stream (the workspace's first zeroing, say).
-  if (!launch.channel_barrier(SignalId::kEntry, c, 1)) {
-    launch.end();
-    return;
-  }
-  const int64_t n16 = d.hidden / 8;
-  const int32_t* totals = ws.at<int32_t>(d.rank, ws.totals);
-
-  // ---- counts: to every destination (one node: rank == local rank) ----
-  for (int64_t w = static_cast<int64_t>(c) * kThreads + threadIdx.x;
-       w < static_cast<int64_t>(d.world) * words; w += static_cast<int64_t>(channels) * kThreads) {
-    const int dst = static_cast<int>(w / words), i = static_cast<int>(w % words);
-    const int32_t n = i < el_n ? totals[dst * el_n + i] : totals[d.experts + dst];
-    launch.signal(dst, count_signal(i), static_cast<uint32_t>(n));
-  }
-
-  // ---- send: channel c's share of the rows for each destination ----
-  const int32_t* pos = ws.at<int32_t>(d.rank, ws.pos);
-  const int32_t* send_list = ws.at<int32_t>(d.rank, ws.send_list);
-  for (int i = 0; i < d.world; ++i) {
-    const int dst = (d.rank + 1 + i) % d.world;  // every rank starts with a different peer
-    int64_t lo, hi;
-    share(totals[d.experts + dst], c, channels, lo, hi);
-    const int64_t region = static_cast<int64_t>(d.rank) * d.max_tokens;
-    __nv_bfloat16* rx = ws.at<__nv_bfloat16>(dst, ws.recv_x) + region * d.hidden;
-    int32_t* meta = ws.at<int32_t>(dst, ws.recv_meta) + region * d.meta_ints;
-    for (int64_t slot = lo + warp; slot < hi; slot += kWarps) {
-      const int32_t t = send_list[static_cast<int64_t>(dst) * d.max_tokens + slot];
-      int4* const rows[1] = {reinterpret_cast<int4*>(rx + slot * d.hidden)};
-      copy_row(reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * d.hidden), rows, 1, n16,
-               lane);
-      int32_t* m = meta + slot * d.meta_ints;
-      if (lane == 0) m[0] = t;
-      if (lane < d.top_k) {
-        const Idx e = topk[static_cast<int64_t>(t) * d.top_k + lane];
-        const bool here = valid_expert(e, d.experts) && static_cast<int>(e / el_n) == dst;
-        m[1 + 2 * lane] = here ? static_cast<int32_t>(e % el_n) : -1;
-        m[2 + 2 * lane] = here ? pos[static_cast<int64_t>(t) * d.top_k + lane] : -1;
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      dev::fence_acq_rel_sys();
-      launch.signal(dst, dev::signal_index(SignalId::kOp, c), 1);
-    }
-  }
-
-  // ---- place: the layout from every source's counts ----
-  extern __shared__ int32_t s_cnt[];  // [world][words]: counts, then prefixes over sources
-  int32_t* s_total = s_cnt + d.world * words;
-  int32_t* s_start = s_total + el_n;  // [E_local + 1]
-  bool ok = __syncthreads_and(gather_counts(launch, comm, d, words, s_cnt)) != 0;
-  if (ok) {
-    for (int e = threadIdx.x; e < el_n; e += kThreads) {
-      int32_t sum = 0;
-      for (int src = 0; src < d.world; ++src) {
-        const int32_t n = s_cnt[src * words + e];
-        s_cnt[src * words + e] = sum;  // rows of earlier sources
-        sum += n;
-      }
-      s_total[e] = sum;
-      s_start[e] = d.masked ? 0 : (sum + kRowBlock - 1) / kRowBlock * kRowBlock;
-    }
-    __syncthreads();
-    if (d.masked) {
-      for (int e = threadIdx.x; e <= el_n; e += kThreads) {
-        s_start[e] = static_cast<int32_t>(min64(e * d.capacity, INT32_MAX));
-      }
-      __syncthreads();
-    } else {
-      const int64_t end = block_exclusive_scan<kThreads>(s_start, el_n);
-      if (threadIdx.x == 0) s_start[el_n] = static_cast<int32_t>(min64(end, INT32_MAX));
-      __syncthreads();
-    }
-    if (c == 0) {
-      for (int e = threadIdx.x; e < el_n; e += kThreads) expert_rows[e] = s_total[e];
-    }
-    // Experts with rows past their room: recorded once (the rows that fit are placed).
-    for (int e = c * kThreads + threadIdx.x; e < el_n; e += channels * kThreads) {
-      const int64_t held =
-          d.masked ? d.capacity : max64(0, d.capacity - static_cast<int64_t>(s_start[e]));
-      if (s_total[e] > held) {
-        dev::record_data_error(comm, launch.epoch, DeviceErrorCode::kCapacity, e, 0,
-                               static_cast<uint64_t>(held), static_cast<uint64_t>(s_total[e]));
-      }
-    }
-    // Channel c of every source: its rows landed.
-    for (int src = threadIdx.x; src < d.world; src += kThreads) {
-      ok = launch.wait(src, dev::signal_index(SignalId::kOp, c), 1) && ok;
-    }
-    ok = __syncthreads_and(ok) != 0;
-  }
-  if (ok) {
-    for (int src = 0; src < d.world; ++src) {
-      int64_t lo, hi;
-      // Rows src sent here (word el_n stayed a count: the prefixes cover the experts only).
-      share(s_cnt[src * words + el_n], c, channels, lo, hi);
-      const int64_t region = static_cast<int64_t>(src) * d.max_tokens;
-      const __nv_bfloat16* rx = ws.at<__nv_bfloat16>(d.rank, ws.recv_x) + region * d.hidden;
-      const int32_t* meta = ws.at<int32_t>(d.rank, ws.recv_meta) + region * d.meta_ints;
-      for (int64_t slot = lo + warp; slot < hi; slot += kWarps) {
-        const int32_t* m = meta + slot * d.meta_ints;
-        const int32_t t = m[0];
-        int64_t row = -1;  // this lane's slot's destination row
-        if (lane < d.top_k) {
-          const int32_t e = m[1 + 2 * lane];
-          if (e >= 0) {
-            const int64_t at = static_cast<int64_t>(s_cnt[src * words + e]) + m[2 + 2 * lane];
-            const int64_t held = d.masked ? d.capacity : d.capacity - s_start[e];
-            if (at < held) row = s_start[e] + at;
-          }
-        }
-        if (row >= 0) {
-          int32_t* h = handle + row * 3;
-          h[0] = src;
-          h[1] = t;
-          h[2] = lane;
-        }
-        int4* rows[kMoeMaxTopK];
-#pragma unroll
-        for (int j = 0; j < kMoeMaxTopK; ++j) {
-          const int64_t r = __shfl_sync(~0u, row, j);
-          rows[j] = j < d.top_k && r >= 0 ? reinterpret_cast<int4*>(out + r * d.hidden) : nullptr;
-        }
-        copy_row(reinterpret_cast<const int4*>(rx + slot * d.hidden), rows, d.top_k, n16, lane);
-      }
-    }
-    // Rows no (source, token, slot) landed in: the handle says so.
-    for (int e = c; e < el_n; e += channels) {
-      const int64_t start = s_start[e];
-      const int64_t end = d.masked ? start + d.capacity : min64(d.capacity, s_start[e + 1]);
-      const int64_t first = min64(end, start + s_total[e]);
-      for (int64_t r = first + threadIdx.x; r < end; r += kThreads) {
-        handle[r * 3] = handle[r * 3 + 1] = handle[r * 3 + 2] = -1;
-      }
-    }
-    if (!d.masked) {
-      int64_t lo, hi;
-      const int64_t used = min64(d.capacity, s_start[el_n]);
-      share(d.capacity - used, c, channels, lo, hi);
-      for (int64_t r = used + lo + threadIdx.x; r < used + hi; r += kThreads) {
-        handle[r * 3] = handle[r * 3 + 1] = handle[r * 3 + 2] = -1;
-      }
-    }
-  }
-  launch.end();
-}
-
-__global__ void __launch_bounds__(kThreads, 1)
-    combine_kernel(DeviceComm comm, Dims d, const __nv_bfloat16* y, const float* weights,
-                   const int32_t* handle, Workspace ws, __nv_bfloat16* out) {
-  const dev::Launch launch = dev::Launch::begin(comm);
-  const int c = blockIdx.x, channels = gridDim.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t n16 = d.hidden / 8;
-  const uint32_t mark = static_cast<uint32_t>(launch.epoch);
-  // Every rank has entered: done reading the last combine's rows from its combine buffer.
-  if (!launch.channel_barrier(SignalId::kEntry, c, 1)) {
-    launch.end();
-    return;
-  }
-
-  // ---- send: channel c's rows of the layout back to their sources ----
-  int64_t lo, hi;
-  share(d.rows, c, channels, lo, hi);
-  for (int64_t r = lo + warp; r < hi; r += kWarps) {
-    const int32_t src = handle[r * 3];
-    if (src < 0) continue;
-    const int64_t at = static_cast<int64_t>(handle[r * 3 + 1]) * d.top_k + handle[r * 3 + 2];
-    int4* const rows[1] = {
-        reinterpret_cast<int4*>(ws.at<__nv_bfloat16>(src, ws.comb_x) + at * d.hidden)};
-    copy_row(reinterpret_cast<const int4*>(y + r * d.hidden), rows, 1, n16, lane);
-    if (lane == 0) ws.at<uint32_t>(src, ws.comb_flag)[at] = mark;
-  }
-  __syncthreads();
-  for (int dst = threadIdx.x; dst < d.world; dst += kThreads) {
-    dev::fence_acq_rel_sys();
-    launch.signal(dst, dev::signal_index(SignalId::kOp, c), 1);
-  }
-
-  // ---- reduce: every rank's every channel has sent its rows here ----
-  bool ok = true;
-  for (int w = threadIdx.x; w < d.world * channels; w += kThreads) {
-    ok = launch.wait(w / channels, dev::signal_index(SignalId::kOp, w % channels), 1) && ok;
-  }
-  ok = __syncthreads_and(ok) != 0;
-  if (ok) {
-    const __nv_bfloat16* rows = ws.at<__nv_bfloat16>(d.rank, ws.comb_x);
-    const uint32_t* flags = ws.at<uint32_t>(d.rank, ws.comb_flag);
-    share(d.tokens, c, channels, lo, hi);
-    for (int64_t t = lo + warp; t < hi; t += kWarps) {
-      float w = 0.f;
-      bool present = false;
-      if (lane < d.top_k) {
-        present = flags[t * d.top_k + lane] == mark;
-        w = weights[t * d.top_k + lane];
-      }
-      const unsigned slots = __ballot_sync(~0u, present);
-      float wj[kMoeMaxTopK];  // every slot's weight in every lane (before lanes part ways)
-#pragma unroll
-      for (int j = 0; j < kMoeMaxTopK; ++j) wj[j] = __shfl_sync(~0u, w, j);
-      for (int64_t i = lane; i < n16; i += 32) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < kMoeMaxTopK; ++j) {
-          if (j >= d.top_k) break;
-          if ((slots >> j & 1u) == 0) continue;
-          const int4 v = reinterpret_cast<const int4*>(rows + (t * d.top_k + j) * d.hidden)[i];
-          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float2 f = __bfloat1622float2(h[q]);
-            acc[2 * q] = __fmaf_rn(wj[j], f.x, acc[2 * q]);
-            acc[2 * q + 1] = __fmaf_rn(wj[j], f.y, acc[2 * q + 1]);
-          }
-        }
-        int4 o;
-        __nv_bfloat162* ob = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) ob[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-        reinterpret_cast<int4*>(out + t * d.hidden)[i] = o;
-      }
-    }
-  }
-  launch.end();
 }
 
 }  // namespace mk::moe

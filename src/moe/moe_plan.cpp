@@ -25,9 +25,17 @@ int Plan::chunks(int64_t tokens) const {
 }
 
 Plan plan_moe(int world, int sm_budget, const MoeProblem& p, const MoeConfig& config,
-              const char* op) {
+              const char* op, int nodes) {
   const auto str = [](int64_t v) { return std::to_string(v); };
   if (world < 1) invalid(op, "world size " + str(world) + "; expected >= 1");
+  if (nodes < 1 || world % nodes != 0) {
+    invalid(op, str(nodes) + " nodes for world size " + str(world) +
+                    "; expected equal nodes (a divisor of the world size)");
+  }
+  if (nodes > 1 && world > kMoeMaxNodeRanks) {
+    invalid(op, "world size " + str(world) + " across " + str(nodes) + " nodes; at most " +
+                    str(kMoeMaxNodeRanks) + " ranks across nodes");
+  }
   if (p.num_experts < 1 || p.num_experts > kMoeMaxExperts || p.num_experts % world != 0) {
     invalid(op, "num_experts = " + str(p.num_experts) + "; expected a multiple of the world size " +
                     str(world) + " in [1, " + str(kMoeMaxExperts) + "]");
@@ -101,7 +109,7 @@ Plan plan_moe(int world, int sm_budget, const MoeProblem& p, const MoeConfig& co
   take(o.chunk_dcnt, chunks * w * 4);
   take(o.pos, t * k * 4);
   take(o.send_list, w * t * 4);
-  take(o.totals, (static_cast<uint64_t>(p.num_experts) + w) * 4);
+  take(o.totals, (static_cast<uint64_t>(p.num_experts) + w + static_cast<uint64_t>(nodes)) * 4);
   take(o.by_local, t * k * 4);
   take(o.layout, static_cast<uint64_t>(layout_tables(world, e_local).ints) * 4);
   if (p.layout == MoeLayout::kMasked) {
@@ -112,6 +120,28 @@ Plan plan_moe(int world, int sm_budget, const MoeProblem& p, const MoeConfig& co
   }
   take(o.counters, static_cast<uint64_t>(plan.blocks) * 8);
   take(o.comb_count, t * static_cast<uint64_t>(comb_count_stride(p.hidden)) * 8);
+  const uint64_t n = static_cast<uint64_t>(nodes);
+  take(o.chunk_ncnt, chunks * n * 4);
+  take(o.cross_list, n * t * 4);
+  take(o.send_slot, t * k * 4);
+  plan.nodes = nodes;
+  if (nodes > 1) {
+    CrossRegion& r = plan.cross;
+    r.cross_ints = 1 + 3 * p.top_k;
+    const uint64_t per_node = w / n;
+    r.meta_at = align(per_node * (static_cast<uint64_t>(e_local) + 1) * 4 + 4);
+    r.rows_at = r.meta_at + align(t * static_cast<uint64_t>(r.cross_ints) * 4);
+    r.bytes = r.rows_at + align(t * h * 2);
+    CombRegion& cr = plan.comb;
+    cr.rows_at = align(t * k * 4);
+    cr.bytes = cr.rows_at + align(t * k * h * 2);
+    take(o.slot_route, t * k * 4);
+    take(o.recv_cross, w * t * 4);
+    take(o.row_cross, static_cast<uint64_t>(out.rows) * 4);
+    take(o.relay_y, n * t * k * h * 2);
+    take(o.relay_flag, n * t * k * 4);
+    take(o.xfer, 2 * n * (r.bytes + cr.bytes));
+  }
   o.bytes = at;
   out.workspace_bytes = at;
   return plan;

@@ -11,6 +11,8 @@
 
 namespace mk::moe {
 
+constexpr int kMoeMaxNodeRanks = 64;  // ranks of a communicator across nodes (NodeMap's tables)
+
 // Byte offsets in the workspace (each 256-byte aligned), and its size.
 struct Offsets {
   uint64_t recv_meta = 0;   // int32 [world][max_tokens][meta_ints]
@@ -21,7 +23,7 @@ struct Offsets {
   uint64_t chunk_dcnt = 0;  // int32 [max_chunks][world]
   uint64_t pos = 0;         // int32 [max_tokens][top_k]
   uint64_t send_list = 0;   // int32 [world][max_tokens]
-  uint64_t totals = 0;      // int32 [experts + world]
+  uint64_t totals = 0;      // int32 [experts + world + nodes]
   // moe_dispatch_gemm only (laid out for every plan: small next to the rows):
   uint64_t by_local = 0;  // int32 [max_tokens * top_k]: this rank's (token, slot) pairs bound
                           // for its own experts, in its layout's order
@@ -30,6 +32,40 @@ struct Offsets {
   // moe_layer only (laid out for every plan):
   uint64_t comb_count = 0;  // uint64 [max_tokens][ceil(hidden / 128)]: slots of each (token,
                             // column block) summed-ready at the source
+  // Across nodes (moe_dispatch.cuh; the first three laid out for every plan, small on one node):
+  uint64_t chunk_ncnt = 0;  // int32 [max_chunks][nodes]
+  uint64_t cross_list = 0;  // int32 [nodes][max_tokens]
+  uint64_t send_slot = 0;   // int32 [max_tokens][top_k]
+  // Across nodes only (nodes > 1; what moe_combine reads of the dispatch before it - the
+  // workspace as that dispatch left it):
+  uint64_t slot_route = 0;  // int32 [max_tokens][top_k]: a slot bound for another node n, as
+                            // n x max_tokens + its token's index in the crossing list; else -1
+  uint64_t recv_cross = 0;  // int32 [world][max_tokens]: a received row's crossing index
+  uint64_t row_cross = 0;   // int32 [rows]: a layout row's crossing index (a remote source's)
+  uint64_t relay_y = 0;     // bf16 [nodes][max_tokens x top_k][hidden]: rows for the sources of
+                            // node m this rank relays, at crossing index x top_k + slot
+  uint64_t relay_flag = 0;  // uint32 [nodes][max_tokens x top_k]: the launch that wrote them
+  uint64_t xfer = 0;        // the transfer regions: 2 x nodes of CrossRegion::bytes (dispatch),
+                            // then 2 x nodes of CombRegion::bytes (combine); used where the
+                            // inter-node path stages in device memory
+  uint64_t bytes = 0;
+};
+
+// One transfer region of the dispatch across nodes (NodeXfer): the header (int32 [per_node]
+// [E_local + 1] counts, then the crossing rows), the metadata (int32 [max_tokens][cross_ints]:
+// token; per slot, global expert, position, send slot) and the rows (bf16 [max_tokens][hidden]),
+// each 256-byte aligned.
+struct CrossRegion {
+  int cross_ints = 0;
+  uint64_t meta_at = 0;
+  uint64_t rows_at = 0;
+  uint64_t bytes = 0;
+};
+
+// One transfer region of the combine across nodes: flags (uint32 [max_tokens x top_k]) then rows
+// (bf16 [max_tokens x top_k][hidden]) at crossing index x top_k + slot.
+struct CombRegion {
+  uint64_t rows_at = 0;
   uint64_t bytes = 0;
 };
 
@@ -76,6 +112,9 @@ struct Plan {
   int meta_ints = 0;              // per received row: token, then (local expert, position) per slot
   int64_t blocks = 0;             // 128-row blocks of the layout (arrival counters)
   int64_t blocks_per_expert = 0;  // masked: ceil(capacity / 128); padded: 0 (blocks by row)
+  int nodes = 1;                  // of the communicator
+  CrossRegion cross;              // nodes > 1: one transfer region of the dispatch
+  CombRegion comb;                // nodes > 1: one of the combine
   // Route chunks for `tokens` of this rank (at least 1: the last chunk writes the totals).
   int chunks(int64_t tokens) const;
 };
@@ -94,8 +133,10 @@ void launch_layer(Communicator& comm, const MoeProblem& problem, int64_t interme
                   uint64_t* done, cudaStream_t stream, const MoeConfig& config, const char* op);
 
 // Throws mk::Error(kInvalidArgument) naming `op` and what is wrong with the problem or config.
+// Across nodes (`nodes` > 1, `nodes` x equal nodes): the workspace also holds the dispatch's
+// transfer regions.
 Plan plan_moe(int world, int sm_budget, const MoeProblem& problem, const MoeConfig& config,
-              const char* op);
+              const char* op, int nodes = 1);
 
 }  // namespace mk::moe
 

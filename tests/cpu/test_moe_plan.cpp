@@ -72,7 +72,7 @@ TEST(MoePlan, WorkspaceLaidOutWithoutOverlap) {
                           {o.chunk_dcnt, static_cast<uint64_t>(plan.chunks(1000)) * w * 4},
                           {o.pos, t * k * 4},
                           {o.send_list, w * t * 4},
-                          {o.totals, (256 + w) * 4}};
+                          {o.totals, (256 + w + 1) * 4}};
   uint64_t end = 0;
   for (const Field& f : fields) {
     EXPECT_EQ(f.at % 256, 0u);
@@ -82,6 +82,47 @@ TEST(MoePlan, WorkspaceLaidOutWithoutOverlap) {
   EXPECT_GE(o.bytes, end);
   EXPECT_EQ(plan.plan.workspace_bytes, o.bytes);
   EXPECT_EQ(plan.meta_ints, 1 + 2 * 6);
+}
+
+// Across nodes: the route's node tables, the combine's relay buffers and the transfer regions
+// (dispatch, then combine: staging per other node, inbound per other node) follow the one-node
+// fields; a dispatch region holds the header, the crossing metadata and the rows of max_tokens
+// tokens, a combine region the flags and rows of max_tokens x top_k slots.
+TEST(MoePlan, AcrossNodesTransferRegions) {
+  MoeProblem p = deepseek(1000);
+  p.top_k = 6;
+  p.hidden = 2048;
+  const Plan one = plan_moe(8, 33, p, {}, "moe_dispatch");
+  EXPECT_EQ(one.nodes, 1);
+  EXPECT_EQ(one.cross.bytes, 0u);
+  const Plan two = plan_moe(8, 33, p, {}, "moe_dispatch", 2);
+  EXPECT_EQ(two.nodes, 2);
+  const CrossRegion& r = two.cross;
+  EXPECT_EQ(r.cross_ints, 1 + 3 * 6);
+  const uint64_t t = 1000, h = 2048, per_node = 4, e_local = 256 / 8;
+  EXPECT_GE(r.meta_at, (per_node * (e_local + 1) + 1) * 4);  // the header
+  EXPECT_GE(r.rows_at, r.meta_at + t * r.cross_ints * 4);
+  EXPECT_GE(r.bytes, r.rows_at + t * h * 2);
+  EXPECT_EQ(r.meta_at % 256, 0u);
+  EXPECT_EQ(r.rows_at % 256, 0u);
+  EXPECT_EQ(r.bytes % 256, 0u);
+  const Offsets& o = two.offsets;
+  EXPECT_GE(o.chunk_ncnt, o.comb_count);
+  EXPECT_GE(o.cross_list, o.chunk_ncnt + static_cast<uint64_t>(two.chunks(1000)) * 2 * 4);
+  EXPECT_GE(o.send_slot, o.cross_list + 2 * t * 4);
+  EXPECT_GE(o.slot_route, o.send_slot + t * 6 * 4);
+  EXPECT_GE(o.recv_cross, o.slot_route + t * 6 * 4);
+  EXPECT_GE(o.row_cross, o.recv_cross + 8 * t * 4);
+  EXPECT_GE(o.relay_y, o.row_cross + static_cast<uint64_t>(two.plan.rows) * 4);
+  EXPECT_GE(o.relay_flag, o.relay_y + 2 * t * 6 * h * 2);
+  EXPECT_GE(o.xfer, o.relay_flag + 2 * t * 6 * 4);
+  EXPECT_EQ(o.xfer % 256, 0u);
+  const CombRegion& c = two.comb;
+  EXPECT_GE(c.rows_at, t * 6 * 4);
+  EXPECT_GE(c.bytes, c.rows_at + t * 6 * h * 2);
+  EXPECT_EQ(o.bytes, o.xfer + 4 * (r.bytes + c.bytes));
+  EXPECT_EQ(two.plan.workspace_bytes, o.bytes);
+  EXPECT_GT(two.plan.workspace_bytes, one.plan.workspace_bytes + 4 * t * h * 2);
 }
 
 TEST(MoePlan, RouteChunks) {
@@ -131,6 +172,18 @@ TEST(MoePlan, RefusesWhatItCannotDo) {
   refused(2, p, "config.sms = -1", config);
   p = deepseek(1 << 26);  // 2^26 tokens x 8 ranks x 8 slots: rows past 2^31
   refused(8, p, "exceed 2^31");
+  // Across nodes: equal nodes, at most kMoeMaxNodeRanks ranks.
+  const auto refused_nodes = [](int world, int nodes, const std::string& needle) {
+    try {
+      plan_moe(world, 132, deepseek(64), {}, "moe_dispatch", nodes);
+      ADD_FAILURE() << "accepted; expected an error containing '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused_nodes(8, 3, "3 nodes for world size 8");
+  refused_nodes(128, 16, "at most 64 ranks across nodes");
 }
 
 }  // namespace

@@ -83,6 +83,14 @@ struct Launch {
                    signal_value(epoch, step));
   }
 
+  // The same, raised in rank `column`'s word of the peer's pad: a relay standing in for a rank
+  // of another node (its rows or counts forwarded), so the peer waits for that rank as usual.
+  __device__ void signal_as(int peer_local, uint32_t signal, int column, uint32_t step) const {
+    uint64_t* pad = comm.peer_signals[peer_local];
+    st_release_sys(pad + static_cast<uint64_t>(signal) * comm.world_size + column,
+                   signal_value(epoch, step));
+  }
+
   // Wait until rank `src` raised `signal` to at least (epoch, step). False on time-out / abort,
   // and across nodes once this rank's inter-node path failed: a local signal may stand for data
   // that crossed the network (a relay's copy), and the operation cannot finish anyway.
