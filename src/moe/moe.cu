@@ -223,9 +223,9 @@ template <class Idx>
 void launch_route(const DeviceComm& dc, const moe::Dims& d, const moe::NodeMap& nm,
                   const moe::Workspace& ws, const Idx* topk, int chunks, cudaStream_t stream,
                   const char* op) {
-  const int node_keys = d.nodes > 1 ? d.nodes : 0;
-  const std::size_t smem =
-      4 * static_cast<std::size_t>(d.experts + d.world + node_keys + d.experts_local);
+  // (Its limit was raised to kRouteSmemMax when the communicator loaded them.)
+  const auto smem =
+      static_cast<std::size_t>(moe::route_smem_bytes(d.experts, d.world, d.nodes, d.experts_local));
   moe::route_count_kernel<Idx><<<chunks, moe::kRouteThreads, smem, stream>>>(dc, d, nm, topk, ws);
   launch_check(op);
   moe::route_scan_kernel<Idx><<<chunks, moe::kRouteThreads, smem, stream>>>(d, nm, topk, ws);
@@ -474,10 +474,15 @@ void preload_moe_kernels(bool) {
     cudaFuncAttributes attr{};
     MK_CUDA_CHECK(cudaFuncGetAttributes(&attr, fn));
   };
-  load(reinterpret_cast<const void*>(&moe::route_count_kernel<int32_t>));
-  load(reinterpret_cast<const void*>(&moe::route_count_kernel<int64_t>));
-  load(reinterpret_cast<const void*>(&moe::route_scan_kernel<int32_t>));
-  load(reinterpret_cast<const void*>(&moe::route_scan_kernel<int64_t>));
+  // The route kernels' shared memory grows with the experts too (moe::route_smem_bytes).
+  const int route_most = static_cast<int>(moe::kRouteSmemMax);
+  for (const void* fn : {reinterpret_cast<const void*>(&moe::route_count_kernel<int32_t>),
+                         reinterpret_cast<const void*>(&moe::route_count_kernel<int64_t>),
+                         reinterpret_cast<const void*>(&moe::route_scan_kernel<int32_t>),
+                         reinterpret_cast<const void*>(&moe::route_scan_kernel<int64_t>)}) {
+    MK_CUDA_CHECK(
+        cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, route_most));
+  }
   // The dispatch's shared memory grows with the experts (moe::dispatch_smem_bytes): allow the
   // most a problem can ask for (kMoeMaxExperts), once per device, here rather than per launch.
   const int most = static_cast<int>(moe::kDispatchSmemMax);

@@ -102,6 +102,15 @@ constexpr int64_t dispatch_smem_bytes(int world, int experts_local) {
 constexpr int64_t kDispatchSmemMax =
     dispatch_smem_bytes(1, kMoeMaxExperts) + 4 * static_cast<int64_t>(kMaxChannels);
 
+// Shared memory of the route kernels: [experts][world][nodes across nodes][E_local] int32 running
+// counts; the most any plan asks for (E + E_local <= 2 E, world <= E), raised once like the
+// dispatch's (E = 8192 needs 64 KB, past the default 48).
+constexpr int64_t route_smem_bytes(int experts, int world, int nodes, int experts_local) {
+  return 4 * (static_cast<int64_t>(experts) + world + (nodes > 1 ? nodes : 0) + experts_local);
+}
+constexpr int64_t kRouteSmemMax =
+    route_smem_bytes(kMoeMaxExperts, 1, kMoeMaxNodeRanks, kMoeMaxExperts);
+
 constexpr int64_t kMinChunkTokens = 64;  // tokens per route chunk, at least
 constexpr int kMaxChunks = 128;          // route chunks (CTAs), at most
 

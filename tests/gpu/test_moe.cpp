@@ -426,7 +426,9 @@ TEST(InProcessMoe, World1) {
             {{8, 2, 2048, 300},
              {64, 8, 4096, 200, MoeLayout::kMasked, 0, IndexType::kInt64},
              {256, 8, 7168, 96},
-             {8, 1, 512, 1000, MoeLayout::kPadded, 0, IndexType::kInt32, Routing::kOneExpert}},
+             {8, 1, 512, 1000, MoeLayout::kPadded, 0, IndexType::kInt32, Routing::kOneExpert},
+             // The most experts (the route kernels' shared memory past 48 KB).
+             {kMoeMaxExperts, 2, 64, 64}},
             11);
 }
 
