@@ -89,6 +89,7 @@ moe::Workspace workspace_of(const SymmetricRange& range, const moe::Offsets& o) 
   w.row_cross = o.row_cross;
   w.relay_y = o.relay_y;
   w.relay_flag = o.relay_flag;
+  w.relay_rows = o.relay_rows;
   return w;
 }
 

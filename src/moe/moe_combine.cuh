@@ -11,15 +11,16 @@
 //           every rank of the node
 //   relay   (across nodes) once every rank of the node has sent (all channels) and every rail
 //           peer has entered this launch: for each other node m and its source s = (m, my local
-//           index), channel c's share of s's crossing rows (the count the dispatch's header
-//           brought) - their top_k slots each, rows and flags - staged and put into s's inbound
+//           index), channel c's share of s's crossing rows (the count the dispatch kept:
+//           relay_rows) - their top_k slots each, rows and flags - staged and put into s's inbound
 //           combine region for this node (host-pad kDataSignal0 + c)
 //   reduce  every rank of the node, every channel; every relay on the other nodes, every channel:
 //           per token, the present slots in slot order (a slot bound for another node is read
 //           where its relay put it: the dispatch's slot_route), w * y summed in fp32, rounded once
 // The sum is the one-node sum bit for bit, whatever path a slot took. Across nodes the combine
-// reads what its moe_dispatch left in the workspace (the crossing indices, the relay's header):
-// no other dispatch on that workspace in between (mkernel/moe.h).
+// reads what its moe_dispatch left in the workspace (the crossing indices, the rows relayed per
+// node): no other dispatch on that workspace in between (mkernel/moe.h). Nothing is read from
+// the transfer regions across launches (other ops reuse them).
 //
 // Reuse: rows land in a rank of the node only after it entered this launch (the entry barrier);
 // a relay stages and puts only after every rail peer entered this launch (rail_entered in
@@ -45,18 +46,16 @@ __device__ bool relay_back(const dev::Launch& launch, const DeviceComm& comm, co
                            const NodeMap& nm, const NodeXfer& xf, const Workspace& ws, int c,
                            int channels) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int el_n = d.experts_local, k = d.top_k, per = nm.per_node;
+  const int k = d.top_k, per = nm.per_node;
   const int me_node = nm.node_of[d.rank];
   const int64_t n16 = d.hidden / 8, slots = d.max_tokens * k;
-  const int words = per * (el_n + 1);  // the dispatch header's counts; then its crossing rows
   if (!rail_entered(launch, d, nm)) return false;
   for (int i = 1; i < d.nodes; ++i) {
     const int m = (me_node + i) % d.nodes;
     const int s = nm.rank_at[m * per + d.me];
     bool ok = true;
-    const int32_t* header = reinterpret_cast<const int32_t*>(xf.region(d.nodes + m));
-    int64_t lo, hi;
-    share(__ldcg(header + words), c, channels, lo, hi);
+    int64_t lo, hi;  // of s's crossing rows, as the dispatch counted them (relay_rows)
+    share(ws.at<int32_t>(d.me, ws.relay_rows)[m], c, channels, lo, hi);
     lo *= k;
     hi *= k;
     const __nv_bfloat16* from = ws.at<__nv_bfloat16>(d.me, ws.relay_y) + m * slots * d.hidden;

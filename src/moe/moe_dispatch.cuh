@@ -257,6 +257,8 @@ __device__ bool relay_across(const dev::Launch& launch, const DeviceComm& comm, 
       launch.signal_as(w / (el_n + 1), count_signal(w % (el_n + 1)), s,
                        static_cast<uint32_t>(__ldcg(header + w)));
     }
+    // The crossing rows, for the combine after this dispatch (relay_back).
+    if (threadIdx.x == 0) ws.at<int32_t>(d.me, ws.relay_rows)[m] = __ldcg(header + words);
   }
   for (int i = 1; i < d.nodes; ++i) {
     const int m = (me_node + d.nodes - i) % d.nodes;  // the node whose rows this rank relays

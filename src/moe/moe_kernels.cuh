@@ -107,6 +107,7 @@ struct Workspace {
   uint64_t row_cross;   // int32 [rows]
   uint64_t relay_y;     // bf16 [nodes][max_tokens x top_k][hidden]
   uint64_t relay_flag;  // uint32 [nodes][max_tokens x top_k]
+  uint64_t relay_rows;  // int32 [nodes]
 
   // Field `field` in the workspace of local rank `local` (this rank: Dims::me).
   template <class T>

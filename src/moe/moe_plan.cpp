@@ -140,6 +140,7 @@ Plan plan_moe(int world, int sm_budget, const MoeProblem& p, const MoeConfig& co
     take(o.row_cross, static_cast<uint64_t>(out.rows) * 4);
     take(o.relay_y, n * t * k * h * 2);
     take(o.relay_flag, n * t * k * 4);
+    take(o.relay_rows, n * 4);
     take(o.xfer, 2 * n * (r.bytes + cr.bytes));
   }
   o.bytes = at;

@@ -45,6 +45,9 @@ struct Offsets {
   uint64_t relay_y = 0;     // bf16 [nodes][max_tokens x top_k][hidden]: rows for the sources of
                             // node m this rank relays, at crossing index x top_k + slot
   uint64_t relay_flag = 0;  // uint32 [nodes][max_tokens x top_k]: the launch that wrote them
+  uint64_t relay_rows = 0;  // int32 [nodes]: crossing rows of the source of node m this rank
+                            // relayed (the dispatch's count, kept for the combine: the header it
+                            // came in lies in staging that other ops reuse)
   uint64_t xfer = 0;        // the transfer regions: 2 x nodes of CrossRegion::bytes (dispatch),
                             // then 2 x nodes of CombRegion::bytes (combine); used where the
                             // inter-node path stages in device memory

@@ -362,6 +362,20 @@ void expect_moe(Communicator& comm, const MoeCase& c, uint64_t seed) {
   moe_dispatch(comm, p, b.x, b.topk, c.index, b.recv, b.rows, b.handle, ws.data(), s);
   ASSERT_NO_FATAL_FAILURE(expect_data_errors(comm, w, rank, s));
   ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, b, s));
+  if (comm.topology().num_nodes > 1) {
+    // Across nodes, another dispatch (new routing, another workspace) between the dispatch and
+    // its combine: it reuses the inter-node transfer regions, which the combine must not read.
+    const World w3(c, world, seed + 2000, probe_plan.capacity);
+    SymmetricBuffer ws3 = comm.alloc(plan.workspace_bytes);
+    Buffers b3(p, plan, c.index);
+    MKT_CUDA(cudaMemsetAsync(ws3.data(), 0, plan.workspace_bytes, s));
+    upload_inputs(w3, rank, b3, s);
+    ready(comm, s);
+    moe_dispatch(comm, p, b3.x, b3.topk, c.index, b3.recv, b3.rows, b3.handle, ws3.data(), s);
+    ASSERT_NO_FATAL_FAILURE(expect_data_errors(comm, w3, rank, s));
+    ASSERT_NO_FATAL_FAILURE(check_dispatch(w3, rank, plan, b3, s));
+    comm.bootstrap().barrier();
+  }
   ASSERT_NO_FATAL_FAILURE(make_y(w, rank, plan, b, s));
   ready(comm, s);
   moe_combine(comm, p, b.y, b.weights, b.handle, b.out, ws.data(), s);
