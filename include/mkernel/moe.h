@@ -67,6 +67,7 @@ struct MoeProblem {
   int64_t capacity = 0;
 };
 
+// The same on every rank: channel c of a rank pairs with channel c of its peers.
 struct MoeConfig {
   int sms = 0;      // CTAs (channels) of each launch; 0 = the communicator's SM budget
   int block_n = 0;  // moe_dispatch_gemm: GEMM tile width 64, 128, 192 or 256; 0 = the library's
