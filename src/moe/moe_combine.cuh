@@ -112,14 +112,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     launch.end();
     return;
   }
-  if (across && c == 0) {  // this launch has begun: to every rail peer
-    for (int i = threadIdx.x + 1; i < d.nodes; i += kThreads) {
-      const int n = (nm.node_of[d.rank] + i) % d.nodes;
-      xf.push(comm, 0,
-              transport::make_signal(static_cast<uint32_t>(nm.rank_at[n * per + d.me]), 0,
-                                     kEntrySignal, dev::signal_value(launch.epoch, 1)));
-    }
-  }
+  if (across && c == 0) announce_entry(launch, comm, d, nm, xf);
 
   // ---- send: channel c's rows of the layout back towards their sources ----
   int64_t lo, hi;

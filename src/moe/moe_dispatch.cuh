@@ -105,6 +105,19 @@ __device__ __forceinline__ bool on_my_node(const Dims& d, const NodeMap& nm, int
   return d.nodes == 1 || nm.node_of[rank] == nm.node_of[d.rank];
 }
 
+// Across nodes, CTA 0 of a launch: "this launch has begun" to every rail peer (host-pad
+// kEntrySignal; what rail_entered waits for).
+__device__ __forceinline__ void announce_entry(const dev::Launch& launch, const DeviceComm& comm,
+                                               const Dims& d, const NodeMap& nm,
+                                               const NodeXfer& xf) {
+  for (int i = threadIdx.x + 1; i < d.nodes; i += kThreads) {
+    const int n = (nm.node_of[d.rank] + i) % d.nodes;
+    xf.push(comm, 0,
+            transport::make_signal(static_cast<uint32_t>(nm.rank_at[n * nm.per_node + d.me]), 0,
+                                   kEntrySignal, dev::signal_value(launch.epoch, 1)));
+  }
+}
+
 // Every rail peer (this rank's local index on the other nodes) has entered this launch (every
 // thread; false when a wait gave up). Before a rank stages anything or puts into anyone: the
 // rail peers' last launches waited for every put out of its staging (so no byte of it is still
@@ -336,14 +349,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   const bool across = d.nodes > 1;
-  if (across && c == 0) {  // this launch has begun: to every rail peer
-    for (int i = threadIdx.x + 1; i < d.nodes; i += kThreads) {
-      const int n = (nm.node_of[d.rank] + i) % d.nodes;
-      xf.push(comm, 0,
-              transport::make_signal(static_cast<uint32_t>(nm.rank_at[n * nm.per_node + d.me]), 0,
-                                     kEntrySignal, dev::signal_value(launch.epoch, 1)));
-    }
-  }
+  if (across && c == 0) announce_entry(launch, comm, d, nm, xf);
   bool ok = !across || send_across(launch, comm, d, nm, xf, topk, x, ws, c, channels);
   const int64_t n16 = d.hidden / 8;
   const int32_t* totals = ws.at<int32_t>(d.me, ws.totals);
