@@ -2,6 +2,9 @@
 // rebuilt from the generator, and bitwise comparison.
 #include <cuda_bf16.h>
 
+#include <cstring>
+
+#include "bench_check.h"
 #include "bench_kernels.h"
 
 namespace mk::bench {
@@ -67,6 +70,20 @@ void launch_max_diff_bf16(const void* a, const void* b, std::size_t n, unsigned 
                           cudaStream_t s) {
   max_diff_kernel<<<528, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(a),
                                       static_cast<const __nv_bfloat16*>(b), n, out);
+}
+
+MaxDiff max_diff_bf16(const void* a, const void* b, std::size_t n) {
+  unsigned int* out;
+  CK(cudaMalloc(reinterpret_cast<void**>(&out), 8));
+  CK(cudaMemset(out, 0, 8));
+  launch_max_diff_bf16(a, b, n, out, nullptr);
+  unsigned int bits[2];
+  CK(cudaMemcpy(bits, out, 8, cudaMemcpyDeviceToHost));
+  CK(cudaFree(out));
+  MaxDiff r;
+  std::memcpy(&r.diff, &bits[0], 4);
+  std::memcpy(&r.mag, &bits[1], 4);
+  return r;
 }
 
 void launch_fill(void* p, std::size_t n, uint64_t seed, int rank, cudaStream_t s) {

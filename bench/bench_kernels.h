@@ -24,4 +24,11 @@ namespace mk::bench {
 void launch_max_diff_bf16(const void* a, const void* b, std::size_t n, unsigned int* out,
                           cudaStream_t s);
 
+// The same, synchronously on the default stream: {max |a - b|, max |b|}.
+struct MaxDiff {
+  float diff;
+  float mag;
+};
+MaxDiff max_diff_bf16(const void* a, const void* b, std::size_t n);
+
 }  // namespace mk::bench

@@ -16,7 +16,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <ctime>
 #include <memory>
 #include <numeric>
@@ -198,22 +197,13 @@ Result run_point(const Point& pt, int world, int iters) {
   result.ranks_ms = *std::max_element(rank_ms.begin(), rank_ms.end());
   result.world1_ms = mk::bench::median(one_rounds);
 
-  unsigned int* diff_out;
-  CK(cudaMalloc(reinterpret_cast<void**>(&diff_out), 8));
-  CK(cudaMemset(diff_out, 0, 8));
-  bench::launch_max_diff_bf16(out_ranks, out_one, xn, diff_out, nullptr);
-  unsigned int bits[2];
-  CK(cudaMemcpy(bits, diff_out, 8, cudaMemcpyDeviceToHost));
-  float diff, mag;
-  std::memcpy(&diff, &bits[0], 4);
-  std::memcpy(&mag, &bits[1], 4);
-  result.max_diff = diff;
-  result.max_abs = mag;
-  result.correct = std::isfinite(mag) && mag > 0 && diff <= 4 * std::ldexp(mag, -8);
-  for (void* p :
-       {static_cast<void*>(x), static_cast<void*>(w13), static_cast<void*>(w2),
-        static_cast<void*>(out_ranks), static_cast<void*>(out_one), static_cast<void*>(topk),
-        static_cast<void*>(weights), static_cast<void*>(diff_out)}) {
+  const bench::MaxDiff d = bench::max_diff_bf16(out_ranks, out_one, xn);
+  result.max_diff = d.diff;
+  result.max_abs = d.mag;
+  result.correct = std::isfinite(d.mag) && d.mag > 0 && d.diff <= 4 * std::ldexp(d.mag, -8);
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(w13), static_cast<void*>(w2),
+                  static_cast<void*>(out_ranks), static_cast<void*>(out_one),
+                  static_cast<void*>(topk), static_cast<void*>(weights)}) {
     CK(cudaFree(p));
   }
   return result;

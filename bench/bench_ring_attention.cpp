@@ -20,7 +20,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <ctime>
 #include <string>
 #include <thread>
@@ -197,19 +196,11 @@ Result run_point(const Point& p, int world, int iters) {
   full.head_dim = p.head_dim;
   full.causal = p.causal;
   attention(full, {q}, {k}, {v}, o_ref, nullptr, nullptr);
-  unsigned int* out;
-  CK(cudaMalloc(reinterpret_cast<void**>(&out), 8));
-  CK(cudaMemset(out, 0, 8));
-  bench::launch_max_diff_bf16(o_ring, o_ref, q_full, out, nullptr);
-  unsigned int bits[2];
-  CK(cudaMemcpy(bits, out, 8, cudaMemcpyDeviceToHost));
-  float diff, mag;
-  std::memcpy(&diff, &bits[0], 4);
-  std::memcpy(&mag, &bits[1], 4);
-  result.max_diff = diff;
-  result.max_abs = mag;
-  result.correct = diff <= 4 * std::ldexp(mag, -8);
-  for (void* x : {q, k, v, o_ring, o_ref, static_cast<void*>(out)}) CK(cudaFree(x));
+  const bench::MaxDiff d = bench::max_diff_bf16(o_ring, o_ref, q_full);
+  result.max_diff = d.diff;
+  result.max_abs = d.mag;
+  result.correct = d.diff <= 4 * std::ldexp(d.mag, -8);
+  for (void* x : {q, k, v, o_ring, o_ref}) CK(cudaFree(x));
   return result;
 }
 

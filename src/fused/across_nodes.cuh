@@ -19,6 +19,7 @@
 #include "fused/trace.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
+#include "mkernel/device/push.cuh"
 #include "mkernel/device_comm.h"
 #include "mkernel/transport/command.h"
 #include "mkernel/transport/ring.h"
@@ -58,12 +59,7 @@ struct NodeLinks {
   // Pushes a command into ring `k` mod the rings (false: the ring broke or the time limit passed;
   // the proxy or the waits then report).
   __device__ bool push(const DeviceComm& comm, int k, const transport::Command& c) const {
-    const uint64_t start = dev::global_timer_ns();
-    const uint64_t limit = comm.timeout_ns;
-    return rings[k % num_rings]
-               .push(c,
-                     [&](uint64_t) { return limit == 0 || dev::global_timer_ns() - start < limit; })
-               .status == transport::PushStatus::kOk;
+    return dev::push_command(comm, rings[k % num_rings], c);
   }
 
   // Producer warps of CTA 0: this launch has begun - the device pad's entry signal to the node's

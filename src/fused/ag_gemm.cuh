@@ -41,6 +41,7 @@
 #include "fused/trace.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "mkernel/device/launch.cuh"
+#include "mkernel/device/push.cuh"
 #include "mkernel/device_comm.h"
 #include "mkernel/transport/command.h"
 #include "mkernel/transport/ring.h"
@@ -301,13 +302,7 @@ struct AgGemmFusion {
     const int g = comm.local_size;
     const uint64_t entry_value = dev::signal_value(launch.epoch, 1);
     auto push = [&](int ring, const transport::Command& c) {
-      const uint64_t start = dev::global_timer_ns();
-      const uint64_t limit = comm.timeout_ns;
-      return routes.rings[ring % routes.num_rings]
-                 .push(
-                     c,
-                     [&](uint64_t) { return limit == 0 || dev::global_timer_ns() - start < limit; })
-                 .status == transport::PushStatus::kOk;
+      return dev::push_command(comm, routes.rings[ring % routes.num_rings], c);
     };
     if (thread == 0) trace_mark(trace, kTraceSide, kTraceSideStart);
     if (blockIdx.x == 0) {

@@ -93,11 +93,10 @@ moe::Workspace workspace_of(const SymmetricRange& range, const moe::Offsets& o) 
   return w;
 }
 
-// The nodes as the route and dispatch kernels see them (one node: count 1, nothing else read).
+// The nodes as the route and dispatch kernels see them (one node: none of it is read).
 moe::NodeMap node_map_of(const Communicator& comm) {
   const Topology& topo = comm.topology();
   moe::NodeMap nm{};
-  nm.count = topo.num_nodes;
   nm.per_node = topo.local_size;
   if (topo.num_nodes == 1) return nm;
   for (int r = 0; r < topo.world_size; ++r) {  // (moe_plan.cpp: at most kMoeMaxNodeRanks)
@@ -238,7 +237,7 @@ void launch_route(const DeviceComm& dc, const moe::Dims& d, const moe::NodeMap& 
 void launch_route_notify(const DeviceComm& dc, const moe::Dims& d, const moe::Workspace& ws,
                          const void* topk_idx, IndexType index_type, int chunks, int tiles_n,
                          int32_t* expert_rows, cudaStream_t stream, const char* op) {
-  const moe::NodeMap one_node{1, d.world, {}, {}, {}};  // (the fused launches: one node)
+  const moe::NodeMap one_node{d.world, {}, {}, {}};  // (the fused launches: one node)
   if (index_type == IndexType::kInt64) {
     launch_route(dc, d, one_node, ws, static_cast<const int64_t*>(topk_idx), chunks, stream, op);
   } else {

@@ -52,7 +52,7 @@ __device__ bool relay_back(const dev::Launch& launch, const DeviceComm& comm, co
   if (!rail_entered(launch, d, nm)) return false;
   for (int i = 1; i < d.nodes; ++i) {
     const int m = (me_node + i) % d.nodes;
-    const int s = nm.rank_at[m * per + d.me];
+    const int s = nm.rank(m, d.me);
     bool ok = true;
     int64_t lo, hi;  // of s's crossing rows, as the dispatch counted them (relay_rows)
     share(ws.at<int32_t>(d.me, ws.relay_rows)[m], c, channels, lo, hi);
@@ -106,7 +106,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t mark = static_cast<uint32_t>(launch.epoch);
   const bool across = d.nodes > 1;
   const int per = across ? nm.per_node : d.world;
-  const int node_first = across ? nm.node_of[d.rank] * nm.per_node : 0;
   // Every rank of the node has entered: done reading the last combine's rows from its buffers.
   if (!launch.channel_barrier(SignalId::kEntry, c, 1)) {
     launch.end();
@@ -148,9 +147,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   bool ok = true;
   for (int w = threadIdx.x; w < per * channels; w += kThreads) {
     const int l = w / channels;
-    ok = launch.wait(across ? nm.rank_at[node_first + l] : l,
-                     dev::signal_index(SignalId::kOp, w % channels), 1) &&
-         ok;
+    ok = launch.wait(node_rank(d, nm, l), dev::signal_index(SignalId::kOp, w % channels), 1) && ok;
   }
   ok = __syncthreads_and(ok) != 0;
 
@@ -161,8 +158,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (ok && across) {
     for (int w = threadIdx.x; w < (d.nodes - 1) * channels; w += kThreads) {
       const int n = (nm.node_of[d.rank] + 1 + w / channels) % d.nodes;
-      ok = launch.wait_remote(nm.rank_at[n * per + d.me],
-                              kDataSignal0 + static_cast<uint32_t>(w % channels), 1) &&
+      ok = launch.wait_remote(nm.rank(n, d.me), kDataSignal0 + static_cast<uint32_t>(w % channels),
+                              1) &&
            ok;
     }
     ok = __syncthreads_and(ok) != 0;

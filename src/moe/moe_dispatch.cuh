@@ -40,6 +40,7 @@
 #include <cstdint>
 
 #include "mkernel/device/launch.cuh"
+#include "mkernel/device/push.cuh"
 #include "mkernel/device_comm.h"
 #include "mkernel/transport/command.h"
 #include "mkernel/transport/ring.h"
@@ -88,18 +89,17 @@ struct NodeXfer {
   // Pushes a command into ring `k` mod the rings (false: the ring broke or the time limit
   // passed; the proxy or the waits then report).
   __device__ bool push(const DeviceComm& comm, int k, const transport::Command& cmd) const {
-    const uint64_t start = dev::global_timer_ns();
-    const uint64_t limit = comm.timeout_ns;
-    return rings[k % num_rings]
-               .push(cmd,
-                     [&](uint64_t) { return limit == 0 || dev::global_timer_ns() - start < limit; })
-               .status == transport::PushStatus::kOk;
+    return dev::push_command(comm, rings[k % num_rings], cmd);
   }
 };
 
-// A rank's index on its node, and whether a rank is on this rank's node.
+// A rank's index on its node, the rank with index `local` on this rank's node, and whether a
+// rank is on this rank's node (one node: rank == local index).
 __device__ __forceinline__ int local_of(const Dims& d, const NodeMap& nm, int rank) {
   return d.nodes > 1 ? nm.local_of[rank] : rank;
+}
+__device__ __forceinline__ int node_rank(const Dims& d, const NodeMap& nm, int local) {
+  return d.nodes > 1 ? nm.rank(nm.node_of[d.rank], local) : local;
 }
 __device__ __forceinline__ bool on_my_node(const Dims& d, const NodeMap& nm, int rank) {
   return d.nodes == 1 || nm.node_of[rank] == nm.node_of[d.rank];
@@ -113,8 +113,8 @@ __device__ __forceinline__ void announce_entry(const dev::Launch& launch, const 
   for (int i = threadIdx.x + 1; i < d.nodes; i += kThreads) {
     const int n = (nm.node_of[d.rank] + i) % d.nodes;
     xf.push(comm, 0,
-            transport::make_signal(static_cast<uint32_t>(nm.rank_at[n * nm.per_node + d.me]), 0,
-                                   kEntrySignal, dev::signal_value(launch.epoch, 1)));
+            transport::make_signal(static_cast<uint32_t>(nm.rank(n, d.me)), 0, kEntrySignal,
+                                   dev::signal_value(launch.epoch, 1)));
   }
 }
 
@@ -127,7 +127,7 @@ __device__ __forceinline__ bool rail_entered(const dev::Launch& launch, const Di
   bool ok = true;
   for (int i = threadIdx.x + 1; i < d.nodes; i += kThreads) {
     const int n = (nm.node_of[d.rank] + i) % d.nodes;
-    ok = launch.wait_remote(nm.rank_at[n * nm.per_node + d.me], kEntrySignal, 1) && ok;
+    ok = launch.wait_remote(nm.rank(n, d.me), kEntrySignal, 1) && ok;
   }
   return __syncthreads_and(ok) != 0;
 }
@@ -149,7 +149,7 @@ __device__ bool send_across(const dev::Launch& launch, const DeviceComm& comm, c
   if (!rail_entered(launch, d, nm)) return false;
   for (int i = 1; i < d.nodes; ++i) {
     const int n = (me_node + i) % d.nodes;
-    const int r = nm.rank_at[n * per + me_local];
+    const int r = nm.rank(n, me_local);
     bool ok = true;
     uint8_t* region = xf.region(n);
     const uint64_t src_off = xf.region_offset(n), dst_off = xf.region_offset(d.nodes + me_node);
@@ -162,7 +162,7 @@ __device__ bool send_across(const dev::Launch& launch, const DeviceComm& comm, c
           header[w] = crossing;
           continue;
         }
-        const int dst = nm.rank_at[n * per + w / (el_n + 1)], e = w % (el_n + 1);
+        const int dst = nm.rank(n, w / (el_n + 1)), e = w % (el_n + 1);
         header[w] = e < el_n ? totals[dst * el_n + e] : totals[d.experts + dst];
       }
       __syncthreads();
@@ -259,12 +259,12 @@ __device__ bool relay_across(const dev::Launch& launch, const DeviceComm& comm, 
   bool ok = true;
   for (int i = threadIdx.x + 1; i < d.nodes; i += kThreads) {
     const int m = (me_node + d.nodes - i) % d.nodes;
-    ok = launch.wait_remote(nm.rank_at[m * per + d.me], kCountsSignal, 1) && ok;
+    ok = launch.wait_remote(nm.rank(m, d.me), kCountsSignal, 1) && ok;
   }
   if (__syncthreads_and(ok) == 0) return false;
   for (int i = 1; c == 0 && i < d.nodes; ++i) {
     const int m = (me_node + d.nodes - i) % d.nodes;
-    const int s = nm.rank_at[m * per + d.me];
+    const int s = nm.rank(m, d.me);
     const int32_t* header = reinterpret_cast<const int32_t*>(xf.region(d.nodes + m));
     for (int w = threadIdx.x; w < words; w += kThreads) {
       launch.signal_as(w / (el_n + 1), count_signal(w % (el_n + 1)), s,
@@ -275,7 +275,7 @@ __device__ bool relay_across(const dev::Launch& launch, const DeviceComm& comm, 
   }
   for (int i = 1; i < d.nodes; ++i) {
     const int m = (me_node + d.nodes - i) % d.nodes;  // the node whose rows this rank relays
-    const int s = nm.rank_at[m * per + d.me];
+    const int s = nm.rank(m, d.me);
     const uint8_t* region = xf.region(d.nodes + m);
     const int32_t* header = reinterpret_cast<const int32_t*>(region);
     if (threadIdx.x == 0) ok = launch.wait_remote(s, kDataSignal0 + static_cast<uint32_t>(c), 1);
@@ -354,15 +354,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t n16 = d.hidden / 8;
   const int32_t* totals = ws.at<int32_t>(d.me, ws.totals);
   const int per = across ? nm.per_node : d.world;
-  const int node_first = across ? nm.node_of[d.rank] * nm.per_node : 0;
-  const auto node_rank = [&](int l) { return across ? nm.rank_at[node_first + l] : l; };
 
   // ---- counts: to every destination on this node ----
   for (int64_t w = static_cast<int64_t>(c) * kThreads + threadIdx.x;
        ok && w < static_cast<int64_t>(per) * words;
        w += static_cast<int64_t>(channels) * kThreads) {
     const int l = static_cast<int>(w / words), i = static_cast<int>(w % words);
-    const int dst = node_rank(l);
+    const int dst = node_rank(d, nm, l);
     const int32_t n = i < el_n ? totals[dst * el_n + i] : totals[d.experts + dst];
     launch.signal(l, count_signal(i), static_cast<uint32_t>(n));
   }
@@ -372,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int32_t* send_list = ws.at<int32_t>(d.me, ws.send_list);
   for (int i = 0; ok && i < per; ++i) {
     const int l = (d.me + 1 + i) % per;  // every rank starts with a different peer
-    const int dst = node_rank(l);
+    const int dst = node_rank(d, nm, l);
     int64_t lo, hi;
     share(totals[d.experts + dst], c, channels, lo, hi);
     const int64_t region = static_cast<int64_t>(d.rank) * d.max_tokens;

@@ -116,14 +116,16 @@ struct Workspace {
   }
 };
 
-// The communicator's nodes as the route and dispatch kernels see them (one node: count 1, the
-// tables unused). Ranks across nodes are at most kMoeMaxNodeRanks (moe_plan.cpp checks).
+// The communicator's nodes as the route and dispatch kernels see them (one node, Dims::nodes 1:
+// the tables unused). Ranks across nodes are at most kMoeMaxNodeRanks (moe_plan.cpp checks).
 struct NodeMap {
-  int count;     // nodes
   int per_node;  // ranks a node
   int8_t node_of[kMoeMaxNodeRanks];
   int8_t local_of[kMoeMaxNodeRanks];
   int16_t rank_at[kMoeMaxNodeRanks];  // [node * per_node + local]
+
+  // The rank with index `local` on node `node` (a rail peer: this rank's own index).
+  __device__ int rank(int node, int local) const { return rank_at[node * per_node + local]; }
 
   __device__ int node_of_expert(int64_t e, int experts_local) const {
     return node_of[static_cast<int>(e / experts_local)];
