@@ -29,10 +29,10 @@
 // of range (kInvalidArgument, naming the token and slot: treated as -1). The launches complete.
 // Everything else is checked before launch (mk::Error). Stream-ordered, no host synchronisation,
 // CUDA-graph safe (counts and routing may change between replays). Any world size; the ranks of
-// a communicator call in the same order. moe_dispatch and moe_combine also run across nodes (a
-// token crosses the network once per destination node, to the rail peer there, which forwards
-// it over NVLink; the results are the one-node ones bit for bit); moe_dispatch_gemm and
-// moe_layer run inside one node (refused before launch across nodes, kUnsupported).
+// a communicator call in the same order. Every op also runs across nodes (a token crosses the
+// network once per destination node, to the rail peer there, which forwards it over NVLink; the
+// results are the one-node ones bit for bit); there moe_dispatch_gemm is two launches (the
+// dispatch, then the grouped GEMM) and moe_layer three (dispatch, the expert GEMMs, combine).
 #pragma once
 
 #include <cuda_runtime_api.h>

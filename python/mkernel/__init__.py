@@ -18,7 +18,7 @@ order on every rank. A peer that never arrives makes the kernel give up after ti
 and record who waited for whom: call comm.synchronize(), or torch.cuda.synchronize() then
 comm.check(), to raise it as MkernelError(code="timeout").
 
-Any world size. The fused GEMMs (ag_gemm, gemm_rs, gemm_ar) also run across nodes, over the
+Any world size. The fused GEMMs (ag_gemm, gemm_rs, gemm_ar) and the MoE ops also run across nodes, over the
 communicator's inter-node path (socket, ConnectX-7 or EFA transport; MKERNEL_GPUS_PER_NODE makes
 virtual nodes on one host); the standalone collectives need every rank on one node (NVLink or
 PCIe P2P).

@@ -93,6 +93,10 @@ void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_ro
                   int64_t rows, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream,
                   const GemmConfig& config, GroupedLayout layout, int32_t* tables);
 std::size_t grouped_tables_bytes(int groups);
+// The group tables alone (row_start, row_count, tile_prefix with tiles_n tiles a tile-row) of
+// grouped_gemm's `rows` and `layout`, into `tables` (grouped_tables_bytes), on the stream.
+void grouped_tables(const int32_t* group_rows, int groups, int64_t rows, GroupedLayout layout,
+                    int tiles_n, int32_t* tables, cudaStream_t stream);
 // The SwiGLU GEMMs' I: a positive multiple of 64 below 2^30, else kInvalidArgument naming
 // `op` and the value.
 void require_swiglu_intermediate(int64_t intermediate, const char* op);

@@ -161,6 +161,14 @@ const int32_t* prep_groups(int32_t* tables, std::optional<gemm_engine::StreamScr
 
 }  // namespace
 
+void gemm_engine::grouped_tables(const int32_t* group_rows, int groups, int64_t rows,
+                                 GroupedLayout layout, int tiles_n, int32_t* tables,
+                                 cudaStream_t stream) {
+  std::optional<StreamScratch> own;  // (not used: the caller gives the tables)
+  const int64_t total_rows = layout == GroupedLayout::kMasked ? rows * groups : rows;
+  prep_groups(tables, own, group_rows, groups, total_rows, rows, layout, tiles_n, stream);
+}
+
 void gemm_engine::require_swiglu_intermediate(int64_t intermediate, const char* op) {
   if (intermediate < 64 || intermediate % 64 != 0 || intermediate >= (int64_t{1} << 30)) {
     throw Error(ErrorCode::kInvalidArgument,

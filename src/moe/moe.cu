@@ -142,24 +142,16 @@ moe::NodeXfer node_xfer_of(Communicator& comm, const moe::Plan& plan, const Symm
   return xf;
 }
 
-// What both ops check first: a usable one-node communicator, the stream, the plan, the
-// workspace (symmetric, large enough, aligned).
+// What every MoE op checks first: a usable communicator (one node or across nodes), the stream,
+// the plan, the workspace (symmetric, large enough, aligned).
 struct Checked {
   moe::Plan plan;
   SymmetricRange workspace;
 };
 
 Checked check_common(Communicator& comm, const MoeProblem& problem, const MoeConfig& config,
-                     void* workspace, cudaStream_t stream, const char* op,
-                     bool across_nodes = false) {
+                     void* workspace, cudaStream_t stream, const char* op) {
   detail::require_usable(comm, op);
-  if (comm.topology().num_nodes != 1 && !across_nodes) {
-    throw Error(ErrorCode::kUnsupported,
-                std::string(op) + ": the communicator spans " +
-                    std::to_string(comm.topology().num_nodes) +
-                    " nodes; across nodes only moe_dispatch and moe_combine are implemented yet "
-                    "(expected 1 node)");
-  }
   detail::require_stream(comm, stream, op);
   Checked c{plan_for(comm, problem, config, op), {}};
   detail::require_device_pointer(comm, workspace, 256, op, "workspace");
@@ -282,8 +274,7 @@ void moe_dispatch(Communicator& comm, const MoeProblem& problem, const void* x,
                   const void* topk_idx, IndexType index_type, void* recv_x, int32_t* expert_rows,
                   int32_t* handle, void* workspace, cudaStream_t stream, const MoeConfig& config) {
   detail::DeviceGuard guard(comm.device());
-  const Checked c =
-      check_common(comm, problem, config, workspace, stream, kDispatch, /*across_nodes=*/true);
+  const Checked c = check_common(comm, problem, config, workspace, stream, kDispatch);
   check_dispatch_operands(comm, problem, c, kDispatch, x, topk_idx, index_type, recv_x, expert_rows,
                           handle, workspace, {}, {});
   const MoePlan& plan = c.plan.plan;
@@ -326,6 +317,31 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
       std::max<int64_t>(plan.rows, static_cast<int64_t>(e_local) * kGroupedRowBlock), n, plan.ctas,
       kDispatchGemm);
   print(comm, kDispatchGemm, problem, plan);
+  if (comm.topology().num_nodes > 1) {
+    // Across nodes, two launches for now: the dispatch (moe_dispatch's, across nodes), then the
+    // grouped GEMM on its rows with the same tile width - the one launch's results, bit for bit.
+    if (index_type == IndexType::kInt64) {
+      launch_dispatch<int64_t>(comm, problem, c.plan, c.workspace, x, topk_idx, recv_x, expert_rows,
+                               handle, stream);
+    } else {
+      launch_dispatch<int32_t>(comm, problem, c.plan, c.workspace, x, topk_idx, recv_x, expert_rows,
+                               handle, stream);
+    }
+    GemmConfig gemm_config;
+    gemm_config.block_n = block_n;
+    gemm_config.sms = plan.ctas;
+    const bool masked = problem.layout == MoeLayout::kMasked;
+    // (The group tables in the workspace's layout tables, as the one launch keeps them: no
+    // allocation, so a graph captures the call as it is.)
+    auto* tables =
+        reinterpret_cast<int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.layout) +
+        moe::layout_tables(comm.world_size(), plan.experts_local).row_start;
+    gemm_engine::grouped_gemm(recv_x, w, y, expert_rows, plan.experts_local,
+                              masked ? plan.capacity : plan.rows, n, problem.hidden, w_layout,
+                              stream, gemm_config,
+                              masked ? GroupedLayout::kMasked : GroupedLayout::kPadded, tables);
+    return;
+  }
   moe::Dims d = dims_of(comm, problem, c.plan);
   d.local_list = true;
   const moe::Workspace ws = workspace_of(c.workspace, c.plan.offsets);
@@ -401,6 +417,48 @@ void moe::launch_layer(Communicator& comm, const MoeProblem& problem, int64_t in
   const moe::LayoutTables lt = moe::layout_tables(d.world, d.experts_local);
   const auto* tables =
       reinterpret_cast<const int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.layout);
+  if (d.nodes > 1) {
+    // Across nodes, three launches for now (and the tables): the dispatch across nodes, the two
+    // expert GEMMs in one launch (GroupedSwigluDown, y written over recv: a tile-row's down
+    // tiles start once its gate / up tiles, the last readers of its rows, are done), the
+    // combine across nodes. The same bits as the one launch (the same tiles, moe_combine's sum).
+    auto* tables_out =
+        reinterpret_cast<int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.layout) +
+        lt.row_start;
+    const auto dispatch_rows = [&]<class Idx>() {
+      launch_dispatch<Idx>(comm, problem, c.plan, c.workspace, x, topk_idx, recv, expert_rows,
+                           handle, stream);
+    };
+    if (index_type == IndexType::kInt64) {
+      dispatch_rows.template operator()<int64_t>();
+    } else {
+      dispatch_rows.template operator()<int32_t>();
+    }
+    gemm_engine::grouped_tables(expert_rows, d.experts_local, d.masked ? d.capacity : d.rows,
+                                d.masked ? GroupedLayout::kMasked : GroupedLayout::kPadded, 1,
+                                tables_out, stream);
+    MK_CUDA_CHECK(cudaMemsetAsync(
+        done, 0, gemm_engine::swiglu_down_counters_bytes(d.experts_local, total_rows), stream));
+    const DeviceComm dc_nodes = comm.device_comm();
+    const auto gemms = [&]<int kBlockN>() {
+      auto f = gemm_engine::swiglu_down_policy<kBlockN>(dc_nodes, recv, w13, w2, h, recv,
+                                                        tables_out, done, d.experts_local,
+                                                        total_rows, intermediate, problem.hidden);
+      gemm_engine::launch<kBlockN, false>(f, f.w13, problem.hidden, plan.ctas, stream, op);
+    };
+    if (width == 256) {
+      gemms.template operator()<256>();
+    } else {
+      gemms.template operator()<128>();
+    }
+    const moe::NodeMap nm = node_map_of(comm);
+    const moe::NodeXfer xf = node_xfer_of(comm, c.plan, c.workspace);
+    moe::combine_kernel<<<plan.ctas, moe::kThreads, 0, stream>>>(
+        comm.device_comm(), d, nm, xf, static_cast<const __nv_bfloat16*>(recv), topk_weights,
+        handle, ws, static_cast<__nv_bfloat16*>(out));
+    launch_check(op);
+    return;
+  }
   auto run = [&]<int kBlockN>() {
     moe::MoeLayerFused<kBlockN> f{};
     // (No y: the down tiles store into the combine's slots. The policy's y map gets recv.)
@@ -434,8 +492,7 @@ void moe_combine(Communicator& comm, const MoeProblem& problem, const void* y,
                  const float* topk_weights, const int32_t* handle, void* out, void* workspace,
                  cudaStream_t stream, const MoeConfig& config) {
   detail::DeviceGuard guard(comm.device());
-  const Checked c =
-      check_common(comm, problem, config, workspace, stream, kCombine, /*across_nodes=*/true);
+  const Checked c = check_common(comm, problem, config, workspace, stream, kCombine);
   const MoePlan& plan = c.plan.plan;
   const auto tokens = static_cast<std::size_t>(problem.tokens);
   const auto h = static_cast<std::size_t>(problem.hidden);
@@ -500,6 +557,10 @@ const bool kFusedPreloadRegistered = register_kernel_preload([](bool) {
   gemm_engine::preload_all<moe::MoeDispatchGemm>();
   gemm_engine::prepared_kernel<128, false, moe::MoeLayerFused<128>>();  // moe_layer's launch
   gemm_engine::prepared_kernel<256, false, moe::MoeLayerFused<256>>();
+  // moe_layer across nodes: the expert GEMMs' launch on its own (loaded up front: a first load
+  // after the dispatch across nodes has started would stall its peers' waits).
+  gemm_engine::prepared_kernel<128, false, gemm_engine::GroupedSwigluDown<128>>();
+  gemm_engine::prepared_kernel<256, false, gemm_engine::GroupedSwigluDown<256>>();
   gemm_engine::preload_grouped();  // the public grouped GEMMs
 });
 
@@ -520,6 +581,10 @@ std::vector<GemmKernelResources> moe_kernel_resources() {
   }
   add("moe_layer 128", gemm_engine::prepared_kernel<128, false, moe::MoeLayerFused<128>>());
   add("moe_layer 256", gemm_engine::prepared_kernel<256, false, moe::MoeLayerFused<256>>());
+  add("moe_layer nodes 128",
+      gemm_engine::prepared_kernel<128, false, gemm_engine::GroupedSwigluDown<128>>());
+  add("moe_layer nodes 256",
+      gemm_engine::prepared_kernel<256, false, gemm_engine::GroupedSwigluDown<256>>());
   return out;
 }
 

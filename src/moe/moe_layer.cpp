@@ -1,6 +1,7 @@
 // Host side of moe_layer: the checks, the scratch's parts, then moe::launch_layer (moe.cu): the
 // route kernels, the layout, and one launch for the dispatch, the experts' gate / up (SwiGLU in
-// its epilogue) and down GEMMs and the combine (moe_layer.cuh).
+// its epilogue) and down GEMMs and the combine (moe_layer.cuh) - across nodes, three launches
+// for now (the dispatch and the combine across nodes around the experts' GEMMs).
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -49,8 +50,9 @@ std::string MoeLayerPlan::describe() const {
 MoeLayerPlan moe_layer_plan(const Communicator& comm, const MoeProblem& problem,
                             int64_t intermediate, const MoeConfig& config) {
   MoeLayerPlan plan;
-  plan.dispatch =
-      moe::plan_moe(comm.world_size(), comm.topology().sm_budget(), problem, config, kOp).plan;
+  plan.dispatch = moe::plan_moe(comm.world_size(), comm.topology().sm_budget(), problem, config,
+                                kOp, comm.topology().num_nodes)
+                      .plan;
   gemm_engine::require_swiglu_intermediate(intermediate, kOp);
   gemm_engine::require_swiglu_width(config.block_n, intermediate, kOp, "config.block_n");
   plan.intermediate = intermediate;
@@ -94,7 +96,7 @@ void moe_layer(Communicator& comm, const MoeProblem& problem, int64_t intermedia
   const ScratchParts parts = scratch_parts(d, problem.hidden, intermediate);
   auto* base = static_cast<uint8_t*>(scratch);
   // Nothing below allocates: a CUDA graph captures the call as it is (the route kernels, the
-  // layout's, two memsets and the one launch).
+  // layout's, two memsets and the one launch; across nodes the three launches).
   moe::launch_layer(comm, problem, intermediate, x, topk_idx, index_type, topk_weights, w13, w2,
                     out, workspace, base + parts.recv, base + parts.h,
                     reinterpret_cast<int32_t*>(base + parts.expert_rows),

@@ -407,16 +407,6 @@ void expect_moe(Communicator& comm, const MoeCase& c, uint64_t seed) {
   moe_combine(comm, p, b.y, b.weights, b.handle, b.out, ws.data(), s);
   comm.synchronize(s);
   ASSERT_NO_FATAL_FAILURE(check_combine(w2, rank, b, s, /*identity=*/false));
-  if (comm.topology().num_nodes > 1) {  // not yet across nodes: refused before launch
-    try {
-      moe_dispatch_gemm(comm, p, b.x, b.topk, c.index, b.recv, BLayout::kNK, 64, b.y, b.recv,
-                        b.rows, b.handle, ws.data(), s);
-      ADD_FAILURE() << "moe_dispatch_gemm across nodes was not refused";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
-      EXPECT_NE(std::string(e.what()).find("nodes"), std::string::npos) << e.what();
-    }
-  }
   comm.bootstrap().barrier();
   cudaStreamDestroy(s);
 }
@@ -680,6 +670,9 @@ void expect_fused(Communicator& comm, const FusedCase& f, uint64_t seed, int cal
   ready(comm, s);
   GemmConfig gemm_config;
   gemm_config.block_n = f.block_n;
+  // The reference GEMM on this rank's share of the SMs, as the op's own: a persistent grid wider
+  // than the share waits for SMs that a peer's waiting kernel holds.
+  gemm_config.sms = plan.ctas;
   for (int call = 0; call < calls; ++call) {
     SCOPED_TRACE("call " + std::to_string(call));
     MKT_CUDA(cudaMemsetAsync(got.recv, 0xff, got.recv_bytes, s));
@@ -728,18 +721,40 @@ void expect_fused(Communicator& comm, const FusedCase& f, uint64_t seed, int cal
     }
     ready(comm, s);
   }
+  // Every rank's puts delivered before cudaFree synchronises the GPU (collective_checks.h).
+  finished(comm, s);
   for (void* q : {weights, y_ref, y_got}) cudaFree(q);
   comm.bootstrap().barrier();
   cudaStreamDestroy(s);
 }
 
-void run_fused(int world, const std::vector<FusedCase>& cases, uint64_t seed) {
-  run_in_process(world, [&](Communicator& comm) {
-    for (size_t i = 0; i < cases.size(); ++i) {
-      if (cases[i].moe.experts % world != 0) continue;
-      expect_fused(comm, cases[i], seed + i);
-    }
-  });
+void run_fused(int world, const std::vector<FusedCase>& cases, uint64_t seed,
+               CommOptions options = {}) {
+  run_in_process(
+      world,
+      [&](Communicator& comm) {
+        for (size_t i = 0; i < cases.size(); ++i) {
+          if (cases[i].moe.experts % world != 0) continue;
+          expect_fused(comm, cases[i], seed + i);
+        }
+      },
+      options);
+}
+
+// moe_dispatch_gemm across virtual nodes (two launches there: the dispatch across nodes, then
+// the grouped GEMM): its rows, counts and handle as the one-node routing's, y as the grouped
+// GEMM's on those rows, bit for bit; a combine after it.
+TEST_P(MoeNodes, DispatchGemm) {
+  MKT_REQUIRE_GPU();
+  const auto [nodes, per_node] = GetParam();
+  run_fused(nodes * per_node,
+            {{{8, 2, 1024, 200}, 1024, BLayout::kNK, 128},
+             {{16, 4, 512, 130, MoeLayout::kMasked, 0, IndexType::kInt64}, 256, BLayout::kKN, 64},
+             {{16, 4, 256, 120, MoeLayout::kPadded, 300, IndexType::kInt32, Routing::kSkewed},
+              256,
+              BLayout::kNK,
+              256}},
+            71, virtual_nodes(per_node, 30));
 }
 
 const std::vector<FusedCase> kFusedCases = {
@@ -893,7 +908,8 @@ TEST(LaunchedMoe, DispatchGemmMatchesTheGroupedGemm) {
 TEST(InProcessMoe, KernelsDoNotSpill) {
   MKT_REQUIRE_GPU();
   const std::vector<GemmKernelResources> kernels = detail::moe_kernel_resources();
-  ASSERT_EQ(kernels.size(), 10u);  // moe_dispatch_gemm 4 widths x 2 B layouts, moe_layer 2
+  // moe_dispatch_gemm 4 widths x 2 B layouts, moe_layer 2, its expert GEMMs across nodes 2
+  ASSERT_EQ(kernels.size(), 12u);
   for (const GemmKernelResources& k : kernels) {
     EXPECT_EQ(k.local_bytes, 0) << k.name << " uses local memory (register spills or a stack)";
     std::printf("  %-28s %3d registers\n", k.name.c_str(), k.registers);

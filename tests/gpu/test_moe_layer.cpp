@@ -307,14 +307,36 @@ void expect_layer(Communicator& comm, const LayerCase& c, uint64_t seed) {
   comm.bootstrap().barrier();
 }
 
-void run_layer_cases(int world, const std::vector<LayerCase>& cases, uint64_t seed) {
-  run_in_process(world, [&](Communicator& comm) {
-    for (std::size_t i = 0; i < cases.size(); ++i) {
-      if (cases[i].experts % world != 0) continue;
-      expect_layer(comm, cases[i], seed + i);
-    }
-  });
+void run_layer_cases(int world, const std::vector<LayerCase>& cases, uint64_t seed,
+                     CommOptions options = {}) {
+  run_in_process(
+      world,
+      [&](Communicator& comm) {
+        for (std::size_t i = 0; i < cases.size(); ++i) {
+          if (cases[i].experts % world != 0) continue;
+          expect_layer(comm, cases[i], seed + i);
+        }
+      },
+      options);
 }
+
+// Across virtual nodes over the socket transport (three launches there: the dispatch across
+// nodes, the expert GEMMs, the combine across nodes): the reference's tolerance and the same bits
+// twice.
+class MoeLayerNodes : public AcrossNodes {};
+TEST_P(MoeLayerNodes, Layer) {
+  MKT_REQUIRE_GPU();
+  const auto [nodes, per_node] = GetParam();
+  run_layer_cases(nodes * per_node,
+                  {{8, 2, 256, 128, 150},
+                   {16, 4, 256, 64, 100, MoeLayout::kPadded, true},
+                   {8, 2, 128, 128, 90, MoeLayout::kMasked}},
+                  1001, virtual_nodes(per_node, 30));
+}
+INSTANTIATE_TEST_SUITE_P(MoeAcrossNodes, MoeLayerNodes,
+                         ::testing::Values(NodesLayout{2, 1}, NodesLayout{2, 2}, NodesLayout{4, 1},
+                                           NodesLayout{2, 4}),
+                         layout_name);
 
 TEST(InProcessMoeLayer, World1) {
   MKT_REQUIRE_GPU();

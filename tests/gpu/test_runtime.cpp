@@ -1,6 +1,8 @@
 // Runtime on the GPU: communicator creation, symmetric memory, leaks, argument errors, time limits
 // and CUDA-graph replay without host resets.
 #include <dirent.h>
+#include <execinfo.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -297,7 +299,19 @@ TEST(LaunchedRuntime, GraphReplays1000Times) {
 }  // namespace
 }  // namespace mk::test
 
+// A crash names where it happened (a rank is a thread here: the test alone says too little).
+static void print_backtrace_and_die(int sig) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  const char msg[] = "\n*** mkernel_gpu_tests: fatal signal; backtrace:\n";
+  (void)!write(2, msg, sizeof(msg) - 1);
+  backtrace_symbols_fd(frames, n, 2);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
 int main(int argc, char** argv) {
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) signal(sig, print_backtrace_and_die);
   // Up to 8 in-process ranks share a GPU here, each with its stream and, across virtual nodes with
   // device staging, two copy streams: hardware queues of their own for all of them, or a launch
   // can queue behind a peer's waiting kernel (mkernel/communicator.h). Before any CUDA call.
