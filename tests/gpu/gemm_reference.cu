@@ -132,6 +132,16 @@ SampledErrors sampled_errors(const void* c, const void* c_blas, const void* a, c
   return e;
 }
 
+void preload_reference_kernels() {
+  cudaFuncAttributes attributes;
+  for (const void* kernel :
+       {reinterpret_cast<const void*>(reference_kernel), reinterpret_cast<const void*>(nan_kernel),
+        reinterpret_cast<const void*>(fill_kernel), reinterpret_cast<const void*>(add_kernel),
+        reinterpret_cast<const void*>(diff_kernel), reinterpret_cast<const void*>(error_kernel)}) {
+    cudaFuncGetAttributes(&attributes, kernel);
+  }
+}
+
 uint64_t count_different_bytes16(const void* x, const void* y, int64_t bytes, cudaStream_t s) {
   unsigned long long* d = nullptr;
   cudaMallocAsync(reinterpret_cast<void**>(&d), sizeof(*d), s);

@@ -26,6 +26,12 @@ struct SampledErrors {
 SampledErrors sampled_errors(const void* c, const void* c_blas, const void* a, const void* b,
                              int64_t m, int64_t n, int64_t k, bool b_kn, uint64_t seed,
                              cudaStream_t s);
+// Loads this file's kernels on the current device now. Under CUDA's lazy loading a helper's
+// first launch loads its kernel, and the load waits for the GPU: after an op across nodes on
+// ranks sharing a GPU (device staging), a peer's kernel may still wait for a staging copy of
+// this process's transport threads, which the load holds up - a stall until the time limit.
+// Call before the ranks meet (ready()).
+void preload_reference_kernels();
 // Number of 16-byte words that differ between x and y (bytes a multiple of 16).
 uint64_t count_different_bytes16(const void* x, const void* y, int64_t bytes, cudaStream_t s);
 // Number of NaN elements among `count` bf16 values.

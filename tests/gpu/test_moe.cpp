@@ -667,6 +667,9 @@ void expect_fused(Communicator& comm, const FusedCase& f, uint64_t seed, int cal
   upload_inputs(w, rank, ref, s);
   upload_inputs(w, rank, got, s);
   MKT_CUDA(cudaMemsetAsync(ws.data(), 0, plan.workspace_bytes, s));
+  // count_different_bytes16 runs right after the combines, a peer's maybe still waiting for this
+  // process's staging copies: its kernel loaded now, not lazily then (gemm_reference.h).
+  preload_reference_kernels();
   ready(comm, s);
   GemmConfig gemm_config;
   gemm_config.block_n = f.block_n;
