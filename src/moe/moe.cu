@@ -260,6 +260,20 @@ void launch_dispatch(Communicator& comm, const MoeProblem& problem, const moe::P
   launch_check(kDispatch);
 }
 
+// launch_dispatch for topk_idx's index type.
+void launch_dispatch(IndexType index_type, Communicator& comm, const MoeProblem& problem,
+                     const moe::Plan& plan, const SymmetricRange& range, const void* x,
+                     const void* topk_idx, void* recv_x, int32_t* expert_rows, int32_t* handle,
+                     cudaStream_t stream) {
+  if (index_type == IndexType::kInt64) {
+    launch_dispatch<int64_t>(comm, problem, plan, range, x, topk_idx, recv_x, expert_rows, handle,
+                             stream);
+  } else {
+    launch_dispatch<int32_t>(comm, problem, plan, range, x, topk_idx, recv_x, expert_rows, handle,
+                             stream);
+  }
+}
+
 }  // namespace
 
 MoePlan moe_plan(const Communicator& comm, const MoeProblem& problem, const MoeConfig& config) {
@@ -279,13 +293,8 @@ void moe_dispatch(Communicator& comm, const MoeProblem& problem, const void* x,
                           handle, workspace, {}, {});
   const MoePlan& plan = c.plan.plan;
   print(comm, kDispatch, problem, plan);
-  if (index_type == IndexType::kInt64) {
-    launch_dispatch<int64_t>(comm, problem, c.plan, c.workspace, x, topk_idx, recv_x, expert_rows,
-                             handle, stream);
-  } else {
-    launch_dispatch<int32_t>(comm, problem, c.plan, c.workspace, x, topk_idx, recv_x, expert_rows,
-                             handle, stream);
-  }
+  launch_dispatch(index_type, comm, problem, c.plan, c.workspace, x, topk_idx, recv_x, expert_rows,
+                  handle, stream);
 }
 
 void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void* x,
@@ -320,13 +329,8 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
   if (comm.topology().num_nodes > 1) {
     // Across nodes, two launches for now: the dispatch (moe_dispatch's, across nodes), then the
     // grouped GEMM on its rows with the same tile width - the one launch's results, bit for bit.
-    if (index_type == IndexType::kInt64) {
-      launch_dispatch<int64_t>(comm, problem, c.plan, c.workspace, x, topk_idx, recv_x, expert_rows,
-                               handle, stream);
-    } else {
-      launch_dispatch<int32_t>(comm, problem, c.plan, c.workspace, x, topk_idx, recv_x, expert_rows,
-                               handle, stream);
-    }
+    launch_dispatch(index_type, comm, problem, c.plan, c.workspace, x, topk_idx, recv_x,
+                    expert_rows, handle, stream);
     GemmConfig gemm_config;
     gemm_config.block_n = block_n;
     gemm_config.sms = plan.ctas;
@@ -425,15 +429,8 @@ void moe::launch_layer(Communicator& comm, const MoeProblem& problem, int64_t in
     auto* tables_out =
         reinterpret_cast<int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.layout) +
         lt.row_start;
-    const auto dispatch_rows = [&]<class Idx>() {
-      launch_dispatch<Idx>(comm, problem, c.plan, c.workspace, x, topk_idx, recv, expert_rows,
-                           handle, stream);
-    };
-    if (index_type == IndexType::kInt64) {
-      dispatch_rows.template operator()<int64_t>();
-    } else {
-      dispatch_rows.template operator()<int32_t>();
-    }
+    launch_dispatch(index_type, comm, problem, c.plan, c.workspace, x, topk_idx, recv, expert_rows,
+                    handle, stream);
     gemm_engine::grouped_tables(expert_rows, d.experts_local, d.masked ? d.capacity : d.rows,
                                 d.masked ? GroupedLayout::kMasked : GroupedLayout::kPadded, 1,
                                 tables_out, stream);
