@@ -1,11 +1,12 @@
 // What the one-GPU benchmarks with ranks as threads share (bench_ring_attention,
-// bench_moe_layer_ranks): their command line, the median of timed rounds, and the results file.
+// bench_moe_ranks): their command line, the median of timed rounds, and the results file.
 #pragma once
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -18,9 +19,13 @@ struct InProcessArgs {
   std::string commit = "unknown";  // MKERNEL_COMMIT, or --commit
 };
 
-// [--ranks N] [--iters N] [--json FILE] [--commit SHA]; false (after a usage line) on anything
-// else or a non-positive count.
-inline bool parse_inprocess_args(int argc, char** argv, InProcessArgs& a) {
+// [--ranks N] [--iters N] [--json FILE] [--commit SHA], and the keys `extra` takes (true: it
+// took the key and its value); false (after a usage line) on anything else or a non-positive
+// count.
+inline bool parse_inprocess_args(
+    int argc, char** argv, InProcessArgs& a,
+    const std::function<bool(const std::string&, const std::string&)>& extra = {},
+    const char* extra_usage = "") {
   if (const char* c = std::getenv("MKERNEL_COMMIT")) a.commit = c;
   const int default_ranks = a.ranks, default_iters = a.iters;  // (for the usage line)
   bool ok = true;
@@ -35,12 +40,12 @@ inline bool parse_inprocess_args(int argc, char** argv, InProcessArgs& a) {
     } else if (key == "--commit") {
       a.commit = value;
     } else {
-      ok = false;
+      ok = extra && extra(key, value);
     }
   }
-  if (!ok || a.ranks < 1 || a.iters < 1) {
-    std::fprintf(stderr, "usage: %s [--ranks %d] [--iters %d] [--json FILE] [--commit SHA]\n",
-                 argv[0], default_ranks, default_iters);
+  if (!ok || argc % 2 == 0 || a.ranks < 1 || a.iters < 1) {
+    std::fprintf(stderr, "usage: %s [--ranks %d] [--iters %d] [--json FILE] [--commit SHA]%s\n",
+                 argv[0], default_ranks, default_iters, extra_usage);
     return false;
   }
   return true;

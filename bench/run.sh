@@ -7,9 +7,10 @@
 #         torch._grouped_mm on MoE expert shapes, both layouts), moe_dispatch_gemm (one GPU:
 #         the fused launch, moe_dispatch / moe_combine and dispatch-then-grouped-GEMM against
 #         torch._grouped_mm on the issue's MoE shapes), moe_layer (one GPU: the whole layer against
-#         the plain PyTorch layer on torch._grouped_mm; then, when bench_moe_layer_ranks is built,
-#         two ranks as threads sharing the GPU against world 1 on the same work - bench mode writes
-#         bench/results/moe_layer-<gpu>-w2-one-gpu.json), attention (one GPU: against torch SDPA's
+#         the plain PyTorch layer on torch._grouped_mm) - both then, when bench_moe_ranks is
+#         built, two ranks as threads sharing the GPU against world 1 on the same work (and
+#         moe_dispatch_gemm against torch._grouped_mm's time on those rows from the first part) -
+#         bench mode writes bench/results/<kernel>-<gpu>-w2-one-gpu.json), attention (one GPU: against torch SDPA's
 #         best backend), ring_attention (one GPU: ranks as threads, against the engine on the
 #         same work and SMs), ag_gemm, gemm_rs, gemm_ar,
 #         transport (the socket proxy path over loopback; no GPU needed), p2p (NVLink push /
@@ -198,15 +199,26 @@ if [[ "$kernel" == grouped_gemm || "$kernel" == moe_dispatch_gemm || "$kernel" =
     one_gpu_args+=(--json "bench/results/${kernel}-${gpu}-w1.json")
   fi
   echo "bench/run.sh: $kernel $mode on 1 GPU"
-  if [[ "$kernel" != moe_layer ]]; then exec python3 "$script" "${one_gpu_args[@]}"; fi
+  if [[ "$kernel" != moe_layer && "$kernel" != moe_dispatch_gemm ]]; then
+    exec python3 "$script" "${one_gpu_args[@]}"
+  fi
   status=0
   python3 "$script" "${one_gpu_args[@]}" || status=$?
-  ranks_bin="${BUILD_DIR:-build}/bench/bench_moe_layer_ranks"
+  ranks_bin="${BUILD_DIR:-build}/bench/bench_moe_ranks"
   if [[ -x "$ranks_bin" ]]; then  # two ranks sharing the GPU (threads): the SM-side cost
-    ranks_args=(--ranks "${MKERNEL_RANKS:-2}")
+    ranks_args=(--op "$kernel" --ranks "${MKERNEL_RANKS:-2}")
     [[ "$mode" == bench ]] &&
-      ranks_args+=(--json "bench/results/moe_layer-${gpu}-w${MKERNEL_RANKS:-2}-one-gpu.json")
+      ranks_args+=(--json "bench/results/${kernel}-${gpu}-w${MKERNEL_RANKS:-2}-one-gpu.json")
     [[ "$mode" == check ]] && ranks_args+=(--iters 1)
+    w1_json="bench/results/${kernel}-${gpu}-w1.json"
+    if [[ "$kernel" == moe_dispatch_gemm && "$mode" == bench && -f "$w1_json" ]]; then
+      # torch._grouped_mm's time on each world-1 point's rows, measured just above.
+      torch_times=$(python3 -c 'import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+print(",".join("%s:%d:%.6f" % (r["shape"]["model"], r["shape"]["tokens_per_rank"],
+                               r["ms"]["gemm_alone"]) for r in rows))' "$w1_json")
+      ranks_args+=(--torch "$torch_times")
+    fi
     "$ranks_bin" "${ranks_args[@]}" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
   else
     echo "bench/run.sh: $ranks_bin is not built ('make'): the ranks-sharing-a-GPU part skipped" >&2
