@@ -198,6 +198,19 @@ def bench_args(doc, quick=True, kernels=False, points=False):
     return parser.parse_args()
 
 
+def chosen_points(args, models, tokens_list, name):
+    """The (model, tokens) points to run: --points, else every model at every token count.
+    None (after a message) on an unknown model."""
+    if not args.points:
+        return [(model, tokens) for model in models for tokens in tokens_list]
+    points = [(p.split(":")[0], int(p.split(":")[1])) for p in args.points.split(",")]
+    unknown = [m for m, _ in points if m not in models]
+    if unknown:
+        print(f"{name}: unknown model {unknown[0]} (known: {', '.join(models)})", file=sys.stderr)
+        return None
+    return points
+
+
 def kernel_times(fn, calls=5):
     """[(ms per call, launches per call, kernel name)] of fn's GPU kernels, by torch.profiler,
     after a warm-up call."""

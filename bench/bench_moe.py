@@ -1,6 +1,7 @@
 """MoE dispatch / combine and moe_dispatch_gemm on one GPU, against torch._grouped_mm.
 
     python3 bench/bench_moe.py --mode check|bench [--json FILE] [--quick]
+                               [--points MODEL:T,...] [--repeat N]
 
 World 1 (every expert local: the dispatch is the routing and the expert-major copy), the shapes
 of issue 29: DeepSeek-V3 (H 7168, N 2048, 256 experts, top-8), Qwen3-235B (4096, 1536, 128,
@@ -31,7 +32,8 @@ import torch.distributed as dist
 import mkernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_grouped import bench_args, time_ops, world1_comm, write_results  # noqa: E402
+from bench_grouped import (bench_args, chosen_points, time_ops, world1_comm,  # noqa: E402
+                           write_results)
 
 MODELS = {  # hidden, N (the expert's intermediate), experts, top-k
     "deepseek_v3": (7168, 2048, 256, 8),
@@ -117,7 +119,7 @@ def run_point(comm, model, tokens, gen, mode):
 
 
 def main():
-    args = bench_args(__doc__)
+    args = bench_args(__doc__, points=True)
     if not torch.cuda.is_available():
         print("bench_moe: no CUDA GPU", file=sys.stderr)
         return 2
@@ -130,9 +132,12 @@ def main():
     print(f"{'model':12} {'T':>5} {'dispatch':>9} {'GB/s':>6} {'combine':>9} {'GB/s':>6} "
           f"{'torch mm':>9} {'our mm':>9} {'disp+mm':>9} {'fused':>9} {'x torch':>8}  check",
           flush=True)
+    points = chosen_points(args, MODELS, tokens_list, "bench_moe")
+    if points is None:
+        return 2
     results, logs, all_ok = [], [], True
-    for model in MODELS:
-        for tokens in tokens_list:
+    for model, tokens in points:
+        for _ in range(args.repeat):
             ms, flops, routed, ok = run_point(comm, model, tokens, gen, args.mode)
             all_ok &= ok
             ratio = ms["gemm_alone"] / ms["mkernel"]

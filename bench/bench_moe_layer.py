@@ -35,8 +35,8 @@ import torch.nn.functional as F
 import mkernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_grouped import (bench_args, kernel_times, time_ops, world1_comm,  # noqa: E402
-                           write_results)
+from bench_grouped import (bench_args, chosen_points, kernel_times, time_ops,  # noqa: E402
+                           world1_comm, write_results)
 
 MODELS = {  # hidden, intermediate, experts, top-k
     "deepseek_v3": (7168, 2048, 256, 8),
@@ -143,14 +143,9 @@ def main():
           f"torch {torch.__version__}", flush=True)
     print(f"{'model':12} {'T':>5} {'mkernel':>9} {'torch':>9} {'compute':>9} {'disp+comb':>9} "
           f"{'x torch':>8} {'TFLOP/s':>8}  check", flush=True)
-    points = [(model, tokens) for model in MODELS for tokens in tokens_list]
-    if args.points:
-        points = [(p.split(":")[0], int(p.split(":")[1])) for p in args.points.split(",")]
-        unknown = [m for m, _ in points if m not in MODELS]
-        if unknown:
-            print(f"bench_moe_layer: unknown model {unknown[0]} (known: {', '.join(MODELS)})",
-                  file=sys.stderr)
-            return 2
+    points = chosen_points(args, MODELS, tokens_list, "bench_moe_layer")
+    if points is None:
+        return 2
     results, logs, all_ok = [], [], True
     for model, tokens in points:
         for _ in range(args.repeat):
