@@ -22,6 +22,7 @@
 # (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), SANITIZE_FILTER (gtest filter of the
 # sanitized tests: Sanitize*), SITE (/tmp/site), BENCH_KERNELS ("all
 # transport": bench/run.sh kernels; all = collectives, gemm and the fused kernels),
+# PATCHES (a comma list of patches applied to this copy first: queued experiments),
 # PYTHON_TESTS=0 (python step installs only), PYTEST_ARGS (shell words added to its pytest
 # command, e.g. "-v -k 'moe or gemm_op'"), COMPARE_KERNELS / COMPARE_SHAPES / COMPARE_P2P=0
 # (compare step: which kernels and shapes, without the bench_p2p table), TRACE_CASES, AB_OLD / AB_ROUNDS /
@@ -465,6 +466,21 @@ for s in "${steps[@]}"; do
     *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|check|compare|trace|ab|nodes|host|profile|all]..." >&2; exit 2 ;;
   esac
 done
+
+# PATCHES: a comma-separated list of patches (git apply) to run with - queued experiments whose
+# tests and numbers come first (docs/design/*.patch). This copy of the checkout keeps them.
+if [[ -n "${PATCHES:-}" ]]; then
+  IFS=, read -r -a patch_list <<<"$PATCHES"
+  for p in "${patch_list[@]}"; do
+    [[ -z "$p" ]] && continue
+    if git apply -R --check "$p" 2>/dev/null; then  # (a warm machine's copy may have it)
+      log "already applied: $p"
+      continue
+    fi
+    git apply "$p" || { echo "device_run: $p does not apply" >&2; exit 2; }
+    log "applied $p"
+  done
+fi
 
 log "steps: ${plan[*]}; OUT=$OUT; $(nproc) cores; nvcc $(nvcc --version 2>/dev/null |
   sed -n 's/.*release \([0-9.]*\).*/\1/p'); $(cmake --version 2>/dev/null | head -n 1)"
