@@ -400,22 +400,23 @@ int main(int argc, char** argv) {
                     p.top_k, p.model, world, r.ranks_ms, r.world1_ms, r.world1_ms, ratio,
                     flops / r.ranks_ms * 1e-9, r.correct ? "true" : "false");
     } else {
-      // limit: torch._grouped_mm on the same rows where the run measured it, else world 1's
-      // launch (the dispatch alone is not timed here).
-      const double limit = torch > 0 ? torch : r.world1_ms;
-      const std::string torch_json = torch > 0 ? std::to_string(torch) : "null";
-      const std::string speedup = torch > 0 ? std::to_string(torch / r.ranks_ms) : "null";
+      // limit: torch._grouped_mm on the same rows where the run measured it (the dispatch alone
+      // is not timed here); null without it.
+      const auto or_null = [&](double v) { return torch > 0 ? std::to_string(v) : "null"; };
+      const std::string torch_json = or_null(torch), limit = or_null(torch),
+                        ratio_json = or_null(r.ranks_ms / torch),
+                        speedup = or_null(torch / r.ranks_ms);
       std::snprintf(row, sizeof(row),
                     "%s    {\"shape\": {\"tokens_per_rank\": %lld, \"hidden\": %lld, \"N\": %lld, "
                     "\"experts\": %d, \"top_k\": %d, \"model\": \"%s\", \"world\": %d}, "
                     "\"dtype\": \"bf16\", \"ms\": {\"mkernel\": %.5f, \"world1_same_work\": %.5f, "
                     "\"dispatch_alone\": null, \"nccl_dispatch\": null, \"gemm_alone\": %s, "
-                    "\"sequential\": null}, \"limit_ms\": %.5f, \"ratio_to_limit\": %.4f, "
+                    "\"sequential\": null}, \"limit_ms\": %s, \"ratio_to_limit\": %s, "
                     "\"speedup_vs_torch_grouped_mm\": %s, \"tflops\": %.1f, \"correct\": %s}",
                     rows.empty() ? "" : ",\n", static_cast<long long>(p.tokens),
                     static_cast<long long>(p.hidden), static_cast<long long>(p.inter), p.experts,
-                    p.top_k, p.model, world, r.ranks_ms, r.world1_ms, torch_json.c_str(), limit,
-                    r.ranks_ms / limit, speedup.c_str(), flops / r.ranks_ms * 1e-9,
+                    p.top_k, p.model, world, r.ranks_ms, r.world1_ms, torch_json.c_str(),
+                    limit.c_str(), ratio_json.c_str(), speedup.c_str(), flops / r.ranks_ms * 1e-9,
                     r.correct ? "true" : "false");
     }
     rows += row;

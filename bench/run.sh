@@ -35,7 +35,7 @@
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 NCCL_NVLS_DISABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-usage() { sed -n '2,31s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+usage() { sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0" >&2; exit 2; }
 [[ $# -ge 3 ]] || usage
 kernel="$1" mode="$2" nodes="$3" sizes="${4:-}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -203,6 +203,7 @@ if [[ "$kernel" == grouped_gemm || "$kernel" == moe_dispatch_gemm || "$kernel" =
     exec python3 "$script" "${one_gpu_args[@]}"
   fi
   status=0
+  marker="$(mktemp)"  # (the w1 file's torch times count only if this run wrote them)
   python3 "$script" "${one_gpu_args[@]}" || status=$?
   ranks_bin="${BUILD_DIR:-build}/bench/bench_moe_ranks"
   if [[ -x "$ranks_bin" ]]; then  # two ranks sharing the GPU (threads): the SM-side cost
@@ -211,18 +212,19 @@ if [[ "$kernel" == grouped_gemm || "$kernel" == moe_dispatch_gemm || "$kernel" =
       ranks_args+=(--json "bench/results/${kernel}-${gpu}-w${MKERNEL_RANKS:-2}-one-gpu.json")
     [[ "$mode" == check ]] && ranks_args+=(--iters 1)
     w1_json="bench/results/${kernel}-${gpu}-w1.json"
-    if [[ "$kernel" == moe_dispatch_gemm && "$mode" == bench && -f "$w1_json" ]]; then
+    if [[ "$kernel" == moe_dispatch_gemm && "$mode" == bench && "$w1_json" -nt "$marker" ]]; then
       # torch._grouped_mm's time on each world-1 point's rows, measured just above.
       torch_times=$(python3 -c 'import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
 print(",".join("%s:%d:%.6f" % (r["shape"]["model"], r["shape"]["tokens_per_rank"],
-                               r["ms"]["gemm_alone"]) for r in rows))' "$w1_json")
-      ranks_args+=(--torch "$torch_times")
+                               r["ms"]["gemm_alone"]) for r in rows))' "$w1_json") || torch_times=
+      [[ -z "$torch_times" ]] || ranks_args+=(--torch "$torch_times")
     fi
     "$ranks_bin" "${ranks_args[@]}" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
   else
     echo "bench/run.sh: $ranks_bin is not built ('make'): the ranks-sharing-a-GPU part skipped" >&2
   fi
+  rm -f "$marker"
   exit "$status"
 fi
 

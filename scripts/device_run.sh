@@ -472,15 +472,32 @@ done
 if [[ -n "${PATCHES:-}" ]]; then
   IFS=, read -r -a patch_list <<<"$PATCHES"
   for p in "${patch_list[@]}"; do
+    p="${p//[[:space:]]/}"
     [[ -z "$p" ]] && continue
     if git apply -R --check "$p" 2>/dev/null; then  # (a warm machine's copy may have it)
       log "already applied: $p"
       continue
     fi
+    # Files an earlier call's copy of this patch created, left behind on a warm machine (the
+    # tracked files come back as they are here; a file the patch adds may not go).
+    git apply --check "$p" 2>/dev/null ||
+      git apply --summary "$p" | awk '$1 == "create" {print $NF}' | xargs -r rm -f --
     git apply "$p" || { echo "device_run: $p does not apply" >&2; exit 2; }
     log "applied $p"
   done
+  # Results files name the patches beside the commit.
+  MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  export MKERNEL_COMMIT="$MKERNEL_COMMIT+${PATCHES//[[:space:]]/}"
 fi
+# A build of other patches (or none) is rebuilt whole: the sources here may be older than the
+# objects that the patched sources made.
+patch_stamp="$BUILD/.device_run_patches" patches_now="${PATCHES:-}"
+patches_now="${patches_now//[[:space:]]/}"
+if [[ -d "$BUILD" && "$(cat "$patch_stamp" 2>/dev/null)" != "$patches_now" ]]; then
+  log "the build in $BUILD had other patches ('$(cat "$patch_stamp" 2>/dev/null)'): touching the sources"
+  find src include tests bench python -type f -print0 | xargs -0 -r touch
+fi
+mkdir -p "$BUILD" && printf '%s' "$patches_now" >"$patch_stamp"
 
 log "steps: ${plan[*]}; OUT=$OUT; $(nproc) cores; nvcc $(nvcc --version 2>/dev/null |
   sed -n 's/.*release \([0-9.]*\).*/\1/p'); $(cmake --version 2>/dev/null | head -n 1)"
