@@ -55,7 +55,6 @@ struct Result {
   double ranks_ms = 0, world1_ms = 0;
   bool correct = false;
   double max_diff = 0, max_abs = 0;
-  int64_t routed = 0;  // moe_dispatch_gemm: the y rows compared (every routed (token, slot))
 };
 
 constexpr int kRounds = 7;
@@ -178,7 +177,6 @@ bool compare_rows(const std::vector<Rows>& ranks, const Rows& one, int64_t token
   }
   result.max_diff = diff;
   result.max_abs = mag;
-  result.routed = matched;
   return matched == static_cast<int64_t>(at.size());
 }
 

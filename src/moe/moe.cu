@@ -260,6 +260,19 @@ void launch_dispatch(Communicator& comm, const MoeProblem& problem, const moe::P
   launch_check(kDispatch);
 }
 
+// The combine kernel (one node or across nodes) on y in the dispatch layout.
+void launch_combine(Communicator& comm, const MoeProblem& problem, const moe::Plan& plan,
+                    const SymmetricRange& range, const void* y, const float* topk_weights,
+                    const int32_t* handle, void* out, cudaStream_t stream, const char* op) {
+  const moe::NodeMap nm = node_map_of(comm);
+  const moe::NodeXfer xf = node_xfer_of(comm, plan, range);
+  moe::combine_kernel<<<plan.plan.ctas, moe::kThreads, 0, stream>>>(
+      comm.device_comm(), dims_of(comm, problem, plan), nm, xf,
+      static_cast<const __nv_bfloat16*>(y), topk_weights, handle, workspace_of(range, plan.offsets),
+      static_cast<__nv_bfloat16*>(out));
+  launch_check(op);
+}
+
 // launch_dispatch for topk_idx's index type.
 void launch_dispatch(IndexType index_type, Communicator& comm, const MoeProblem& problem,
                      const moe::Plan& plan, const SymmetricRange& range, const void* x,
@@ -326,6 +339,9 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
       std::max<int64_t>(plan.rows, static_cast<int64_t>(e_local) * kGroupedRowBlock), n, plan.ctas,
       kDispatchGemm);
   print(comm, kDispatchGemm, problem, plan);
+  const moe::LayoutTables lt = moe::layout_tables(comm.world_size(), plan.experts_local);
+  auto* tables =
+      reinterpret_cast<int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.layout);
   if (comm.topology().num_nodes > 1) {
     // Across nodes, two launches for now: the dispatch (moe_dispatch's, across nodes), then the
     // grouped GEMM on its rows with the same tile width - the one launch's results, bit for bit.
@@ -335,15 +351,12 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
     gemm_config.block_n = block_n;
     gemm_config.sms = plan.ctas;
     const bool masked = problem.layout == MoeLayout::kMasked;
-    // (The group tables in the workspace's layout tables, as the one launch keeps them: no
-    // allocation, so a graph captures the call as it is.)
-    auto* tables =
-        reinterpret_cast<int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.layout) +
-        moe::layout_tables(comm.world_size(), plan.experts_local).row_start;
-    gemm_engine::grouped_gemm(recv_x, w, y, expert_rows, plan.experts_local,
-                              masked ? plan.capacity : plan.rows, n, problem.hidden, w_layout,
-                              stream, gemm_config,
-                              masked ? GroupedLayout::kMasked : GroupedLayout::kPadded, tables);
+    // (The group tables where the one launch keeps them: no allocation, so a graph captures the
+    // call as it is.)
+    gemm_engine::grouped_gemm(
+        recv_x, w, y, expert_rows, plan.experts_local, masked ? plan.capacity : plan.rows, n,
+        problem.hidden, w_layout, stream, gemm_config,
+        masked ? GroupedLayout::kMasked : GroupedLayout::kPadded, tables + lt.row_start);
     return;
   }
   moe::Dims d = dims_of(comm, problem, c.plan);
@@ -353,9 +366,6 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
   const int tiles_n = static_cast<int>((n + block_n - 1) / block_n);
   launch_route_notify(dc, d, ws, topk_idx, index_type, c.plan.chunks(problem.tokens), tiles_n,
                       expert_rows, stream, kDispatchGemm);
-  const moe::LayoutTables lt = moe::layout_tables(d.world, d.experts_local);
-  auto* tables =
-      reinterpret_cast<int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.layout);
   gemm_engine::dispatch(block_n, w_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     moe::MoeDispatchGemm<kBlockN> f{};
     f.grouped.a = gemm_engine::make_map(recv_x, plan.rows, problem.hidden, 128);
@@ -419,16 +429,14 @@ void moe::launch_layer(Communicator& comm, const MoeProblem& problem, int64_t in
         done, 0, gemm_engine::swiglu_down_counters_bytes(d.experts_local, total_rows), stream));
   };
   const moe::LayoutTables lt = moe::layout_tables(d.world, d.experts_local);
-  const auto* tables =
-      reinterpret_cast<const int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.layout);
+  auto* tables =
+      reinterpret_cast<int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.layout);
   if (d.nodes > 1) {
     // Across nodes, three launches for now (and the tables): the dispatch across nodes, the two
     // expert GEMMs in one launch (GroupedSwigluDown, y written over recv: a tile-row's down
     // tiles start once its gate / up tiles, the last readers of its rows, are done), the
     // combine across nodes. The same bits as the one launch (the same tiles, moe_combine's sum).
-    auto* tables_out =
-        reinterpret_cast<int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.layout) +
-        lt.row_start;
+    int32_t* tables_out = tables + lt.row_start;
     launch_dispatch(index_type, comm, problem, c.plan, c.workspace, x, topk_idx, recv, expert_rows,
                     handle, stream);
     gemm_engine::grouped_tables(expert_rows, d.experts_local, d.masked ? d.capacity : d.rows,
@@ -448,12 +456,7 @@ void moe::launch_layer(Communicator& comm, const MoeProblem& problem, int64_t in
     } else {
       gemms.template operator()<128>();
     }
-    const moe::NodeMap nm = node_map_of(comm);
-    const moe::NodeXfer xf = node_xfer_of(comm, c.plan, c.workspace);
-    moe::combine_kernel<<<plan.ctas, moe::kThreads, 0, stream>>>(
-        comm.device_comm(), d, nm, xf, static_cast<const __nv_bfloat16*>(recv), topk_weights,
-        handle, ws, static_cast<__nv_bfloat16*>(out));
-    launch_check(op);
+    launch_combine(comm, problem, c.plan, c.workspace, recv, topk_weights, handle, out, stream, op);
     return;
   }
   auto run = [&]<int kBlockN>() {
@@ -510,13 +513,8 @@ void moe_combine(Communicator& comm, const MoeProblem& problem, const void* y,
                             {"out", tokens > 0 ? out : nullptr, out_bytes, true},
                             {"workspace", workspace, plan.workspace_bytes, true}});
   print(comm, kCombine, problem, plan);
-  const moe::Dims d = dims_of(comm, problem, c.plan);
-  const moe::NodeMap nm = node_map_of(comm);
-  const moe::NodeXfer xf = node_xfer_of(comm, c.plan, c.workspace);
-  moe::combine_kernel<<<plan.ctas, moe::kThreads, 0, stream>>>(
-      comm.device_comm(), d, nm, xf, static_cast<const __nv_bfloat16*>(y), topk_weights, handle,
-      workspace_of(c.workspace, c.plan.offsets), static_cast<__nv_bfloat16*>(out));
-  launch_check(kCombine);
+  launch_combine(comm, problem, c.plan, c.workspace, y, topk_weights, handle, out, stream,
+                 kCombine);
 }
 
 namespace detail {
