@@ -43,11 +43,16 @@ struct AttentionConfig {
 // What attention() will run for a problem (describe() prints it; MKERNEL_PRINT_CONFIG=1 too).
 struct AttentionPlan {
   int head_dim = 0;
-  int block_m = 0;     // query rows per work item (two consumer warpgroups x 64)
-  int block_n = 0;     // keys per KV block
-  int stages = 0;      // K / V blocks in flight per CTA
-  int ctas = 0;        // persistent CTAs
-  int64_t items = 0;   // work items: (batch, head, query tile)
+  int block_m = 0;    // query rows per work item (two consumer warpgroups x 64)
+  int block_n = 0;    // keys per KV block
+  int stages = 0;     // K / V blocks in flight per CTA
+  int ctas = 0;       // persistent CTAs
+  int64_t items = 0;  // work items: (batch, head, query tile)
+  // The last wave split: when the items past the last whole wave fill at most half of it, they
+  // run apart, each cut into split_pieces runs of KV blocks on their own CTAs, and a merge
+  // writes their O and LSE (three launches; 0 / 0: one launch, nothing split).
+  int64_t split_items = 0;
+  int split_pieces = 0;
   int smem_bytes = 0;  // shared memory per CTA
   std::string describe() const;
 };
@@ -66,7 +71,7 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
                const AttentionTensor& v, void* o, float* lse, cudaStream_t stream,
                const AttentionConfig& config = {});
 
-// ---- ring attention: sequence parallelism over the communicator's ranks (one node) ----------
+// ---- ring attention: sequence parallelism over the communicator's ranks ----------------------
 //
 // Every rank holds S_local = problem.seq_q = problem.seq_kv consecutive positions of q, k and v
 // (non-causal: rank r holds positions [r S_local, (r + 1) S_local)) or, causal, its zigzag share:
@@ -76,23 +81,28 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
 // value chunks travel between the ranks (NVLink: each rank writes its own into its peers'
 // kRingSlots = 2 workspace slots, in the order the queries need them)
 // while the attention engine works on the chunk that has arrived; each query tile's softmax state
-// carries across the chunks, so no merge pass follows. Stream-ordered, no host synchronisation,
-// CUDA graphs. Calls on one communicator must be issued in the same order on every rank.
+// carries across the chunks, so no merge pass follows. Across nodes, one such launch a node: the
+// node's ranks are the ring, and between two launches every rank's chunk moves one node on to
+// its rail peer there over the inter-node path (each chunk crosses each link between nodes
+// once), the softmax state carried from launch to launch. Stream-ordered, no host
+// synchronisation, CUDA graphs. Calls on one communicator must be issued in the same order on
+// every rank.
 //
 // Workspace: symmetric memory (Communicator::alloc) of ring_attention_workspace_bytes(), at the
 // same offset on every rank: 4 x the local K (two slots of K and V), and from world 4 on (more
 // chunks than the slots hold: the steps go in rounds) 2 x the local O in fp32 (the state carried
-// between rounds) - bounded whatever the world size. Every peer write into it has landed before
-// the call's kernel ends, and peers read it only before then: once the stream reaches the call's
-// end (without a time-out: after one, peers may still be writing), the workspace is the
-// caller's again. The problem must be the same on every rank; the config (sms)
+// between rounds or node launches; across nodes also 6 x the local K: the chunk a launch holds
+// and the exchange's two buffers) - bounded whatever the world size. Every peer write into it
+// has landed before the call's last kernel ends, and peers read it only before then: once the
+// stream reaches the call's end (without a time-out: after one, peers may still be writing), the
+// workspace is the caller's again. The problem must be the same on every rank; the config (sms)
 // may differ (the copies go in a fixed number of shares, whatever each rank's CTA count).
 std::size_t ring_attention_workspace_bytes(const Communicator& comm, const AttentionProblem& local);
 // What ring_attention() will run (the engine's tiles; ctas = the communicator's SM budget).
 AttentionPlan ring_attention_plan(const Communicator& comm, const AttentionProblem& local,
                                   const AttentionConfig& config = {});
-// Throws mk::Error before launching on a bad argument (naming it) and kUnsupported for a
-// communicator that spans nodes (not implemented yet).
+// Throws mk::Error before launching on a bad argument (naming it); kUnsupported across more
+// than 64 nodes or with more than 16 ranks a node.
 void ring_attention(Communicator& comm, const AttentionProblem& local, const AttentionTensor& q,
                     const AttentionTensor& k, const AttentionTensor& v, void* o, float* lse,
                     void* workspace, cudaStream_t stream, const AttentionConfig& config = {});

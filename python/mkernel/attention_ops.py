@@ -189,8 +189,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, caus
     q [B, S_local, H, D], k and v [B, S_local, H_kv, D] bf16: this rank's share of the sequence -
     causal: its zigzag share (zigzag_shard: chunks r and 2w - 1 - r of 2w, S_local even), else
     the contiguous r-th share. Returns O [B, S_local, H, D] bf16 in the same order (and LSE
-    [B, H, S_local] fp32 with return_lse=True). One node (any world size); key / value chunks
-    travel between the GPUs while the attention engine works on the one that has arrived.
+    [B, H, S_local] fp32 with return_lse=True). Any world size; key / value chunks travel
+    between the GPUs while the attention engine works on the one that has arrived (across
+    nodes: a launch a node, the chunks moving node to node between them).
     Every rank calls it (same shapes, same order). torch.ops.mkernel.ring_attention: current
     stream, torch.compile, CUDA graphs (make one call with the shape before capturing: the
     first allocates the communicator's workspace, collectively).

@@ -10,6 +10,7 @@
 #include "attention/attention_internal.h"
 #include "attention/attention_kernel.cuh"
 #include "attention/attention_launch.cuh"
+#include "attention/split_attention.cuh"
 #include "gemm/gemm_internal.h"
 #include "mkernel/attention.h"
 #include "mkernel/error.h"
@@ -152,11 +153,50 @@ int device_sms(const AttentionConfig& config) {
 }  // namespace
 
 std::string AttentionPlan::describe() const {
+  std::string split;
+  if (split_items > 0) {
+    split = " (the last " + std::to_string(split_items) + " split into " +
+            std::to_string(split_pieces) + " pieces each, one CTA a piece, then merged)";
+  }
   return "D " + std::to_string(head_dim) + ", tiles " + std::to_string(block_m) + " queries x " +
          std::to_string(block_n) + " keys, " + std::to_string(stages) + " KV stages, " +
-         std::to_string(items) + " work items on " + std::to_string(ctas) + " persistent CTAs, " +
-         std::to_string(smem_bytes) + " B shared memory";
+         std::to_string(items) + " work items" + split + " on " + std::to_string(ctas) +
+         " persistent CTAs, " + std::to_string(smem_bytes) + " B shared memory";
 }
+
+namespace {
+
+// KV blocks plain work item t visits (PlainAttention::item's count).
+int64_t item_blocks(const AttentionProblem& p, int64_t t, int block_m, int block_n) {
+  const int64_t m_tiles = (p.seq_q + block_m - 1) / block_m;
+  const int64_t in_head = t % m_tiles;
+  const int64_t m = p.causal ? m_tiles - 1 - in_head : in_head;
+  const int64_t last_row = std::min(p.seq_q, (m + 1) * block_m) - 1;
+  const int64_t last_key =
+      p.causal ? std::min(p.seq_kv - 1, last_row + p.seq_kv - p.seq_q) : p.seq_kv - 1;
+  return last_key < 0 ? 0 : last_key / block_n + 1;
+}
+
+// The last wave split (split_attention.cuh) when its items fill at most half of it and are long
+// enough that a piece of kMinPieceBlocks pays for the two extra launches (each piece also
+// repeats the item's Q load and first, unoverlapped block).
+constexpr int64_t kMinPieceBlocks = 8;
+
+void plan_split(const AttentionProblem& p, AttentionPlan& plan) {
+  const int64_t g = plan.ctas, n = plan.items;  // (ctas: every CTA the config allows)
+  const int64_t tail = n - (n - 1) / g * g;     // items in the last wave, 1 .. g
+  if (tail * 2 > g) return;
+  int64_t most = 0;
+  for (int64_t t = n - tail; t < n; ++t) {
+    most = std::max(most, item_blocks(p, t, plan.block_m, plan.block_n));
+  }
+  const int64_t pieces = std::min(g / tail, most / kMinPieceBlocks);
+  if (pieces < 2) return;
+  plan.split_items = tail;
+  plan.split_pieces = static_cast<int>(pieces);
+}
+
+}  // namespace
 
 AttentionPlan attention_host::plan(const AttentionProblem& problem, int sms) {
   return dispatch_head_dim(problem.head_dim, [&]<int kHeadDim>() {
@@ -178,6 +218,7 @@ AttentionPlan attention_plan(const AttentionProblem& problem, const AttentionCon
   if (config.sms < 0)
     invalid(kOp, "config.sms = " + std::to_string(config.sms) + "; expected >= 0");
   AttentionPlan plan = attention_host::plan(problem, device_sms(config));
+  plan_split(problem, plan);  // on every CTA allowed: fewer items than CTAs may split too
   plan.ctas = static_cast<int>(std::min<int64_t>(plan.ctas, plan.items));
   return plan;
 }
@@ -217,15 +258,44 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
     policy.seq_kv = static_cast<int>(p.seq_kv);
     policy.m_tiles = static_cast<int>((p.seq_q + C::kBlockM - 1) / C::kBlockM);
     policy.kv_blocks = static_cast<int>((p.seq_kv + C::kBlockN - 1) / C::kBlockN);
-    policy.items = static_cast<int>(plan.items);
     policy.causal = p.causal;
-    auto kernel = attention_host::prepared<C, Policy>();
-    kernel<<<plan.ctas, C::kThreads, C::kSmemBytes, stream>>>(policy, scale_log2);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) {
-      throw Error(ErrorCode::kCuda,
-                  std::string(kOp) + ": launch failed: " + cudaGetErrorString(err));
+    auto launched = [] {
+      const cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) {
+        throw Error(ErrorCode::kCuda,
+                    std::string(kOp) + ": launch failed: " + cudaGetErrorString(err));
+      }
+    };
+    // The whole waves (all the items unless the last wave is split).
+    const int64_t whole = plan.items - plan.split_items;
+    if (whole > 0) {
+      policy.items = static_cast<int>(whole);
+      auto kernel = attention_host::prepared<C, Policy>();
+      kernel<<<plan.ctas, C::kThreads, C::kSmemBytes, stream>>>(policy, scale_log2);
+      launched();
     }
+    if (plan.split_items == 0) return;
+    // The last wave's items in pieces, then their merge (split_attention.cuh).
+    using Split = attention_engine::SplitAttention<kHeadDim>;
+    Split split{};
+    split.plain = policy;
+    split.first = static_cast<int>(whole);
+    split.tail = static_cast<int>(plan.split_items);
+    split.pieces = plan.split_pieces;
+    const int64_t slots = plan.split_items * plan.split_pieces;
+    const std::size_t o_bytes = static_cast<std::size_t>(slots) * 2 * 128 * (C::kORegs / 4) * 16;
+    gemm_engine::StreamScratch scratch(o_bytes + static_cast<std::size_t>(slots) * 2 * 128 * 16,
+                                       stream);
+    auto* base = static_cast<uint8_t*>(scratch.get());
+    split.state = {reinterpret_cast<float4*>(base), reinterpret_cast<float4*>(base + o_bytes)};
+    auto pieces = attention_host::prepared<C, Split>();
+    pieces<<<static_cast<int>(slots), C::kThreads, C::kSmemBytes, stream>>>(split, scale_log2);
+    launched();
+    const dim3 grid(static_cast<unsigned>(plan.split_items),
+                    kHeadDim / 8 / attention_engine::kMergeGroups);
+    attention_engine::merge_pieces_kernel<kHeadDim>
+        <<<grid, 256, 0, stream>>>(split, static_cast<__nv_bfloat16*>(o), scale_log2);
+    launched();
   });
 }
 
@@ -237,6 +307,13 @@ std::vector<GemmKernelResources> detail::attention_kernel_resources() {
     out.push_back(
         kernel_resources("attention D" + std::to_string(kHeadDim),
                          reinterpret_cast<const void*>(attention_host::prepared<C, Policy>())));
+    using Split = attention_engine::SplitAttention<kHeadDim>;
+    out.push_back(
+        kernel_resources("attention pieces D" + std::to_string(kHeadDim),
+                         reinterpret_cast<const void*>(attention_host::prepared<C, Split>())));
+    out.push_back(kernel_resources(
+        "attention merge D" + std::to_string(kHeadDim),
+        reinterpret_cast<const void*>(attention_engine::merge_pieces_kernel<kHeadDim>)));
   };
   add.template operator()<64>();
   add.template operator()<128>();

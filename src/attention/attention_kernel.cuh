@@ -201,6 +201,51 @@ struct OnlineSoftmax {
   }
 };
 
+// A consumer's softmax state (O not yet normalised, m, its own part of l) kept in global memory
+// as its registers are: per (slot, consumer) kORegs / 4 float4 a thread, then one float4 (m0, m1,
+// l0, l1) a thread - coalesced, no shuffles; read back by a thread of the same place (ring
+// attention's rounds) or merged (the split tail's pieces, split_attention.cuh).
+//   o:  float4 [slots][2 consumers][kORegs / 4][128 threads]
+//   ml: float4 [slots][2 consumers][128 threads]
+template <int kORegs>
+struct StateImage {
+  float4* o;
+  float4* ml;
+
+  __device__ float4* o_of(int slot, int consumer) const {
+    return o + static_cast<int64_t>(slot * 2 + consumer) * (kORegs / 4) * 128 + threadIdx.x % 128;
+  }
+  __device__ float4* ml_of(int slot, int consumer) const {
+    return ml + static_cast<int64_t>(slot * 2 + consumer) * 128 + threadIdx.x % 128;
+  }
+  __device__ void load(float (&acc)[kORegs], float (&m)[2], float (&l)[2], int slot,
+                       int consumer) const {
+    const float4* so = o_of(slot, consumer);
+#pragma unroll
+    for (int j = 0; j < kORegs / 4; ++j) {
+      const float4 v = so[j * 128];
+      acc[4 * j] = v.x;
+      acc[4 * j + 1] = v.y;
+      acc[4 * j + 2] = v.z;
+      acc[4 * j + 3] = v.w;
+    }
+    const float4 v = *ml_of(slot, consumer);
+    m[0] = v.x;
+    m[1] = v.y;
+    l[0] = v.z;
+    l[1] = v.w;
+  }
+  __device__ void store(const float (&acc)[kORegs], const float (&m)[2], const float (&l)[2],
+                        int slot, int consumer) const {
+    float4* so = o_of(slot, consumer);
+#pragma unroll
+    for (int j = 0; j < kORegs / 4; ++j) {
+      so[j * 128] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+    }
+    *ml_of(slot, consumer) = make_float4(m[0], m[1], l[0], l[1]);
+  }
+};
+
 // Sets the scores of the keys a row does not see to -inf (thread's rows r, r + 8 of consumer
 // `consumer`'s 64; columns as in the wgmma accumulator layout).
 template <int kSRegs>
@@ -297,7 +342,10 @@ struct PlainAttention {
     }
   }
   __device__ BlockMask mask(const WorkItem& w, int i) const {
-    const int n = w.blocks - 1 - i;
+    return block_mask(w, w.blocks - 1 - i);
+  }
+  // The keys of KV block n the item's rows see.
+  __device__ BlockMask block_mask(const WorkItem& w, int n) const {
     const int kv_len = seq_kv - n * 128;
     const int diag = causal ? w.m * 128 + seq_kv - seq_q - n * 128 : (1 << 30);
     return {kv_len < 128 || diag < 127, kv_len, diag};

@@ -9,10 +9,12 @@
 #include "attention/attention_internal.h"
 #include "attention/attention_launch.cuh"
 #include "attention/ring_attention.cuh"
+#include "attention/ring_nodes.cuh"
 #include "mkernel/attention.h"
 #include "mkernel/error.h"
 #include "runtime/cuda_check.h"
 #include "runtime/device_guard.h"
+#include "runtime/inter_node_rings.h"
 #include "runtime/kernel_preload.h"
 #include "runtime/overrides.h"
 #include "runtime/validate.h"
@@ -62,21 +64,27 @@ struct Layout {
   int64_t items = 0;
   int rounds = 1;
   int units = 0;          // (batch, kv head) pairs: the copies' order
+  int nodes = 1;          // launches a call (ring_nodes.cuh)
   std::size_t chunk = 0;  // bytes of the local K (or V)
   std::size_t slots = 0, state_o = 0, state_ml = 0, counters = 0, total = 0;
+  // Across nodes: the chunk a launch holds (K then V, contiguous) and the exchange's A and B
+  // (used in the workspace when the inter-node path stages in device memory).
+  std::size_t held = 0, xchg = 0;
   // arrive[kRingSlots][units], done[rounds]
   std::size_t counters_bytes() const {
     return (static_cast<std::size_t>(attention_engine::kRingSlots) * units + rounds) * 8;
   }
 };
 
-Layout layout_of(const AttentionProblem& p, int world) {
+// The ring is a node's ranks (`ring` of them); `nodes` launches a call.
+Layout layout_of(const AttentionProblem& p, int ring, int nodes) {
   Layout l;
+  l.nodes = nodes;
   l.parts = p.causal ? 2 : 1;
   l.part_len = p.seq_q / l.parts;
   l.tiles_per_part = (l.part_len + 127) / 128;
   l.items = p.batch * p.heads * l.parts * l.tiles_per_part;
-  l.rounds = attention_engine::ring_rounds(world);
+  l.rounds = attention_engine::ring_rounds(ring);
   l.units = static_cast<int>(p.batch * p.kv_heads);
   l.chunk = static_cast<std::size_t>(p.batch * p.seq_kv * p.kv_heads * p.head_dim) * 2;
   std::size_t at = 0;
@@ -86,23 +94,35 @@ Layout layout_of(const AttentionProblem& p, int world) {
     return here;
   };
   l.slots = take(2 * attention_engine::kRingSlots * l.chunk);
-  // The softmax state between rounds: none with one round (world <= 1 + kRingSlots).
-  const std::size_t carried = l.rounds > 1 ? static_cast<std::size_t>(l.items) : 0;
+  // The softmax state between rounds and launches: none with one of each (one node, world <= 1 +
+  // kRingSlots).
+  const std::size_t carried = l.rounds > 1 || nodes > 1 ? static_cast<std::size_t>(l.items) : 0;
   l.state_o = take(carried * 128 * p.head_dim * 4);
   l.state_ml = take(carried * 2 * 128 * 16);
   l.counters = take(l.counters_bytes());
+  if (nodes > 1) {
+    l.held = take(2 * l.chunk);
+    l.xchg = take(4 * l.chunk);
+  }
   l.total = at;
   return l;
+}
+
+Layout layout_for(const Communicator& comm, const AttentionProblem& p) {
+  return layout_of(p, comm.topology().local_size, comm.topology().num_nodes);
 }
 
 // The checks every entry makes on the communicator and the problem.
 void require_ring_problem(const Communicator& comm, const AttentionProblem& p, const char* op) {
   detail::require_usable(comm, op);
-  if (comm.topology().num_nodes != 1) {
+  const Topology& topo = comm.topology();
+  if (topo.num_nodes > 1 && (topo.local_size > attention_engine::kMaxRingLocal ||
+                             topo.num_nodes > attention_engine::kMaxRingNodes)) {
     throw Error(ErrorCode::kUnsupported,
-                std::string(op) + ": the communicator spans " +
-                    std::to_string(comm.topology().num_nodes) +
-                    " nodes; ring attention across nodes is not implemented yet (expected 1 node)");
+                std::string(op) + ": " + std::to_string(topo.num_nodes) + " nodes of " +
+                    std::to_string(topo.local_size) + " ranks; across nodes at most " +
+                    std::to_string(attention_engine::kMaxRingNodes) + " nodes of " +
+                    std::to_string(attention_engine::kMaxRingLocal) + " ranks");
   }
   attention_host::require_problem(p, op);
   if (p.seq_q != p.seq_kv) {
@@ -129,10 +149,31 @@ int ring_ctas(const Communicator& comm, const AttentionConfig& config) {
   return config.sms > 0 ? std::min(config.sms, budget) : budget;
 }
 
+// One ring launch over the node's ranks. `held`: the chunk this rank holds for it - the user's k,
+// v (strides sk) on one node and in launch 0 across nodes, else the exchanged chunk (contiguous,
+// K then V); `src_node`: whose chunks the node holds (its ranks' global ranks number them);
+// carry_first / carry_last: the softmax state from the launch before / to the next.
+struct NodeLaunch {
+  const void* k;
+  const void* v;
+  attention_host::Strides sk;
+  int src_node = 0;
+  bool carry_first = false;
+  bool carry_last = false;
+};
+
+// The global rank with local index `local` on node `node`.
+int rank_at(const Topology& topo, int node, int local) {
+  for (int r = 0; r < topo.world_size; ++r) {
+    if (topo.node_of[r] == node && topo.local_rank_of[r] == local) return r;
+  }
+  throw Error(ErrorCode::kInternal, std::string(kOp) + ": no rank " + std::to_string(local) +
+                                        " on node " + std::to_string(node));
+}
+
 template <int kHeadDim>
 void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor& q,
-            const attention_host::Strides& sq, const AttentionTensor& k,
-            const attention_host::Strides& sk, const AttentionTensor& v, void* o, float* lse,
+            const attention_host::Strides& sq, const NodeLaunch& nl, void* o, float* lse,
             void* workspace, const SymmetricRange& ws, const Layout& l, int ctas,
             cudaStream_t stream) {
   using C = Cfg<kHeadDim>;
@@ -144,12 +185,13 @@ void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor
   // The workspace's K and V: head-major [B, H_kv, S_local, D] (a unit of the copies contiguous).
   const attention_host::Strides sw{p.kv_heads * p.seq_kv * p.head_dim, p.head_dim,
                                    p.seq_kv * p.head_dim};
+  const attention_host::Strides& sk = nl.sk;
   policy.q = make_map_parts(q.data, sq, p.batch, l.parts, l.part_len, p.heads, kHeadDim, 128);
   policy.o = make_map_parts(o, so, p.batch, l.parts, l.part_len, p.heads, kHeadDim, 64);
   policy.k_local =
-      make_map_parts(k.data, sk, p.batch, l.parts, l.part_len, p.kv_heads, kHeadDim, 128);
+      make_map_parts(nl.k, sk, p.batch, l.parts, l.part_len, p.kv_heads, kHeadDim, 128);
   policy.v_local =
-      make_map_parts(v.data, sk, p.batch, l.parts, l.part_len, p.kv_heads, kHeadDim, 128);
+      make_map_parts(nl.v, sk, p.batch, l.parts, l.part_len, p.kv_heads, kHeadDim, 128);
   auto* base = static_cast<uint8_t*>(workspace);  // this rank's copy
   for (int i = 0; i < attention_engine::kRingSlots; ++i) {
     uint8_t* slot = base + l.slots + 2 * i * l.chunk;
@@ -165,8 +207,8 @@ void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor
   policy.state_o = l.state_o;
   policy.state_ml = l.state_ml;
   policy.counters = l.counters;
-  policy.k_src = static_cast<const __nv_bfloat16*>(k.data);
-  policy.v_src = static_cast<const __nv_bfloat16*>(v.data);
+  policy.k_src = static_cast<const __nv_bfloat16*>(nl.k);
+  policy.v_src = static_cast<const __nv_bfloat16*>(nl.v);
   policy.kv_stride_batch = sk.batch;
   policy.kv_stride_seq = sk.seq;
   policy.kv_stride_head = sk.head;
@@ -185,6 +227,13 @@ void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor
   policy.items = static_cast<int>(l.items);
   policy.rounds = l.rounds;
   policy.causal = p.causal;
+  const Topology& topo = comm.topology();
+  for (int i = 0; nl.carry_first && i < topo.local_size; ++i) {  // (launches after the first)
+    policy.chunk_rank[i] = static_cast<int16_t>(rank_at(topo, nl.src_node, i));
+  }
+  policy.world = topo.world_size;
+  policy.carry_first = nl.carry_first;
+  policy.carry_last = nl.carry_last;
   // The counters start at zero (a memset node in a captured graph).
   MK_CUDA_CHECK(cudaMemsetAsync(base + l.counters, 0, l.counters_bytes(), stream));
   auto kernel = attention_host::prepared<C, Policy<kHeadDim>>();
@@ -195,20 +244,96 @@ void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor
   }
 }
 
+void launch_check() {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw Error(ErrorCode::kCuda, std::string(kOp) + ": launch failed: " + cudaGetErrorString(err));
+  }
+}
+
+// Across nodes (ring_nodes.cuh): launch i on the chunks of node (n - i), the chunks moving one
+// node on between launches.
+template <int kHeadDim>
+void launch_nodes(Communicator& comm, const AttentionProblem& p, const AttentionTensor& q,
+                  const attention_host::Strides& sq, const AttentionTensor& k,
+                  const attention_host::Strides& sk, const AttentionTensor& v, void* o, float* lse,
+                  void* workspace, const SymmetricRange& ws, const Layout& l, int ctas,
+                  cudaStream_t stream) {
+  const Topology& topo = comm.topology();
+  const int nodes = topo.num_nodes, node = topo.node, local = topo.local_rank;
+  const uint64_t bytes = 2 * static_cast<uint64_t>(l.chunk);  // K then V
+  // A and B: in the path's pinned host staging, or in the workspace (registered with the path).
+  const detail::InterNodeStaging staging = detail::inter_node_staging(comm, 2 * bytes);
+  auto* alloc = reinterpret_cast<uint8_t*>(ws.host_peers[topo.local_rank]);
+  const detail::InterNodeRings path =
+      detail::inter_node_rings(comm, staging.base == nullptr ? alloc : nullptr, ws.size);
+  attention_engine::RingXchg x{};
+  x.ring = path.ring[0];
+  x.bytes = bytes;
+  x.to = rank_at(topo, (node + 1) % nodes, local);
+  x.from = rank_at(topo, (node + nodes - 1) % nodes, local);
+  for (int m = 0; m < nodes; ++m) {
+    if (m != node) x.rails[x.num_rails++] = static_cast<int16_t>(rank_at(topo, m, local));
+  }
+  uint8_t* a = nullptr;
+  if (staging.base != nullptr) {
+    x.buffer = staging.buffer;
+    x.a_offset = 0;
+    a = staging.base;
+  } else {
+    x.buffer = path.buffer;
+    x.a_offset = ws.offset + l.xchg;
+    a = alloc + x.a_offset;
+  }
+  x.b_offset = x.a_offset + bytes;
+  uint8_t* b = a + bytes;
+  uint8_t* held = static_cast<uint8_t*>(workspace) + l.held;
+  const DeviceComm dc = comm.device_comm();  // (after the inter-node path exists: its host pad)
+  // The held chunk's strides: contiguous [B, S, H_kv, D].
+  const attention_host::Strides sh{p.seq_kv * p.kv_heads * p.head_dim, p.kv_heads * p.head_dim,
+                                   p.head_dim};
+  for (int i = 0; i < nodes; ++i) {
+    NodeLaunch nl{k.data, v.data, sk, (node + nodes - i) % nodes, i > 0, i < nodes - 1};
+    if (i > 0) {
+      attention_engine::ring_xchg_ready_kernel<<<1, 32, 0, stream>>>(dc, x, i == 1);
+      launch_check();
+      if (i == 1) {  // this rank's own chunk, gathered from the user's k, v
+        const dim3 grid(static_cast<unsigned>(std::min<int64_t>(
+                            1024, (p.seq_kv * p.kv_heads * p.head_dim / 8 + 255) / 256)),
+                        static_cast<unsigned>(p.batch), 2);
+        attention_engine::gather_chunk_kernel<<<grid, 256, 0, stream>>>(
+            static_cast<const __nv_bfloat16*>(k.data), static_cast<const __nv_bfloat16*>(v.data),
+            sk.batch, sk.seq, sk.head, p.seq_kv, p.kv_heads, p.head_dim,
+            reinterpret_cast<uint4*>(a));
+        launch_check();
+      } else {  // the chunk the last launch held
+        MK_CUDA_CHECK(cudaMemcpyAsync(a, held, bytes, cudaMemcpyDefault, stream));
+      }
+      attention_engine::ring_xchg_data_kernel<<<1, 32, 0, stream>>>(dc, x, i == nodes - 1);
+      launch_check();
+      MK_CUDA_CHECK(cudaMemcpyAsync(held, b, bytes, cudaMemcpyDefault, stream));
+      nl.k = held;
+      nl.v = held + l.chunk;
+      nl.sk = sh;
+    }
+    launch<kHeadDim>(comm, p, q, sq, nl, o, lse, workspace, ws, l, ctas, stream);
+  }
+}
+
 }  // namespace
 
 std::size_t ring_attention_workspace_bytes(const Communicator& comm,
                                            const AttentionProblem& local) {
   require_ring_problem(comm, local, "ring_attention_workspace_bytes");
-  return layout_of(local, comm.world_size()).total;
+  return layout_for(comm, local).total;
 }
 
 AttentionPlan ring_attention_plan(const Communicator& comm, const AttentionProblem& local,
                                   const AttentionConfig& config) {
   require_ring_problem(comm, local, "ring_attention_plan");
   AttentionPlan plan = attention_host::plan(local, ring_ctas(comm, config));
-  const Layout l = layout_of(local, comm.world_size());
-  plan.items = l.items * l.rounds;
+  const Layout l = layout_for(comm, local);
+  plan.items = l.items * l.rounds * l.nodes;
   return plan;
 }
 
@@ -220,7 +345,7 @@ void ring_attention(Communicator& comm, const AttentionProblem& local, const Att
   detail::require_stream(comm, stream, kOp);
   const AttentionProblem& p = local;
   const int device = comm.device();
-  const Layout l = layout_of(p, comm.world_size());
+  const Layout l = layout_for(comm, p);
   detail::require_device_pointer(comm, workspace, 256, kOp, "workspace");
   const SymmetricRange ws = detail::require_symmetric(comm, workspace, l.total, kOp, "workspace");
   if (ws.offset % 256 != 0) {
@@ -240,10 +365,18 @@ void ring_attention(Communicator& comm, const AttentionProblem& local, const Att
                  static_cast<long long>(p.seq_q), p.causal ? " causal (zigzag)" : "",
                  ring_attention_plan(comm, p, config).describe().c_str());
   }
+  const auto run = [&]<int kHeadDim>() {
+    if (l.nodes > 1) {
+      launch_nodes<kHeadDim>(comm, p, q, io.q, k, io.k, v, o, lse, workspace, ws, l, ctas, stream);
+    } else {
+      launch<kHeadDim>(comm, p, q, io.q, {k.data, v.data, io.k}, o, lse, workspace, ws, l, ctas,
+                       stream);
+    }
+  };
   if (p.head_dim == 64) {
-    launch<64>(comm, p, q, io.q, k, io.k, v, o, lse, workspace, ws, l, ctas, stream);
+    run.template operator()<64>();
   } else {
-    launch<128>(comm, p, q, io.q, k, io.k, v, o, lse, workspace, ws, l, ctas, stream);
+    run.template operator()<128>();
   }
 }
 
@@ -256,9 +389,15 @@ void prepare() {
 }
 
 // The ring kernels, loaded up front (runtime/kernel_preload.h).
-const bool kPreloadRegistered = register_kernel_preload([](bool) {
+const bool kPreloadRegistered = register_kernel_preload([](bool across_nodes) {
   prepare<64>();
   prepare<128>();
+  if (!across_nodes) return;
+  // The exchange's kernels (a first load would wait behind the peers' waiting kernels).
+  cudaFuncAttributes attributes;
+  cudaFuncGetAttributes(&attributes, attention_engine::ring_xchg_ready_kernel);
+  cudaFuncGetAttributes(&attributes, attention_engine::ring_xchg_data_kernel);
+  cudaFuncGetAttributes(&attributes, attention_engine::gather_chunk_kernel);
 });
 
 }  // namespace

@@ -70,8 +70,9 @@
 
 namespace mk::attention_engine {
 
-constexpr int kRingSlots = 2;     // chunks in flight besides the local one
-constexpr int kCopyShares = 128;  // a chunk's copies, whatever the grid (<= channels)
+constexpr int kRingSlots = 2;      // chunks in flight besides the local one
+constexpr int kMaxRingLocal = 16;  // ranks a node (the ring) across nodes
+constexpr int kCopyShares = 128;   // a chunk's copies, whatever the grid (<= channels)
 static_assert(kCopyShares <= kMaxChannels, "a share's entry signal is a channel");
 // Counter ids (a time-out names them): arrive[slot][unit] = step, done[q] = this + q.
 constexpr uint32_t kDoneCounter = 1u << 16;
@@ -129,6 +130,16 @@ struct RingAttention {
   int items;
   int rounds;
   bool causal;
+  // The ring is the node's ranks (local indices; one node: all of them). Across nodes
+  // (ring_nodes.cuh) a launch after the first works on the chunks of another node's ranks:
+  // chunk_rank[i] is the global rank whose chunk local rank i holds then (owner(); the zigzag's
+  // chunk numbers: 2 world chunks), and
+  // the softmax state comes from the launch before (carry_first) and goes on to the next
+  // (carry_last).
+  int16_t chunk_rank[kMaxRingLocal];
+  int world;
+  bool carry_first;
+  bool carry_last;
 
   __device__ uint8_t* at(int local_rank, uint64_t field) const {
     return peers[local_rank] + offset + field;
@@ -142,28 +153,32 @@ struct RingAttention {
   __device__ uint64_t* done(int t) const { return arrive(t, 0, 0) + kRingSlots * units; }
   // The local rank this rank's chunk is step j for.
   __device__ int destination(int step) const {
-    const int d = comm.rank + step;
-    return d < comm.world_size ? d : d - comm.world_size;
+    const int d = comm.local_rank + step;
+    return d < comm.local_size ? d : d - comm.local_size;
   }
-  // The chunk (of 2w, zigzag) that part p of rank r holds.
-  __device__ int chunk_of(int r, int p) const { return p == 0 ? r : 2 * comm.world_size - 1 - r; }
-  __device__ int source(int step) const {  // (rank - step) mod w, step < w
-    const int s = comm.rank - step;
-    return s < 0 ? s + comm.world_size : s;
+  // The global rank whose chunk local rank i holds in this launch: the node's own ranks in the
+  // first (one node: the only) launch, another node's later (chunk_rank, filled then only).
+  __device__ int owner(int i) const { return carry_first ? chunk_rank[i] : comm.node_ranks[i]; }
+  // The chunk (of 2 world, zigzag) that part p of global rank r holds.
+  __device__ int chunk_of(int r, int p) const { return p == 0 ? r : 2 * world - 1 - r; }
+  // The local rank whose chunk step j reads: (local rank - step) mod ring size, step < that.
+  __device__ int source(int step) const {
+    const int s = comm.local_rank - step;
+    return s < 0 ? s + comm.local_size : s;
   }
 
   // Rounds of steps (see the header).
   __device__ int num_steps() const { return rounds; }
   __device__ int first_step(int round) const { return ring_first_step(round); }
   __device__ int last_step(int round) const {
-    return min(comm.world_size - 1, ring_first_step(round + 1) - 1);
+    return min(comm.local_size - 1, ring_first_step(round + 1) - 1);
   }
   // Visible blocks of query tile (part pq, m) in step j's chunk, per key part.
   __device__ void step_blocks(int pq, int m, int step, int (&n)[2]) const {
     n[0] = blocks_per_part;
     n[1] = 0;
     if (!causal) return;
-    const int cq = chunk_of(comm.rank, pq), s = source(step);
+    const int cq = chunk_of(comm.rank, pq), s = owner(source(step));
     const int last_row = min(part_len, (m + 1) * 128) - 1;
     for (int pk = 0; pk < 2; ++pk) {
       const int ck = chunk_of(s, pk);
@@ -189,9 +204,11 @@ struct RingAttention {
       step_blocks(w.part, w.m, j, n);
       w.blocks += n[0] + n[1];
     }
-    // Round 0 always has blocks (step 0: the diagonal, or everything).
-    w.carry_in = round > 0;
-    w.carry_out = round < rounds - 1;
+    // On one node round 0 always has blocks (step 0: the diagonal, or everything); across nodes
+    // a launch's may have none (a node's chunks all after this tile's): the state carries
+    // through.
+    w.carry_in = round > 0 || carry_first;
+    w.carry_out = round < rounds - 1 || carry_last;
     return w;
   }
   // Block i of an item: its step, key part and block (each part's from the last down), and
@@ -228,9 +245,10 @@ struct RingAttention {
       // Rank s published share blockIdx.x % kCopyShares of the unit (the wait that names a
       // missing peer), then the shares have landed.
       const int share = static_cast<int>(blockIdx.x) % kCopyShares;
-      if (launch.wait(source(blk.step), dev::signal_index(SignalId::kOp, share),
+      const int src = comm.node_ranks[source(blk.step)];
+      if (launch.wait(src, dev::signal_index(SignalId::kOp, share),
                       static_cast<uint32_t>(unit + 1))) {
-        launch.wait_counter(arrived, source(blk.step), expected, static_cast<uint32_t>(blk.step));
+        launch.wait_counter(arrived, src, expected, static_cast<uint32_t>(blk.step));
       }
     }
     dev::fence_proxy_async_global();  // the acquire above before the TMA reads of the slot
@@ -260,51 +278,31 @@ struct RingAttention {
   // whole chunk r) - found without walking the steps.
   __device__ BlockMask mask(const WorkItem& w, int i) const {
     if (part_len % 128 == 0) {
-      const bool diagonal = causal && w.step == 0 && i == (w.part == 0 ? 0 : blocks_per_part);
+      // (Only the node's own chunks, launch 0, have a diagonal: step 0's is this rank's own.)
+      const bool diagonal =
+          causal && !carry_first && w.step == 0 && i == (w.part == 0 ? 0 : blocks_per_part);
       return {diagonal, 128, diagonal ? 0 : (1 << 30)};
     }
     const Block blk = block_of(w, i);
     const int n = blk.n;
     const int kv_len = part_len - n * 128;
     const bool diagonal =
-        causal && chunk_of(source(blk.step), blk.part) == chunk_of(comm.rank, w.part);
+        causal && chunk_of(owner(source(blk.step)), blk.part) == chunk_of(comm.rank, w.part);
     const int diag = diagonal ? (w.m - n) * 128 : (1 << 30);
     return {kv_len < 128 || diag < 127, kv_len, diag};
   }
 
-  __device__ float4* state_o_of(const WorkItem& w, int consumer) const {
-    return reinterpret_cast<float4*>(at(comm.local_rank, state_o)) +
-           static_cast<int64_t>(w.index * 2 + consumer) * (kORegs / 4) * 128 + threadIdx.x % 128;
-  }
-  __device__ float4* state_ml_of(const WorkItem& w, int consumer) const {
-    return reinterpret_cast<float4*>(at(comm.local_rank, state_ml)) +
-           static_cast<int64_t>(w.index * 2 + consumer) * 128 + threadIdx.x % 128;
+  __device__ StateImage<kORegs> state() const {
+    return {reinterpret_cast<float4*>(at(comm.local_rank, state_o)),
+            reinterpret_cast<float4*>(at(comm.local_rank, state_ml))};
   }
   __device__ void load_state(float (&acc)[kORegs], float (&m)[2], float (&l)[2], const WorkItem& w,
                              int consumer) const {
-    const float4* so = state_o_of(w, consumer);
-#pragma unroll
-    for (int j = 0; j < kORegs / 4; ++j) {
-      const float4 v = so[j * 128];
-      acc[4 * j] = v.x;
-      acc[4 * j + 1] = v.y;
-      acc[4 * j + 2] = v.z;
-      acc[4 * j + 3] = v.w;
-    }
-    const float4 ml = *state_ml_of(w, consumer);
-    m[0] = ml.x;
-    m[1] = ml.y;
-    l[0] = ml.z;
-    l[1] = ml.w;
+    state().load(acc, m, l, w.index, consumer);
   }
   __device__ void store_state(const float (&acc)[kORegs], const float (&m)[2], const float (&l)[2],
                               const WorkItem& w, int consumer) const {
-    float4* so = state_o_of(w, consumer);
-#pragma unroll
-    for (int j = 0; j < kORegs / 4; ++j) {
-      so[j * 128] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
-    }
-    *state_ml_of(w, consumer) = make_float4(m[0], m[1], l[0], l[1]);
+    state().store(acc, m, l, w.index, consumer);
   }
   __device__ void store(const float (&acc)[kORegs], const float (&row_lse)[2], const WorkItem& w,
                         int consumer, uint8_t* scratch) const {
@@ -361,8 +359,7 @@ struct RingAttention {
     }
   }
   __device__ void side_task(int thread, int threads) const {
-    const int world = comm.world_size;
-    if (world == 1) return;
+    if (comm.local_size == 1) return;
     const dev::Launch launch = dev::Launch::begin(comm);
     const int c = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
     if (c >= kCopyShares) return;  // no share: nothing to copy, nothing to count
@@ -419,7 +416,7 @@ struct RingAttention {
   __device__ void push_unit(const dev::Launch& launch, int j, int unit, int thread, int threads,
                             bool stop) const {
     const int c = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
-    const int d = destination(j);  // one node: local rank = rank
+    const int d = destination(j);
     const int slot = (j - 1) % kRingSlots;
     const int64_t head = (unit / kv_heads) * kv_stride_batch + (unit % kv_heads) * kv_stride_head;
     uint4* dst = reinterpret_cast<uint4*>(at(d, slots)) + 2 * chunk_vectors * slot +

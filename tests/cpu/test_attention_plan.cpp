@@ -57,8 +57,10 @@ TEST(AttentionPlan, TilesStagesItemsAndCtas) {
   // D 64: half the bytes a stage, more stages (at most 4).
   const AttentionPlan p64 = attention_plan(problem(1, 1000, 3000, 8, 2, 64, true), sms(132));
   EXPECT_EQ(p64.stages, 4);
-  EXPECT_EQ(p64.items, 8 * 8);  // ceil(1000 / 128) tiles a head
-  EXPECT_EQ(p64.ctas, 64);      // no more CTAs than items
+  EXPECT_EQ(p64.items, 8 * 8);     // ceil(1000 / 128) tiles a head
+  EXPECT_EQ(p64.ctas, 64);         // no more CTAs than items
+  EXPECT_EQ(p64.split_items, 64);  // one wave of at most half the CTAs: all of it split
+  EXPECT_EQ(p64.split_pieces, 2);  // 132 / 64 CTAs an item (17-24 blocks each)
   EXPECT_LE(p64.smem_bytes, 227 * 1024);
   // One row, one key: one item, one CTA.
   const AttentionPlan tiny = attention_plan(problem(1, 1, 1, 1, 1, 64), sms(132));
@@ -70,6 +72,34 @@ TEST(AttentionPlan, TilesStagesItemsAndCtas) {
                            "132 persistent CTAs"}) {
     EXPECT_NE(d.find(part), std::string::npos) << d;
   }
+}
+
+// The last wave split (split_attention.cuh): only a tail of at most half a wave, only items of
+// at least 2 x 8 KV blocks, pieces of at least 8 blocks and at most one CTA each.
+TEST(AttentionPlan, LastWaveSplit) {
+  // 4096 items on 132 CTAs: 31 whole waves, 4 items left, 128 blocks each -> 16 pieces of 8.
+  const AttentionPlan gqa = attention_plan(problem(1, 16384, 16384, 32, 8, 128), sms(132));
+  EXPECT_EQ(gqa.items, 4096);
+  EXPECT_EQ(gqa.ctas, 132);
+  EXPECT_EQ(gqa.split_items, 4);
+  EXPECT_EQ(gqa.split_pieces, 16);
+  EXPECT_NE(gqa.describe().find("the last 4 split into 16 pieces"), std::string::npos)
+      << gqa.describe();
+  // Causal: the tail is the last head's shortest tiles (1-4 blocks): nothing split.
+  const AttentionPlan causal = attention_plan(problem(1, 16384, 16384, 32, 8, 128, true), sms(132));
+  EXPECT_EQ(causal.split_items, 0);
+  EXPECT_EQ(causal.split_pieces, 0);
+  // A last wave more than half full (2048 items: 68 of 132): nothing split.
+  const AttentionPlan half = attention_plan(problem(4, 4096, 4096, 16, 16, 128), sms(132));
+  EXPECT_EQ(half.split_items, 0);
+  // Short items (8 blocks) are not worth two more launches.
+  const AttentionPlan shorter = attention_plan(problem(1, 133 * 128, 1024, 1, 1, 64), sms(132));
+  EXPECT_EQ(shorter.items, 133);
+  EXPECT_EQ(shorter.split_items, 0);
+  // Pieces bounded by the CTAs: 1 item left on 8 CTAs, 64 blocks -> 8 pieces.
+  const AttentionPlan few = attention_plan(problem(1, 128, 8192, 9, 9, 128), sms(8));
+  EXPECT_EQ(few.split_items, 1);
+  EXPECT_EQ(few.split_pieces, 8);
 }
 
 TEST(AttentionPlan, RefusesBadProblemsNamingThem) {

@@ -190,19 +190,19 @@ void check_against_reference(const Case& c, const Buffers& buf, const Result& ou
   EXPECT_EQ(lse_mismatch, 0) << "rows whose LSE should be (or is) -inf";
 }
 
-void expect_attention_matches(const Case& c, uint64_t seed) {
-  SCOPED_TRACE(describe(c) + ": " + attention_plan(problem_of(c)).describe());
+void expect_attention_matches(const Case& c, uint64_t seed, const AttentionConfig& config = {}) {
+  SCOPED_TRACE(describe(c) + ": " + attention_plan(problem_of(c), config).describe());
   cudaStream_t s;
   MKT_CUDA(cudaStreamCreate(&s));
   {
     Buffers buf(c, seed, s);
     const AttentionProblem p = problem_of(c);
-    attention(p, buf.q, buf.k, buf.v, buf.o, buf.lse, s);
+    attention(p, buf.q, buf.k, buf.v, buf.o, buf.lse, s, config);
     const Result first = download(buf, s);
     MKT_CUDA(cudaGetLastError());
     check_against_reference(c, buf, first, seed, s);
     // Deterministic: a second run writes the same bits.
-    attention(p, buf.q, buf.k, buf.v, buf.o, buf.lse, s);
+    attention(p, buf.q, buf.k, buf.v, buf.o, buf.lse, s, config);
     const Result second = download(buf, s);
     EXPECT_TRUE(first.o == second.o) << "O differs between two runs";
     EXPECT_EQ(std::memcmp(first.lse.data(), second.lse.data(), first.lse.size() * 4), 0)
@@ -256,6 +256,31 @@ TEST(Attention, LongSequences) {
   }
 }
 
+// The last wave split (AttentionPlan::split_items): few CTAs make a short last wave of long
+// items on small problems - pieces of KV blocks merged, the last block partial, GQA, causal
+// bottom-right, every item split (no whole wave), and tail items with empty pieces and rows
+// that see no key (causal with S_q > S_kv: O = 0, LSE = -inf).
+TEST(Attention, LastWaveSplit) {
+  MKT_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::pair<Case, int> cases[] = {
+      {{1, 128, 3000, 9, 3, 128, false}, 8},   // 9 items on 8 CTAs: the last in 3 pieces
+      {{1, 300, 5000, 3, 1, 64, true}, 8},     // causal, 4 pieces
+      {{1, 100, 4096, 2, 2, 128, false}, 8},   // 2 items, no whole wave: 4 pieces each
+      {{2, 200, 2500, 4, 2, 64, false}, 12},   // 16 items on 12 CTAs: 4 split in 2
+      {{1, 2500, 2300, 3, 3, 128, true}, 40},  // 60 items: 20 in 2 pieces, some empty
+  };
+  for (const auto& [c, sms] : cases) {
+    AttentionConfig config;
+    config.sms = sms;
+    const AttentionPlan plan = attention_plan(problem_of(c), config);
+    EXPECT_GT(plan.split_items, 0) << describe(c) << ": " << plan.describe();
+    EXPECT_GE(plan.split_pieces, 2) << describe(c) << ": " << plan.describe();
+    expect_attention_matches(c, seed, config);
+  }
+}
+
 // Captured once, replayed on new inputs written into the same buffers.
 TEST(Attention, GraphReplaysOnNewInputs) {
   MKT_REQUIRE_GPU();
@@ -296,6 +321,9 @@ TEST(SanitizeAttention, Small) {
   const uint64_t seed = fresh_seed();
   expect_attention_matches({1, 200, 300, 2, 1, 128, true}, seed);
   expect_attention_matches({2, 130, 70, 2, 2, 64, false}, seed);
+  AttentionConfig split;  // the last wave split: 3 items on 2 CTAs, the last in 2 pieces
+  split.sms = 2;
+  expect_attention_matches({1, 100, 2100, 3, 1, 128, false}, seed, split);
 }
 
 TEST(Attention, RejectsBadArguments) {

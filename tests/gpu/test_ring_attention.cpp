@@ -116,7 +116,8 @@ struct Local {
   }
 };
 
-void expect_ring_matches(int world, const RingCase& c, uint64_t seed) {
+void expect_ring_matches(int world, const RingCase& c, uint64_t seed,
+                         const CommOptions& options = {}) {
   SCOPED_TRACE(describe(c, world) + ", seed " + std::to_string(seed));
   const int64_t full_s = world * c.seq_local;
   const int64_t q_count = c.batch * full_s * c.heads * c.head_dim;
@@ -135,34 +136,37 @@ void expect_ring_matches(int world, const RingCase& c, uint64_t seed) {
   MKT_CUDA(cudaMemset(lse, 0xFF, c.batch * c.heads * full_s * 4));
   MKT_CUDA(cudaDeviceSynchronize());
 
-  run_in_process(world, [&](Communicator& comm) {
-    const int rank = comm.rank();
-    cudaStream_t s;
-    MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    {
-      Local mine(c);
-      copy_shard(mine.q, q, c, world, rank, c.heads, false, s);
-      copy_shard(mine.k, k, c, world, rank, c.kv_heads, false, s);
-      copy_shard(mine.v, v, c, world, rank, c.kv_heads, false, s);
-      SymmetricBuffer ws = comm.alloc(ring_attention_workspace_bytes(comm, local_problem(c)));
-      ready(comm, s);
-      mine.run(comm, c, ws.data(), s);
-      comm.synchronize(s);
-      std::vector<char> first(mine.q_count * 2);
-      MKT_CUDA(cudaMemcpy(first.data(), mine.o, first.size(), cudaMemcpyDeviceToHost));
-      copy_shard(mine.o, o, c, world, rank, c.heads, true, s);
-      copy_lse_to_full(lse, mine.lse, c, world, rank, s);
-      finished(comm, s);
-      // Deterministic: the same bits again.
-      mine.run(comm, c, ws.data(), s);
-      comm.synchronize(s);
-      std::vector<char> second(first.size());
-      MKT_CUDA(cudaMemcpy(second.data(), mine.o, second.size(), cudaMemcpyDeviceToHost));
-      EXPECT_TRUE(first == second) << "rank " << rank << ": a second call wrote other bits";
-      finished(comm, s);
-    }
-    cudaStreamDestroy(s);
-  });
+  run_in_process(
+      world,
+      [&](Communicator& comm) {
+        const int rank = comm.rank();
+        cudaStream_t s;
+        MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        {
+          Local mine(c);
+          copy_shard(mine.q, q, c, world, rank, c.heads, false, s);
+          copy_shard(mine.k, k, c, world, rank, c.kv_heads, false, s);
+          copy_shard(mine.v, v, c, world, rank, c.kv_heads, false, s);
+          SymmetricBuffer ws = comm.alloc(ring_attention_workspace_bytes(comm, local_problem(c)));
+          ready(comm, s);
+          mine.run(comm, c, ws.data(), s);
+          comm.synchronize(s);
+          std::vector<char> first(mine.q_count * 2);
+          MKT_CUDA(cudaMemcpy(first.data(), mine.o, first.size(), cudaMemcpyDeviceToHost));
+          copy_shard(mine.o, o, c, world, rank, c.heads, true, s);
+          copy_lse_to_full(lse, mine.lse, c, world, rank, s);
+          finished(comm, s);
+          // Deterministic: the same bits again.
+          mine.run(comm, c, ws.data(), s);
+          comm.synchronize(s);
+          std::vector<char> second(first.size());
+          MKT_CUDA(cudaMemcpy(second.data(), mine.o, second.size(), cudaMemcpyDeviceToHost));
+          EXPECT_TRUE(first == second) << "rank " << rank << ": a second call wrote other bits";
+          finished(comm, s);
+        }
+        cudaStreamDestroy(s);
+      },
+      options);
 
   // Against the fp32 reference of the full sequence (sampled rows).
   AttentionProblem full = local_problem(c);
@@ -250,9 +254,36 @@ TEST(InProcessRingAttention, MatchesFullSequenceAttention) {
   expect_ring_matches(2, {1, 768, 4, 4, 128, false, 0, 7}, seed + 10);
 }
 
+// Across virtual nodes over the socket transport (ring_nodes.cuh: a ring launch a node, the
+// chunks moving one node on between launches, the softmax state carried): the same reference,
+// causal zigzag and not, GQA, D 64 and 128, parts not a multiple of 128 rows.
+void replay_with_new_inputs(int world, const CommOptions& options = {});
+
+class RingNodes : public AcrossNodes {};
+TEST_P(RingNodes, MatchesFullSequenceAttention) {
+  MKT_REQUIRE_GPU();
+  const auto [nodes, per_node] = GetParam();
+  const int world = nodes * per_node;
+  const uint64_t seed = fresh_seed();
+  const CommOptions options = virtual_nodes(per_node, 30);
+  expect_ring_matches(world, {1, 512, 4, 4, 128, true}, seed, options);
+  expect_ring_matches(world, {2, 384, 4, 1, 64, false}, seed + 1, options);
+  expect_ring_matches(world, {1, 300, 4, 2, 128, true}, seed + 2, options);  // parts of 150 rows
+}
+// One captured call (the node launches, the exchanges' launches and copies), replayed 100 times
+// on new inputs, some checked bit for bit against eager calls.
+TEST_P(RingNodes, GraphReplays100TimesWithNewInputs) {
+  MKT_REQUIRE_GPU();
+  const auto [nodes, per_node] = GetParam();
+  replay_with_new_inputs(nodes * per_node, virtual_nodes(per_node, 30));
+}
+INSTANTIATE_TEST_SUITE_P(RingAcrossNodes, RingNodes,
+                         ::testing::Values(NodesLayout{2, 1}, NodesLayout{2, 2}, NodesLayout{4, 1},
+                                           NodesLayout{2, 4}),
+                         layout_name);
+
 // Captured once per rank; 100 replays, each on new inputs written into the captured buffers,
 // some checked bit for bit against an eager call on the same inputs.
-void replay_with_new_inputs(int world);
 
 TEST(InProcessRingAttention, GraphReplays100TimesWithNewInputs) {
   MKT_REQUIRE_GPU();
@@ -262,57 +293,60 @@ TEST(InProcessRingAttention, GraphReplays100TimesWithNewInputs) {
   }
 }
 
-void replay_with_new_inputs(int world) {
+void replay_with_new_inputs(int world, const CommOptions& options) {
   const RingCase c{1, 256, 4, 2, 128, true};
   const uint64_t seed = fresh_seed();
-  run_in_process(world, [&](Communicator& comm) {
-    const int rank = comm.rank();
-    cudaStream_t s;
-    MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    {
-      Local mine(c), eager(c);
-      SymmetricBuffer ws = comm.alloc(ring_attention_workspace_bytes(comm, local_problem(c)));
-      auto refill = [&](int round) {
-        const uint64_t r = seed + 1000 * round + rank;
-        fill_random_bf16_scaled(mine.q, mine.q_count, 2.0f, r, s);
-        fill_random_bf16_scaled(mine.k, mine.kv_count, 2.0f, r ^ 0x11, s);
-        fill_random_bf16_scaled(mine.v, mine.kv_count, 1.0f, r ^ 0x22, s);
-      };
-      refill(0);
-      ready(comm, s);
-      mine.run(comm, c, ws.data(), s);  // loaded and warm before the capture
-      comm.synchronize(s);
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      MKT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      mine.run(comm, c, ws.data(), s);
-      MKT_CUDA(cudaStreamEndCapture(s, &graph));
-      ASSERT_NO_FATAL_FAILURE(instantiate_uploaded(graph, s, &exec));
-      comm.bootstrap().barrier();
-      int mismatches = 0;
-      for (int round = 1; round <= 100; ++round) {
-        refill(round);
-        MKT_CUDA(cudaGraphLaunch(exec, s));
-        if (round % 25 == 0) {
-          cudaMemcpyAsync(eager.q, mine.q, mine.q_count * 2, cudaMemcpyDeviceToDevice, s);
-          cudaMemcpyAsync(eager.k, mine.k, mine.kv_count * 2, cudaMemcpyDeviceToDevice, s);
-          cudaMemcpyAsync(eager.v, mine.v, mine.kv_count * 2, cudaMemcpyDeviceToDevice, s);
-          eager.run(comm, c, ws.data(), s);
+  run_in_process(
+      world,
+      [&](Communicator& comm) {
+        const int rank = comm.rank();
+        cudaStream_t s;
+        MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        {
+          Local mine(c), eager(c);
+          SymmetricBuffer ws = comm.alloc(ring_attention_workspace_bytes(comm, local_problem(c)));
+          auto refill = [&](int round) {
+            const uint64_t r = seed + 1000 * round + rank;
+            fill_random_bf16_scaled(mine.q, mine.q_count, 2.0f, r, s);
+            fill_random_bf16_scaled(mine.k, mine.kv_count, 2.0f, r ^ 0x11, s);
+            fill_random_bf16_scaled(mine.v, mine.kv_count, 1.0f, r ^ 0x22, s);
+          };
+          refill(0);
+          ready(comm, s);
+          mine.run(comm, c, ws.data(), s);  // loaded and warm before the capture
           comm.synchronize(s);
-          std::vector<char> a(mine.q_count * 2), b(a.size());
-          MKT_CUDA(cudaMemcpy(a.data(), mine.o, a.size(), cudaMemcpyDeviceToHost));
-          MKT_CUDA(cudaMemcpy(b.data(), eager.o, b.size(), cudaMemcpyDeviceToHost));
-          mismatches += a != b;
+          cudaGraph_t graph;
+          cudaGraphExec_t exec;
+          MKT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+          mine.run(comm, c, ws.data(), s);
+          MKT_CUDA(cudaStreamEndCapture(s, &graph));
+          ASSERT_NO_FATAL_FAILURE(instantiate_uploaded(graph, s, &exec));
+          comm.bootstrap().barrier();
+          int mismatches = 0;
+          for (int round = 1; round <= 100; ++round) {
+            refill(round);
+            MKT_CUDA(cudaGraphLaunch(exec, s));
+            if (round % 25 == 0) {
+              cudaMemcpyAsync(eager.q, mine.q, mine.q_count * 2, cudaMemcpyDeviceToDevice, s);
+              cudaMemcpyAsync(eager.k, mine.k, mine.kv_count * 2, cudaMemcpyDeviceToDevice, s);
+              cudaMemcpyAsync(eager.v, mine.v, mine.kv_count * 2, cudaMemcpyDeviceToDevice, s);
+              eager.run(comm, c, ws.data(), s);
+              comm.synchronize(s);
+              std::vector<char> a(mine.q_count * 2), b(a.size());
+              MKT_CUDA(cudaMemcpy(a.data(), mine.o, a.size(), cudaMemcpyDeviceToHost));
+              MKT_CUDA(cudaMemcpy(b.data(), eager.o, b.size(), cudaMemcpyDeviceToHost));
+              mismatches += a != b;
+            }
+          }
+          comm.synchronize(s);
+          EXPECT_EQ(mismatches, 0) << "rank " << rank << ": replays differ from eager calls";
+          cudaGraphExecDestroy(exec);
+          cudaGraphDestroy(graph);
+          finished(comm, s);
         }
-      }
-      comm.synchronize(s);
-      EXPECT_EQ(mismatches, 0) << "rank " << rank << ": replays differ from eager calls";
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-      finished(comm, s);
-    }
-    cudaStreamDestroy(s);
-  });
+        cudaStreamDestroy(s);
+      },
+      options);
 }
 
 // A small case for compute-sanitizer (scripts/device_run.sh sanitize).
