@@ -78,6 +78,7 @@ moe::Workspace workspace_of(const SymmetricRange& range, const moe::Offsets& o) 
   w.send_list = o.send_list;
   w.totals = o.totals;
   w.by_local = o.by_local;
+  w.recv_order = o.recv_order;
   w.layout = o.layout;
   w.counters = o.counters;
   w.comb_count = o.comb_count;

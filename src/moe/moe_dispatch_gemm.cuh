@@ -8,12 +8,14 @@
 //                   (row_start, row_count, tile_prefix); the block arrival counters zeroed
 //   the fused launch: the GEMM engine with MoeDispatchGemm, one CTA per SM:
 //     side warps (the producer warpgroup's three spare warps):
-//       1. send    channel c's share of the rows for each other rank, in chunks of kChunkRows;
-//                  after each chunk signal kOp + c with step = chunks so far
-//       2. local   this rank's rows for its own experts, in layout order (by_local), in units of
-//                  kChunkRows taken by the CTAs in turn: the first experts' blocks fill first
-//       3. receive channel c's share of every other rank's rows, chunk by chunk as signalled:
-//                  copied to their rows (once per local expert of the token)
+//       1. send    channel c's share of the rows for each other rank, in chunks of kChunkRows,
+//                  and for each row where its (token, slot) pairs come in that rank's layout
+//                  order (recv_order); after each chunk signal kOp + c with step = chunks so far
+//       2. wait    until every other rank's channels have signalled all their chunks
+//       3. place   every row bound here in layout order - this rank's own from x (by_local),
+//                  received ones from their staging (recv_order) - in units of kChunkRows taken
+//                  by the CTAs in turn: the first experts' blocks fill first, whatever the
+//                  world size (a block's rows come from several sources)
 //       4. the handle's unused rows set to -1
 //       every placed row counts itself into its 128-row block's arrival counter
 //     producer: before a tile's first load, waits until its block counter reaches the tile's
@@ -64,6 +66,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   const LayoutTables lt = layout_tables(d.world, el_n);
   int32_t* tables = ws.at<int32_t>(d.me, ws.layout);
   int32_t* start = tables + lt.start;
+  // from: each source's prefix over this rank's experts; sent: this rank's over each
+  // destination's (the same numbers that rank's `from` gets for this one). Scanned in s_fit,
+  // free until below.
+  for (int r = 0; r < d.world; ++r) {
+    for (int which = 0; which < 2; ++which) {
+      for (int e = threadIdx.x; e < el_n; e += kThreads) {
+        s_fit[e] = which == 0 ? s_cnt[r * words + e] : totals[r * el_n + e];
+      }
+      const int64_t all = block_exclusive_scan<kThreads>(s_fit, el_n);
+      int32_t* out = tables + (which == 0 ? lt.from : lt.sent) + r * (el_n + 1);
+      for (int e = threadIdx.x; e < el_n; e += kThreads) out[e] = s_fit[e];
+      if (threadIdx.x == 0) out[el_n] = static_cast<int32_t>(all);
+      __syncthreads();  // s_fit read before it is written again
+    }
+  }
   for (int e = threadIdx.x; e < el_n; e += kThreads) {
     int32_t sum = 0;
     for (int src = 0; src < d.world; ++src) {
@@ -78,11 +95,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int src = threadIdx.x; src < d.world; src += kThreads) {
     tables[lt.recv + src] = s_cnt[src * words + el_n];
   }
-  if (threadIdx.x == 0) {
-    int32_t local = 0;
-    for (int e = 0; e < el_n; ++e) local += s_cnt[d.rank * words + e];
-    tables[lt.local] = local;
-  }
   __syncthreads();
   if (d.masked) {
     for (int e = threadIdx.x; e <= el_n; e += kThreads) {
@@ -96,6 +108,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int e = threadIdx.x; e < el_n; e += kThreads) start[e] = s_cnt[e];
     if (threadIdx.x == 0) start[el_n] = static_cast<int32_t>(min64(end, INT32_MAX));
   }
+  __syncthreads();
+  // before: the rows bound here (fitting or not) for the experts before each one - the index of
+  // the side warps' walk in layout order. (s_fit still holds the totals; s_cnt is free.)
+  for (int e = threadIdx.x; e < el_n; e += kThreads) s_cnt[e] = s_fit[e];
+  const int64_t bound = block_exclusive_scan<kThreads>(s_cnt, el_n);
+  for (int e = threadIdx.x; e < el_n; e += kThreads) tables[lt.before + e] = s_cnt[e];
+  if (threadIdx.x == 0) tables[lt.before + el_n] = static_cast<int32_t>(min64(bound, INT32_MAX));
   __syncthreads();
   for (int e = threadIdx.x; e < el_n; e += kThreads) {
     const int64_t held = d.masked ? d.capacity : max64(0, d.capacity - start[e]);
@@ -232,6 +251,58 @@ struct MoeDispatchGemm {
     for (int b = 0; b < drop_blocks; ++b) atomicAdd_system(count + b, 1ull);
   }
 
+  // The local expert whose rows hold walk index q (the rows bound here, in layout order): the
+  // last e with before[e] <= q (an empty expert shares its entry with the next).
+  __device__ static int expert_of(const int32_t* before, int el_n, int q) {
+    int lo = 0, hi = el_n - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (before[mid] <= q) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    return lo;
+  }
+
+  // Where row `at` of local expert e comes from: its source rank, token and top-k slot, and its
+  // send slot in that source's staging region (-1: this rank's own token, read from x). A
+  // received row's order entry and metadata are read through L2 (written during the launch).
+  struct RowSource {
+    int src, token, slot, staged;
+  };
+  __device__ RowSource source_of(const int32_t* tables, const LayoutTables& lt, int e,
+                                 int at) const {
+    const int el_n = d.experts_local, k = d.top_k;
+    int src = d.world - 1;  // the last source whose rows start at or before `at`
+    while (src > 0 && tables[lt.pre + src * el_n + e] > at) --src;
+    const int i = tables[lt.from + src * (el_n + 1) + e] + at - tables[lt.pre + src * el_n + e];
+    if (src == d.rank) {
+      const int p = ws.at<int32_t>(d.rank, ws.by_local)[i];
+      return {src, p / k, p % k, -1};
+    }
+    const int64_t region = static_cast<int64_t>(src) * d.max_tokens;
+    const int v = __ldcg(ws.at<int32_t>(d.rank, ws.recv_order) + region * k + i);
+    const int staged = v / k;
+    return {src, __ldcg(ws.at<int32_t>(d.rank, ws.recv_meta) + (region + staged) * d.meta_ints),
+            v % k, staged};
+  }
+
+  // One warp copies the row `from` names to layout row `row` of local expert e and counts it
+  // (both kinds through L2: a staged row may have landed during the launch; x's rows as well,
+  // one copy loop - docs/design/moe.md, the placement order).
+  __device__ void place(int e, int row, const RowSource& from, int lane) const {
+    const int n16 = static_cast<int>(d.hidden / 8);
+    const int4* src =
+        from.staged < 0 ? reinterpret_cast<const int4*>(x) + static_cast<int64_t>(from.token) * n16
+                        : reinterpret_cast<const int4*>(ws.at<__nv_bfloat16>(d.rank, ws.recv_x)) +
+                              (static_cast<int64_t>(from.src) * d.max_tokens + from.staged) * n16;
+    copy_row_warp<true>(src, reinterpret_cast<int4*>(recv) + static_cast<int64_t>(row) * n16, n16,
+                        lane);
+    placed(e, row, from.src, from.token, from.slot, lane);
+  }
+
   // Rows [first, last) of the layout's unused tail of expert e's region: handle -1.
   __device__ void unused_rows(int64_t first, int64_t last, int thread, int threads) const {
     for (int64_t r = first + thread; r < last; r += threads) {
@@ -250,7 +321,6 @@ struct MoeDispatchGemm {
     const int32_t* tables = ws.at<int32_t>(me, ws.layout);
     const int32_t* pos = ws.at<int32_t>(me, ws.pos);
     const int4* x16 = reinterpret_cast<const int4*>(x);
-    int4* recv16 = reinterpret_cast<int4*>(recv);
 
     // 1. Channel c's share of the rows for each other rank, chunk by chunk.
     for (int i = 1; i < d.world; ++i) {
@@ -260,6 +330,8 @@ struct MoeDispatchGemm {
       const int64_t region = static_cast<int64_t>(me) * d.max_tokens;
       int4* rx = reinterpret_cast<int4*>(ws.at<__nv_bfloat16>(dst, ws.recv_x)) + region * n16;
       int32_t* meta = ws.at<int32_t>(dst, ws.recv_meta) + region * d.meta_ints;
+      int32_t* order = ws.at<int32_t>(dst, ws.recv_order) + region * k;
+      const int32_t* sent = tables + lt.sent + dst * (el_n + 1);
       const int32_t* list =
           ws.at<int32_t>(me, ws.send_list) + static_cast<int64_t>(dst) * d.max_tokens;
       uint32_t chunk = 0;
@@ -269,13 +341,12 @@ struct MoeDispatchGemm {
           const int t = list[slot];
           copy_row_warp<false>(x16 + static_cast<int64_t>(t) * n16,
                                rx + static_cast<int64_t>(slot) * n16, n16, lane);
-          int32_t* m = meta + static_cast<int64_t>(slot) * d.meta_ints;
-          if (lane == 0) m[0] = t;
-          if (lane < k) {
+          if (lane == 0) meta[static_cast<int64_t>(slot) * d.meta_ints] = t;
+          if (lane < k) {  // where each of its rows there comes in the receiver's layout order
             const int64_t e = topk_at(static_cast<int64_t>(t) * k + lane);
-            const bool here = e >= 0 && e < d.experts && static_cast<int>(e / el_n) == dst;
-            m[1 + 2 * lane] = here ? static_cast<int32_t>(e % el_n) : -1;
-            m[2 + 2 * lane] = here ? pos[static_cast<int64_t>(t) * k + lane] : -1;
+            if (e >= 0 && e < d.experts && static_cast<int>(e / el_n) == dst) {
+              order[sent[e % el_n] + pos[static_cast<int64_t>(t) * k + lane]] = slot * k + lane;
+            }
           }
         }
         dev::named_barrier_sync(kSideBarrier, threads);
@@ -286,64 +357,40 @@ struct MoeDispatchGemm {
       }
     }
 
-    // 2. This rank's rows for its own experts, in layout order, units taken by the CTAs in turn.
-    const int32_t* by_local = ws.at<int32_t>(me, ws.by_local);
-    const int local = tables[lt.local];
-    for (int unit = c * kChunkRows; unit < local; unit += channels * kChunkRows) {
-      const int end = min(local, unit + kChunkRows);
-      for (int i = unit + warp; i < end; i += warps) {
-        const int p = by_local[i];
-        const int e = static_cast<int>(topk_at(p)) - me * el_n;
-        const int at = tables[lt.pre + me * el_n + e] + pos[p];
-        if (at >= tables[lt.row_count + e]) {  // past the room (notify recorded it)
-          if (lane == 0) dropped(me, p / k);
-          continue;
-        }
-        const int row = tables[lt.start + e] + at;
-        copy_row_warp<false>(x16 + static_cast<int64_t>(p / k) * n16,
-                             recv16 + static_cast<int64_t>(row) * n16, n16, lane);
-        placed(e, row, me, p / k, p % k, lane);
-      }
-    }
-
-    // 3. Channel c's share of every other rank's rows, chunk by chunk as they land.
-    for (int i = 1; i < d.world; ++i) {
-      const int src = (me - i + d.world) % d.world;
+    // 2. Every other rank's rows have landed (all its channels' chunks): the walk below takes
+    //    them in layout order, not in the order they were sent.
+    bool failed = false;
+    for (int i = thread; i < (d.world - 1) * channels; i += threads) {
+      const int src = (me + 1 + i / channels) % d.world, part = i % channels;
       int64_t lo, hi;
-      share(tables[lt.recv + src], c, channels, lo, hi);
-      const int64_t region = static_cast<int64_t>(src) * d.max_tokens;
-      const int4* rx =
-          reinterpret_cast<const int4*>(ws.at<__nv_bfloat16>(me, ws.recv_x)) + region * n16;
-      const int32_t* meta = ws.at<int32_t>(me, ws.recv_meta) + region * d.meta_ints;
-      const int32_t* pre = tables + lt.pre + src * el_n;
-      uint32_t chunk = 0;
-      for (int first = static_cast<int>(lo); first < hi; first += kChunkRows) {
-        bool failed = false;
-        if (thread == 0) {
-          failed =
-              !dev::Launch::begin(comm).wait(src, dev::signal_index(SignalId::kOp, c), ++chunk);
-        }
-        if (dev::named_barrier_or(kSideBarrier, threads, failed)) return;
-        const int last = min(static_cast<int>(hi), first + kChunkRows);
-        for (int slot = first + warp; slot < last; slot += warps) {
-          const int32_t* m = meta + static_cast<int64_t>(slot) * d.meta_ints;
-          for (int j = 0; j < k; ++j) {
-            const int e = __ldcg(m + 1 + 2 * j);
-            if (e < 0) continue;
-            const int at = pre[e] + __ldcg(m + 2 + 2 * j);
-            if (at >= tables[lt.row_count + e]) {
-              if (lane == 0) dropped(src, __ldcg(m));
-              continue;
-            }
-            const int row = tables[lt.start + e] + at;
-            copy_row_warp<true>(rx + static_cast<int64_t>(slot) * n16,
-                                recv16 + static_cast<int64_t>(row) * n16, n16, lane);
-            placed(e, row, src, __ldcg(m), j, lane);
-          }
+      share(tables[lt.recv + src], part, channels, lo, hi);
+      const auto chunks = static_cast<uint32_t>((hi - lo + kChunkRows - 1) / kChunkRows);
+      if (chunks > 0 && !failed) {
+        failed =
+            !dev::Launch::begin(comm).wait(src, dev::signal_index(SignalId::kOp, part), chunks);
+      }
+    }
+    if (dev::named_barrier_or(kSideBarrier, threads, failed)) return;
+
+    // 3. Every row bound here, local or received, in layout order, in units of kChunkRows taken
+    //    by the CTAs in turn: the first experts' blocks fill first, as the tiles want them. A row
+    //    past its expert's room (the capacity error notify recorded) is not placed: moe_layer
+    //    counts it done at its source.
+    const int32_t* before = tables + lt.before;
+    const int bound = before[el_n];
+    for (int unit = c * kChunkRows; unit < bound; unit += channels * kChunkRows) {
+      const int end = min(bound, unit + kChunkRows);
+      for (int q = unit + warp; q < end; q += warps) {
+        const int e = expert_of(before, el_n, q);
+        const int at = q - before[e];
+        const RowSource from = source_of(tables, lt, e, at);
+        if (at < tables[lt.row_count + e]) {
+          place(e, tables[lt.start + e] + at, from, lane);
+        } else if (lane == 0) {
+          dropped(from.src, from.token);
         }
       }
     }
-
     // 4. The handle's rows that no (source, token, slot) landed in.
     for (int e = c; e < el_n; e += channels) {
       const int64_t start = tables[lt.start + e];

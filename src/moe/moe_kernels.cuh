@@ -93,6 +93,7 @@ struct Workspace {
   uint64_t send_list;     // int32 [world][max_tokens]              (local)
   uint64_t totals;        // int32 [experts + world + nodes]        (local)
   uint64_t by_local;      // int32 [max_tokens * top_k]              (local; moe_dispatch_gemm)
+  uint64_t recv_order;    // int32 [world][max_tokens * top_k]       (receiver; moe_dispatch_gemm)
   uint64_t layout;        // int32 LayoutTables                      (local; moe_dispatch_gemm)
   uint64_t counters;      // uint64 [blocks]                         (local; moe_dispatch_gemm)
   uint64_t comb_count;    // uint64 [max_tokens][ceil(hidden / 128)] (at the source; moe_layer)

@@ -111,6 +111,7 @@ Plan plan_moe(int world, int sm_budget, const MoeProblem& p, const MoeConfig& co
   take(o.send_list, w * t * 4);
   take(o.totals, (static_cast<uint64_t>(p.num_experts) + w + static_cast<uint64_t>(nodes)) * 4);
   take(o.by_local, t * k * 4);
+  take(o.recv_order, w * t * k * 4);
   take(o.layout, static_cast<uint64_t>(layout_tables(world, e_local).ints) * 4);
   if (p.layout == MoeLayout::kMasked) {
     plan.blocks_per_expert = (out.capacity + kMoeRowBlock - 1) / kMoeRowBlock;

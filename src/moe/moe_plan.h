@@ -25,10 +25,13 @@ struct Offsets {
   uint64_t send_list = 0;   // int32 [world][max_tokens]
   uint64_t totals = 0;      // int32 [experts + world + nodes]
   // moe_dispatch_gemm only (laid out for every plan: small next to the rows):
-  uint64_t by_local = 0;  // int32 [max_tokens * top_k]: this rank's (token, slot) pairs bound
-                          // for its own experts, in its layout's order
-  uint64_t layout = 0;    // int32 LayoutTables (the receive side's layout, the notify kernel's)
-  uint64_t counters = 0;  // uint64 [blocks]: rows placed in each 128-row block of the layout
+  uint64_t by_local = 0;    // int32 [max_tokens * top_k]: this rank's (token, slot) pairs bound
+                            // for its own experts, in its layout's order
+  uint64_t recv_order = 0;  // int32 [world][max_tokens * top_k]: each source's rows for this
+                            // rank's experts in layout order, as send slot x top_k + slot (the
+                            // source writes them; the side warps place rows in that order)
+  uint64_t layout = 0;      // int32 LayoutTables (the receive side's layout, the notify kernel's)
+  uint64_t counters = 0;    // uint64 [blocks]: rows placed in each 128-row block of the layout
   // moe_layer only (laid out for every plan):
   uint64_t comb_count = 0;  // uint64 [max_tokens][ceil(hidden / 128)]: slots of each (token,
                             // column block) summed-ready at the source
@@ -76,23 +79,30 @@ struct CombRegion {
 //   start [E_local + 1]   first row of each local expert (padded: multiples of 128)
 //   pre   [world][E_local] rows of earlier sources within each expert
 //   recv  [world]         rows each source sends here
-//   local [1]             this rank's pairs bound for its own experts
 //   row_start, row_count [E_local], tile_prefix [E_local + 1]: the grouped GEMM's scheduler
 //                          (row_count: the rows that fit)
-struct LayoutTables {
-  int64_t start, pre, recv, local, row_start, row_count, tile_prefix, ints;
+//   before [E_local + 1]  rows bound here for the local experts before each one (fitting or
+//                          not: the index of the side warps' walk in layout order)
+//   from  [world][E_local + 1] each source's rows bound for the local experts before each one's
+//                          (its index in recv_order; the last: all its rows here)
+//   sent  [world][E_local + 1] the same of this rank's rows for each destination (what `from`
+//                          holds for this rank there: where it writes recv_order)
+struct LayoutTables {  // int32 offsets: world x E_local <= E (kMoeMaxExperts)
+  int32_t start, pre, recv, row_start, row_count, tile_prefix, before, from, sent, ints;
 };
 constexpr LayoutTables layout_tables(int world, int experts_local) {
-  const int64_t e = experts_local, w = world;
+  const int32_t e = experts_local, w = world;
   LayoutTables t{};
   t.start = 0;
   t.pre = t.start + e + 1;
   t.recv = t.pre + w * e;
-  t.local = t.recv + w;
-  t.row_start = t.local + 1;
+  t.row_start = t.recv + w;
   t.row_count = t.row_start + e;
   t.tile_prefix = t.row_count + e;
-  t.ints = t.tile_prefix + e + 1;
+  t.before = t.tile_prefix + e + 1;
+  t.from = t.before + e + 1;
+  t.sent = t.from + w * (e + 1);
+  t.ints = t.sent + w * (e + 1);
   return t;
 }
 
