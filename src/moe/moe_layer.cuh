@@ -4,9 +4,10 @@
 // Per rank and call, on its stream: the route kernels and notify_kernel (as moe_dispatch_gemm's:
 // the layout, the GEMMs' tables with one tile per tile-row, the block counters zeroed), the
 // combine counters zeroed (a memset), then the GEMM engine with MoeLayerFused, one CTA per SM:
-//   side warps  the rows placed, as moe_dispatch_gemm's (send, this rank's own, receive, the
-//               handle's unused rows); a row past its expert's room (the capacity error,
-//               recorded by notify) is counted as done at its source, without data
+//   side warps  the rows placed, as moe_dispatch_gemm's (send, wait for every source's rows,
+//               every row bound here in layout order, the handle's unused rows); a row past
+//               its expert's room (the capacity error, recorded by notify) is counted as done
+//               at its source, without data
 //   producer    a gate / up tile waits for its rows (the block counter), a down tile for the
 //               gate / up tiles of its tile-row (GroupedSwigluDown)
 //   consumers   gate / up: SwiGLU, h stored, the tile-row's count (GroupedSwigluDown); down:

@@ -73,6 +73,12 @@ Plan plan_moe(int world, int sm_budget, const MoeProblem& p, const MoeConfig& co
   out.experts_local = e_local;
   out.layout = p.layout;
   const int64_t every_row = static_cast<int64_t>(world) * p.max_tokens * std::min(p.top_k, e_local);
+  // (token, slot) pairs are int32 on the GPU: a rank's own pair index, the pairs bound for a rank.
+  if (p.max_tokens * p.top_k > kMaxRows || every_row > kMaxRows) {
+    invalid(op, "max_tokens = " + str(p.max_tokens) + " x top_k " + str(p.top_k) +
+                    " or the pairs a rank may receive (" + str(every_row) +
+                    ") exceed 2^31 - 1; give fewer max_tokens");
+  }
   if (p.layout == MoeLayout::kPadded) {
     out.capacity = p.capacity > 0 ? p.capacity
                                   : every_row + static_cast<int64_t>(e_local) * (kMoeRowBlock - 1);

@@ -172,6 +172,8 @@ TEST(MoePlan, RefusesWhatItCannotDo) {
   refused(2, p, "config.sms = -1", config);
   p = deepseek(1 << 26);  // 2^26 tokens x 8 ranks x 8 slots: rows past 2^31
   refused(8, p, "exceed 2^31");
+  p.capacity = 1 << 20;  // the rows fit, the pairs a rank may receive do not
+  refused(8, p, "the pairs a rank may receive (4294967296) exceed 2^31 - 1");
   // Across nodes: equal nodes, at most kMoeMaxNodeRanks ranks.
   const auto refused_nodes = [](int world, int nodes, const std::string& needle) {
     try {
