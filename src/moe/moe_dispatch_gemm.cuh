@@ -37,6 +37,7 @@
 #include "gemm/gemm_kernel.cuh"
 #include "gemm/grouped_gemm.cuh"
 #include "moe/moe_kernels.cuh"
+#include "moe/moe_walk.h"
 
 namespace mk::moe {
 
@@ -251,21 +252,6 @@ struct MoeDispatchGemm {
     for (int b = 0; b < drop_blocks; ++b) atomicAdd_system(count + b, 1ull);
   }
 
-  // The local expert whose rows hold walk index q (the rows bound here, in layout order): the
-  // last e with before[e] <= q (an empty expert shares its entry with the next).
-  __device__ static int expert_of(const int32_t* before, int el_n, int q) {
-    int lo = 0, hi = el_n - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (before[mid] <= q) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    return lo;
-  }
-
   // Where row `at` of local expert e comes from: its source rank, token and top-k slot, and its
   // send slot in that source's staging region (-1: this rank's own token, read from x). A
   // received row's order entry and metadata are read through L2 (written during the launch).
@@ -275,9 +261,8 @@ struct MoeDispatchGemm {
   __device__ RowSource source_of(const int32_t* tables, const LayoutTables& lt, int e,
                                  int at) const {
     const int el_n = d.experts_local, k = d.top_k;
-    int src = d.world - 1;  // the last source whose rows start at or before `at`
-    while (src > 0 && tables[lt.pre + src * el_n + e] > at) --src;
-    const int i = tables[lt.from + src * (el_n + 1) + e] + at - tables[lt.pre + src * el_n + e];
+    const WalkSource w = walk_source(tables, lt, d.world, el_n, e, at);
+    const int src = w.src, i = w.index;
     if (src == d.rank) {
       const int p = ws.at<int32_t>(d.rank, ws.by_local)[i];
       return {src, p / k, p % k, -1};
@@ -381,7 +366,7 @@ struct MoeDispatchGemm {
     for (int unit = c * kChunkRows; unit < bound; unit += channels * kChunkRows) {
       const int end = min(bound, unit + kChunkRows);
       for (int q = unit + warp; q < end; q += warps) {
-        const int e = expert_of(before, el_n, q);
+        const int e = walk_expert(before, el_n, q);
         const int at = q - before[e];
         const RowSource from = source_of(tables, lt, e, at);
         if (at < tables[lt.row_count + e]) {
