@@ -269,6 +269,9 @@ TEST_P(RingNodes, MatchesFullSequenceAttention) {
   expect_ring_matches(world, {1, 512, 4, 4, 128, true}, seed, options);
   expect_ring_matches(world, {2, 384, 4, 1, 64, false}, seed + 1, options);
   expect_ring_matches(world, {1, 300, 4, 2, 128, true}, seed + 2, options);  // parts of 150 rows
+  // Ranks with different CTA counts (3, 7, 11, ... as the budget allows), within a node and
+  // across: each node's launch and the exchanges between launches do not depend on the grids.
+  expect_ring_matches(world, {1, 512, 4, 2, 128, true, 3, 4}, seed + 3, options);
 }
 // One captured call (the node launches, the exchanges' launches and copies), replayed 100 times
 // on new inputs, some checked bit for bit against eager calls.
@@ -279,7 +282,7 @@ TEST_P(RingNodes, GraphReplays100TimesWithNewInputs) {
 }
 INSTANTIATE_TEST_SUITE_P(RingAcrossNodes, RingNodes,
                          ::testing::Values(NodesLayout{2, 1}, NodesLayout{2, 2}, NodesLayout{4, 1},
-                                           NodesLayout{2, 4}),
+                                           NodesLayout{2, 4}, NodesLayout{3, 1}, NodesLayout{3, 2}),
                          layout_name);
 
 // Captured once per rank; 100 replays, each on new inputs written into the captured buffers,
