@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "gemm/gemm_kernel.cuh"
+#include "gemm/prefix_search.h"
 #include "mkernel/device/launch.cuh"
 #include "mkernel/device_comm.h"
 
@@ -76,16 +77,7 @@ struct GroupedGemm {
   __device__ int num_tiles() const { return tile_prefix[groups]; }
 
   __device__ Tile tile(int t) const {
-    int lo = 0, hi = groups - 1;  // the last group whose first tile is <= t
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (tile_prefix[mid] <= t) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    const int g = lo;
+    const int g = last_at_or_below(tile_prefix, groups, t);  // the group whose tiles hold t
     const int first_row = row_start[g];
     const int rows = row_count[g];
     Tile tile{0, 0, g};
@@ -195,16 +187,7 @@ struct GroupedSwigluDown {
     const bool down = t >= up_tiles();
     const int tn = down ? tiles_down : tiles_up;
     const int u = down ? t - up_tiles() : t;
-    int lo = 0, hi = groups - 1;  // the last group whose first tile is <= u
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (tile_prefix[mid] * tn <= u) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    const int g = lo;
+    const int g = last_at_or_below(tile_prefix, groups, u, tn);  // the group whose tiles hold u
     const int rows = row_count[g];
     Tile tile{0, 0, g};
     GroupedRaster{(rows + 127) / 128, tn}.tile(u - tile_prefix[g] * tn, tile.m, tile.n);

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "gemm/prefix_search.h"
 #include "mkernel/host_device.h"
 #include "moe/moe_plan.h"
 
@@ -14,16 +15,7 @@ namespace mk::moe {
 // The local expert whose rows hold walk index q (the rows bound here, in layout order): the last
 // e with before[e] <= q (an empty expert shares its entry with the next). before: [E_local + 1].
 MK_HOST_DEVICE inline int walk_expert(const int32_t* before, int experts_local, int q) {
-  int lo = 0, hi = experts_local - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (before[mid] <= q) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
+  return last_at_or_below(before, experts_local, q);
 }
 
 // Row `at` of local expert e (counted from the expert's first row, fitting or not): its source
