@@ -365,8 +365,10 @@ struct MoeDispatchGemm {
     const int bound = before[el_n];
     for (int unit = c * kChunkRows; unit < bound; unit += channels * kChunkRows) {
       const int end = min(bound, unit + kChunkRows);
+      // The warp's first row of the unit by a search, the next ones stepping on from it.
+      int e = unit + warp < end ? walk_expert(before, el_n, unit + warp) : 0;
       for (int q = unit + warp; q < end; q += warps) {
-        const int e = walk_expert(before, el_n, q);
+        e = walk_expert_from(before, e, q);
         const int at = q - before[e];
         const RowSource from = source_of(tables, lt, e, at);
         if (at < tables[lt.row_count + e]) {
