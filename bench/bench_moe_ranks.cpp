@@ -4,7 +4,12 @@
 // parallelism on one GPU (issues 29 and 30: "two ranks sharing the GPU"). The "peer" rows stay in
 // this GPU's memory: NVLink is not measured here.
 //   bench_moe_ranks [--op moe_layer|moe_dispatch_gemm] [--ranks 2] [--iters 5] [--json FILE]
-//                   [--commit SHA] [--torch MODEL:TOKENS:MS,...]
+//                   [--commit SHA] [--torch MODEL:TOKENS:MS,...] [--trace MODEL:TOKENS]
+// --trace: that point only (TOKENS a rank), and after the timed rounds one more call of every
+// rank and of the world-1 op with the fused launch's timeline recorded (MKERNEL_TRACE,
+// src/fused/trace_layout.h), summarised: when the side warps' sends, the other ranks' rows and
+// the placement are done (over CTAs), how long the producer waits for placed rows, the consumers'
+// time, in ten bins of the launch.
 // Shapes: the models of bench_moe_layer.py / bench_moe.py (DeepSeek-V3-like, Qwen3-235B-like,
 // Mixtral), every expert somewhere (E / ranks a rank), uniform routing; moe_layer at 1024 and
 // 4096 tokens a rank, moe_dispatch_gemm at 128, 1024, 4096 and 8192 tokens in all (the world-1
@@ -35,8 +40,10 @@
 #include "bench_check.h"
 #include "bench_inprocess.h"
 #include "bench_kernels.h"
+#include "fused/trace_layout.h"
 #include "mkernel/mkernel.h"
 #include "mkernel/moe.h"
+#include "trace_records.h"
 
 namespace {
 
@@ -180,6 +187,107 @@ bool compare_rows(const std::vector<Rows>& ranks, const Rows& one, int64_t token
   return matched == static_cast<int64_t>(at.size());
 }
 
+// Min / median / max of a list ("-" when empty).
+std::string spread(std::vector<double> v) {
+  if (v.empty()) return "-";
+  std::sort(v.begin(), v.end());
+  char s[64];
+  std::snprintf(s, sizeof(s), "%.1f / %.1f / %.1f", v.front(), v[v.size() / 2], v.back());
+  return s;
+}
+
+// One traced launch of the fused MoE kernel (moe_dispatch_gemm's or moe_layer's).
+void summarise_trace(const char* who, int ctas, const std::vector<uint64_t>& raw) {
+  using namespace mk::fused;
+  const bench::Timeline tl = bench::read_timeline(raw, ctas);
+  if (ctas <= 0 || tl.span <= 0) {
+    std::printf("%s: no trace records (%d CTAs)\n", who, ctas);
+    return;
+  }
+  const double span = tl.span, bin = span / 10;
+  std::vector<double> sent, landed, placed, first_in, last_done, summed;
+  double wait_us = 0, down_wait_us = 0, main_us = 0, epi_us = 0;
+  int tiles = 0, waited = 0;
+  std::vector<double> b_wait(10), b_place(10), b_tiles(10);
+  auto add = [&](std::vector<double>& bins, double a, double b) {
+    for (int i = 0; i < 10; ++i) {
+      const double lo = bin * i, hi = bin * (i + 1), o = std::min(b, hi) - std::max(a, lo);
+      if (o > 0) bins[i] += o;
+    }
+  };
+  for (int c = 0; c < ctas; ++c) {
+    const auto& side = tl.lanes[c][kTraceSide];
+    double start = side.empty() ? 0 : side.front().us, last_sent = -1, landed_at = -1;
+    for (const bench::TraceRecord& r : side) {
+      if (r.event == kTraceSent) last_sent = r.us;
+      if (r.event == kTraceLanded) {
+        landed.push_back(r.us);
+        landed_at = r.us;
+      }
+      if (r.event == kTracePlaced) {
+        placed.push_back(r.us);
+        if (landed_at >= 0) add(b_place, landed_at, r.us);  // the walk (step 3) only
+      }
+    }
+    if (last_sent >= 0) sent.push_back(last_sent);
+    double at = -1;
+    bool first = true;
+    for (const bench::TraceRecord& r : tl.lanes[c][kTraceProducer]) {
+      if (r.event == kTraceOperandsWait) at = r.us;
+      if (r.event != kTraceOperandsIn || at < 0) continue;
+      const double w = r.us - at;
+      const bool down = (r.arg >> 16) != 0;
+      (down ? down_wait_us : wait_us) += w;
+      if (!down && w > 1) ++waited;
+      add(b_wait, at, r.us);
+      if (first) first_in.push_back(r.us);
+      first = false;
+      at = -1;
+    }
+    for (int l = kTraceConsumer0; l < kTraceConsumer0 + 2; ++l) {
+      double prev = start, begin = 0;
+      for (const bench::TraceRecord& r : tl.lanes[c][l]) {
+        if (r.event == kTraceStoreBegin) {
+          begin = r.us;
+          main_us += begin - prev;
+        } else if (r.event == kTraceStoreEnd) {
+          epi_us += r.us - begin;
+          prev = r.us;
+          ++tiles;
+          b_tiles[std::min(9, static_cast<int>(r.us / bin))] += 1;  // (a count, not a length)
+        } else if (r.event == kTraceSummed) {
+          summed.push_back(r.us);
+        }
+      }
+      if (l == kTraceConsumer0) last_done.push_back(prev);
+    }
+  }
+  const double consumers = 2.0 * ctas * span;
+  std::printf(
+      "%s: launch %.1f us by the trace, %d CTAs, %d tile slices\n"
+      "  side warps (us since the launch's first record, min / median / max over CTAs):\n"
+      "    sends done %s; every other rank's rows landed %s; every row placed %s\n"
+      "  producer: waited for placed rows %.1f%% of its time (%d tiles > 1 us), for gate / up "
+      "tiles %.1f%%; first tile's rows in at %s\n"
+      "  consumers: mainloop (with the producer's waits) %.1f%%, epilogue %.1f%%, after the "
+      "last tile %.1f%%; last tile done %s%s%s\n"
+      "  bins of %.1f us: producer waiting / side warps placing (%% of CTAs), tile slices done\n",
+      who, span, ctas, tiles, spread(sent).c_str(), spread(landed).c_str(), spread(placed).c_str(),
+      100 * wait_us / (ctas * span), waited, 100 * down_wait_us / (ctas * span),
+      spread(first_in).c_str(), 100 * main_us / consumers, 100 * epi_us / consumers,
+      100 * (consumers - main_us - epi_us) / consumers, spread(last_done).c_str(),
+      summed.empty() ? "" : "; combine sums done ", summed.empty() ? "" : spread(summed).c_str(),
+      bin);
+  for (int i = 0; i < 10; ++i) {
+    std::printf("    %2d  %5.1f %5.1f  %6.0f\n", i, 100 * b_wait[i] / (ctas * bin),
+                100 * b_place[i] / (ctas * bin), b_tiles[i]);
+  }
+  if (tl.full_lanes > 0) {
+    std::printf("  WARNING: %d lanes full (%d records): their later records are lost\n",
+                tl.full_lanes, kTraceWordsPerLane / 2);
+  }
+}
+
 // ms per call of `iters` calls (every rank starts at once).
 double time_calls(RankOp& l, int iters, cudaEvent_t start, cudaEvent_t stop) {
   l.comm->bootstrap().barrier();
@@ -192,7 +300,7 @@ double time_calls(RankOp& l, int iters, cudaEvent_t start, cudaEvent_t stop) {
   return static_cast<double>(ms) / iters;
 }
 
-Result run_point(Op op, const Point& pt, int world, int iters) {
+Result run_point(Op op, const Point& pt, int world, int iters, bool trace, int sms) {
   const int64_t all_tokens = world * pt.tokens;
   const auto xn = static_cast<std::size_t>(all_tokens * pt.hidden);
   const auto slots = static_cast<std::size_t>(all_tokens * pt.top_k);
@@ -256,6 +364,12 @@ Result run_point(Op op, const Point& pt, int world, int iters) {
         setup(one, op, alone.bootstrap(0), pt, 1, 0, all_tokens, x, topk, weights, w13, w2,
               out_one);
       }
+      // The timeline's buffer, allocated before any launch (ranks sharing the GPU in one process
+      // must not allocate while a peer's kernel may run): this thread's, for the most CTAs.
+      if (trace) {
+        fused::trace_arm(*l.comm, sms, l.s);
+        CK(cudaStreamSynchronize(l.s));
+      }
       l.comm->bootstrap().barrier();  // nothing launched while rank 0 still allocates
       cudaEvent_t start, stop;
       CK(cudaEventCreate(&start));
@@ -278,6 +392,33 @@ Result run_point(Op op, const Point& pt, int world, int iters) {
         l.comm->bootstrap().barrier();
       }
       rank_ms[r] = mk::bench::median(rounds);
+      if (trace) {  // one more call each, traced; the summaries one rank after the other
+        l.comm->bootstrap().barrier();
+        l.call();
+        l.comm->synchronize(l.s);
+        l.comm->bootstrap().barrier();
+        int ctas = 0;
+        const std::vector<uint64_t> raw = fused::trace_read(ctas);
+        for (int q = 0; q < world; ++q) {
+          l.comm->bootstrap().barrier();
+          if (q != r) continue;
+          const std::string who = "rank " + std::to_string(r) + " of " + std::to_string(world);
+          summarise_trace(who.c_str(), ctas, raw);
+          std::fflush(stdout);
+        }
+        l.comm->bootstrap().barrier();
+        if (r == 0) {
+          one.call();
+          one.comm->synchronize(one.s);
+          // (Read first: trace_read sets `ctas` to the world-1 launch's, all SMs - not the
+          // ranks' share - and argument evaluation order is unspecified.)
+          int one_ctas = 0;
+          const std::vector<uint64_t> one_raw = fused::trace_read(one_ctas);
+          summarise_trace("world 1", one_ctas, one_raw);
+          std::fflush(stdout);
+        }
+        l.comm->bootstrap().barrier();
+      }
       CK(cudaEventDestroy(start));
       CK(cudaEventDestroy(stop));
       l.comm->synchronize(l.s);
@@ -331,25 +472,46 @@ int main(int argc, char** argv) {
   args.iters = 5;
   Op op = Op::kLayer;
   std::map<std::pair<std::string, int64_t>, double> torch_ms;
+  std::string trace_model;
+  int64_t trace_tokens = 0;
   const auto extra = [&](const std::string& key, const std::string& value) {
     if (key == "--op" && (value == "moe_layer" || value == "moe_dispatch_gemm")) {
       op = value == "moe_layer" ? Op::kLayer : Op::kDispatchGemm;
       return true;
     }
+    if (key == "--trace") {
+      const std::size_t colon = value.find(':');
+      if (colon == std::string::npos) return false;
+      trace_model = value.substr(0, colon);
+      trace_tokens = std::atoll(value.c_str() + colon + 1);
+      return trace_tokens > 0;
+    }
     return key == "--torch" && parse_torch(value, torch_ms);
   };
   if (!mk::bench::parse_inprocess_args(argc, argv, args, extra,
                                        " [--op moe_layer|moe_dispatch_gemm] "
-                                       "[--torch MODEL:TOKENS:MS,...]")) {
+                                       "[--torch MODEL:TOKENS:MS,...] [--trace MODEL:TOKENS]")) {
     return 2;
   }
+  const bool trace = !trace_model.empty();
+  if (trace) setenv("MKERNEL_TRACE", "1", 1);  // read when a communicator is created
   const int world = args.ranks, iters = args.iters;
   const char* kernel = op == Op::kLayer ? "moe_layer" : "moe_dispatch_gemm";
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);  // a queue per rank's stream
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
   std::vector<Point> points;
-  if (op == Op::kLayer) {
+  if (trace) {
+    for (const Point& p : {Point{"deepseek_v3", 7168, 2048, 256, 8, trace_tokens},
+                           Point{"qwen3_235b", 4096, 1536, 128, 8, trace_tokens},
+                           Point{"mixtral", 4096, 14336, 8, 2, trace_tokens}}) {
+      if (trace_model == p.model) points.push_back(p);
+    }
+    if (points.empty()) {
+      std::fprintf(stderr, "--trace %s: deepseek_v3, qwen3_235b or mixtral\n", trace_model.c_str());
+      return 2;
+    }
+  } else if (op == Op::kLayer) {
     for (int64_t t : {1024, 4096}) {
       points.push_back({"deepseek_v3", 7168, 2048, 256, 8, t});
       points.push_back({"qwen3_235b", 4096, 1536, 128, 8, t});
@@ -371,7 +533,7 @@ int main(int argc, char** argv) {
   bool all_ok = true;
   for (const Point& p : points) {
     if (p.experts % world != 0) continue;
-    const Result r = run_point(op, p, world, iters);
+    const Result r = run_point(op, p, world, iters, trace, prop.multiProcessorCount);
     const double routed = static_cast<double>(world) * p.tokens * p.top_k;
     const double flops = (op == Op::kLayer ? 6.0 : 2.0) * routed * p.hidden * p.inter;
     const double ratio = r.ranks_ms / r.world1_ms;

@@ -30,6 +30,7 @@
 #include "bench_rank.h"
 #include "fused/trace_layout.h"
 #include "mkernel/mkernel.h"
+#include "trace_records.h"
 
 namespace {
 
@@ -80,13 +81,7 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-struct Record {
-  double us;  // since the launch's first record
-  uint32_t event, arg;
-};
-
-// Records of one lane of one CTA, in order.
-using Lane = std::vector<Record>;
+using bench::TraceRecord;
 
 struct Totals {  // microseconds summed over consumer lanes (or side lanes)
   double mainloop = 0, remote_epilogue = 0, own_wait = 0, own_epilogue = 0, after_done = 0;
@@ -114,27 +109,9 @@ void bin_add(std::vector<double>& bins, double a, double b, double span) {
 // `movers`: the plan's comm_ctas (the first CTAs move data with their side threads).
 void summarise(int rank, int ctas, int movers, const std::vector<uint64_t>& raw, double event_ms,
                FILE* csv) {
-  uint64_t t0 = ~0ull;
-  for (std::size_t i = 0; i + 1 < raw.size(); i += 2) {
-    if (raw[i] != 0) t0 = std::min(t0, raw[i]);
-  }
-  std::vector<std::vector<Lane>> lanes(ctas, std::vector<Lane>(kTraceLanes));
-  double span = 0;
-  for (int c = 0; c < ctas; ++c) {
-    for (int l = 0; l < kTraceLanes; ++l) {
-      const uint64_t* row =
-          raw.data() + (static_cast<std::size_t>(c) * kTraceLanes + l) * kTraceWordsPerLane;
-      for (int r = 0; 2 * r + 1 < kTraceWordsPerLane && row[2 * r] != 0; ++r) {
-        Record rec{(row[2 * r] - t0) / 1e3, static_cast<uint32_t>(row[2 * r + 1] & 0xff),
-                   static_cast<uint32_t>(row[2 * r + 1] >> 8)};
-        lanes[c][l].push_back(rec);
-        span = std::max(span, rec.us);
-        if (csv != nullptr) {
-          std::fprintf(csv, "%d,%d,%d,%.3f,%u,%u\n", rank, c, l, rec.us, rec.event, rec.arg);
-        }
-      }
-    }
-  }
+  const bench::Timeline timeline = bench::read_timeline(raw, ctas, rank, csv);
+  const auto& lanes = timeline.lanes;
+  const double span = timeline.span;
   Totals tot;
   std::vector<double> b_main(kBins), b_epi(kBins), b_wait(kBins), b_side(kBins);
   std::vector<double> done_at;
@@ -143,7 +120,7 @@ void summarise(int rank, int ctas, int movers, const std::vector<uint64_t>& raw,
     for (int l = kTraceConsumer0; l < kTraceConsumer0 + 2; ++l) {
       double prev_end = start, begin = 0, waited = -1, added = -1;
       bool remote = false;
-      for (const Record& r : lanes[c][l]) {
+      for (const TraceRecord& r : lanes[c][l]) {
         switch (r.event) {
           case kTraceStoreBegin:
             begin = r.us;
@@ -191,7 +168,7 @@ void summarise(int rank, int ctas, int movers, const std::vector<uint64_t>& raw,
       }
     }
     double wait_at = -1;
-    for (const Record& r : lanes[c][kTraceProducer]) {
+    for (const TraceRecord& r : lanes[c][kTraceProducer]) {
       if (r.event == kTraceOperandsWait) wait_at = r.us;
       if (r.event == kTraceOperandsIn && wait_at >= 0) {
         tot.operand_wait += r.us - wait_at;
@@ -200,7 +177,7 @@ void summarise(int rank, int ctas, int movers, const std::vector<uint64_t>& raw,
       }
     }
     double item_at = -1;
-    for (const Record& r : lanes[c][kTraceSide]) {
+    for (const TraceRecord& r : lanes[c][kTraceSide]) {
       if (r.event == kTraceItem) item_at = r.us;
       if (r.event == kTraceSent && item_at >= 0) {
         tot.side_busy += r.us - item_at;

@@ -263,7 +263,9 @@ step_compare() {
 # Timelines of gemm_rs / gemm_ar launches (bench/trace_fused.cpp, two ranks: processes on two
 # GPUs, threads of one process on one GPU): the summaries go to stdout, the records to
 # $OUT/trace.tar.gz. TRACE_CASES: "kernel:MxNxK[:VAR=value,...[:--option,value,...]]" words
-# (options of trace_fused, e.g. --comm-ctas,16).
+# (options of trace_fused, e.g. --comm-ctas,16); "moe_dispatch_gemm:MODEL/TOKENS" or
+# "moe_layer:MODEL/TOKENS" (tokens a rank; bench_moe_ranks --trace: two ranks as threads and world
+# 1 on the same work, summaries only), e.g. TRACE_CASES=moe_dispatch_gemm:qwen3_235b/4096.
 step_trace() {
   local dir=/tmp/mk-trace rc=0 c kernel shape envs opts i=0
   [[ -x "$BUILD/bench/trace_fused" ]] || { log "no $BUILD/bench/trace_fused"; return 1; }
@@ -275,7 +277,10 @@ step_trace() {
     IFS=: read -r kernel shape envs opts <<<"$c"
     i=$((i + 1))
     echo "=== trace $c"
-    if ((gpus >= 2)); then
+    if [[ "$kernel" == moe_* ]]; then  # moe_dispatch_gemm:MODEL/TOKENS (tokens a rank)
+      env ${envs//,/ } timeout 300 "$BUILD/bench/bench_moe_ranks" --op "$kernel" --ranks 2 \
+        --iters 3 --trace "${shape/\//:}" ${opts//,/ } || rc=1
+    elif ((gpus >= 2)); then
       env ${envs//,/ } timeout 120 "$BUILD/mkrun" -n 2 -- "$BUILD/bench/trace_fused" \
         --kernel "$kernel" --shape "$shape" ${opts//,/ } --csv "$dir/$i-$kernel-$shape.csv" ||
         rc=1

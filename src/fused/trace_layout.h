@@ -18,7 +18,9 @@ constexpr int kTraceSide = 0;       // the producer warpgroup's side threads (th
 constexpr int kTraceConsumer0 = 1;  // consumer c: lane 1 + c (its thread 0)
 constexpr int kTraceProducer = 3;   // the producer's TMA thread (ag_gemm: waits for operands)
 constexpr int kTraceLanes = 4;
-constexpr int kTraceWordsPerLane = 512;  // 256 records
+// 1024 records: moe_layer's CTAs run ~200 tiles (2 records each on a consumer or producer lane)
+// at DeepSeek-V3 4096 tokens a rank.
+constexpr int kTraceWordsPerLane = 2048;
 
 enum TraceEvent : uint32_t {
   kTraceNone = 0,
@@ -33,7 +35,14 @@ enum TraceEvent : uint32_t {
   kTraceItem = 11,       // an item arrived
   kTraceSent = 12,       // its copies are issued and signalled
   kTraceSideEnd = 13,
-  // producer (ag_gemm; argument: the tile's shard)
+  // MoE side threads (moe_dispatch_gemm, moe_layer; argument 0)
+  kTraceLanded = 14,  // every other rank's rows have landed (the walk may start)
+  kTracePlaced = 15,  // the walk is done: every row bound here placed
+  // moe_layer, consumer 0's leader: kTraceDone when the CTA's tiles are done (its combine sums
+  // start), then
+  kTraceSummed = 16,  // its warp's share of the combine sums is done
+  // producer (ag_gemm: argument the tile's shard; MoE: the local expert, + 1 << 16 for a down
+  // tile of moe_layer waiting for its gate / up tiles)
   kTraceOperandsWait = 20,  // a peer's tile: waiting for its rows to arrive
   kTraceOperandsIn = 21,    // they have: its loads start
 };

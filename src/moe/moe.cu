@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <string>
 
+#include "fused/trace_layout.h"
 #include "gemm/gemm_internal.h"
 #include "gemm/launch.cuh"
 #include "mkernel/error.h"
@@ -365,6 +366,9 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
   const moe::Workspace ws = workspace_of(c.workspace, c.plan.offsets);
   const DeviceComm dc = comm.device_comm();
   const int tiles_n = static_cast<int>((n + block_n - 1) / block_n);
+  // The timeline's buffer (null unless MKERNEL_TRACE) before the launches that peers wait for:
+  // growing it allocates and frees (a device sync), and may throw.
+  uint64_t* const trace = fused::trace_arm(comm, plan.ctas, stream);
   launch_route_notify(dc, d, ws, topk_idx, index_type, c.plan.chunks(problem.tokens), tiles_n,
                       expert_rows, stream, kDispatchGemm);
   gemm_engine::dispatch(block_n, w_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
@@ -386,6 +390,7 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
     f.x = static_cast<const __nv_bfloat16*>(x);
     f.recv = static_cast<__nv_bfloat16*>(recv_x);
     f.handle = handle;
+    f.trace = trace;
     const CUtensorMap map_b =
         kTransB ? gemm_engine::make_map_3d(w, d.experts_local, problem.hidden, n, 64)
                 : gemm_engine::make_map_3d(w, d.experts_local, n, problem.hidden, kBlockN);
@@ -476,6 +481,7 @@ void moe::launch_layer(Communicator& comm, const MoeProblem& problem, int64_t in
     f.dispatch.handle = handle;
     f.dispatch.drop_blocks = static_cast<int>((problem.hidden + kBlockN - 1) / kBlockN);
     f.dispatch.drop_stride = stride;
+    f.dispatch.trace = fused::trace_arm(comm, plan.ctas, stream);  // null unless MKERNEL_TRACE
     f.weights = topk_weights;
     f.out = static_cast<__nv_bfloat16*>(out);
     f.count_stride = stride;

@@ -34,6 +34,7 @@
 
 #include <cstdint>
 
+#include "fused/trace.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "gemm/grouped_gemm.cuh"
 #include "moe/moe_kernels.cuh"
@@ -173,7 +174,7 @@ struct MoeDispatchGemm {
   // registers for them without spilling (ptxas, every width; 72 spilled 16 bytes); the
   // consumers' 208 hold the widest tile's 128 accumulators without spilling too.
   static constexpr gemm_engine::FusionTraits kTraits{
-      .batched_b = true, .producer_regs = 88, .consumer_regs = 208};
+      .init_shared = true, .batched_b = true, .producer_regs = 88, .consumer_regs = 208};
   static constexpr int kSideBarrier = 3;  // named barrier of the 96 side threads
 
   gemm_engine::GroupedGemm<kBlockN> grouped;  // A = recv [rows, H], C = y, the layout's tables
@@ -182,11 +183,12 @@ struct MoeDispatchGemm {
   Workspace ws;
   const void* topk;  // [T, k] int32 or int64 (topk_int64)
   bool topk_int64;
-  const __nv_bfloat16* x;  // [T, H]
-  __nv_bfloat16* recv;     // [rows, H]: the layout's rows, the GEMM's A
-  int32_t* handle;         // [rows][3]
-  int drop_blocks = 0;     // moe_layer: column blocks a dropped row counts in at its source
-  int drop_stride = 0;     // (its combine counters per token; 0 blocks: moe_dispatch_gemm)
+  const __nv_bfloat16* x;     // [T, H]
+  __nv_bfloat16* recv;        // [rows, H]: the layout's rows, the GEMM's A
+  int32_t* handle;            // [rows][3]
+  int drop_blocks = 0;        // moe_layer: column blocks a dropped row counts in at its source
+  int drop_stride = 0;        // (its combine counters per token; 0 blocks: moe_dispatch_gemm)
+  uint64_t* trace = nullptr;  // timeline records (fused/trace.cuh), or null
 
   struct ConsumerState {};
 
@@ -201,12 +203,16 @@ struct MoeDispatchGemm {
   // The tile's rows have all been placed.
   __device__ void wait_operands(const gemm_engine::Tile& tile) const {
     if (tile.rows <= 0) return;
+    fused::trace_mark(trace, fused::kTraceProducer, fused::kTraceOperandsWait, tile.shard);
     const int64_t b = block_of(tile.shard, tile.row);
     const dev::Launch launch = dev::Launch::begin(comm);
     const uint64_t* counter = ws.at<uint64_t>(d.me, ws.counters) + b;
     launch.wait_local(counter, static_cast<uint64_t>(tile.rows), static_cast<uint32_t>(b));
     dev::fence_proxy_async_global();
+    fused::trace_mark(trace, fused::kTraceProducer, fused::kTraceOperandsIn, tile.shard);
   }
+
+  __device__ void init_shared() const { fused::trace_init(); }
 
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
     grouped.load_a(dst, bar, tile, k0);
@@ -215,8 +221,12 @@ struct MoeDispatchGemm {
   template <int kRegs>
   __device__ void store(const float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
                         uint8_t* scratch, ConsumerState&) const {
+    const bool leader = threadIdx.x % 128 == 0;
+    if (leader)
+      fused::trace_mark(trace, fused::kTraceConsumer0 + consumer, fused::kTraceStoreBegin);
     typename gemm_engine::GroupedGemm<kBlockN>::ConsumerState state{};
     grouped.store(acc, tile, consumer, scratch, state);
+    if (leader) fused::trace_mark(trace, fused::kTraceConsumer0 + consumer, fused::kTraceStoreEnd);
   }
 
   __device__ void consumer_done(ConsumerState&) const {}
@@ -306,6 +316,7 @@ struct MoeDispatchGemm {
     const int32_t* tables = ws.at<int32_t>(me, ws.layout);
     const int32_t* pos = ws.at<int32_t>(me, ws.pos);
     const int4* x16 = reinterpret_cast<const int4*>(x);
+    if (thread == 0) fused::trace_mark(trace, fused::kTraceSide, fused::kTraceSideStart);
 
     // 1. Channel c's share of the rows for each other rank, chunk by chunk.
     for (int i = 1; i < d.world; ++i) {
@@ -340,6 +351,7 @@ struct MoeDispatchGemm {
           dev::Launch::begin(comm).signal(dst, dev::signal_index(SignalId::kOp, c), ++chunk);
         }
       }
+      if (thread == 0) fused::trace_mark(trace, fused::kTraceSide, fused::kTraceSent, dst);
     }
 
     // 2. Every other rank's rows have landed (all its channels' chunks): the walk below takes
@@ -356,6 +368,7 @@ struct MoeDispatchGemm {
       }
     }
     if (dev::named_barrier_or(kSideBarrier, threads, failed)) return;
+    if (thread == 0) fused::trace_mark(trace, fused::kTraceSide, fused::kTraceLanded);
 
     // 3. Every row bound here, local or received, in layout order, in units of kChunkRows taken
     //    by the CTAs in turn: the first experts' blocks fill first, as the tiles want them. A row
@@ -378,6 +391,8 @@ struct MoeDispatchGemm {
         }
       }
     }
+    if (thread == 0) fused::trace_mark(trace, fused::kTraceSide, fused::kTracePlaced);
+
     // 4. The handle's rows that no (source, token, slot) landed in.
     for (int e = c; e < el_n; e += channels) {
       const int64_t start = tables[lt.start + e];
@@ -391,6 +406,7 @@ struct MoeDispatchGemm {
       share(d.capacity - used, c, channels, lo, hi);
       unused_rows(used + lo, used + hi, thread, threads);
     }
+    if (thread == 0) fused::trace_mark(trace, fused::kTraceSide, fused::kTraceSideEnd);
   }
 };
 static_assert(gemm_engine::check_fusion_widths<MoeDispatchGemm>());

@@ -40,8 +40,11 @@ template <int kBlockN>
 struct MoeLayerFused {
   // The side warps place rows (88 registers, as moe_dispatch_gemm's); the consumers hold the
   // widest tile's accumulators in the rest.
-  static constexpr gemm_engine::FusionTraits kTraits{
-      .load_b = true, .split_k = true, .producer_regs = 88, .consumer_regs = 208};
+  static constexpr gemm_engine::FusionTraits kTraits{.init_shared = true,
+                                                     .load_b = true,
+                                                     .split_k = true,
+                                                     .producer_regs = 88,
+                                                     .consumer_regs = 208};
 
   MoeDispatchGemm<kBlockN> dispatch;              // the rows' placement and the tiles' waits for
                                                   // them (its `grouped` is not used)
@@ -55,13 +58,18 @@ struct MoeLayerFused {
   __device__ int num_tiles() const { return gemms.num_tiles(); }
   __device__ gemm_engine::Tile tile(int t) const { return gemms.tile(t); }
 
+  // (Traced through dispatch.trace, as the side warps' placement is.)
   __device__ void wait_operands(const gemm_engine::Tile& tile) const {
     if (gemms.is_down(tile)) {
+      const uint32_t arg = static_cast<uint32_t>(tile.shard) + (1u << 16);
+      fused::trace_mark(dispatch.trace, fused::kTraceProducer, fused::kTraceOperandsWait, arg);
       gemms.wait_operands(tile);
+      fused::trace_mark(dispatch.trace, fused::kTraceProducer, fused::kTraceOperandsIn, arg);
     } else {
       dispatch.wait_operands(tile);
     }
   }
+  __device__ void init_shared() const { fused::trace_init(); }
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
     gemms.load_a(dst, bar, tile, k0);
   }
@@ -84,6 +92,16 @@ struct MoeLayerFused {
   template <int kRegs>
   __device__ void store(const float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
                         uint8_t* scratch, ConsumerState& state) const {
+    const bool leader = threadIdx.x % 128 == 0;
+    const int lane = fused::kTraceConsumer0 + consumer;
+    if (leader)
+      fused::trace_mark(dispatch.trace, lane, fused::kTraceStoreBegin, gemms.is_down(tile));
+    store_tile(acc, tile, consumer, scratch, state);
+    if (leader) fused::trace_mark(dispatch.trace, lane, fused::kTraceStoreEnd);
+  }
+  template <int kRegs>
+  __device__ void store_tile(const float (&acc)[kRegs], const gemm_engine::Tile& tile, int consumer,
+                             uint8_t* scratch, ConsumerState& state) const {
     if (!gemms.is_down(tile)) {
       gemms.store(acc, tile, consumer, scratch, state);
       return;
@@ -230,8 +248,13 @@ struct MoeLayerFused {
   __device__ void finish() const {
     __syncthreads();
     const int warps = static_cast<int>(blockDim.x) / 32;
+    if (threadIdx.x == 128)
+      fused::trace_mark(dispatch.trace, fused::kTraceConsumer0, fused::kTraceDone);
     combine(static_cast<int>(blockIdx.x) * warps + static_cast<int>(threadIdx.x) / 32,
             static_cast<int>(gridDim.x) * warps, static_cast<int>(threadIdx.x) % 32);
+    if (threadIdx.x == 128) {
+      fused::trace_mark(dispatch.trace, fused::kTraceConsumer0, fused::kTraceSummed);
+    }
     dispatch.finish();
   }
 };

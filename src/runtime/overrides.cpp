@@ -86,7 +86,7 @@ const std::vector<OverrideInfo>& override_table() {
        "split the ranks into virtual nodes of this many ranks"},
       {"MKERNEL_PRINT_CONFIG", "0 or 1", "print the configuration each launch picks (rank 0)"},
       {"MKERNEL_TRACE", "0 or 1",
-       "record ag_gemm / gemm_rs / gemm_ar timelines (bench/trace_fused reads them)"},
+       "record the fused kernels' timelines (bench/trace_fused, bench/bench_moe_ranks --trace)"},
       {"MKERNEL_GEMM_BLOCK_N", "64, 128, 192 or 256",
        "GEMM tile width, where the call's config leaves it to the library"},
       {"MKERNEL_COMM_CTAS", "integer >= 1", "ag_gemm: CTAs whose spare warps push the shard"},
