@@ -15,7 +15,9 @@
 //       3. place   every row bound here in layout order - this rank's own from x (by_local),
 //                  received ones from their staging (recv_order) - in units of kChunkRows taken
 //                  by the CTAs in turn: the first experts' blocks fill first, whatever the
-//                  world size (a block's rows come from several sources)
+//                  world size (a block's rows come from several sources); a warp's rows of a
+//                  unit looked up side by side (a lane each), their bytes asked of L2 ahead of
+//                  the copy (prefetch), one fence before their counts
 //       4. the handle's unused rows set to -1
 //       every placed row counts itself into its 128-row block's arrival counter
 //     producer: before a tile's first load, waits until its block counter reaches the tile's
@@ -43,6 +45,9 @@
 namespace mk::moe {
 
 constexpr int kChunkRows = 16;  // rows per signalled chunk (remote) or unit (local)
+static_assert(kChunkRows <= 32, "a warp's rows of a unit: one lane each");
+// The walk's rows a warp has asked L2 for ahead of its copy (each 2 * hidden bytes).
+constexpr int kPrefetchRows = 3;
 
 // One CTA of kThreads: the layout of this rank's receive side (moe_plan.h, LayoutTables).
 __global__ void __launch_bounds__(kThreads, 1)
@@ -237,22 +242,6 @@ struct MoeDispatchGemm {
     return topk_int64 ? static_cast<const int64_t*>(topk)[p] : static_cast<const int32_t*>(topk)[p];
   }
 
-  // A row placed at `row` of local expert e: the handle, then (after the warp's stores) the
-  // block's count. All lanes of the warp call.
-  __device__ void placed(int e, int row, int src, int token, int slot, int lane) const {
-    __syncwarp();
-    if (lane == 0) {
-      int32_t* h = handle + static_cast<int64_t>(row) * 3;
-      h[0] = src;
-      h[1] = token;
-      h[2] = slot;
-      __threadfence();  // the row's bytes (every lane's, ordered by __syncwarp) before the count
-      atomicAdd(reinterpret_cast<unsigned long long*>(ws.at<uint64_t>(d.me, ws.counters) +
-                                                      block_of(e, row)),
-                1ull);
-    }
-  }
-
   // A row past its expert's room (the capacity error, which notify recorded): moe_layer counts
   // it as done at its source in every column block, so that the sums there do not wait for it
   // (they leave it out: its flag is not set). One lane calls.
@@ -284,18 +273,13 @@ struct MoeDispatchGemm {
             v % k, staged};
   }
 
-  // One warp copies the row `from` names to layout row `row` of local expert e and counts it
-  // (both kinds through L2: a staged row may have landed during the launch; x's rows as well,
-  // one copy loop - docs/design/moe.md, the placement order).
-  __device__ void place(int e, int row, const RowSource& from, int lane) const {
-    const int n16 = static_cast<int>(d.hidden / 8);
-    const int4* src =
-        from.staged < 0 ? reinterpret_cast<const int4*>(x) + static_cast<int64_t>(from.token) * n16
-                        : reinterpret_cast<const int4*>(ws.at<__nv_bfloat16>(d.rank, ws.recv_x)) +
-                              (static_cast<int64_t>(from.src) * d.max_tokens + from.staged) * n16;
-    copy_row_warp<true>(src, reinterpret_cast<int4*>(recv) + static_cast<int64_t>(row) * n16, n16,
-                        lane);
-    placed(e, row, from.src, from.token, from.slot, lane);
+  // The row `from` names: this rank's token in x, or a received row in its source's staging.
+  __device__ const int4* source_row(const RowSource& from) const {
+    const int64_t n16 = d.hidden / 8;
+    return from.staged < 0
+               ? reinterpret_cast<const int4*>(x) + from.token * n16
+               : reinterpret_cast<const int4*>(ws.at<__nv_bfloat16>(d.rank, ws.recv_x)) +
+                     (static_cast<int64_t>(from.src) * d.max_tokens + from.staged) * n16;
   }
 
   // Rows [first, last) of the layout's unused tail of expert e's region: handle -1.
@@ -374,22 +358,50 @@ struct MoeDispatchGemm {
     //    by the CTAs in turn: the first experts' blocks fill first, as the tiles want them. A row
     //    past its expert's room (the capacity error notify recorded) is not placed: moe_layer
     //    counts it done at its source.
+    //    A warp takes its rows of a unit (q = unit + warp + j * warps) together: lane j looks
+    //    row j up (expert, layout row, source), writes its handle and asks L2 for its bytes
+    //    kPrefetchRows rows ahead of the warp's copy; the warp copies the rows one by one (both
+    //    kinds through L2: a staged row may have landed during the launch; x's rows as well, one
+    //    copy loop), then after one fence each lane counts its row into its block.
     const int32_t* before = tables + lt.before;
     const int bound = before[el_n];
+    const auto row_bytes = static_cast<uint32_t>(n16) * 16;
+    int4* recv16 = reinterpret_cast<int4*>(recv);
+    auto* counters = reinterpret_cast<unsigned long long*>(ws.at<uint64_t>(me, ws.counters));
     for (int unit = c * kChunkRows; unit < bound; unit += channels * kChunkRows) {
       const int end = min(bound, unit + kChunkRows);
-      // The warp's first row of the unit by a search, the next ones stepping on from it.
-      int e = unit + warp < end ? walk_expert(before, el_n, unit + warp) : 0;
-      for (int q = unit + warp; q < end; q += warps) {
-        e = walk_expert_from(before, e, q);
-        const int at = q - before[e];
-        const RowSource from = source_of(tables, lt, e, at);
-        if (at < tables[lt.row_count + e]) {
-          place(e, tables[lt.start + e] + at, from, lane);
-        } else if (lane == 0) {
+      const int q = unit + warp + lane * warps,
+                rows = max(0, end - unit - warp + warps - 1) / warps;
+      int e = -1, row = 0;  // e < 0: no row to place on this lane
+      const int4* from_row = nullptr;
+      if (q < end) {
+        const int found = walk_expert(before, el_n, q), at = q - before[found];
+        const RowSource from = source_of(tables, lt, found, at);
+        if (at < tables[lt.row_count + found]) {
+          e = found;
+          row = tables[lt.start + e] + at;
+          from_row = source_row(from);
+          int32_t* h = handle + static_cast<int64_t>(row) * 3;
+          h[0] = from.src;
+          h[1] = from.token;
+          h[2] = from.slot;
+          if (lane < kPrefetchRows) dev::prefetch_l2(from_row, row_bytes);
+        } else {
           dropped(from.src, from.token);
         }
       }
+      for (int j = 0; j < rows; ++j) {
+        if (lane == j + kPrefetchRows && e >= 0) dev::prefetch_l2(from_row, row_bytes);
+        const auto* s = reinterpret_cast<const int4*>(
+            __shfl_sync(~0u, reinterpret_cast<unsigned long long>(from_row), j));
+        const int r = __shfl_sync(~0u, row, j);
+        if (s != nullptr) {
+          copy_row_warp<true>(s, recv16 + static_cast<int64_t>(r) * n16, n16, lane);
+        }
+      }
+      __syncwarp();     // every lane's stores of every row, then
+      __threadfence();  // before the counts
+      if (e >= 0) atomicAdd(counters + block_of(e, row), 1ull);
     }
     if (thread == 0) fused::trace_mark(trace, fused::kTraceSide, fused::kTracePlaced);
 

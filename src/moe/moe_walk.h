@@ -18,13 +18,6 @@ MK_HOST_DEVICE inline int walk_expert(const int32_t* before, int experts_local, 
   return last_at_or_below(before, experts_local, q);
 }
 
-// The same for a walk index at or past one of expert e's rows: e, or the next expert with rows
-// (stepping past the empty ones), without a search - a warp's next row of a unit.
-MK_HOST_DEVICE inline int walk_expert_from(const int32_t* before, int e, int q) {
-  while (before[e + 1] <= q) ++e;
-  return e;
-}
-
 // Row `at` of local expert e (counted from the expert's first row, fitting or not): its source
 // rank and its index among that source's rows bound here in layout order - by_local's index for
 // this rank's own rows, recv_order's in the source's region for another's (the tables' pre and
