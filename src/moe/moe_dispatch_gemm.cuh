@@ -374,7 +374,7 @@ struct MoeDispatchGemm {
                 rows = max(0, end - unit - warp + warps - 1) / warps;
       int e = -1, row = 0;  // e < 0: no row to place on this lane
       const int4* from_row = nullptr;
-      if (q < end) {
+      if (lane < rows) {  // (q < end, without q's overflow near 2^31 on the idle lanes)
         const int found = walk_expert(before, el_n, q), at = q - before[found];
         const RowSource from = source_of(tables, lt, found, at);
         if (at < tables[lt.row_count + found]) {
