@@ -8,7 +8,8 @@
 #   bash scripts/ab_variants.sh ROUNDS VARIANT...    e.g.  2 - a.patch a.patch,b.patch
 #
 # Prints each round's tables with the variant named; every results file goes into
-# $OUT/ab-results.tar.gz as v<variant>-r<round>/<file>. The checkout is left as it was.
+# $OUT/ab-results.tar.gz as v<variant>-r<round>/<file> (scripts/ab_table.py prints each variant's
+# best time and its ratio to variant 0 from it). The checkout is left as it was.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 rounds="${1:?usage: ab_variants.sh ROUNDS VARIANT...}"
