@@ -204,17 +204,12 @@ void summarise_trace(const char* who, int ctas, const std::vector<uint64_t>& raw
     std::printf("%s: no trace records (%d CTAs)\n", who, ctas);
     return;
   }
-  const double span = tl.span, bin = span / 10;
+  const double span = tl.span, bin = span / bench::kTraceBins;
   std::vector<double> sent, landed, placed, first_in, last_done, summed;
   double wait_us = 0, down_wait_us = 0, main_us = 0, epi_us = 0;
   int tiles = 0, waited = 0;
-  std::vector<double> b_wait(10), b_place(10), b_tiles(10);
-  auto add = [&](std::vector<double>& bins, double a, double b) {
-    for (int i = 0; i < 10; ++i) {
-      const double lo = bin * i, hi = bin * (i + 1), o = std::min(b, hi) - std::max(a, lo);
-      if (o > 0) bins[i] += o;
-    }
-  };
+  std::vector<double> b_wait(bench::kTraceBins), b_place(bench::kTraceBins),
+      b_tiles(bench::kTraceBins);
   for (int c = 0; c < ctas; ++c) {
     const auto& side = tl.lanes[c][kTraceSide];
     double start = side.empty() ? 0 : side.front().us, last_sent = -1, landed_at = -1;
@@ -226,7 +221,8 @@ void summarise_trace(const char* who, int ctas, const std::vector<uint64_t>& raw
       }
       if (r.event == kTracePlaced) {
         placed.push_back(r.us);
-        if (landed_at >= 0) add(b_place, landed_at, r.us);  // the walk (step 3) only
+        if (landed_at >= 0)
+          bench::bin_add(b_place, landed_at, r.us, span);  // the walk (step 3) only
       }
     }
     if (last_sent >= 0) sent.push_back(last_sent);
@@ -239,7 +235,7 @@ void summarise_trace(const char* who, int ctas, const std::vector<uint64_t>& raw
       const bool down = (r.arg >> 16) != 0;
       (down ? down_wait_us : wait_us) += w;
       if (!down && w > 1) ++waited;
-      add(b_wait, at, r.us);
+      bench::bin_add(b_wait, at, r.us, span);
       if (first) first_in.push_back(r.us);
       first = false;
       at = -1;
@@ -254,7 +250,8 @@ void summarise_trace(const char* who, int ctas, const std::vector<uint64_t>& raw
           epi_us += r.us - begin;
           prev = r.us;
           ++tiles;
-          b_tiles[std::min(9, static_cast<int>(r.us / bin))] += 1;  // (a count, not a length)
+          b_tiles[std::min(bench::kTraceBins - 1, static_cast<int>(r.us / bin))] +=
+              1;  // (a count, not a length)
         } else if (r.event == kTraceSummed) {
           summed.push_back(r.us);
         }
@@ -278,7 +275,7 @@ void summarise_trace(const char* who, int ctas, const std::vector<uint64_t>& raw
       100 * (consumers - main_us - epi_us) / consumers, spread(last_done).c_str(),
       summed.empty() ? "" : "; combine sums done ", summed.empty() ? "" : spread(summed).c_str(),
       bin);
-  for (int i = 0; i < 10; ++i) {
+  for (int i = 0; i < bench::kTraceBins; ++i) {
     std::printf("    %2d  %5.1f %5.1f  %6.0f\n", i, 100 * b_wait[i] / (ctas * bin),
                 100 * b_place[i] / (ctas * bin), b_tiles[i]);
   }

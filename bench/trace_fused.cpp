@@ -95,16 +95,8 @@ struct Totals {  // microseconds summed over consumer lanes (or side lanes)
   int mover_tiles = 0;
 };
 
-constexpr int kBins = 10;
-
-// Adds [a, b) of one activity to the time bins (share of each bin).
-void bin_add(std::vector<double>& bins, double a, double b, double span) {
-  for (int i = 0; i < kBins; ++i) {
-    const double lo = span * i / kBins, hi = span * (i + 1) / kBins;
-    const double overlap = std::min(b, hi) - std::max(a, lo);
-    if (overlap > 0) bins[i] += overlap;
-  }
-}
+using bench::bin_add;
+constexpr int kBins = bench::kTraceBins;
 
 // `movers`: the plan's comm_ctas (the first CTAs move data with their side threads).
 void summarise(int rank, int ctas, int movers, const std::vector<uint64_t>& raw, double event_ms,

@@ -55,4 +55,16 @@ inline Timeline read_timeline(const std::vector<uint64_t>& raw, int ctas, int ra
   return t;
 }
 
+// The timelines' summaries cut a launch into kTraceBins equal bins of its span.
+constexpr int kTraceBins = 10;
+
+// Adds the part of [a, b) that falls in each bin of [0, span) to bins[] (kTraceBins of them).
+inline void bin_add(std::vector<double>& bins, double a, double b, double span) {
+  for (int i = 0; i < kTraceBins; ++i) {
+    const double lo = span * i / kTraceBins, hi = span * (i + 1) / kTraceBins;
+    const double overlap = std::min(b, hi) - std::max(a, lo);
+    if (overlap > 0) bins[i] += overlap;
+  }
+}
+
 }  // namespace mk::bench
