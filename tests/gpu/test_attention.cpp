@@ -281,6 +281,29 @@ TEST(Attention, LastWaveSplit) {
   }
 }
 
+// Few CTAs, so that each runs many items one after another (no last-wave split): tiles that
+// see no key between tiles that do (causal with S_q > S_kv: O = 0, LSE = -inf), partial tiles,
+// GQA, D 64 and 128 - the hand-over from one item to the next in the consumers and the
+// producer's Q and K/V loads across it.
+TEST(Attention, ManyItemsPerCta) {
+  MKT_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::pair<Case, int> cases[] = {
+      {{1, 777, 300, 4, 4, 64, true}, 5},  // 28 items on 5 CTAs, 12 of them see no key
+      {{1, 777, 300, 4, 4, 128, true}, 5},
+      {{2, 640, 640, 4, 2, 64, false}, 3},   // 40 items on 3 CTAs
+      {{1, 1000, 1000, 2, 1, 64, true}, 4},  // diagonal blocks, the last tile partial
+  };
+  for (const auto& [c, sms] : cases) {
+    AttentionConfig config;
+    config.sms = sms;
+    const AttentionPlan plan = attention_plan(problem_of(c), config);
+    EXPECT_EQ(plan.split_items, 0) << describe(c) << ": " << plan.describe();
+    expect_attention_matches(c, seed, config);
+  }
+}
+
 // Captured once, replayed on new inputs written into the same buffers.
 TEST(Attention, GraphReplaysOnNewInputs) {
   MKT_REQUIRE_GPU();
