@@ -497,11 +497,15 @@ int main(int argc, char** argv) {
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);  // a queue per rank's stream
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
+  // The three models' shapes at `tokens` a rank.
+  const auto models = [](int64_t tokens) {
+    return std::vector<Point>{{"deepseek_v3", 7168, 2048, 256, 8, tokens},
+                              {"qwen3_235b", 4096, 1536, 128, 8, tokens},
+                              {"mixtral", 4096, 14336, 8, 2, tokens}};
+  };
   std::vector<Point> points;
   if (trace) {
-    for (const Point& p : {Point{"deepseek_v3", 7168, 2048, 256, 8, trace_tokens},
-                           Point{"qwen3_235b", 4096, 1536, 128, 8, trace_tokens},
-                           Point{"mixtral", 4096, 14336, 8, 2, trace_tokens}}) {
+    for (const Point& p : models(trace_tokens)) {
       if (trace_model == p.model) points.push_back(p);
     }
     if (points.empty()) {
@@ -510,16 +514,12 @@ int main(int argc, char** argv) {
     }
   } else if (op == Op::kLayer) {
     for (int64_t t : {1024, 4096}) {
-      points.push_back({"deepseek_v3", 7168, 2048, 256, 8, t});
-      points.push_back({"qwen3_235b", 4096, 1536, 128, 8, t});
-      points.push_back({"mixtral", 4096, 14336, 8, 2, t});
+      for (const Point& p : models(t)) points.push_back(p);
     }
   } else {
     for (int64_t all : {128, 1024, 4096, 8192}) {  // bench_moe.py's points, in all
       if (all % world != 0) continue;
-      points.push_back({"deepseek_v3", 7168, 2048, 256, 8, all / world});
-      points.push_back({"qwen3_235b", 4096, 1536, 128, 8, all / world});
-      points.push_back({"mixtral", 4096, 14336, 8, 2, all / world});
+      for (const Point& p : models(all / world)) points.push_back(p);
     }
   }
   std::printf("%s in-process, %d ranks on one %s (against world 1 on the same work%s)\n", kernel,

@@ -252,9 +252,8 @@ struct MoeLayerFused {
       fused::trace_mark(dispatch.trace, fused::kTraceConsumer0, fused::kTraceDone);
     combine(static_cast<int>(blockIdx.x) * warps + static_cast<int>(threadIdx.x) / 32,
             static_cast<int>(gridDim.x) * warps, static_cast<int>(threadIdx.x) % 32);
-    if (threadIdx.x == 128) {
+    if (threadIdx.x == 128)
       fused::trace_mark(dispatch.trace, fused::kTraceConsumer0, fused::kTraceSummed);
-    }
     dispatch.finish();
   }
 };
