@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import mkernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_grouped import bench_args, time_ops, write_results  # noqa: E402
+from bench_grouped import bench_args, bench_seed, time_ops, write_results  # noqa: E402
 
 SHAPES = [(1, 32, 32, 8192, 128), (1, 32, 8, 16384, 128), (4, 16, 16, 4096, 128),
           (2, 32, 8, 4096, 128), (8, 16, 16, 1024, 128), (1, 32, 32, 2048, 64),
@@ -107,7 +107,7 @@ def main():
     if not torch.cuda.is_available():
         print("bench_attention: no CUDA GPU", file=sys.stderr)
         return 2
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = bench_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     print(f"bench_attention {args.mode}: seed {seed}, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}", flush=True)

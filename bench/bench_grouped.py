@@ -231,6 +231,13 @@ def kernel_times(fn, calls=5):
     return out
 
 
+def bench_seed():
+    """The data's seed: MKERNEL_BENCH_SEED when set (the same routing and values in every variant
+    of an A/B - scripts/ab_variants.sh sets it - or a results file's run again), else fresh."""
+    pinned = os.environ.get("MKERNEL_BENCH_SEED", "")
+    return int(pinned) if pinned else int.from_bytes(os.urandom(4), "little")
+
+
 def world1_comm():
     """A communicator of this process alone: torch.distributed (gloo) of world 1, then
     mkernel.init(). The caller ends it with torch.distributed.destroy_process_group()."""
@@ -246,7 +253,7 @@ def main():
     if not torch.cuda.is_available():
         print("bench_grouped: no CUDA GPU", file=sys.stderr)
         return 2
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = bench_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)  # the data
     cpu_gen = torch.Generator().manual_seed(seed)  # the experts' order in a Zipf skew
     experts_list, rows_list = EXPERTS, ROWS

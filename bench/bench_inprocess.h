@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -49,6 +50,14 @@ inline bool parse_inprocess_args(
     return false;
   }
   return true;
+}
+
+// The data's seed: MKERNEL_BENCH_SEED when set (the same routing and values in every variant of
+// an A/B - scripts/ab_variants.sh sets it - or a results file's run again), else the time.
+inline uint64_t bench_seed() {
+  const char* pinned = std::getenv("MKERNEL_BENCH_SEED");
+  if (pinned != nullptr && *pinned != '\0') return std::strtoull(pinned, nullptr, 10);
+  return static_cast<uint64_t>(std::time(nullptr));
 }
 
 inline double median(std::vector<double> v) {

@@ -32,8 +32,8 @@ import torch.distributed as dist
 import mkernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_grouped import (bench_args, chosen_points, time_ops, world1_comm,  # noqa: E402
-                           write_results)
+from bench_grouped import (bench_args, bench_seed, chosen_points, time_ops,  # noqa: E402
+                           world1_comm, write_results)
 
 MODELS = {  # hidden, N (the expert's intermediate), experts, top-k
     "deepseek_v3": (7168, 2048, 256, 8),
@@ -124,7 +124,7 @@ def main():
         print("bench_moe: no CUDA GPU", file=sys.stderr)
         return 2
     comm = world1_comm()
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = bench_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     tokens_list = (128, 4096) if (args.quick or args.mode == "check") else TOKENS
     print(f"bench_moe {args.mode}: seed {seed}, {torch.cuda.get_device_name()}, "

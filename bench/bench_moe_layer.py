@@ -35,8 +35,8 @@ import torch.nn.functional as F
 import mkernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_grouped import (bench_args, chosen_points, kernel_times, time_ops,  # noqa: E402
-                           world1_comm, write_results)
+from bench_grouped import (bench_args, bench_seed, chosen_points, kernel_times,  # noqa: E402
+                           time_ops, world1_comm, write_results)
 
 MODELS = {  # hidden, intermediate, experts, top-k
     "deepseek_v3": (7168, 2048, 256, 8),
@@ -136,7 +136,7 @@ def main():
         print("bench_moe_layer: no CUDA GPU", file=sys.stderr)
         return 2
     comm = world1_comm()
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = bench_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     tokens_list = (128, 4096) if (args.quick or args.mode == "check") else TOKENS
     print(f"bench_moe_layer {args.mode}: seed {seed}, {torch.cuda.get_device_name()}, "

@@ -316,7 +316,7 @@ Result run_point(Op op, const Point& pt, int world, int iters, bool trace, int s
   CK(cudaMalloc(reinterpret_cast<void**>(&out_one), xn * 2));
   CK(cudaMalloc(reinterpret_cast<void**>(&topk), slots * 4));
   CK(cudaMalloc(reinterpret_cast<void**>(&weights), slots * 4));
-  const auto seed = static_cast<uint64_t>(std::time(nullptr));
+  const uint64_t seed = bench::bench_seed();
   bench::launch_fill(x, xn, seed, 0, nullptr);
   bench::launch_fill(w13, w13n, seed, 1, nullptr);
   bench::launch_fill(w2, w2n, seed, 2, nullptr);

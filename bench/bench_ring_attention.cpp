@@ -80,7 +80,7 @@ Result run_point(const Point& p, int world, int iters) {
   CK(cudaMalloc(&v, kv_full * 2));
   CK(cudaMalloc(&o_ring, q_full * 2));
   CK(cudaMalloc(&o_ref, q_full * 2));
-  const uint64_t seed = static_cast<uint64_t>(std::time(nullptr));
+  const uint64_t seed = bench::bench_seed();
   bench::launch_fill(q, q_full, seed, 0, nullptr);
   bench::launch_fill(k, kv_full, seed, 1, nullptr);
   bench::launch_fill(v, kv_full, seed, 2, nullptr);

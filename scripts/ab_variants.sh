@@ -3,7 +3,7 @@
 # applied ("-" or "" for the checkout as it is), built in its own directory and installed in its
 # own site; then the benchmarks of BENCH_KERNELS (bench/run.sh kernels, default moe_layer) run
 # ROUNDS times with the variants interleaved (1 2 3 1 2 3 ...), so that drift of the machine hits
-# every variant alike.
+# every variant alike, all on the same data (one MKERNEL_BENCH_SEED).
 #
 #   bash scripts/ab_variants.sh ROUNDS VARIANT...    e.g.  2 - a.patch a.patch,b.patch
 #
@@ -17,6 +17,10 @@ shift
 (($# >= 1)) || { echo "ab_variants: no variant" >&2; exit 2; }
 variants=("$@")
 kernels="${BENCH_KERNELS:-moe_layer}"
+# One seed for every variant and round: the same routing and values, so that a difference is the
+# variants' (a MoE point's time moves with its routing).
+export MKERNEL_BENCH_SEED="${MKERNEL_BENCH_SEED:-$((RANDOM * 32768 + RANDOM))}"
+echo "ab_variants: data seed $MKERNEL_BENCH_SEED (MKERNEL_BENCH_SEED)"
 OUT="${OUT:-$PWD/out}"
 results=/tmp/ab-results
 rm -rf "$results" && mkdir -p "$OUT" "$results"
