@@ -58,7 +58,6 @@
 
 #include "mkernel/device/cluster.cuh"
 #include "mkernel/device/mbarrier.cuh"
-#include "mkernel/device/sync.cuh"
 #include "mkernel/device/tma.cuh"
 #include "mkernel/device/wgmma.cuh"
 
@@ -579,9 +578,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                 const __grid_constant__ Fusion fusion) {
   static_assert(check_fusion<Cfg, Fusion>());
   constexpr FusionTraits kTraits = Fusion::kTraits;
-  // A programmatic dependent launch (launch(..., kAfterPrior)) starts before the kernel ahead of
-  // it ends: nothing global is read or written until that kernel is done.
-  dev::wait_prior_grid();
   uint8_t* smem = stage_ring();
   uint8_t* epilogue_smem = smem + Cfg::kStages * Cfg::kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(epilogue_smem + Cfg::kEpilogueBytes);

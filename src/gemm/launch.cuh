@@ -61,30 +61,21 @@ void preload_all() {
   }
 }
 
-// How a launch follows the kernel ahead of it on its stream: after it (stream order), or as a
-// programmatic dependent launch that may begin while that kernel still runs (moe_dispatch_gemm's
-// after its notify kernel, which allows it once its own waits are over; gemm_kernel waits for
-// that kernel's end before it touches memory).
-enum class Follow { kAfter, kAfterPrior };
-
 // The launch's configuration: `grid` persistent CTAs, in clusters of `cluster` (grid a multiple).
 template <class Cfg>
 struct LaunchShape {
   cudaLaunchConfig_t config{};
-  cudaLaunchAttribute attrs[2]{};
-  LaunchShape(int grid, int cluster, cudaStream_t stream, Follow follow = Follow::kAfter) {
+  cudaLaunchAttribute attr{};
+  LaunchShape(int grid, int cluster, cudaStream_t stream) {
     config.gridDim = dim3(grid);
     config.blockDim = dim3(Cfg::kThreads);
     config.dynamicSmemBytes = Cfg::kSmemBytes;
     config.stream = stream;
-    config.attrs = attrs;
     if (cluster > 1) {
-      attrs[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
-      attrs[config.numAttrs++].val.clusterDim = {static_cast<unsigned>(cluster), 1, 1};
-    }
-    if (follow == Follow::kAfterPrior) {
-      attrs[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attrs[config.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim = {static_cast<unsigned>(cluster), 1, 1};
+      config.attrs = &attr;
+      config.numAttrs = 1;
     }
   }
 };
@@ -93,11 +84,16 @@ struct LaunchShape {
 // split GEMM's); throws naming `op` if it fails.
 template <int kBlockN, bool kTransB, class Fusion, int kBlockM = 128>
 void launch(const Fusion& fusion, const CUtensorMap& map_b, int64_t k, int grid,
-            cudaStream_t stream, const char* op, int cluster = 1, Follow follow = Follow::kAfter) {
+            cudaStream_t stream, const char* op, int cluster = 1) {
   using Cfg = EngineTileConfig<kBlockN, kBlockM>;
   auto kernel = prepared_kernel<kBlockN, kTransB, Fusion, kBlockM>();
-  LaunchShape<Cfg> shape(grid, cluster, stream, follow);
-  cudaError_t err = cudaLaunchKernelEx(&shape.config, kernel, map_b, static_cast<int>(k), fusion);
+  cudaError_t err = cudaSuccess;
+  if (cluster > 1) {
+    LaunchShape<Cfg> shape(grid, cluster, stream);
+    err = cudaLaunchKernelEx(&shape.config, kernel, map_b, static_cast<int>(k), fusion);
+  } else {
+    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_b, static_cast<int>(k), fusion);
+  }
   if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess) {
     throw Error(ErrorCode::kCuda, std::string(op) + ": launch failed: " + cudaGetErrorString(err));

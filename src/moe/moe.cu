@@ -43,30 +43,6 @@ void launch_check(const char* op) {
   }
 }
 
-// kernel<<<grid, threads, smem, stream>>>(args...) as a programmatic dependent launch: it may
-// begin while the kernel ahead of it on the stream runs, and waits for that kernel's end before
-// it reads what that kernel wrote (dev::wait_prior_grid): the route kernels and notify_kernel
-// follow one another without a launch gap.
-template <class... Params, class... Args>
-void launch_after_prior(void (*kernel)(Params...), int grid, int threads, std::size_t smem,
-                        cudaStream_t stream, const char* op, const Args&... args) {
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = &attr;
-  config.numAttrs = 1;
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, args...);
-  if (err != cudaSuccess) {
-    throw Error(ErrorCode::kCuda, std::string(op) + ": launch failed: " + cudaGetErrorString(err));
-  }
-  launch_check(op);
-}
-
 moe::Dims dims_of(const Communicator& comm, const MoeProblem& p, const moe::Plan& plan) {
   moe::Dims d{};
   d.world = comm.world_size();
@@ -246,8 +222,8 @@ void launch_route(const DeviceComm& dc, const moe::Dims& d, const moe::NodeMap& 
       static_cast<std::size_t>(moe::route_smem_bytes(d.experts, d.world, d.nodes, d.experts_local));
   moe::route_count_kernel<Idx><<<chunks, moe::kRouteThreads, smem, stream>>>(dc, d, nm, topk, ws);
   launch_check(op);
-  launch_after_prior(moe::route_scan_kernel<Idx>, chunks, moe::kRouteThreads, smem, stream, op, d,
-                     nm, topk, ws);
+  moe::route_scan_kernel<Idx><<<chunks, moe::kRouteThreads, smem, stream>>>(d, nm, topk, ws);
+  launch_check(op);
 }
 
 // The fused launches' prelude: the route kernels (either index type), then the one-CTA notify
@@ -263,8 +239,8 @@ void launch_route_notify(const DeviceComm& dc, const moe::Dims& d, const moe::Wo
   }
   const auto e_local = static_cast<std::size_t>(d.experts_local);
   const std::size_t smem = 4 * (static_cast<std::size_t>(d.world) * (e_local + 1) + e_local);
-  launch_after_prior(moe::notify_kernel, 1, moe::kThreads, smem, stream, op, dc, d, ws, tiles_n,
-                     expert_rows);
+  moe::notify_kernel<<<1, moe::kThreads, smem, stream>>>(dc, d, ws, tiles_n, expert_rows);
+  launch_check(op);
 }
 
 template <class Idx>
@@ -418,9 +394,8 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
     const CUtensorMap map_b =
         kTransB ? gemm_engine::make_map_3d(w, d.experts_local, problem.hidden, n, 64)
                 : gemm_engine::make_map_3d(w, d.experts_local, n, problem.hidden, kBlockN);
-    // Right behind notify_kernel, which lets it begin once every peer's counts are in.
     gemm_engine::launch<kBlockN, kTransB>(f, map_b, problem.hidden, plan.ctas, stream,
-                                          kDispatchGemm, 1, gemm_engine::Follow::kAfterPrior);
+                                          kDispatchGemm);
   });
 }
 

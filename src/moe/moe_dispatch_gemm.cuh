@@ -57,8 +57,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     launch.end();
     return;
   }
-  // A programmatic dependent launch (moe.cu): route_scan_kernel's totals are complete from here.
-  dev::wait_prior_grid();
   const int el_n = d.experts_local, words = el_n + 1;
   const int32_t* totals = ws.at<int32_t>(d.me, ws.totals);
   for (int w = threadIdx.x; w < d.world * words; w += kThreads) {
@@ -72,10 +70,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     launch.end();
     return;
   }
-  // The fused launch may begin now (it waits for this kernel's end before it touches memory): its
-  // CTAs take their SMs only once every peer has made its counts - so past its route kernels,
-  // which therefore never wait for an SM behind this rank's waiting CTAs (ranks sharing a GPU).
-  dev::allow_dependent_grid();
   const LayoutTables lt = layout_tables(d.world, el_n);
   int32_t* tables = ws.at<int32_t>(d.me, ws.layout);
   int32_t* start = tables + lt.start;

@@ -2,11 +2,10 @@
 //
 // Per rank and call, on its stream:
 //   route_count_kernel   chunk c of the tokens: rows per expert and per destination rank (local)
-//   route_scan_kernel    chunk c: prefixes over the earlier chunks; the chunk's experts and
-//                        first-for-rank flags staged in shared memory by the CTA; then one
-//                        warp walks them in (token, slot) order with __match_any_sync: each
-//                        pair's position in its (this rank, expert) stream, each (token,
-//                        destination) pair's slot in the send order; the last chunk writes the totals (local; no atomics on
+//   route_scan_kernel    chunk c: prefixes over the earlier chunks, then one warp walks the chunk
+//                        in (token, slot) order with __match_any_sync: each pair's position in
+//                        its (this rank, expert) stream, each (token, destination) pair's slot in
+//                        the send order; the last chunk writes the totals (local; no atomics on
 //                        positions, so the layout is a pure function of topk_idx)
 //   dispatch_kernel      (moe_dispatch.cuh) persistent, one CTA per channel:
 //      entry barrier
@@ -160,7 +159,7 @@ template <class Idx>
 __device__ __forceinline__ bool first_for_rank(const Idx* row, int j, int dst, const Dims& d) {
   for (int i = 0; i < j; ++i) {
     const Idx e = row[i];
-    if (valid_expert(e, d.experts) && static_cast<int>(e) / d.experts_local == dst) return false;
+    if (valid_expert(e, d.experts) && static_cast<int>(e / d.experts_local) == dst) return false;
   }
   return true;
 }
@@ -171,9 +170,7 @@ __device__ __forceinline__ bool first_for_node(const Idx* row, int j, int node, 
                                                const NodeMap& nm) {
   for (int i = 0; i < j; ++i) {
     const Idx e = row[i];
-    if (valid_expert(e, d.experts) && nm.node_of[static_cast<int>(e) / d.experts_local] == node) {
-      return false;
-    }
+    if (valid_expert(e, d.experts) && nm.node_of_expert(e, d.experts_local) == node) return false;
   }
   return true;
 }
@@ -212,7 +209,6 @@ template <class Idx>
 __global__ void __launch_bounds__(kRouteThreads)
     route_count_kernel(DeviceComm comm, Dims d, NodeMap nm, const Idx* topk, Workspace ws) {
   extern __shared__ int32_t s_counts[];  // [experts] then [world], then [nodes] across nodes
-  dev::allow_dependent_grid();  // (route_scan_kernel: it waits for this kernel before its reads)
   int32_t* s_dcnt = s_counts + d.experts;
   int32_t* s_ncnt = s_dcnt + d.world;
   const int keys = d.experts + d.world + (d.nodes > 1 ? d.nodes : 0);
@@ -252,72 +248,17 @@ __global__ void __launch_bounds__(kRouteThreads)
   }
 }
 
-// The pairs route_scan_kernel stages in shared memory at a time (a round; a chunk of 64 tokens
-// at top-8 is one).
-constexpr int kStagePairs = 1024;
-constexpr uint8_t kFirstForRank = 1, kFirstForNode = 2;
-
-// A round of route_scan_kernel: pairs [p0, p0 + n) of topk, by the whole CTA - each pair's
-// expert (-1: none or invalid) and whether it is its token's first for its rank / node, into
-// shared memory; pos = -1 for pairs without an expert, slot_route = -1 across nodes. Reads
-// topk only, so the first round runs before route_count_kernel's counts are waited for.
-template <class Idx>
-__device__ __forceinline__ void stage_pairs(const Dims& d, const NodeMap& nm, const Idx* topk,
-                                            int32_t p0, int n, int32_t* s_expert,
-                                            uint8_t* s_first, int32_t* pos, int32_t* slot_route) {
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const int32_t p = p0 + i;
-    const Idx e = topk[p];
-    const bool ok = valid_expert(e, d.experts);
-    const int32_t t = p / d.top_k;
-    const int j = p - t * d.top_k;
-    uint8_t first = 0;
-    if (ok) {  // (a valid expert fits an int)
-      const int dst = static_cast<int>(e) / d.experts_local;
-      if (first_for_rank(topk + static_cast<int64_t>(t) * d.top_k, j, dst, d)) {
-        first |= kFirstForRank;
-      }
-      if (d.nodes > 1 &&
-          first_for_node(topk + static_cast<int64_t>(t) * d.top_k, j, nm.node_of[dst], d, nm)) {
-        first |= kFirstForNode;
-      }
-    }
-    s_expert[i] = ok ? static_cast<int32_t>(e) : -1;
-    s_first[i] = first;
-    if (!ok) pos[p] = -1;
-    if (d.nodes > 1) slot_route[p] = -1;
-  }
-}
-
-// Positions and send order of chunk blockIdx.x (same grid as route_count_kernel). The walk that
-// numbers the pairs is one warp's (the order is the layout's), so everything it needs from
-// global memory is staged in shared memory by the whole CTA first (stage_pairs): the walk then
-// waits only on shared memory and its match instructions (a global load a step made it
-// latency-bound). Launched after route_count_kernel as a programmatic dependent launch: its first
-// round is staged while the counts are still being made.
+// Positions and send order of chunk blockIdx.x (same grid as route_count_kernel).
 template <class Idx>
 __global__ void __launch_bounds__(kRouteThreads)
     route_scan_kernel(Dims d, NodeMap nm, const Idx* topk, Workspace ws) {
   // Running positions: [experts], [world], then [nodes] across nodes; then [E_local].
   extern __shared__ int32_t s_base[];
-  __shared__ int32_t s_expert[kStagePairs];
-  __shared__ uint8_t s_first[kStagePairs];
-  dev::allow_dependent_grid();  // (notify_kernel: it waits for this kernel before its reads)
   int32_t* s_dbase = s_base + d.experts;
   int32_t* s_nbase = s_dbase + d.world;
   const int node_keys = d.nodes > 1 ? d.nodes : 0;
   int32_t* s_local = s_nbase + node_keys;  // [E_local]: first entry of each own expert in by_local
   const int c = blockIdx.x;
-  int32_t* pos = ws.at<int32_t>(d.me, ws.pos);
-  int32_t* slot_route = ws.at<int32_t>(d.me, ws.slot_route);  // (the dispatch fills crossing ones)
-  // The chunk's pairs (max_tokens x top_k < 2^31: the plan).
-  const int32_t p_begin = static_cast<int32_t>(c * d.chunk_tokens * d.top_k);
-  const int32_t p_end = static_cast<int32_t>(min64(d.tokens, (c + 1) * d.chunk_tokens) * d.top_k);
-  if (p_begin < p_end) {
-    stage_pairs(d, nm, topk, p_begin, min(kStagePairs, p_end - p_begin), s_expert, s_first, pos,
-                slot_route);
-  }
-  dev::wait_prior_grid();  // route_count_kernel's chunk counts
   const int32_t* cnt = ws.at<int32_t>(d.me, ws.chunk_cnt);
   const int32_t* dcnt = ws.at<int32_t>(d.me, ws.chunk_dcnt);
   const int32_t* ncnt = ws.at<int32_t>(d.me, ws.chunk_ncnt);
@@ -329,7 +270,6 @@ __global__ void __launch_bounds__(kRouteThreads)
                                    : ncnt + (i - d.experts - d.world);
     const int stride = expert ? d.experts : rank ? d.world : d.nodes;
     int32_t sum = 0;
-#pragma unroll 8
     for (int earlier = 0; earlier < c; ++earlier) {
       sum += column[static_cast<int64_t>(earlier) * stride];
     }
@@ -342,7 +282,6 @@ __global__ void __launch_bounds__(kRouteThreads)
     for (int e = threadIdx.x; e < d.experts_local; e += blockDim.x) {
       const int32_t* column = cnt + d.rank * d.experts_local + e;
       int32_t sum = 0;
-#pragma unroll 8
       for (int chunk = 0; chunk < static_cast<int>(gridDim.x); ++chunk) {
         sum += column[static_cast<int64_t>(chunk) * d.experts];
       }
@@ -351,64 +290,63 @@ __global__ void __launch_bounds__(kRouteThreads)
     __syncthreads();
     block_exclusive_scan<kRouteThreads>(s_local, d.experts_local);
   }
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
   int32_t* by_local = ws.at<int32_t>(d.me, ws.by_local);
   const int first_own = d.rank * d.experts_local;
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x;
   const unsigned lower = (1u << lane) - 1;
+  int32_t* pos = ws.at<int32_t>(d.me, ws.pos);
   int32_t* send_list = ws.at<int32_t>(d.me, ws.send_list);
   int32_t* send_slot = ws.at<int32_t>(d.me, ws.send_slot);
   int32_t* cross_list = ws.at<int32_t>(d.me, ws.cross_list);
-  for (int32_t p0 = p_begin; p0 < p_end; p0 += kStagePairs) {
-    const int n = min(kStagePairs, p_end - p0);
-    if (p0 != p_begin) {
-      __syncthreads();  // the last round's walk is over
-      stage_pairs(d, nm, topk, p0, n, s_expert, s_first, pos, slot_route);
+  int32_t* slot_route = ws.at<int32_t>(d.me, ws.slot_route);  // (the dispatch fills crossing ones)
+  const int64_t t0 = static_cast<int64_t>(c) * d.chunk_tokens;
+  const int64_t t1 = min64(d.tokens, t0 + d.chunk_tokens);
+  for (int64_t p0 = t0 * d.top_k; p0 < t1 * d.top_k; p0 += 32) {
+    const int64_t p = p0 + lane;
+    const bool active = p < t1 * d.top_k;
+    const Idx e = active ? topk[p] : Idx{-1};
+    const bool ok = active && valid_expert(e, d.experts);
+    const int64_t t = p / d.top_k;
+    const int j = static_cast<int>(p % d.top_k);
+    // This pair's position among this rank's rows for expert e: earlier chunks, earlier steps,
+    // earlier lanes.
+    const unsigned same = __match_any_sync(~0u, ok ? static_cast<int>(e) : -1);
+    int32_t my_pos = -1;
+    if (ok) my_pos = s_base[e] + __popc(same & lower);
+    __syncwarp();
+    if (ok && (same & lower) == 0) s_base[e] += __popc(same);
+    __syncwarp();
+    if (active) pos[p] = my_pos;
+    if (node_keys > 0 && active) slot_route[p] = -1;
+    if (d.local_list && ok && e >= first_own && e < first_own + d.experts_local) {
+      by_local[s_local[e - first_own] + my_pos] = static_cast<int32_t>(p);
     }
-    __syncthreads();  // the round staged (and, the first time, s_base written)
-    if (threadIdx.x >= 32) continue;
-    for (int i0 = 0; i0 < n; i0 += 32) {
-      const int i = i0 + lane;
-      const int32_t p = p0 + i;
-      const int e = i < n ? s_expert[i] : -1;
-      const bool ok = e >= 0;
-      const uint8_t first_of = ok ? s_first[i] : 0;
-      // This pair's position among this rank's rows for expert e: earlier chunks, earlier
-      // steps, earlier lanes.
-      const unsigned same = __match_any_sync(~0u, e);
-      int32_t my_pos = -1;
-      if (ok) my_pos = s_base[e] + __popc(same & lower);
-      __syncwarp();
-      if (ok && (same & lower) == 0) s_base[e] += __popc(same);
-      __syncwarp();
-      if (ok) pos[p] = my_pos;
-      if (d.local_list && ok && e >= first_own && e < first_own + d.experts_local) {
-        by_local[s_local[e - first_own] + my_pos] = p;
-      }
-      // The (token, destination) pair's slot in the destination's send order.
-      const int dst = ok ? e / d.experts_local : -1;
-      const bool first = (first_of & kFirstForRank) != 0;
-      const unsigned to_same = __match_any_sync(~0u, first ? dst : -1);
-      if (first) {
-        const int32_t slot = s_dbase[dst] + __popc(to_same & lower);
-        send_list[static_cast<int64_t>(dst) * d.max_tokens + slot] = p / d.top_k;
-        if (node_keys > 0) send_slot[p] = slot;
-      }
-      __syncwarp();
-      if (first && (to_same & lower) == 0) s_dbase[dst] += __popc(to_same);
-      __syncwarp();
-      if (node_keys == 0) continue;
-      // Across nodes: the (token, node) pair's place in the node's crossing list.
-      const int node = ok ? nm.node_of[dst] : -1;
-      const bool crosses = (first_of & kFirstForNode) != 0;
-      const unsigned to_node = __match_any_sync(~0u, crosses ? node : -1);
-      if (crosses) {
-        cross_list[static_cast<int64_t>(node) * d.max_tokens + s_nbase[node] +
-                   __popc(to_node & lower)] = p / d.top_k;
-      }
-      __syncwarp();
-      if (crosses && (to_node & lower) == 0) s_nbase[node] += __popc(to_node);
-      __syncwarp();
+    // The (token, destination) pair's slot in the destination's send order.
+    const int dst = ok ? static_cast<int>(e / d.experts_local) : -1;
+    const bool first = ok && first_for_rank(topk + t * d.top_k, j, dst, d);
+    const unsigned to_same = __match_any_sync(~0u, first ? dst : -1);
+    if (first) {
+      const int32_t slot = s_dbase[dst] + __popc(to_same & lower);
+      send_list[static_cast<int64_t>(dst) * d.max_tokens + slot] = static_cast<int32_t>(t);
+      if (node_keys > 0) send_slot[p] = slot;
     }
+    __syncwarp();
+    if (first && (to_same & lower) == 0) s_dbase[dst] += __popc(to_same);
+    __syncwarp();
+    if (node_keys == 0) continue;
+    // Across nodes: the (token, node) pair's place in the node's crossing list.
+    const int node = ok ? nm.node_of[dst] : -1;
+    const bool crosses = ok && first_for_node(topk + t * d.top_k, j, node, d, nm);
+    const unsigned to_node = __match_any_sync(~0u, crosses ? node : -1);
+    if (crosses) {
+      cross_list[static_cast<int64_t>(node) * d.max_tokens + s_nbase[node] +
+                 __popc(to_node & lower)] = static_cast<int32_t>(t);
+    }
+    __syncwarp();
+    if (crosses && (to_node & lower) == 0) s_nbase[node] += __popc(to_node);
+    __syncwarp();
   }
 }
 

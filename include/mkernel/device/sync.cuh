@@ -65,19 +65,6 @@ __device__ __forceinline__ uint4 load_l2(const void* p) {
   return v;
 }
 
-// Programmatic dependent launch: a kernel launched with the attribute
-// cudaLaunchAttributeProgrammaticStreamSerialization may begin while the kernel ahead of it on the
-// stream still runs (its launch latency and its CTAs' start hidden behind that kernel's end).
-// wait_prior_grid blocks until that kernel has completed and its writes are visible; in a launch
-// made without the attribute it returns at once. allow_dependent_grid, called by every CTA of the
-// kernel ahead, lets such a launch begin before this kernel ends (otherwise: when it ends).
-__device__ __forceinline__ void wait_prior_grid() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-__device__ __forceinline__ void allow_dependent_grid() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
 // Nanoseconds since an arbitrary origin, comparable across the SMs of one GPU.
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
