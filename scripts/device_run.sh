@@ -27,8 +27,8 @@
 # command, e.g. "-v -k 'moe or gemm_op'"), COMPARE_KERNELS / COMPARE_SHAPES / COMPARE_P2P=0
 # (compare step: which kernels and shapes, without the bench_p2p table), TRACE_CASES, AB_OLD / AB_ROUNDS /
 # AB_CASES (ab step: the directory of the other build's bench_gemm and trace_fused, rounds, the
-# traced cases), PROFILE_CMD / PROFILE_KERNELS / PROFILE_COUNT (profile step: ncu on a command's
-# kernels; see step_profile).
+# traced cases), PROFILE_CMD / PROFILE_KERNELS / PROFILE_COUNT / PROFILE_METRICS (profile step:
+# ncu on a command's kernels; see step_profile).
 
 # Results files record $MKERNEL_COMMIT (else `git rev-parse HEAD` there): pass the commit
 # checked out here (MKERNEL_COMMIT=$(git rev-parse --short HEAD) written into the command) - the
@@ -448,13 +448,16 @@ step_profile() {
     head -n 1)"
   [[ -n "$ncu" && -x "$ncu" ]] || { log "no ncu (Nsight Compute) here"; return "$SKIP"; }
   [[ -n "${PROFILE_CMD:-}" ]] || { log "PROFILE_CMD is not set"; return 1; }
-  local cmd
+  local cmd what
   read -r -a cmd <<<"$PROFILE_CMD"
+  what=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats
+    --section WarpStateStats --section LaunchStats --section Occupancy)
+  # PROFILE_METRICS (ncu metric names, comma-separated) instead of the sections, e.g.
+  # dram__bytes_read.sum,lts__t_sector_hit_rate.pct: how often tiles share their operands.
+  [[ -n "${PROFILE_METRICS:-}" ]] && what=(--metrics "$PROFILE_METRICS")
   limited "${PROFILE_TIMEOUT:-400}" "$ncu" --target-processes all \
     --kernel-name "${PROFILE_KERNELS:-regex:.}" --launch-count "${PROFILE_COUNT:-4}" \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
-    --section WarpStateStats --section LaunchStats --section Occupancy \
-    "${cmd[@]}" >"$OUT/profile.txt" 2>&1
+    "${what[@]}" "${cmd[@]}" >"$OUT/profile.txt" 2>&1
   local rc=$?
   tail -n 40 "$OUT/profile.txt"
   return "$rc"
