@@ -11,9 +11,11 @@
 //     ends at that tile's end: it writes that partial sum first thing;
 //   - its last work is the end of its lowest tile, which it owns: the lower CTAs holding that
 //     tile's other k-blocks each wrote their piece as their own first work, long before.
-// So a CTA writes at most one partial, an owner waits only for lower-numbered CTAs (which start
-// no later than it does: every CTA of the launch is resident), and it adds the pieces in CTA
-// order - the same bits on every run.
+// So a CTA writes at most one partial, an owner waits only for lower-numbered CTAs - which start
+// no later than it does (a grid's CTAs are dispatched in order, which CUB's single-pass scan
+// relies on too: a lower one is resident or done whenever a higher one runs, even where the grid
+// has more CTAs than the GPU has SMs) - and it adds the pieces in CTA order: the same bits on
+// every run.
 #pragma once
 
 #include <cstdint>
