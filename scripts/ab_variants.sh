@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# A/B/... of patches on the GPU machine: each variant is the checkout with a list of patches
-# applied ("-" or "" for the checkout as it is), built in its own directory and installed in its
-# own site; then the benchmarks of BENCH_KERNELS (bench/run.sh kernels, default moe_layer) run
-# ROUNDS times with the variants interleaved (1 2 3 1 2 3 ...), so that drift of the machine hits
-# every variant alike, all on the same data (one MKERNEL_BENCH_SEED).
+# A/B/... of patches on the GPU machine: each variant is a copy of the checkout (/tmp/ab-src-v<i>)
+# with a list of patches applied ("-" or "" for the checkout as it is), built there - every
+# variant at once, the cores shared - and installed in its own site; then the benchmarks of
+# BENCH_KERNELS (bench/run.sh kernels, default moe_layer) run ROUNDS times from each copy with the
+# variants interleaved (1 2 3 1 2 3 ...), so that drift of the machine hits every variant alike,
+# all on the same data (one MKERNEL_BENCH_SEED).
 #
 #   bash scripts/ab_variants.sh ROUNDS VARIANT...    e.g.  2 - a.patch a.patch,b.patch
 #
@@ -15,6 +16,8 @@
 # runs past its time limit still brings back the runs that finished. AB_POINTS=MODEL:T,... runs
 # only those points of moe_dispatch_gemm / moe_layer (their world-1 part, bench_moe*.py
 # --points): a few points in several rounds, where the whole sweep takes ~150 s a variant.
+# AB_BUILD_TARGETS: what each variant builds ("mkernel_python bench_moe_ranks bench_gemm";
+# "" for everything).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 rounds="${1:?usage: ab_variants.sh ROUNDS VARIANT...}"
@@ -33,13 +36,26 @@ echo "ab_variants: data seed $MKERNEL_BENCH_SEED (MKERNEL_BENCH_SEED)"
 
 patches_of() { [[ "$1" == - ]] && return 0; tr ',' '\n' <<<"$1" | sed '/^$/d'; }
 
-for i in "${!variants[@]}"; do
+repo="$PWD"
+export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+jobs=$(( ($(nproc 2>/dev/null || echo 8) + ${#variants[@]} - 1) / ${#variants[@]} ))
+((jobs >= 2)) || jobs=2
+build_variant() {  # variant index: copy, patch, build, install
+  local i="$1" src="/tmp/ab-src-v$i" p
+  local -a list
   mapfile -t list < <(patches_of "${variants[$i]}")
-  for p in "${list[@]}"; do git apply "$p" || { echo "ab_variants: $p does not apply" >&2; exit 2; }; done
-  BUILD="$PWD/build-v$i" SITE="/tmp/site-v$i" PYTHON_TESTS=0 OUT="/tmp/ab-log-v$i" \
-    bash scripts/device_run.sh build python 2>&1 | grep -E '^== ' | sed "s/^/[variant $i] /"
-  for ((j = ${#list[@]} - 1; j >= 0; j--)); do git apply -R "${list[$j]}"; done
-done
+  rm -rf "$src" && mkdir -p "$src"
+  tar -C "$repo" --exclude='./build*' --exclude=./out --exclude=./.git -cf - . | tar -C "$src" -xf -
+  for p in "${list[@]}"; do
+    (cd "$src" && git apply "$repo/$p") || { echo "ab_variants: $p does not apply" >&2; return 2; }
+  done
+  BUILD="$src/build" SITE="/tmp/site-v$i" PYTHON_TESTS=0 OUT="/tmp/ab-log-v$i" JOBS="$jobs" \
+    BUILD_TARGETS="${AB_BUILD_TARGETS-mkernel_python bench_moe_ranks bench_gemm}" \
+    bash "$src/scripts/device_run.sh" build python 2>&1 | grep -E '^== ' | sed "s/^/[variant $i] /"
+}
+for i in "${!variants[@]}"; do build_variant "$i" & done
+wait
+echo "ab_variants: ${#variants[@]} variants built in $SECONDS s"
 
 for ((round = 1; round <= rounds; round++)); do
   for i in "${!variants[@]}"; do
@@ -53,10 +69,11 @@ for ((round = 1; round <= rounds; round++)); do
         bench_cmd=(python3 "$script" --mode bench --points "$AB_POINTS"
                    --json "bench/results/$kernel-ab-w1.json")
       fi
-      PYTHONPATH="/tmp/site-v$i" BUILD_DIR="build-v$i" "${bench_cmd[@]}" 2>&1 |
+      (cd "/tmp/ab-src-v$i" && PYTHONPATH="/tmp/site-v$i" BUILD_DIR=build "${bench_cmd[@]}") 2>&1 |
         grep -vE '^(bench/run.sh|bench_moe|moe_layer in-process)'
       mkdir -p "$results/v$i-r$round"
-      find bench/results -maxdepth 1 -name '*.json' -newer "$marker" -exec cp -t "$results/v$i-r$round" {} +
+      find "/tmp/ab-src-v$i/bench/results" -maxdepth 1 -name '*.json' -newer "$marker" \
+        -exec cp -t "$results/v$i-r$round" {} +
       rm -f "$marker"
       tar -czf "$OUT/ab-results.tar.gz" -C "$results" .
     done

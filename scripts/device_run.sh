@@ -17,8 +17,9 @@
 # from the system when it has one (its image of 2026-11-30 had 1.14 in /usr), else from `.deps`:
 # run scripts/pack_deps.sh here and carry `.deps` (and `build` to reuse a build made here).
 #
-# Environment knobs: BUILD (build: the CMake build directory), BACKEND (socket), BUILD_TYPE
-# (Release), CMAKE_ARGS, CTEST_ARGS
+# Environment knobs: BUILD (build: the CMake build directory), BUILD_TARGETS (build: only these
+# targets), JOBS (build: parallel jobs; nproc), BACKEND (socket), BUILD_TYPE (Release), CMAKE_ARGS,
+# CTEST_ARGS
 # (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), SANITIZE_FILTER (gtest filter of the
 # sanitized tests: Sanitize*), SITE (/tmp/site), BENCH_KERNELS ("all
 # transport": bench/run.sh kernels; all = collectives, gemm and the fused kernels),
@@ -55,7 +56,9 @@ BUILD_TYPE="${BUILD_TYPE:-Release}"
 read -r -a CMAKE_EXTRA <<<"${CMAKE_ARGS:-}"
 read -r -a CTEST_EXTRA <<<"${CTEST_ARGS:---timeout 300}"
 SANITIZE_TIMEOUT="${SANITIZE_TIMEOUT:-300}"
-JOBS="$(nproc 2>/dev/null || echo 8)"
+JOBS="${JOBS:-$(nproc 2>/dev/null || echo 8)}"
+# BUILD_TARGETS: only these CMake targets (e.g. "mkernel_python bench_moe_ranks"), else all.
+read -r -a BUILD_TARGET_ARGS <<<"${BUILD_TARGETS:+--target $BUILD_TARGETS}"
 GENERATOR=Ninja
 command -v ninja >/dev/null || GENERATOR="Unix Makefiles"
 
@@ -136,7 +139,8 @@ step_build() {
   # A build/ already there (carried, or left by an earlier call on a warm machine) is brought up
   # to date, never used as it stands: the sources may have changed since it was made.
   if reuse_carried_build; then
-    cmake --build "$BUILD" -j "$JOBS" 2>&1 | tee -a "$OUT/build.log" | tail -3
+    cmake --build "$BUILD" -j "$JOBS" "${BUILD_TARGET_ARGS[@]}" 2>&1 | tee -a "$OUT/build.log" |
+      tail -3
     return "${PIPESTATUS[0]}"
   fi
   [[ -x "$CUDA_HOME/bin/nvcc" ]] || { log "no nvcc in $CUDA_HOME/bin"; return 1; }
@@ -166,7 +170,7 @@ step_build() {
   # Keep going past a failed target (the Python module, say): the rest can still be tested.
   local keep_going=()
   [[ "$GENERATOR" == Ninja ]] && keep_going=(-- -k 0)
-  cmake --build "$BUILD" -j "$JOBS" "${keep_going[@]}"
+  cmake --build "$BUILD" -j "$JOBS" "${BUILD_TARGET_ARGS[@]}" "${keep_going[@]}"
 }
 
 # ---- test -----------------------------------------------------------------------------------
