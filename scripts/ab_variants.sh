@@ -53,8 +53,12 @@ build_variant() {  # variant index: copy, patch, build, install
     BUILD_TARGETS="${AB_BUILD_TARGETS-mkernel_python bench_moe_ranks bench_gemm}" \
     bash "$src/scripts/device_run.sh" build python 2>&1 | grep -E '^== ' | sed "s/^/[variant $i] /"
 }
-for i in "${!variants[@]}"; do build_variant "$i" & done
-wait
+pids=()  # (a bare `wait` would also wait for the log's tee, which ends only with this script)
+for i in "${!variants[@]}"; do
+  build_variant "$i" &
+  pids+=($!)
+done
+wait "${pids[@]}"
 echo "ab_variants: ${#variants[@]} variants built in $SECONDS s"
 
 for ((round = 1; round <= rounds; round++)); do
