@@ -58,7 +58,7 @@ for i in "${!variants[@]}"; do
   build_variant "$i" &
   pids+=($!)
 done
-wait "${pids[@]}"
+for pid in "${pids[@]}"; do wait "$pid" || exit 2; done  # (a patch that does not apply)
 echo "ab_variants: ${#variants[@]} variants built in $SECONDS s"
 
 for ((round = 1; round <= rounds; round++)); do
