@@ -5,6 +5,8 @@
 // this GPU's memory: NVLink is not measured here.
 //   bench_moe_ranks [--op moe_layer|moe_dispatch_gemm] [--ranks 2] [--iters 5] [--json FILE]
 //                   [--commit SHA] [--torch MODEL:TOKENS:MS,...] [--trace MODEL:TOKENS]
+//                   [--points MODEL:TOKENS,...]
+// --points: those points only (TOKENS a rank; an A/B's few points, scripts/ab_variants.sh).
 // --trace: that point only (TOKENS a rank), and after the timed rounds one more call of every
 // rank and of the world-1 op with the fused launch's timeline recorded (MKERNEL_TRACE,
 // src/fused/trace_layout.h), summarised: when the side warps' sends, the other ranks' rows and
@@ -471,6 +473,7 @@ int main(int argc, char** argv) {
   std::map<std::pair<std::string, int64_t>, double> torch_ms;
   std::string trace_model;
   int64_t trace_tokens = 0;
+  std::vector<std::pair<std::string, int64_t>> only;  // --points
   const auto extra = [&](const std::string& key, const std::string& value) {
     if (key == "--op" && (value == "moe_layer" || value == "moe_dispatch_gemm")) {
       op = value == "moe_layer" ? Op::kLayer : Op::kDispatchGemm;
@@ -483,11 +486,25 @@ int main(int argc, char** argv) {
       trace_tokens = std::atoll(value.c_str() + colon + 1);
       return trace_tokens > 0;
     }
+    if (key == "--points") {
+      std::size_t pos = 0;
+      while (pos < value.size()) {
+        std::size_t end = value.find(',', pos);
+        if (end == std::string::npos) end = value.size();
+        const std::string item = value.substr(pos, end - pos);
+        const std::size_t colon = item.find(':');
+        if (colon == std::string::npos || std::atoll(item.c_str() + colon + 1) <= 0) return false;
+        only.emplace_back(item.substr(0, colon), std::atoll(item.c_str() + colon + 1));
+        pos = end + 1;
+      }
+      return !only.empty();
+    }
     return key == "--torch" && parse_torch(value, torch_ms);
   };
   if (!mk::bench::parse_inprocess_args(argc, argv, args, extra,
                                        " [--op moe_layer|moe_dispatch_gemm] "
-                                       "[--torch MODEL:TOKENS:MS,...] [--trace MODEL:TOKENS]")) {
+                                       "[--torch MODEL:TOKENS:MS,...] [--trace MODEL:TOKENS] "
+                                       "[--points MODEL:TOKENS,...]")) {
     return 2;
   }
   const bool trace = !trace_model.empty();
@@ -511,6 +528,17 @@ int main(int argc, char** argv) {
     if (points.empty()) {
       std::fprintf(stderr, "--trace %s: deepseek_v3, qwen3_235b or mixtral\n", trace_model.c_str());
       return 2;
+    }
+  } else if (!only.empty()) {
+    for (const auto& [model, tokens] : only) {
+      const std::size_t before = points.size();
+      for (const Point& p : models(tokens)) {
+        if (model == p.model) points.push_back(p);
+      }
+      if (points.size() == before) {
+        std::fprintf(stderr, "--points %s: deepseek_v3, qwen3_235b or mixtral\n", model.c_str());
+        return 2;
+      }
     }
   } else if (op == Op::kLayer) {
     for (int64_t t : {1024, 4096}) {

@@ -16,6 +16,8 @@
 # runs past its time limit still brings back the runs that finished. AB_POINTS=MODEL:T,... runs
 # only those points of moe_dispatch_gemm / moe_layer (their world-1 part, bench_moe*.py
 # --points): a few points in several rounds, where the whole sweep takes ~150 s a variant.
+# AB_RANK_POINTS=MODEL:T,... (T a rank) runs those points with two ranks sharing the GPU
+# (bench_moe_ranks --points) after them; with AB_POINTS and without it, no two-rank part.
 # AB_BUILD_TARGETS: what each variant builds ("mkernel_python bench_moe_ranks bench_gemm";
 # "" for everything).
 set -uo pipefail
@@ -75,6 +77,10 @@ for ((round = 1; round <= rounds; round++)); do
       fi
       (cd "/tmp/ab-src-v$i" && PYTHONPATH="/tmp/site-v$i" BUILD_DIR=build "${bench_cmd[@]}") 2>&1 |
         grep -vE '^(bench/run.sh|bench_moe|moe_layer in-process)'
+      if [[ -n "${AB_RANK_POINTS:-}" && ("$kernel" == moe_dispatch_gemm || "$kernel" == moe_layer) ]]; then
+        (cd "/tmp/ab-src-v$i" && build/bench/bench_moe_ranks --op "$kernel" --ranks 2 \
+          --points "$AB_RANK_POINTS" --json "bench/results/$kernel-ab-w2-one-gpu.json") 2>&1
+      fi
       mkdir -p "$results/v$i-r$round"
       find "/tmp/ab-src-v$i/bench/results" -maxdepth 1 -name '*.json' -newer "$marker" \
         -exec cp -t "$results/v$i-r$round" {} +
