@@ -448,20 +448,39 @@ Result run_point(Op op, const Point& pt, int world, int iters, bool trace, int s
   return result;
 }
 
-// --torch MODEL:TOKENS:MS,...: torch._grouped_mm's time on a world-1 point's rows.
-bool parse_torch(const std::string& list, std::map<std::pair<std::string, int64_t>, double>& out) {
+// "a,b,c" -> {"a", "b", "c"}.
+std::vector<std::string> split_commas(const std::string& list) {
+  std::vector<std::string> items;
   std::size_t at = 0;
   while (at < list.size()) {
     std::size_t end = list.find(',', at);
     if (end == std::string::npos) end = list.size();
-    const std::string item = list.substr(at, end - at);
+    items.push_back(list.substr(at, end - at));
+    at = end + 1;
+  }
+  return items;
+}
+
+// --torch MODEL:TOKENS:MS,...: torch._grouped_mm's time on a world-1 point's rows.
+bool parse_torch(const std::string& list, std::map<std::pair<std::string, int64_t>, double>& out) {
+  for (const std::string& item : split_commas(list)) {
     const std::size_t a = item.find(':'), b = item.rfind(':');
     if (a == std::string::npos || a == b) return false;
     out[{item.substr(0, a), std::atoll(item.substr(a + 1, b - a - 1).c_str())}] =
         std::atof(item.substr(b + 1).c_str());
-    at = end + 1;
   }
   return true;
+}
+
+// --points / --trace: MODEL:TOKENS,... (TOKENS a rank, > 0) appended to `out`.
+bool parse_points(const std::string& list, std::vector<std::pair<std::string, int64_t>>& out) {
+  const std::size_t before = out.size();
+  for (const std::string& item : split_commas(list)) {
+    const std::size_t colon = item.find(':');
+    if (colon == std::string::npos || std::atoll(item.c_str() + colon + 1) <= 0) return false;
+    out.emplace_back(item.substr(0, colon), std::atoll(item.c_str() + colon + 1));
+  }
+  return out.size() > before;
 }
 
 }  // namespace
@@ -471,34 +490,17 @@ int main(int argc, char** argv) {
   args.iters = 5;
   Op op = Op::kLayer;
   std::map<std::pair<std::string, int64_t>, double> torch_ms;
-  std::string trace_model;
-  int64_t trace_tokens = 0;
-  std::vector<std::pair<std::string, int64_t>> only;  // --points
+  std::vector<std::pair<std::string, int64_t>> only, traced;  // --points; --trace's one point
   const auto extra = [&](const std::string& key, const std::string& value) {
     if (key == "--op" && (value == "moe_layer" || value == "moe_dispatch_gemm")) {
       op = value == "moe_layer" ? Op::kLayer : Op::kDispatchGemm;
       return true;
     }
     if (key == "--trace") {
-      const std::size_t colon = value.find(':');
-      if (colon == std::string::npos) return false;
-      trace_model = value.substr(0, colon);
-      trace_tokens = std::atoll(value.c_str() + colon + 1);
-      return trace_tokens > 0;
+      traced.clear();
+      return parse_points(value, traced) && traced.size() == 1;
     }
-    if (key == "--points") {
-      std::size_t pos = 0;
-      while (pos < value.size()) {
-        std::size_t end = value.find(',', pos);
-        if (end == std::string::npos) end = value.size();
-        const std::string item = value.substr(pos, end - pos);
-        const std::size_t colon = item.find(':');
-        if (colon == std::string::npos || std::atoll(item.c_str() + colon + 1) <= 0) return false;
-        only.emplace_back(item.substr(0, colon), std::atoll(item.c_str() + colon + 1));
-        pos = end + 1;
-      }
-      return !only.empty();
-    }
+    if (key == "--points") return parse_points(value, only);
     return key == "--torch" && parse_torch(value, torch_ms);
   };
   if (!mk::bench::parse_inprocess_args(argc, argv, args, extra,
@@ -507,7 +509,9 @@ int main(int argc, char** argv) {
                                        "[--points MODEL:TOKENS,...]")) {
     return 2;
   }
-  const bool trace = !trace_model.empty();
+  const bool trace = !traced.empty();  // (--trace: that point only)
+  if (trace) only = traced;
+  const char* only_flag = trace ? "--trace" : "--points";
   if (trace) setenv("MKERNEL_TRACE", "1", 1);  // read when a communicator is created
   const int world = args.ranks, iters = args.iters;
   const char* kernel = op == Op::kLayer ? "moe_layer" : "moe_dispatch_gemm";
@@ -521,22 +525,15 @@ int main(int argc, char** argv) {
                               {"mixtral", 4096, 14336, 8, 2, tokens}};
   };
   std::vector<Point> points;
-  if (trace) {
-    for (const Point& p : models(trace_tokens)) {
-      if (trace_model == p.model) points.push_back(p);
-    }
-    if (points.empty()) {
-      std::fprintf(stderr, "--trace %s: deepseek_v3, qwen3_235b or mixtral\n", trace_model.c_str());
-      return 2;
-    }
-  } else if (!only.empty()) {
+  if (!only.empty()) {
     for (const auto& [model, tokens] : only) {
       const std::size_t before = points.size();
       for (const Point& p : models(tokens)) {
         if (model == p.model) points.push_back(p);
       }
       if (points.size() == before) {
-        std::fprintf(stderr, "--points %s: deepseek_v3, qwen3_235b or mixtral\n", model.c_str());
+        std::fprintf(stderr, "%s %s: deepseek_v3, qwen3_235b or mixtral\n", only_flag,
+                     model.c_str());
         return 2;
       }
     }
