@@ -344,9 +344,11 @@ def main():
     else:
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", device))
     global _RUN_SEED
-    seed = [random.randrange(1 << 31)]
-    dist.broadcast_object_list(seed, src=0)
-    _RUN_SEED = seed[0]
+    # The seed and whether to time the graph replay: rank 0's, so that every rank runs the same
+    # collectives (the other nodes do not see this one's BENCH_GRAPH).
+    chosen = [random.randrange(1 << 31), os.environ.get("BENCH_GRAPH", "1") != "0"]
+    dist.broadcast_object_list(chosen, src=0)
+    _RUN_SEED, with_graph = chosen
     comm = mkernel.init()
     world = dist.get_world_size()
     global _NUM_NODES
@@ -370,7 +372,7 @@ def main():
             log(f"[{i + 1}/{len(shapes)}] {label:<20} max |mkernel - sequential| {diff:.4g} "
                 f"(max |C| {mag:.4g})  {'ok' if ok else 'WRONG'}")
             continue
-        replay = graphed(variants["mkernel"]) if os.environ.get("BENCH_GRAPH", "1") != "0" else None
+        replay = graphed(variants["mkernel"]) if with_graph else None
         if replay is not None:
             variants["mkernel_graph"] = replay
         ms, spread = time_variants(variants, args.iters, args.rounds)
@@ -409,23 +411,34 @@ def main():
         log("summary: ratio_to_limit " + ", ".join(f"{r['ratio_to_limit']:.3f}" for r in rows) +
             "; speedup vs sequential " +
             ", ".join(f"{r['speedup_vs_sequential']:.2f}" for r in rows))
-    if args.json and rows and dist.get_rank() == 0:
-        doc = {
-            "kernel": args.kernel,
-            "commit": os.environ.get("MKERNEL_COMMIT", "unknown"),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "device": torch.cuda.get_device_name(),
-            "world_size": world,
-            "num_nodes": comm.num_nodes,
-            "transport": ("nvlink" if comm.num_nodes == 1 else
-                          "nvlink+" + os.environ.get("MKERNEL_TRANSPORT", "default backend")),
-            "notes": _ASYNC_TP_NOTE,
-            "rows": rows,
-        }
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-        log(f"wrote {args.json}")
+    if args.json and rows:
+        write_results(args.json, args.kernel, comm, rows, notes=_ASYNC_TP_NOTE)
+    return finish(comm, all_ok)
+
+
+def write_results(path, kernel, comm, rows, **extra):
+    """Rank 0 writes the results file (../shared/BENCH_SCHEMA.md): the run's header, `extra`'s
+    fields, the rows."""
+    if dist.get_rank() != 0:
+        return
+    doc = {
+        "kernel": kernel,
+        "commit": os.environ.get("MKERNEL_COMMIT", "unknown"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": torch.cuda.get_device_name(),
+        "world_size": dist.get_world_size(),
+        "num_nodes": comm.num_nodes,
+        "transport": ("nvlink" if comm.num_nodes == 1 else
+                      "nvlink+" + os.environ.get("MKERNEL_TRANSPORT", "default backend")),
+    } | extra | {"rows": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    log(f"wrote {path}")
+
+
+def finish(comm, all_ok):
+    """The run's end on every rank (the kernels done, the group gone): the exit status."""
     comm.synchronize()
     dist.barrier()
     dist.destroy_process_group()

@@ -12,7 +12,11 @@
 #         moe_dispatch_gemm against torch._grouped_mm's time on those rows from the first part) -
 #         bench mode writes bench/results/<kernel>-<gpu>-w2-one-gpu.json), attention (one GPU: against torch SDPA's
 #         best backend), ring_attention (one GPU: ranks as threads, against the engine on the
-#         same work and SMs), ag_gemm, gemm_rs, gemm_ar,
+#         same work and SMs), ag_gemm, gemm_rs, gemm_ar. On a machine with several GPUs, or
+#         across nodes, moe_dispatch_gemm, moe_layer and ring_attention run one rank per GPU
+#         against their NCCL baselines instead (bench/bench_dist.py: NCCL dispatch then
+#         torch._grouped_mm, the whole layer the NCCL way, NCCL all-gather of K and V then SDPA;
+#         results ...-w<world>.json; sizes: MODEL:TOKENS,... or B:H:H_kv:S_local:D:causal,...),
 #         transport (the socket proxy path over loopback; no GPU needed), p2p (NVLink push /
 #         red.add / pull rate per CTA between GPU 0 and 1: what the fused kernels are sized by).
 #         Other fused kernels join as they land. all = collectives, gemm and every fused kernel.
@@ -24,8 +28,8 @@
 # One rank per GPU of this machine (MKERNEL_RANKS overrides; ranks may share GPUs in check mode,
 # whose references then need no NCCL; on a machine with one GPU check mode runs two ranks on it).
 # Environment: BUILD_DIR (build), MKERNEL_NCCL_LIB (NCCL to compare with; default: PyTorch's).
-# num_nodes > 1 (the fused kernels; results ...-w<world>-n<nodes>.json), as in the original: this
-# machine is node 0 and starts torchrun on node i >= 1 over ssh. NODE0_IP (the address the others
+# num_nodes > 1 (the fused GEMMs, MoE and ring attention; results ...-w<world>-n<nodes>.json), as
+# in the original: this machine is node 0 and starts torchrun on node i >= 1 over ssh. NODE0_IP (the address the others
 # reach this machine at), NODE1_IP, ... (one per node), NODE<i>_SSH (ssh target of node i;
 # default NODE<i>_IP), MKERNEL_REMOTE_DIR (this checkout's path there; default the same path),
 # GPUS_PER_NODE (default: this machine's), MASTER_PORT (29500). MKERNEL_* and NCCL_* variables
@@ -42,7 +46,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 build="${BUILD_DIR:-build}"
 
 case "$kernel" in
-  all | collectives | all_gather | reduce_scatter | all_reduce | gemm | grouped_gemm | moe_dispatch_gemm | moe_layer | attention | ag_gemm | gemm_rs | gemm_ar) ;;
+  all | collectives | all_gather | reduce_scatter | all_reduce | gemm | grouped_gemm | moe_dispatch_gemm | moe_layer | attention | ring_attention | ag_gemm | gemm_rs | gemm_ar) ;;
   transport)
     # The inter-node proxy path over loopback (host only, no GPU): latency and bandwidth.
     [[ -x "${BUILD_DIR:-build}/bench/bench_transport" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
@@ -50,18 +54,6 @@ case "$kernel" in
   p2p)
     [[ -x "${BUILD_DIR:-build}/bench/bench_p2p" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
     exec "${BUILD_DIR:-build}/bench/bench_p2p" ;;
-  ring_attention)
-    # One GPU so far: the ranks as threads sharing it (the SM-side cost of the ring; no NVLink).
-    [[ "$3" == 1 ]] || { echo "bench/run.sh: ring_attention runs on one node only so far" >&2; exit 2; }
-    [[ -x "${BUILD_DIR:-build}/bench/bench_ring_attention" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
-    ring_args=(--ranks "${MKERNEL_RANKS:-2}")
-    if [[ "$2" == bench ]]; then
-      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
-      mkdir -p bench/results
-      ring_args+=(--json "bench/results/ring_attention-${gpu}-w1.json")
-    fi
-    export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
-    exec "${BUILD_DIR:-build}/bench/bench_ring_attention" "${ring_args[@]}" ;;
   *) echo "bench/run.sh: unknown kernel '$kernel'" >&2; usage ;;
 esac
 [[ "$mode" == check || "$mode" == bench ]] || usage
@@ -71,28 +63,9 @@ dry_run="${MKERNEL_DRY_RUN:-0}"
 run() {
   if [[ "$dry_run" == 1 ]]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
-
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-if [[ "$gpus" -eq 0 && "$dry_run" == 1 && "$nodes" -gt 1 ]]; then
-  gpus="${GPUS_PER_NODE:-2}"  # what a dry run pretends this machine has
-fi
-
-if [[ "$nodes" -gt 1 ]]; then
-  case "$kernel" in
-    ag_gemm | gemm_rs | gemm_ar) ;;
-    all)
-      status=0
-      for k in ag_gemm gemm_rs gemm_ar; do
-        bash "$PWD/bench/run.sh" "$k" "$mode" "$nodes" "$sizes" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
-      done
-      exit "$status" ;;
-    *) echo "bench/run.sh: $kernel runs on one node only; across nodes: ag_gemm, gemm_rs, gemm_ar, all" >&2
-       exit 2 ;;
-  esac
-  if [[ "$gpus" -eq 0 ]]; then
-    echo "bench/run.sh: no NVIDIA GPU found on this machine; nothing was checked." >&2
-    exit 3
-  fi
+# Before a torchrun of the Python benchmarks: the package importable (or exit 2); $gpu, the GPU's
+# short name for the results files; MKERNEL_COMMIT, the commit they record.
+torchrun_setup() {
   python3 -c 'import mkernel' 2>/dev/null || [[ "$dry_run" == 1 ]] || {
     echo "bench/run.sh: the mkernel Python package is not importable: run 'pip install .' first" >&2
     exit 2
@@ -101,6 +74,47 @@ if [[ "$nodes" -gt 1 ]]; then
         awk '{print tolower($NF)}' || true)
   gpu="${gpu:-h200}"
   export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+}
+
+# The expert- and sequence-parallel kernels: across GPUs bench/bench_dist.py (one rank per GPU,
+# NCCL baselines); on one GPU (or MKERNEL_RANKS=1) their one-GPU benchmarks (world 1, and ranks
+# sharing the GPU).
+dist_kernel=0
+case "$kernel" in moe_dispatch_gemm | moe_layer | ring_attention) dist_kernel=1 ;; esac
+[[ "${MKERNEL_RANKS:-1}" =~ ^[1-9][0-9]*$ ]] ||
+  { echo "bench/run.sh: MKERNEL_RANKS '${MKERNEL_RANKS}' is not a positive number" >&2; exit 2; }
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [[ "$gpus" -eq 0 && "$dry_run" == 1 ]] && ((nodes > 1 || dist_kernel)); then
+  gpus="${GPUS_PER_NODE:-2}"  # what a dry run pretends this machine has
+fi
+
+if [[ "$nodes" -gt 1 ]]; then
+  case "$kernel" in
+    ag_gemm | gemm_rs | gemm_ar | moe_dispatch_gemm | moe_layer | ring_attention) ;;
+    all)
+      status=0
+      for k in ag_gemm gemm_rs gemm_ar; do
+        bash "$PWD/bench/run.sh" "$k" "$mode" "$nodes" "$sizes" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
+      done
+      # (sizes are the GEMMs'; these take their own points, and one GPU a rank)
+      if [[ "${MKERNEL_VIRTUAL_NODES:-0}" == 1 ]] && ((${MKERNEL_RANKS:-$gpus} > gpus)); then
+        echo "bench/run.sh: moe_dispatch_gemm, moe_layer, ring_attention skipped: one GPU a" \
+             "rank (${MKERNEL_RANKS} ranks on $gpus GPUs)" >&2
+      else
+        for k in moe_dispatch_gemm moe_layer ring_attention; do
+          bash "$PWD/bench/run.sh" "$k" "$mode" "$nodes" || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
+        done
+      fi
+      exit "$status" ;;
+    *) echo "bench/run.sh: $kernel runs on one node only; across nodes: ag_gemm, gemm_rs, gemm_ar," \
+            "moe_dispatch_gemm, moe_layer, ring_attention, all" >&2
+       exit 2 ;;
+  esac
+  if [[ "$gpus" -eq 0 ]]; then
+    echo "bench/run.sh: no NVIDIA GPU found on this machine; nothing was checked." >&2
+    exit 3
+  fi
+  torchrun_setup
   if [[ "${MKERNEL_VIRTUAL_NODES:-0}" == 1 ]]; then
     ranks="${MKERNEL_RANKS:-$gpus}"
     if ((ranks % nodes != 0)); then
@@ -113,7 +127,11 @@ if [[ "$nodes" -gt 1 ]]; then
     ranks=$((per_node * nodes))
   fi
   fused_args=(--kernel "$kernel" --mode "$mode")
-  [[ -z "$sizes" ]] || fused_args+=(--shapes "$sizes")
+  script=bench/bench_fused.py
+  ((dist_kernel)) && script=bench/bench_dist.py
+  if [[ -n "$sizes" ]]; then
+    if ((dist_kernel)); then fused_args+=(--points "$sizes"); else fused_args+=(--shapes "$sizes"); fi
+  fi
   if [[ "$mode" == bench ]]; then
     mkdir -p bench/results
     fused_args+=(--json "bench/results/${kernel}-${gpu}-w${ranks}-n${nodes}.json")
@@ -121,7 +139,7 @@ if [[ "$nodes" -gt 1 ]]; then
   if [[ "${MKERNEL_VIRTUAL_NODES:-0}" == 1 ]]; then
     echo "bench/run.sh: $kernel $mode on $nodes virtual nodes of $per_node rank(s), this machine"
     run env MKERNEL_GPUS_PER_NODE="$per_node" python3 -m torch.distributed.run --standalone --nproc-per-node "$ranks" \
-      bench/bench_fused.py "${fused_args[@]}"
+      "$script" "${fused_args[@]}"
     exit $?
   fi
   for ((i = 0; i < nodes; i++)); do
@@ -134,7 +152,7 @@ if [[ "$nodes" -gt 1 ]]; then
   torchrun_on() {
     printf 'python3 -m torch.distributed.run --nnodes %q --node-rank %q --nproc-per-node %q ' \
       "$nodes" "$1" "$per_node"
-    printf -- '--master-addr %q --master-port %q bench/bench_fused.py' "$NODE0_IP" "$port"
+    printf -- '--master-addr %q --master-port %q %q' "$NODE0_IP" "$port" "$script"
     printf ' %q' "${fused_args[@]}"
   }
   forwarded=$(env | grep -E '^(MKERNEL|NCCL)_[A-Z0-9_]*=' | grep -v '^MKERNEL_DRY_RUN=' |
@@ -161,6 +179,38 @@ if [[ "$gpus" -eq 0 ]]; then
   echo "bench/run.sh: no NVIDIA GPU found on this machine. mkernel's kernels need Hopper GPUs" \
        "(H100/H200); nothing was checked." >&2
   exit 3
+fi
+if ((dist_kernel && gpus >= 2 && ${MKERNEL_RANKS:-$gpus} >= 2)); then
+  # One rank per GPU over NVLink, against the NCCL baselines (bench/bench_dist.py).
+  ranks="${MKERNEL_RANKS:-$gpus}"
+  if ((ranks > gpus)); then
+    echo "bench/run.sh: $kernel: $ranks ranks on $gpus GPUs; across GPUs it runs one rank per GPU" >&2
+    exit 2
+  fi
+  torchrun_setup
+  dist_args=(--kernel "$kernel" --mode "$mode")
+  [[ -z "$sizes" ]] || dist_args+=(--points "$sizes")
+  if [[ "$mode" == bench ]]; then
+    mkdir -p bench/results
+    dist_args+=(--json "bench/results/${kernel}-${gpu}-w${ranks}.json")
+  fi
+  echo "bench/run.sh: $kernel $mode on $ranks GPUs, one rank each"
+  run python3 -m torch.distributed.run --standalone --nproc-per-node "$ranks" bench/bench_dist.py \
+    "${dist_args[@]}"
+  exit $?
+fi
+if [[ "$kernel" == ring_attention ]]; then
+  # One GPU: the ranks as threads sharing it (the SM-side cost of the ring; no NVLink).
+  [[ -x "$build/bench/bench_ring_attention" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
+  ring_args=(--ranks "${MKERNEL_RANKS:-2}")
+  if [[ "$mode" == bench ]]; then
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
+    mkdir -p bench/results
+    ring_args+=(--json "bench/results/ring_attention-${gpu}-w1.json")
+  fi
+  export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+  run "$build/bench/bench_ring_attention" "${ring_args[@]}"
+  exit $?
 fi
 ranks="${MKERNEL_RANKS:-$gpus}"
 if [[ -z "${MKERNEL_RANKS:-}" && "$mode" == check && "$gpus" -eq 1 && "$kernel" != gemm &&

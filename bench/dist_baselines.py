@@ -1,0 +1,189 @@
+"""What a user would run instead of mkernel's expert- and sequence-parallel kernels across GPUs:
+torch.distributed (NCCL) for the communication, torch for the compute. bench_dist.py times them;
+tests/python/test_dist_baselines.py holds them to single-process references (on CPUs too, over
+gloo: nothing here needs a GPU).
+
+MoE (expert parallelism; rank r holds experts [r E_local, (r + 1) E_local)):
+  nccl_dispatch   each token crosses once per destination rank that holds one of its experts,
+                  with its routing row (token index, top-k experts, and the weights when the
+                  combine needs them): the counts by one all_to_all_single, read on the host
+                  (the split sizes: what torch users do), then the rows, the routing and the
+                  weights by one each
+  expert_major    the received rows gathered by local expert (source rank, token, slot order:
+                  mkernel's contract), their counts and offsets for torch._grouped_mm
+  grouped_mm      torch._grouped_mm (a loop of matmuls on CPUs)
+  moe_combine_seq each received token's rows summed over its slots here with their weights (fp32,
+                  sent as bf16), sent back by all_to_all_single, summed at the source
+Attention (sequence parallelism):
+  gather_kv       K and V of every rank by all_gather_into_tensor, put in sequence order
+                  (contiguous shares, or zigzag: rank r holds chunks r and 2w - 1 - r of 2w)
+  sdpa_local      this rank's queries against every key by torch SDPA (GQA through enable_gqa;
+                  zigzag causal: each of its two chunks against the keys up to its end, aligned
+                  bottom-right: flash attention on unexpanded K and V on Hopper; non-causal: the
+                  backend asked for)
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def grouped_mm(rows, w_t, offs):
+    """rows [R, K] @ w_t[g] [K, N] for each group's rows (offs: int32 cumulative ends)."""
+    if rows.is_cuda:
+        return torch._grouped_mm(rows, w_t, offs=offs)
+    out, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        out.append((rows[start:end].float() @ w_t[g].float()).to(rows.dtype))
+        start = end
+    return torch.cat(out) if out else rows.new_empty(0, w_t.shape[-1])
+
+
+class Dispatched:
+    """nccl_dispatch's result on the receiving rank.
+
+    recv [n, H]: the rows received, by source rank, then token; meta [n, 1 + k] int64: each row's
+    token index at its source, then its top-k experts (global ids, -1 none); weights [n, k]
+    float32 (when asked); src [n]: each row's source rank. send_tokens / send_splits /
+    recv_splits: what the combine needs to send the rows back.
+    """
+
+    def __init__(self, recv, meta, weights, src, send_tokens, send_splits, recv_splits):
+        self.recv, self.meta, self.weights, self.src = recv, meta, weights, src
+        self.send_tokens, self.send_splits, self.recv_splits = (send_tokens, send_splits,
+                                                                recv_splits)
+
+
+def nccl_dispatch(x, idx, num_experts, weights=None, group=None):
+    world = dist.get_world_size(group)
+    e_local = num_experts // world
+    tokens, top_k = idx.shape
+    dst = torch.where(idx >= 0, idx // e_local, torch.full_like(idx, world))
+    to = torch.zeros(tokens, world + 1, dtype=torch.bool, device=x.device)
+    to.scatter_(1, dst.long(), True)
+    to = to[:, :world]
+    pairs = to.t().nonzero()  # (rank, token), by rank then token
+    send_tokens = pairs[:, 1]
+    send_counts = to.sum(0)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    n = sum(recv_splits)
+    recv = x.new_empty(n, x.shape[1])
+    dist.all_to_all_single(recv, x.index_select(0, send_tokens), recv_splits, send_splits,
+                           group=group)
+    meta_out = torch.cat([send_tokens[:, None], idx.index_select(0, send_tokens).long()], 1)
+    meta = meta_out.new_empty(n, 1 + top_k)
+    dist.all_to_all_single(meta, meta_out, recv_splits, send_splits, group=group)
+    recv_w = None
+    if weights is not None:
+        recv_w = weights.new_empty(n, top_k)
+        dist.all_to_all_single(recv_w, weights.index_select(0, send_tokens).contiguous(),
+                               recv_splits, send_splits, group=group)
+    src = torch.repeat_interleave(torch.arange(world, device=x.device), recv_counts,
+                                  output_size=n)
+    return Dispatched(recv, meta, recv_w, src, send_tokens, send_splits, recv_splits)
+
+
+class ExpertMajor:
+    """The received rows by local expert: row [R] (index into Dispatched.recv), slot [R], counts
+    [E_local], offs (int32 ends, torch._grouped_mm's), who [R, 3] (source rank, token, slot)."""
+
+    def __init__(self, row, slot, counts, offs, who):
+        self.row, self.slot, self.counts, self.offs, self.who = row, slot, counts, offs, who
+
+
+def expert_major(d: Dispatched, rank, e_local):
+    experts = d.meta[:, 1:]
+    first = rank * e_local
+    mine = (experts >= first) & (experts < first + e_local)
+    row, slot = mine.nonzero(as_tuple=True)  # by received row (source, token), then slot
+    local = experts[row, slot] - first
+    order = torch.sort(local, stable=True).indices
+    row, slot, local = row[order], slot[order], local[order]
+    counts = torch.zeros(e_local, dtype=torch.int64, device=d.recv.device)
+    counts.scatter_add_(0, local, torch.ones_like(local))  # (bincount would read back its size)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    who = torch.stack([d.src[row], d.meta[row, 0], slot], 1)
+    return ExpertMajor(row, slot, counts, offs, who)
+
+
+def moe_combine_seq(y, d: Dispatched, em: ExpertMajor, tokens, group=None):
+    """y [R, H] (em's rows) -> out [tokens, H] bf16 at the sources: per received token the
+    weighted sum of its rows here (fp32, sent in bf16), back by all_to_all_single, summed."""
+    part = torch.zeros(d.recv.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+    part.index_add_(0, em.row, y.float() * d.weights[em.row, em.slot][:, None])
+    back = y.new_empty(d.send_tokens.shape[0], y.shape[1])
+    dist.all_to_all_single(back, part.to(y.dtype), d.send_splits, d.recv_splits, group=group)
+    out = torch.zeros(tokens, y.shape[1], dtype=torch.float32, device=y.device)
+    out.index_add_(0, d.send_tokens, back.float())
+    return out.to(y.dtype)
+
+
+def moe_gemm_seq(x, idx, w_t, num_experts, group=None):
+    """NCCL dispatch, the rows expert-major, torch._grouped_mm: (y [R, N], ExpertMajor)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    d = nccl_dispatch(x, idx, num_experts, group=group)
+    em = expert_major(d, rank, num_experts // world)
+    return grouped_mm(d.recv.index_select(0, em.row), w_t, em.offs), em
+
+
+def moe_layer_seq(x, idx, weights, w13_t, w2_t, num_experts, group=None):
+    """The whole layer the NCCL way: dispatch, gate / up, SwiGLU, down, combine: out [T, H]."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    d = nccl_dispatch(x, idx, num_experts, weights=weights, group=group)
+    em = expert_major(d, rank, num_experts // world)
+    inter = w2_t.shape[1]
+    gate_up = grouped_mm(d.recv.index_select(0, em.row), w13_t, em.offs)
+    h = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
+    y = grouped_mm(h, w2_t, em.offs)
+    return moe_combine_seq(y, d, em, x.shape[0], group=group)
+
+
+def sequence_order(parts, causal):
+    """[world, B, S_local, ...] shares (rank order) -> [B, S, ...] in sequence order."""
+    world = parts.shape[0]
+    if not causal:
+        return torch.cat(list(parts), dim=1)
+    halves = [p.chunk(2, dim=1) for p in parts]
+    chunks = [halves[c][0] if c < world else halves[2 * world - 1 - c][1]
+              for c in range(2 * world)]
+    return torch.cat(chunks, dim=1)
+
+
+def gather_kv(k, v, causal, group=None):
+    world = dist.get_world_size(group)
+    out = []
+    for t in (k, v):
+        parts = t.new_empty(world * t.shape[0], *t.shape[1:])  # (gloo wants them along dim 0)
+        dist.all_gather_into_tensor(parts, t.contiguous(), group=group)
+        out.append(sequence_order(parts.view(world, *t.shape), causal))
+    return out
+
+
+def sdpa_local(q, k_full, v_full, causal, rank, world, backend=None):
+    """This rank's queries (its share of the sequence) against every key: [B, S_local, H, D].
+    backend: an SDPBackend for the non-causal call (None: torch's choice); the causal chunks go
+    through the bottom-right causal bias, which takes flash attention where it can."""
+    gqa = q.shape[2] != k_full.shape[2]
+    kt, vt = k_full.transpose(1, 2), v_full.transpose(1, 2)
+
+    def attend(q_part, keys, mask=None):
+        return F.scaled_dot_product_attention(q_part.transpose(1, 2), kt[:, :, :keys],
+                                              vt[:, :, :keys], attn_mask=mask,
+                                              enable_gqa=gqa).transpose(1, 2)
+
+    if not causal:
+        if backend is None:
+            return attend(q, k_full.shape[1])
+        from torch.nn.attention import sdpa_kernel
+        with sdpa_kernel(backend):
+            return attend(q, k_full.shape[1])
+    from torch.nn.attention.bias import causal_lower_right
+    half = q.shape[1] // 2
+    outs = []
+    for i, c in enumerate((rank, 2 * world - 1 - rank)):
+        keys = (c + 1) * half
+        outs.append(attend(q[:, i * half:(i + 1) * half], keys, causal_lower_right(half, keys)))
+    return torch.cat(outs, dim=1)
