@@ -7,6 +7,7 @@
 # all on the same data (one MKERNEL_BENCH_SEED).
 #
 #   bash scripts/ab_variants.sh ROUNDS VARIANT...    e.g.  2 - a.patch a.patch,b.patch
+#   (the word `queue` in a variant stands for docs/design/QUEUE's patches, in order)
 #
 # Prints each round's tables with the variant named; every results file goes into
 # $OUT/ab-results.tar.gz as v<variant>-r<round>/<file> (scripts/ab_table.py prints each variant's
@@ -36,7 +37,13 @@ rm -rf "$results" && mkdir -p "$OUT" "$results"
 exec > >(tee -a "$OUT/ab.log") 2>&1
 echo "ab_variants: data seed $MKERNEL_BENCH_SEED (MKERNEL_BENCH_SEED)"
 
-patches_of() { [[ "$1" == - ]] && return 0; tr ',' '\n' <<<"$1" | sed '/^$/d'; }
+# A variant's patches, one a line ("queue": docs/design/QUEUE's, in order, in its place).
+patches_of() {
+  [[ "$1" == - ]] && return 0
+  tr ',' '\n' <<<"$1" | sed '/^$/d' | while IFS= read -r p; do
+    if [[ "$p" == queue ]]; then bash scripts/queue_patches.sh | tr ',' '\n'; else echo "$p"; fi
+  done
+}
 
 repo="$PWD"
 export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"

@@ -23,7 +23,8 @@
 # (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), SANITIZE_FILTER (gtest filter of the
 # sanitized tests: Sanitize*), SITE (/tmp/site), BENCH_KERNELS ("all
 # transport": bench/run.sh kernels; all = collectives, gemm and the fused kernels),
-# PATCHES (a comma list of patches applied to this copy first: queued experiments),
+# PATCHES (a comma list of patches applied to this copy first: queued experiments; `queue`: all of
+# docs/design/QUEUE in order),
 # PYTHON_TESTS=0 (python step installs only), PYTEST_ARGS (shell words added to its pytest
 # command, e.g. "-v -k 'moe or gemm_op'"), COMPARE_KERNELS / COMPARE_SHAPES / COMPARE_P2P=0
 # (compare step: which kernels and shapes, without the bench_p2p table), TRACE_CASES, AB_OLD / AB_ROUNDS /
@@ -480,7 +481,11 @@ for s in "${steps[@]}"; do
 done
 
 # PATCHES: a comma-separated list of patches (git apply) to run with - queued experiments whose
-# tests and numbers come first (docs/design/*.patch). This copy of the checkout keeps them.
+# tests and numbers come first (docs/design/*.patch); the word `queue` in it stands for the whole
+# queue in order (docs/design/QUEUE). This copy of the checkout keeps them.
+if [[ ",${PATCHES:-}," == *",queue,"* ]]; then
+  PATCHES=$(printf '%s' "$PATCHES" | sed "s#\(^\|,\)queue\(,\|$\)#\1$(bash scripts/queue_patches.sh)\2#")
+fi
 if [[ -n "${PATCHES:-}" ]]; then
   IFS=, read -r -a patch_list <<<"$PATCHES"
   for p in "${patch_list[@]}"; do
