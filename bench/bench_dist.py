@@ -179,8 +179,7 @@ def moe_layer_point(comm, seed, model, tokens, mode):
 
     def compute():
         gate_up = base.grouped_mm(rows_em, w13_t, em.offs)
-        h = (torch.nn.functional.silu(gate_up[:, :inter].float()) *
-             gate_up[:, inter:].float()).to(torch.bfloat16)
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         return base.grouped_mm(h, w2_t, em.offs)
 
     def mk_comm():

@@ -7,8 +7,8 @@ MoE (expert parallelism; rank r holds experts [r E_local, (r + 1) E_local)):
   nccl_dispatch   each token crosses once per destination rank that holds one of its experts,
                   with its routing row (token index, top-k experts, and the weights when the
                   combine needs them): the counts by one all_to_all_single, read on the host
-                  (the split sizes: what torch users do), then the rows, the routing and the
-                  weights by one each
+                  (the split sizes: what torch users do), then the rows by one and the routing
+                  (with the weights) by another
   expert_major    the received rows gathered by local expert (source rank, token, slot order:
                   mkernel's contract), their counts and offsets for torch._grouped_mm
   grouped_mm      torch._grouped_mm (a loop of matmuls on CPUs)
@@ -73,14 +73,17 @@ def nccl_dispatch(x, idx, num_experts, weights=None, group=None):
     recv = x.new_empty(n, x.shape[1])
     dist.all_to_all_single(recv, x.index_select(0, send_tokens), recv_splits, send_splits,
                            group=group)
-    meta_out = torch.cat([send_tokens[:, None], idx.index_select(0, send_tokens).long()], 1)
-    meta = meta_out.new_empty(n, 1 + top_k)
-    dist.all_to_all_single(meta, meta_out, recv_splits, send_splits, group=group)
+    # The routing in one int64 message a row: token, experts, and the weights' fp32 bits.
+    parts = [send_tokens[:, None], idx.index_select(0, send_tokens).long()]
+    if weights is not None:
+        parts.append(weights.index_select(0, send_tokens).view(torch.int32).long())
+    meta_out = torch.cat(parts, 1)
+    meta_in = meta_out.new_empty(n, meta_out.shape[1])
+    dist.all_to_all_single(meta_in, meta_out, recv_splits, send_splits, group=group)
+    meta = meta_in[:, :1 + top_k]
     recv_w = None
     if weights is not None:
-        recv_w = weights.new_empty(n, top_k)
-        dist.all_to_all_single(recv_w, weights.index_select(0, send_tokens).contiguous(),
-                               recv_splits, send_splits, group=group)
+        recv_w = meta_in[:, 1 + top_k:].int().view(torch.float32)
     src = torch.repeat_interleave(torch.arange(world, device=x.device), recv_counts,
                                   output_size=n)
     return Dispatched(recv, meta, recv_w, src, send_tokens, send_splits, recv_splits)
@@ -136,7 +139,7 @@ def moe_layer_seq(x, idx, weights, w13_t, w2_t, num_experts, group=None):
     em = expert_major(d, rank, num_experts // world)
     inter = w2_t.shape[1]
     gate_up = grouped_mm(d.recv.index_select(0, em.row), w13_t, em.offs)
-    h = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
+    h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # (in bf16, as a torch layer does)
     y = grouped_mm(h, w2_t, em.offs)
     return moe_combine_seq(y, d, em, x.shape[0], group=group)
 
