@@ -89,7 +89,7 @@ def _close(got, want, ulps):
     return diff <= ulps * mag / 128, diff, mag
 
 
-def _moe_inputs(seed, rank, model, tokens, world):
+def _moe_inputs(seed, rank, model, tokens):
     hidden, n, experts, top_k = MOE_MODELS[model]
     g = _gen(seed * 7919 + rank)
     x = _bf16(g, (tokens, hidden))
@@ -113,7 +113,7 @@ def moe_dispatch_gemm_point(comm, seed, model, tokens, mode):
     hidden, n, experts, top_k = MOE_MODELS[model]
     rank, world = dist.get_rank(), dist.get_world_size()
     e_local = experts // world
-    x, idx, weights, g = _moe_inputs(seed, rank, model, tokens, world)
+    x, idx, weights, g = _moe_inputs(seed, rank, model, tokens)
     w = _bf16(g, (e_local, n, hidden), 0.02)
     w_t = w.transpose(1, 2)
     y, expert_rows, handle = mkernel.moe_dispatch_gemm(x, idx, w, comm, experts)
@@ -165,7 +165,7 @@ def moe_layer_point(comm, seed, model, tokens, mode):
     hidden, inter, experts, top_k = MOE_MODELS[model]
     rank, world = dist.get_rank(), dist.get_world_size()
     e_local = experts // world
-    x, idx, weights, g = _moe_inputs(seed, rank, model, tokens, world)
+    x, idx, weights, g = _moe_inputs(seed, rank, model, tokens)
     w13 = _bf16(g, (e_local, 2 * inter, hidden), hidden ** -0.5)
     w2 = _bf16(g, (e_local, hidden, inter), inter ** -0.5)
     w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
