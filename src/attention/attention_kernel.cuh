@@ -37,10 +37,15 @@
 //                                 block's source between loads; measured 2026-12-02 at 3b6c3a3:
 //                                 the ring non-causal 1-2.5% faster, the plain engine 0.5-1%
 //                                 slower with it)
-//   mask(item, i)                 which keys of block i each query row of the tile sees
+//   mask(item, i)                 which keys of block i each query row of the tile sees: at D
+//                                 64 the producer's, with K's load (handed to the consumers in
+//                                 shared memory beside the stage, so their loop runs no policy
+//                                 code); at D 128 the consumers' own (AttentionConfig::
+//                                 kProducerMasks says why)
 //   store(o, lse, item, consumer, scratch)  epilogue: the normalised rows and their LSE
 //
-//   smem:  [ Q (128 x D) | K stage 0 .. S-1 | V stage 0 .. S-1 | epilogue buffers | barriers ]
+//   smem:  [ Q (128 x D) | K stage 0 .. S-1 | V stage 0 .. S-1 | epilogue buffers | barriers |
+//            block masks (2S, D 64) ]
 //          every tile 128-byte swizzled, D in chunks of 64 columns ([chunk][rows][64])
 #pragma once
 
@@ -73,11 +78,18 @@ struct AttentionConfig {
   static constexpr int kEpilogueBytes = kConsumers * 2 * 64 * 64 * 2;
   static constexpr int kSmemLimit = 227 * 1024;
   static constexpr int kMaxStages = 4;
+  // (256 bytes for the barriers and the masks' slots: 16 + 48 a stage, 208 at 4 stages.)
   static constexpr int kFit = (kSmemLimit - 1024 - kQBytes - kEpilogueBytes - 256) / (2 * kKvBytes);
   static constexpr int kStages = kFit < kMaxStages ? kFit : kMaxStages;
-  // Barriers: q_full, q_empty, k_full[S], k_empty[S], v_full[S], v_empty[S].
-  static constexpr int kSmemBytes =
-      1024 + kQBytes + 2 * kStages * kKvBytes + kEpilogueBytes + (2 + 4 * kStages) * 8;
+  // Who works out a block's mask: the producer, handing it over in shared memory (D 64: 2-4%
+  // faster at every point, side by side on the H200), or each consumer between the block's
+  // Q K^T and its softmax (D 128: the producer's 0.4-3% slower, and the ring 1.5%).
+  static constexpr bool kProducerMasks = kHeadDim == 64;
+  // Barriers: q_full, q_empty, k_full[S], k_empty[S], v_full[S], v_empty[S]; then the blocks'
+  // masks (kv_len, diag), 2S slots by block number (kProducerMasks).
+  static constexpr int kMaskSlots = 2 * kStages;
+  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKvBytes + kEpilogueBytes +
+                                    (2 + 4 * kStages) * 8 + (kProducerMasks ? kMaskSlots * 8 : 0);
   static constexpr int kORegs = kHeadDim / 2;  // O accumulator registers per consumer thread
   static constexpr int kSRegs = kBlockN / 2;   // S accumulator registers per consumer thread
   // Where O is rescaled for a block's new maximum: under the next block's Q K^T (D 128: 1-6%
@@ -409,6 +421,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   uint64_t* k_empty = k_full + kStages;
   uint64_t* v_full = k_empty + kStages;
   uint64_t* v_empty = v_full + kStages;
+  // (kProducerMasks) Block j's mask in slot j % kMaskSlots, written before K's full barrier is armed (its release
+  // orders it) and read after the wait on it, once block j's Q K^T is done. The slot is written
+  // again for block j + 2S, once both consumers have handed back block j + S's K - after
+  // both read block j's mask (a lap of slack: they hand back block j's K before reading it).
+  int2* masks = reinterpret_cast<int2*>(v_empty + kStages);
+  auto put_mask = [&](int j, const BlockMask& m) {
+    masks[j % Cfg::kMaskSlots] =
+        m.active ? make_int2(m.kv_len, m.diag) : make_int2(Cfg::kBlockN, 1 << 30);
+  };
+  // The consumers' mask of item w's block i (block it + i of the CTA's ring): the producer's,
+  // or worked out here.
+  auto consumer_mask = [&](const WorkItem& w, int it, int i) {
+    if constexpr (Cfg::kProducerMasks) {
+      const int2 v = masks[(it + i) % Cfg::kMaskSlots];
+      return BlockMask{v.x < Cfg::kBlockN || v.y < Cfg::kBlockN - 1, v.x, v.y};
+    } else {
+      return policy.mask(w, i);
+    }
+  };
 
   if (threadIdx.x == 0) {
     dev::mbarrier_init(q_full, 1);
@@ -453,7 +484,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               uint64_t* empty = which == 0 ? &k_empty[s] : &v_empty[s];
               uint64_t* full = which == 0 ? &k_full[s] : &v_full[s];
               uint8_t* dst = (which == 0 ? k_smem : v_smem) + s * Cfg::kKvBytes;
+              // (The mask worked out before the wait: off the path from the stage's release to
+              // its load.)
+              BlockMask mask{};
+              if constexpr (Cfg::kProducerMasks) {
+                if (which == 0) mask = policy.mask(w, i);
+              }
               dev::mbarrier_wait(empty, (((it + i) / kStages) & 1) ^ 1);  // first lap: at once
+              if constexpr (Cfg::kProducerMasks) {
+                if (which == 0) put_mask(it + i, mask);
+              }
               dev::mbarrier_arrive_expect_tx(full, Cfg::kKvBytes);
               policy.load_kv(dst, full, w, blk, which);
             };
@@ -473,7 +513,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               const uint32_t phase = ((it / kStages) & 1) ^ 1;
               const typename Policy::KvBlock blk = policy.kv_block(w, i);
               policy.wait_kv(w, blk);
+              BlockMask mask{};
+              if constexpr (Cfg::kProducerMasks) mask = policy.mask(w, i);  // (as above)
               dev::mbarrier_wait(&k_empty[s], phase);
+              if constexpr (Cfg::kProducerMasks) put_mask(it, mask);
               dev::mbarrier_arrive_expect_tx(&k_full[s], Cfg::kKvBytes);
               policy.load_kv(k_smem + s * Cfg::kKvBytes, &k_full[s], w, blk, 0);
               dev::mbarrier_wait(&v_empty[s], phase);
@@ -558,7 +601,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             dev::mbarrier_arrive(&k_empty[stage]);
             if (w.blocks == 1) dev::mbarrier_arrive(q_empty);
           }
-          BlockMask mask = policy.mask(w, 0);
+          BlockMask mask = consumer_mask(w, it, 0);
           if (mask.active) apply_mask(s, mask, consumer);
           softmax.step(s, scale_log2, rescale);
           if (!Cfg::kRescaleUnderQk && w.carry_in) rescale_o(o, rescale);
@@ -582,7 +625,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               dev::mbarrier_arrive(&k_empty[stage]);
               if (i == w.blocks - 1) dev::mbarrier_arrive(q_empty);  // the tile's last Q K^T
             }
-            mask = policy.mask(w, i);
+            mask = consumer_mask(w, it, i);
             if (mask.active) apply_mask(s, mask, consumer);
             softmax.step(s, scale_log2, rescale);
             dev::wgmma_wait<0>();  // P V is done: O and P may change

@@ -272,10 +272,10 @@ struct RingAttention {
                        n * 128, part, w.batch);
     }
   }
-  // On the consumers' path between a block's Q K^T and its softmax: without tail blocks (parts
-  // of whole 128-row blocks) the only masked block is causal's diagonal, the first block of
-  // step 0's own-chunk run - block 0 for part 0, block blocks_per_part for part 1 (after the
-  // whole chunk r) - found without walking the steps.
+  // On the producer's path at D 64, the consumers' at D 128 (AttentionConfig::kProducerMasks):
+  // without tail blocks (parts of whole 128-row blocks) the only masked block is causal's
+  // diagonal, the first block of step 0's own-chunk run - block 0 for part 0, block
+  // blocks_per_part for part 1 (after the whole chunk r) - found without walking the steps.
   __device__ BlockMask mask(const WorkItem& w, int i) const {
     if (part_len % 128 == 0) {
       // (Only the node's own chunks, launch 0, have a diagonal: step 0's is this rank's own.)
