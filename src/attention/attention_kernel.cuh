@@ -421,10 +421,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   uint64_t* k_empty = k_full + kStages;
   uint64_t* v_full = k_empty + kStages;
   uint64_t* v_empty = v_full + kStages;
-  // (kProducerMasks) Block j's mask in slot j % kMaskSlots, written before K's full barrier is armed (its release
-  // orders it) and read after the wait on it, once block j's Q K^T is done. The slot is written
-  // again for block j + 2S, once both consumers have handed back block j + S's K - after
-  // both read block j's mask (a lap of slack: they hand back block j's K before reading it).
+  // (kProducerMasks) Block j's mask in slot j % kMaskSlots, written before K's full barrier is
+  // armed (its release orders it) and read after the wait on it, once block j's Q K^T is done. The
+  // slot is written again for block j + 2S, once both consumers have handed back block j + S's K -
+  // after both read block j's mask (a lap of slack: they hand back block j's K before reading it).
   int2* masks = reinterpret_cast<int2*>(v_empty + kStages);
   auto put_mask = [&](int j, const BlockMask& m) {
     masks[j % Cfg::kMaskSlots] =
