@@ -78,7 +78,8 @@ int swiglu_down_width(int block_n, int64_t total_rows, int groups, int64_t inter
                       const char* op);
 // The policy, its tensor maps encoded:
 // tables: row_start [groups], row_count [groups], tile_prefix [groups + 1] with one tile per
-// tile-row; done: the tile-rows' counters, zeroed before the launch.
+// tile-row (grouped_table_ints, the counter unused here); done: the tile-rows' counters, zeroed
+// before the launch.
 template <int kBlockN>
 struct GroupedSwigluDown;
 template <int kBlockN>
@@ -92,9 +93,13 @@ GroupedSwigluDown<kBlockN> swiglu_down_policy(const DeviceComm& comm, const void
 void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_rows, int groups,
                   int64_t rows, int64_t n, int64_t k, BLayout b_layout, cudaStream_t stream,
                   const GemmConfig& config, GroupedLayout layout, int32_t* tables);
+// The group tables' ints: row_start, row_count [groups], tile_prefix [groups + 1], the tile
+// counter (GroupedGemm's dynamic tiles).
+constexpr int64_t grouped_table_ints(int64_t groups) { return 3 * groups + 2; }
 std::size_t grouped_tables_bytes(int groups);
-// The group tables alone (row_start, row_count, tile_prefix with tiles_n tiles a tile-row) of
-// grouped_gemm's `rows` and `layout`, into `tables` (grouped_tables_bytes), on the stream.
+// The group tables alone (row_start, row_count, tile_prefix with tiles_n tiles a tile-row, the
+// tile counter zeroed) of grouped_gemm's `rows` and `layout`, into `tables`
+// (grouped_tables_bytes), on the stream.
 void grouped_tables(const int32_t* group_rows, int groups, int64_t rows, GroupedLayout layout,
                     int tiles_n, int32_t* tables, cudaStream_t stream);
 // The SwiGLU GEMMs' I: a positive multiple of 64 below 2^30, else kInvalidArgument naming

@@ -34,11 +34,12 @@
 //   load_epilogue(dst, bar, tile, i)  k-blocks - the producer fills stage i (arms `bar` and
 //                                 issues its TMA loads, e.g. a peer's partial sums) - and
 //                                 store(..., ring) gets them as an EpilogueRing (below)
+//   tile_counter()                dynamic_tiles: a zeroed int the CTAs take work items from
 // with its batched B and register split. check_fusion<Cfg, Fusion>() holds the declaration
 // against the members: a misspelt or missing hook, or one present but not declared, fails to
 // compile (each policy static_asserts it for its widths; the kernel once more).
 //
-//   smem:     [ stage 0 | ... | stage S-1 | epilogue buffers | full[S] | empty[S] ]
+//   smem:     [ stage 0 | ... | stage S-1 | epilogue buffers | full[S] | empty[S] | tile ring ]
 //   stage s:  [ A tile (kBlockM x 64) | B tile (kBlockN x 64) ]   both 128-byte swizzled
 //   producer: wait empty[s] -> arm full[s] with the stage's bytes -> TMA A, TMA B
 //   consumer: wait full[s] -> 4 x wgmma k16 -> commit; once the previous stage's group retired,
@@ -85,12 +86,16 @@ struct TileConfig {
   // As many stages as fit (at most kMaxStages) next to the epilogue buffers, the barriers and
   // the 1024 bytes spent aligning everything to the swizzle atom.
   static constexpr int kSmemLimit = 227 * 1024;
+  // The tile ring (dynamic tiles): kTileSlots full and empty barriers and work items.
+  static constexpr int kTileSlots = 4;
+  static constexpr int kTileRingBytes = kTileSlots * (2 * 8 + 4);
   static constexpr int kStages =
-      (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes < kMaxStages
-          ? (kSmemLimit - 1024 - kEpilogueBytes - 256) / kStageBytes
+      (kSmemLimit - 1024 - kEpilogueBytes - 256 - kTileRingBytes) / kStageBytes < kMaxStages
+          ? (kSmemLimit - 1024 - kEpilogueBytes - 256 - kTileRingBytes) / kStageBytes
           : kMaxStages;
-  // Barriers: full[kStages], empty[kStages].
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kEpilogueBytes + 2 * kStages * 8;
+  // Barriers: full[kStages], empty[kStages]; then the tile ring.
+  static constexpr int kSmemBytes =
+      1024 + kStages * kStageBytes + kEpilogueBytes + 2 * kStages * 8 + kTileRingBytes;
   static constexpr int kAccRegs = kBlockN / 2;  // fp32 accumulators per consumer thread
   static_assert(kStages >= 3, "too few pipeline stages fit");
   static_assert(kSmemBytes <= kSmemLimit, "shared memory per CTA on sm_90");
@@ -112,7 +117,8 @@ __device__ __forceinline__ uint8_t* stage_ring() {
                                     ~uintptr_t{1023});
 }
 
-// Persistent tile order: CTAs walk work items t = blockIdx.x, blockIdx.x + gridDim.x, ...;
+// Persistent tile order: CTAs walk work items t = blockIdx.x, blockIdx.x + gridDim.x, ... (or,
+// with dynamic tiles, blockIdx.x and then whichever item is next when the CTA is free);
 // tiles are numbered in groups of kGroupM tile-rows, column by column inside a group, so the CTAs
 // running at the same time share A rows and B columns in L2.
 struct GroupedRaster {
@@ -192,6 +198,14 @@ struct FusionTraits {
   bool batched_b = false;
   bool load_b = false;
   bool split_k = false;  // work items may be pieces of a tile's k-blocks (Tile::kb_begin, kb_end)
+  // Work items after a CTA's first taken in order from a counter (tile_counter(): zero before the
+  // launch) by whichever CTA is free, instead of t += gridDim.x: from their second tile on, the
+  // tiles that run side by side stay neighbours in the order - sharing their rows' and weights'
+  // tiles in L2 - however long each takes or late each CTA got going. The producer takes an item
+  // and hands it to the consumers through a ring in shared memory; Tile::next is then -1. Not
+  // for a policy whose finish() or shared-memory setup counts on the static order (PlainGemm's
+  // split K, gemm_rs).
+  bool dynamic_tiles = false;
   int producer_regs = 40;
   int consumer_regs = 232;
 };
@@ -225,6 +239,10 @@ concept HasInitShared = requires(const F f) {
   { f.init_shared() } -> std::same_as<void>;
 };
 template <class F>
+concept HasTileCounter = requires(const F f) {
+  { f.tile_counter() } -> std::same_as<int*>;
+};
+template <class F>
 concept HasMidTile = requires(const F f, typename F::ConsumerState& state) {
   { f.mid_tile(state) } -> std::same_as<void>;
 };
@@ -256,7 +274,8 @@ constexpr bool fusion_matches() {
     constexpr FusionTraits t = F::kTraits;
     return t.a_rows == HasARows<F> && t.load_b == HasLoadB<F> &&
            t.init_shared == HasInitShared<F> && t.mid_tile == HasMidTile<F> &&
-           t.epilogue_loads == HasEpilogueLoads<F> &&
+           t.epilogue_loads == HasEpilogueLoads<F> && t.dynamic_tiles == HasTileCounter<F> &&
+           !(t.dynamic_tiles && t.epilogue_loads) &&
            (t.epilogue_loads ? HasRingStore<F, Cfg::kAccRegs>
                              : HasStore<F, Cfg::kAccRegs>)&&t.producer_regs %
                    8 ==
@@ -285,6 +304,10 @@ constexpr bool check_fusion() {
                 "kTraits.mid_tile does not match a mid_tile(state)");
   static_assert(traits.epilogue_loads == HasEpilogueLoads<F>,
                 "kTraits.epilogue_loads does not match epilogue_loads(tile) + load_epilogue(...)");
+  static_assert(traits.dynamic_tiles == HasTileCounter<F>,
+                "kTraits.dynamic_tiles does not match a tile_counter()");
+  static_assert(!(traits.dynamic_tiles && traits.epilogue_loads),
+                "dynamic tiles have no Tile::next for an epilogue's loads");
   static_assert(traits.epilogue_loads ? HasRingStore<F, kRegs> : HasStore<F, kRegs>,
                 "store(acc, tile, consumer, scratch, state[, ring]): with epilogue_loads it "
                 "takes the EpilogueRing");
@@ -582,6 +605,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   uint8_t* epilogue_smem = smem + Cfg::kStages * Cfg::kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(epilogue_smem + Cfg::kEpilogueBytes);
   uint64_t* empty = full + Cfg::kStages;
+  uint64_t* tile_full = empty + Cfg::kStages;  // (dynamic tiles)
+  uint64_t* tile_empty = tile_full + Cfg::kTileSlots;
+  int* tile_items = reinterpret_cast<int*>(tile_empty + Cfg::kTileSlots);
   auto stage_a = [&](int s) { return smem + s * Cfg::kStageBytes; };
   auto stage_b = [&](int s) { return smem + s * Cfg::kStageBytes + Cfg::kABytes; };
 
@@ -589,6 +615,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int s = 0; s < Cfg::kStages; ++s) {
       dev::mbarrier_init(&full[s], 1);
       dev::mbarrier_init(&empty[s], Cfg::kConsumers);
+    }
+    if constexpr (kTraits.dynamic_tiles) {
+      for (int r = 0; r < Cfg::kTileSlots; ++r) {
+        dev::mbarrier_init(&tile_full[r], 1);
+        dev::mbarrier_init(&tile_empty[r], Cfg::kConsumers * 128);  // every consumer thread
+      }
     }
     if constexpr (kTraits.init_shared) fusion.init_shared();
     dev::mbarrier_init_fence();
@@ -604,9 +636,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x == 0) {
       dev::tma_prefetch_descriptor(&tma_b);
       int it = 0;  // k-iterations issued by this CTA, across tiles: position in the stage ring
-      for (int t = blockIdx.x; t < fusion.num_tiles(); t += gridDim.x) {
+      int next = 0;
+      for (int item = 0, t = blockIdx.x;; ++item, t = next) {
+        const bool past = t >= fusion.num_tiles();
+        if constexpr (kTraits.dynamic_tiles) {  // to the consumers (-1: no more)
+          const int r = item % Cfg::kTileSlots;
+          dev::mbarrier_wait(&tile_empty[r], ((item / Cfg::kTileSlots) & 1) ^ 1);
+          tile_items[r] = past ? -1 : t;
+          dev::mbarrier_arrive(&tile_full[r]);
+        }
+        if (past) break;
         const Tile tile = fusion.tile(t);
         fusion.wait_operands(tile);
+        // The next item, asked for once this one's operands are in (a CTA waiting for them holds
+        // no other): the counter's latency hides behind this tile's loads.
+        if constexpr (kTraits.dynamic_tiles) {
+          next = static_cast<int>(gridDim.x) + atomicAdd(fusion.tile_counter(), 1);
+        } else {
+          next = t + static_cast<int>(gridDim.x);
+        }
         const int tn = tile.n;
         const int stage_bytes = a_stage_bytes<Cfg>(fusion, tile) + Cfg::kBBytes;
         const int kb_begin = kTraits.split_k ? tile.kb_begin : 0;
@@ -660,10 +708,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float acc[Cfg::kAccRegs];
     typename Fusion::ConsumerState state{};
     int it = 0;
-    for (int t = blockIdx.x; t < fusion.num_tiles(); t += gridDim.x) {
+    for (int item = 0, t = blockIdx.x;; ++item, t += gridDim.x) {
+      if constexpr (kTraits.dynamic_tiles) {  // the producer's item (every thread reads it)
+        const int r = item % Cfg::kTileSlots;
+        dev::mbarrier_wait(&tile_full[r], (item / Cfg::kTileSlots) & 1);
+        t = tile_items[r];
+        dev::mbarrier_arrive(&tile_empty[r]);
+      }
+      if ((kTraits.dynamic_tiles && t < 0) || t >= fusion.num_tiles()) break;
       Tile tile = fusion.tile(t);
       tile.position = t;
-      const int next = t + static_cast<int>(gridDim.x);
+      const int next = kTraits.dynamic_tiles ? -1 : t + static_cast<int>(gridDim.x);
       tile.next = next < fusion.num_tiles() ? next : -1;
       const int kb_begin = kTraits.split_k ? tile.kb_begin : 0;
       const int kb_end = kTraits.split_k && tile.kb_end >= 0 ? tile.kb_end : k_iters;

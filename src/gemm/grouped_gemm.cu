@@ -64,7 +64,10 @@ __global__ void __launch_bounds__(kPrepThreads)
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0) tile_prefix[groups] = static_cast<int32_t>(carry_tiles);
+  if (threadIdx.x == 0) {
+    tile_prefix[groups] = static_cast<int32_t>(carry_tiles);
+    tile_prefix[groups + 1] = 0;  // the tile counter
+  }
 }
 
 }  // namespace gemm_engine
@@ -79,7 +82,7 @@ constexpr const char* kOp = "grouped_gemm";
 
 // total_rows: rows of A and C (max_rows, or groups x capacity).
 template <int kBlockN, bool kTransB>
-void launch_grouped(const void* a, const void* b, void* c, const int32_t* scratch, int groups,
+void launch_grouped(const void* a, const void* b, void* c, int32_t* scratch, int groups,
                     int64_t total_rows, int64_t n, int64_t k, int sms, cudaStream_t stream) {
   gemm_engine::GroupedGemm<kBlockN> f{};
   f.a = gemm_engine::make_map(a, total_rows, k, 128);
@@ -88,6 +91,7 @@ void launch_grouped(const void* a, const void* b, void* c, const int32_t* scratc
   f.row_start = scratch;
   f.row_count = scratch + groups;
   f.tile_prefix = scratch + 2 * groups;
+  f.counter = scratch + 3 * groups + 1;
   f.groups = groups;
   f.tiles_n = static_cast<int>((n + kBlockN - 1) / kBlockN);
   f.n = static_cast<int>(n);
@@ -142,12 +146,13 @@ void check_grouped_pointers(const char* op, const void* a, const void* b, void* 
            {"group_rows", group_rows, static_cast<std::size_t>(groups) * 4, false}});
 }
 
-// The prep kernel's tables (row_start [groups], row_count [groups], tile_prefix [groups + 1])
+// The prep kernel's tables (row_start [groups], row_count [groups], tile_prefix [groups + 1], the
+// tile counter)
 // for tiles_n tiles a tile-row, written into `tables` - or, when it is null, into stream-ordered
 // scratch that `own` holds until the caller's launch is enqueued (then freed in stream order).
-const int32_t* prep_groups(int32_t* tables, std::optional<gemm_engine::StreamScratch>& own,
-                           const int32_t* group_rows, int groups, int64_t total_rows, int64_t rows,
-                           GroupedLayout layout, int tiles_n, cudaStream_t stream) {
+int32_t* prep_groups(int32_t* tables, std::optional<gemm_engine::StreamScratch>& own,
+                     const int32_t* group_rows, int groups, int64_t total_rows, int64_t rows,
+                     GroupedLayout layout, int tiles_n, cudaStream_t stream) {
   if (tables == nullptr) {
     own.emplace(gemm_engine::grouped_tables_bytes(groups), stream);
     tables = static_cast<int32_t*>(own->get());
@@ -193,7 +198,7 @@ void gemm_engine::require_swiglu_width(int block_n, int64_t intermediate, const 
 }
 
 std::size_t gemm_engine::grouped_tables_bytes(int groups) {
-  return (3 * static_cast<std::size_t>(std::max(groups, 0)) + 1) * sizeof(int32_t);
+  return static_cast<std::size_t>(grouped_table_ints(std::max(groups, 0))) * sizeof(int32_t);
 }
 
 void grouped_gemm(const void* a, const void* b, void* c, const int32_t* group_rows, int groups,
@@ -250,7 +255,7 @@ void gemm_engine::grouped_gemm(const void* a, const void* b, void* c, const int3
   }
   std::optional<StreamScratch> own;  // the prep tables, unless the caller gives them
   const int tiles_n = static_cast<int>((n + block_n - 1) / block_n);
-  const int32_t* scratch =
+  int32_t* scratch =
       prep_groups(tables, own, group_rows, groups, total_rows, rows, layout, tiles_n, stream);
   gemm_engine::dispatch(block_n, b_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     launch_grouped<kBlockN, kTransB>(a, b, c, scratch, groups, total_rows, n, k, sms, stream);

@@ -30,7 +30,8 @@ constexpr int kPrepThreads = 256;
 //     max_rows]; capacity > 0 (masked): row_start[g] = g * capacity, M_g clamped to
 //     [0, capacity]
 //   row_count[g] = the clamped M_g
-//   tile_prefix[g] = sum of ceil(M_i / 128) * tiles_n for i < g; [G] = all tiles
+//   tile_prefix[g] = sum of ceil(M_i / 128) * tiles_n for i < g; [G] = all tiles; [G + 1] = 0,
+//     the tile counter (GroupedGemm's dynamic tiles)
 __global__ void grouped_prep_kernel(const int32_t* group_rows, int groups, int64_t max_rows,
                                     int64_t capacity, int row_block, int tiles_n,
                                     int32_t* row_start, int32_t* row_count, int32_t* tile_prefix);
@@ -61,13 +62,15 @@ __device__ __forceinline__ void store_rows_masked(const float (&acc)[kRegs], __n
 template <int kBlockN>
 struct GroupedGemm {
   // B [G][...]: a tile's group is its third coordinate.
-  static constexpr FusionTraits kTraits{.batched_b = true};
+  static constexpr FusionTraits kTraits{.batched_b = true, .dynamic_tiles = true};
   CUtensorMap a;               // A [rows, K] (all groups' rows), boxes of 128 rows x 64
   CUtensorMap c;               // C [rows, N], boxes of 64 rows x 64 columns
   __nv_bfloat16* c_ptr;        // C, for the masked stores at a group's end
   const int32_t* row_start;    // device [G] (prep kernel)
   const int32_t* row_count;    // device [G] (prep kernel)
   const int32_t* tile_prefix;  // device [G + 1] (prep kernel)
+  int* counter;                // device: tile_prefix[G + 1], zeroed by whoever writes the tables
+                               // (the prep kernel; moe_dispatch_gemm's notify)
   int groups;
   int tiles_n;
   int n;
@@ -75,6 +78,8 @@ struct GroupedGemm {
   struct ConsumerState {};
 
   __device__ int num_tiles() const { return tile_prefix[groups]; }
+  // Skewed groups take different times a tile: the CTAs take the next tile when free.
+  __device__ int* tile_counter() const { return counter; }
 
   __device__ Tile tile(int t) const {
     const int g = last_at_or_below(tile_prefix, groups, t);  // the group whose tiles hold t

@@ -23,6 +23,10 @@
 #include "runtime/overrides.h"
 #include "runtime/validate.h"
 
+// The layout tables hold the grouped GEMM's tables from row_start on (moe_plan.h).
+static_assert(mk::moe::layout_tables(3, 5).before - mk::moe::layout_tables(3, 5).row_start ==
+              mk::gemm_engine::grouped_table_ints(5));
+
 namespace mk {
 namespace {
 
@@ -379,6 +383,7 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
     f.grouped.row_start = tables + lt.row_start;
     f.grouped.row_count = tables + lt.row_count;
     f.grouped.tile_prefix = tables + lt.tile_prefix;
+    f.grouped.counter = tables + lt.tile_prefix + d.experts_local + 1;  // (notify zeroes it)
     f.grouped.groups = d.experts_local;
     f.grouped.tiles_n = tiles_n;
     f.grouped.n = static_cast<int>(n);

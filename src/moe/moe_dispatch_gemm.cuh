@@ -5,7 +5,8 @@
 //   notify_kernel   one CTA: entry barrier; this rank's counts to every destination; every
 //                   source's counts -> the receive side's layout (LayoutTables: expert starts,
 //                   source prefixes, rows per source) and the grouped GEMM's scheduler tables
-//                   (row_start, row_count, tile_prefix); the block arrival counters zeroed
+//                   (row_start, row_count, tile_prefix, the tile counter zeroed); the block
+//                   arrival counters zeroed
 //   the fused launch: the GEMM engine with MoeDispatchGemm, one CTA per SM:
 //     side warps (the producer warpgroup's three spare warps):
 //       1. send    channel c's share of the rows for each other rank, in chunks of kChunkRows,
@@ -21,7 +22,9 @@
 //       4. the handle's unused rows set to -1
 //       every placed row counts itself into its 128-row block's arrival counter
 //     producer: before a tile's first load, waits until its block counter reaches the tile's
-//               rows, then orders that acquire before its TMA reads (proxy fence)
+//               rows, then orders that acquire before its TMA reads (proxy fence); a CTA's
+//               tiles after its first come from a counter (the engine's dynamic tiles: the
+//               tiles running side by side stay neighbours, whenever each CTA's rows came in)
 //     consumers: the grouped GEMM's (y in the dispatch layout)
 //
 //   block of a layout row:  padded - row / 128 (experts start on multiples of 128);
@@ -142,7 +145,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   const int64_t tiles = block_exclusive_scan<kThreads>(s_cnt, el_n);
   for (int e = threadIdx.x; e < el_n; e += kThreads) tables[lt.tile_prefix + e] = s_cnt[e];
-  if (threadIdx.x == 0) tables[lt.tile_prefix + el_n] = static_cast<int32_t>(tiles);
+  if (threadIdx.x == 0) {
+    tables[lt.tile_prefix + el_n] = static_cast<int32_t>(tiles);
+    tables[lt.tile_prefix + el_n + 1] = 0;  // the fused launch's tile counter (dynamic tiles)
+  }
   // The arrival counters start from zero (the last fused launch is over: stream order).
   uint64_t* counters = ws.at<uint64_t>(d.me, ws.counters);
   const int64_t blocks =
@@ -178,8 +184,11 @@ struct MoeDispatchGemm {
   // The side warps copy rows and keep the layout's bookkeeping: the producer warpgroup needs 88
   // registers for them without spilling (ptxas, every width; 72 spilled 16 bytes); the
   // consumers' 208 hold the widest tile's 128 accumulators without spilling too.
-  static constexpr gemm_engine::FusionTraits kTraits{
-      .init_shared = true, .batched_b = true, .producer_regs = 88, .consumer_regs = 208};
+  static constexpr gemm_engine::FusionTraits kTraits{.init_shared = true,
+                                                     .batched_b = true,
+                                                     .dynamic_tiles = true,
+                                                     .producer_regs = 88,
+                                                     .consumer_regs = 208};
   static constexpr int kSideBarrier = 3;  // named barrier of the 96 side threads
 
   gemm_engine::GroupedGemm<kBlockN> grouped;  // A = recv [rows, H], C = y, the layout's tables
@@ -199,6 +208,7 @@ struct MoeDispatchGemm {
 
   __device__ int num_tiles() const { return grouped.num_tiles(); }
   __device__ gemm_engine::Tile tile(int t) const { return grouped.tile(t); }
+  __device__ int* tile_counter() const { return grouped.tile_counter(); }
 
   __device__ int64_t block_of(int e, int64_t row) const {
     return d.masked ? e * d.blocks_per_expert + (row - e * d.capacity) / kRowBlock

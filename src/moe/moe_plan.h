@@ -79,8 +79,9 @@ struct CombRegion {
 //   start [E_local + 1]   first row of each local expert (padded: multiples of 128)
 //   pre   [world][E_local] rows of earlier sources within each expert
 //   recv  [world]         rows each source sends here
-//   row_start, row_count [E_local], tile_prefix [E_local + 1]: the grouped GEMM's scheduler
-//                          (row_count: the rows that fit)
+//   row_start, row_count [E_local], tile_prefix [E_local + 1], one int: the grouped GEMM's
+//                          scheduler (row_count: the rows that fit) and its tile counter
+//                          (gemm_engine::grouped_tables_bytes)
 //   before [E_local + 1]  rows bound here for the local experts before each one (fitting or
 //                          not: the index of the side warps' walk in layout order)
 //   from  [world][E_local + 1] each source's rows bound for the local experts before each one's
@@ -99,7 +100,7 @@ constexpr LayoutTables layout_tables(int world, int experts_local) {
   t.row_start = t.recv + w;
   t.row_count = t.row_start + e;
   t.tile_prefix = t.row_count + e;
-  t.before = t.tile_prefix + e + 1;
+  t.before = t.tile_prefix + e + 2;
   t.from = t.before + e + 1;
   t.sent = t.from + w * (e + 1);
   t.ints = t.sent + w * (e + 1);

@@ -66,6 +66,18 @@ struct LoadBUndeclared : Plain {
   static constexpr FusionTraits kTraits{};
   __device__ void load_b(void*, uint64_t*, const Tile&, int) const {}
 };
+// dynamic_tiles declared with the counter; without it; the counter not declared.
+struct DynamicTiles : Plain {
+  static constexpr FusionTraits kTraits{.dynamic_tiles = true};
+  __device__ int* tile_counter() const { return nullptr; }
+};
+struct DynamicTilesNoCounter : Plain {
+  static constexpr FusionTraits kTraits{.dynamic_tiles = true};
+};
+struct TileCounterUndeclared : Plain {
+  static constexpr FusionTraits kTraits{};
+  __device__ int* tile_counter() const { return nullptr; }
+};
 // A register split the CTA cannot give.
 struct TooManyRegisters : Plain {
   static constexpr FusionTraits kTraits{.producer_regs = 64, .consumer_regs = 232};
@@ -87,6 +99,9 @@ static_assert(fusion_matches<Cfg, LoadB>());
 static_assert(!fusion_matches<Cfg, LoadBMissing>());
 static_assert(!fusion_matches<Cfg, LoadBUndeclared>());
 static_assert(!fusion_matches<Cfg, TooManyRegisters>());
+static_assert(fusion_matches<Cfg, DynamicTiles>());
+static_assert(!fusion_matches<Cfg, DynamicTilesNoCounter>());
+static_assert(!fusion_matches<Cfg, TileCounterUndeclared>());
 static_assert(!fusion_matches<Cfg, NoStore>());
 static_assert(!fusion_matches<Cfg, Undeclared>());
 

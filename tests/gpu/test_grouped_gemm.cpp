@@ -169,6 +169,50 @@ TEST(GroupedGemm, MoeShape) {
 
 // One captured launch, replayed with the row counts rewritten on the device in between (as an
 // MoE router would): every replay follows its counts.
+// The grouped GEMM with the caller's tables (what the MoE ops run across nodes), the same buffer
+// for two calls and poisoned before the first: the prep kernel rewrites the tables and zeroes the
+// tile counter (dynamic tiles) every call - else a call would start its CTAs past the tiles.
+TEST(GroupedGemm, CallerTablesReused) {
+  MKT_REQUIRE_GPU();
+  const Grouped c{{300, 0, 7, 1200, 129, 64, 0, 513, 2000, 1}, 1024, 512, BLayout::kNK, 0};
+  const std::string what = describe(c);
+  int64_t total = 0;
+  for (int32_t r : c.rows) total += r;
+  const int64_t max_rows = total + 37;
+  const int groups = static_cast<int>(c.rows.size());
+  cudaStream_t stream;
+  MKT_CUDA(cudaStreamCreate(&stream));
+  void *a, *b, *out, *tables;
+  int32_t* rows_dev;
+  MKT_CUDA(cudaMalloc(&a, max_rows * c.k * 2));
+  MKT_CUDA(cudaMalloc(&b, groups * c.n * c.k * 2));
+  MKT_CUDA(cudaMalloc(&out, max_rows * c.n * 2));
+  MKT_CUDA(cudaMalloc(&tables, gemm_engine::grouped_tables_bytes(groups)));
+  MKT_CUDA(cudaMemset(tables, 0x7F, gemm_engine::grouped_tables_bytes(groups)));
+  MKT_CUDA(cudaMalloc(reinterpret_cast<void**>(&rows_dev), groups * sizeof(int32_t)));
+  MKT_CUDA(cudaMemcpy(rows_dev, c.rows.data(), groups * sizeof(int32_t), cudaMemcpyHostToDevice));
+  cublasHandle_t blas;
+  ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+  cublasSetStream(blas, stream);
+  for (int call = 0; call < 2; ++call) {
+    const uint64_t seed = fresh_seed();
+    fill_random_bf16(a, max_rows * c.k, seed, stream);
+    fill_random_bf16(b, groups * c.n * c.k, seed ^ 0x5151, stream);
+    MKT_CUDA(cudaMemsetAsync(out, 0xFF, max_rows * c.n * 2, stream));
+    gemm_engine::grouped_gemm(a, b, out, rows_dev, groups, max_rows, c.n, c.k, c.layout, stream,
+                              GemmConfig{}, GroupedLayout::kContiguous,
+                              static_cast<int32_t*>(tables));
+    MKT_CUDA(cudaStreamSynchronize(stream));
+    MKT_CUDA(cudaGetLastError());
+    check_groups(c, a, b, out, max_rows, blas, stream, seed,
+                 what + ", call " + std::to_string(call + 1));
+  }
+  cublasDestroy(blas);
+  for (void* p : {a, b, out, tables}) cudaFree(p);
+  cudaFree(rows_dev);
+  cudaStreamDestroy(stream);
+}
+
 TEST(GroupedGemm, GraphReplayWithDeviceCounts) {
   MKT_REQUIRE_GPU();
   const int groups = 5, replays = 20;
