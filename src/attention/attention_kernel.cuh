@@ -81,9 +81,10 @@ struct AttentionConfig {
   // (256 bytes for the barriers and the masks' slots: 16 + 48 a stage, 208 at 4 stages.)
   static constexpr int kFit = (kSmemLimit - 1024 - kQBytes - kEpilogueBytes - 256) / (2 * kKvBytes);
   static constexpr int kStages = kFit < kMaxStages ? kFit : kMaxStages;
-  // Who works out a block's mask: the producer, handing it over in shared memory (D 64: 2-4%
-  // faster at every point, side by side on the H200), or each consumer between the block's
-  // Q K^T and its softmax (D 128: the producer's 0.4-3% slower, and the ring 1.5%).
+  // Who works out a block's mask: the producer, handing it over in shared memory so that the
+  // consumers' block loop runs no policy code (D 64, whose loop is softmax-bound: faster at
+  // every shape measured), or each consumer between the block's Q K^T and its softmax (D 128,
+  // the plain engine and the ring: slower with the hand-over; journal, 2026-12-05).
   static constexpr bool kProducerMasks = kHeadDim == 64;
   // Barriers: q_full, q_empty, k_full[S], k_empty[S], v_full[S], v_empty[S]; then the blocks'
   // masks (kv_len, diag), 2S slots by block number (kProducerMasks).
