@@ -8,9 +8,13 @@
 // each): a drift of the clocks weighs on both.
 //   bench_ring_attention [--ranks 2] [--iters 10] [--json FILE] [--commit SHA]
 // Shapes: S_local 4096 and 8192, D 128, (B, H, H_kv) (1, 32, 8) and (4, 16, 16), causal (zigzag)
-// and not. engine_same_work: rank 0's queries against world x S_local keys (non-causal) or
-// against world x S_local / 2 keys non-causal (causal: the same FLOPs as a zigzag share; its
-// blocks all whole), with AttentionConfig::sms = the ring's CTAs. Correctness at every point:
+// and not. engine_same_work: the rank's queries against all keys - non-causal, one problem of
+// world x S_local keys; causal, each of its two zigzag chunks c against the keys up to its end
+// ((c + 1) S_local / 2, causal aligned bottom-right: the masks the ring applies), two calls -
+// with AttentionConfig::sms = the ring's CTAs. Causal points also time engine_same_flops: one
+// non-causal problem of world x S_local / 2 keys (the same FLOPs, no mask, every item as long as
+// the others: an engine's best case, and this benchmark's baseline before 2026-12-05).
+// Correctness at every point:
 // each rank's rows of the ring's O against mk::attention over the whole sequence (causal), as
 // bf16: max |ring - engine| <= 4 bf16 steps at the largest |O|.
 #include <cuda_runtime_api.h>
@@ -42,6 +46,7 @@ struct Point {
 
 struct Result {
   double ring_ms = 0, engine_ms = 0, engine_alone_ms = 0;
+  double engine_flops_ms = 0;  // causal: the same FLOPs as one non-causal problem
   bool correct = false;
   double max_diff = 0, max_abs = 0;
 };
@@ -87,7 +92,7 @@ Result run_point(const Point& p, int world, int iters) {
   CK(cudaDeviceSynchronize());
 
   Result result;
-  std::vector<double> rank_ms(world, 0), engine_ms(world, 0);
+  std::vector<double> rank_ms(world, 0), engine_ms(world, 0), flops_ms(world, 0);
   InProcessGroup group(world);
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
@@ -124,11 +129,15 @@ Result run_point(const Point& p, int world, int iters) {
       cudaEvent_t start, stop;
       CK(cudaEventCreate(&start));
       CK(cudaEventCreate(&stop));
-      // The engine on the same work and SMs: this rank's queries against all keys (causal: the
-      // half that is not masked, as one non-causal problem), on the ring's CTAs.
+      // The engine on the same work and SMs: this rank's queries against all keys, on the ring's
+      // CTAs (causal: each zigzag chunk against the keys up to its end, below).
       AttentionProblem same = local;
       same.causal = false;
-      same.seq_kv = p.causal ? full_s / 2 : full_s;
+      same.seq_kv = full_s;
+      // Causal's same FLOPs as one unmasked problem (engine_same_flops).
+      AttentionProblem flat = local;
+      flat.causal = false;
+      flat.seq_kv = full_s / 2;
       AttentionConfig config;
       config.sms = ring_attention_plan(*comm, local).ctas;
       // Each rank's engine reads its own copy of the keys and values, as on GPUs of their own:
@@ -140,8 +149,33 @@ Result run_point(const Point& p, int world, int iters) {
       CK(cudaMemcpyAsync(ek, k, kv_full * 2, cudaMemcpyDeviceToDevice, s));
       CK(cudaMemcpyAsync(ev, v, kv_full * 2, cudaMemcpyDeviceToDevice, s));
       const AttentionTensor kk{ek}, vv{ev};
-      auto engine = [&] { attention(same, {lq}, kk, vv, lo, nullptr, s, config); };
+      // Causal: chunk c = part 0's r or part 1's 2 world - 1 - r, its S_local / 2 queries (a view
+      // of lq) against keys [0, (c + 1) S_local / 2) of the whole k, v (views), causal aligned
+      // bottom-right - query i of the chunk sees keys up to c S_local / 2 + i.
+      const int64_t half = p.seq_local / 2;
+      auto engine = [&] {
+        if (!p.causal) {
+          attention(same, {lq}, kk, vv, lo, nullptr, s, config);
+          return;
+        }
+        for (int part = 0; part < 2; ++part) {
+          const int64_t c = part == 0 ? r : 2 * world - 1 - r;
+          AttentionProblem chunk = local;
+          chunk.seq_q = half;
+          chunk.seq_kv = (c + 1) * half;
+          const AttentionTensor cq{
+              static_cast<const char*>(lq) + part * half * p.heads * p.head_dim * 2,
+              p.seq_local * p.heads * p.head_dim, p.heads * p.head_dim, p.head_dim};
+          const AttentionTensor ck{ek, full_s * p.kv_heads * p.head_dim, p.kv_heads * p.head_dim,
+                                   p.head_dim};
+          const AttentionTensor cv{ev, full_s * p.kv_heads * p.head_dim, p.kv_heads * p.head_dim,
+                                   p.head_dim};
+          attention(chunk, cq, ck, cv, lo, nullptr, s, config);
+        }
+      };
+      auto engine_flops = [&] { attention(flat, {lq}, kk, vv, lo, nullptr, s, config); };
       engine();
+      if (p.causal) engine_flops();
       CK(cudaStreamSynchronize(s));
       // `iters` calls, ms per call (`together`: every rank starts at once).
       auto time_calls = [&](auto&& call, bool ring_sync, bool together = true) {
@@ -161,13 +195,15 @@ Result run_point(const Point& p, int world, int iters) {
       // Ring and engine rounds alternate (every rank at once, as the ring runs), so that a drift
       // of the clocks over the run weighs on both; the median of each. Then the engine on rank 0
       // alone (the other ranks idle).
-      std::vector<double> ring_rounds, engine_rounds;
+      std::vector<double> ring_rounds, engine_rounds, flops_rounds;
       for (int round = 0; round < kRounds; ++round) {
         ring_rounds.push_back(time_calls(ring, true));
         engine_rounds.push_back(time_calls(engine, false));
+        if (p.causal) flops_rounds.push_back(time_calls(engine_flops, false));
       }
       rank_ms[r] = mk::bench::median(ring_rounds);
       engine_ms[r] = mk::bench::median(engine_rounds);
+      if (p.causal) flops_ms[r] = mk::bench::median(flops_rounds);
       comm->bootstrap().barrier();
       if (r == 0) {
         std::vector<double> alone;
@@ -186,6 +222,7 @@ Result run_point(const Point& p, int world, int iters) {
   for (auto& t : threads) t.join();
   result.ring_ms = *std::max_element(rank_ms.begin(), rank_ms.end());
   result.engine_ms = *std::max_element(engine_ms.begin(), engine_ms.end());
+  result.engine_flops_ms = *std::max_element(flops_ms.begin(), flops_ms.end());
 
   // The whole sequence through the engine, against the ranks' rows put back in order.
   AttentionProblem full;
@@ -222,8 +259,8 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("ring_attention in-process, %d ranks on one %s\n", world, prop.name);
-  std::printf("%2s %3s %3s %6s %4s %6s %9s %9s %9s %7s %8s  check\n", "B", "H", "Hkv", "S_loc", "D",
-              "causal", "ring ms", "engine", "alone", "ratio", "TFLOP/s");
+  std::printf("%2s %3s %3s %6s %4s %6s %9s %9s %9s %9s %7s %8s  check\n", "B", "H", "Hkv", "S_loc",
+              "D", "causal", "ring ms", "engine", "flops", "alone", "ratio", "TFLOP/s");
   std::string rows;
   bool all_ok = true;
   for (const Point& p : points) {
@@ -234,27 +271,30 @@ int main(int argc, char** argv) {
     const double ratio = r.ring_ms / r.engine_ms;
     all_ok = all_ok && r.correct;
     std::printf(
-        "%2lld %3lld %3lld %6lld %4lld %6s %9.4f %9.4f %9.4f %7.3f %8.1f  %s (diff %.2e, |O| "
-        "%.2e)\n",
+        "%2lld %3lld %3lld %6lld %4lld %6s %9.4f %9.4f %9.4f %9.4f %7.3f %8.1f  %s (diff %.2e, "
+        "|O| %.2e)\n",
         static_cast<long long>(p.batch), static_cast<long long>(p.heads),
         static_cast<long long>(p.kv_heads), static_cast<long long>(p.seq_local),
         static_cast<long long>(p.head_dim), p.causal ? "True" : "False", r.ring_ms, r.engine_ms,
-        r.engine_alone_ms, ratio, flops / r.ring_ms * 1e-9, r.correct ? "ok" : "WRONG", r.max_diff,
-        r.max_abs);
+        r.engine_flops_ms, r.engine_alone_ms, ratio, flops / r.ring_ms * 1e-9,
+        r.correct ? "ok" : "WRONG", r.max_diff, r.max_abs);
+    char flops_col[32] = "null";
+    if (p.causal) std::snprintf(flops_col, sizeof(flops_col), "%.5f", r.engine_flops_ms);
     char row[1024];
-    std::snprintf(
-        row, sizeof(row),
-        "%s    {\"shape\": {\"batch\": %lld, \"heads\": %lld, \"kv_heads\": %lld, "
-        "\"seq_local\": %lld, \"head_dim\": %lld, \"causal\": %s, \"world\": %d}, "
-        "\"dtype\": \"bf16\", \"ms\": {\"mkernel\": %.5f, \"engine_same_work\": %.5f, "
-        "\"engine_alone\": %.5f, \"torch_sdpa\": null, \"sequential\": null}, \"limit_ms\": %.5f, "
-        "\"ratio_to_limit\": %.4f, \"ring_vs_engine\": %.4f, \"tflops\": %.1f, "
-        "\"correct\": %s}",
-        rows.empty() ? "" : ",\n", static_cast<long long>(p.batch), static_cast<long long>(p.heads),
-        static_cast<long long>(p.kv_heads), static_cast<long long>(p.seq_local),
-        static_cast<long long>(p.head_dim), p.causal ? "true" : "false", world, r.ring_ms,
-        r.engine_ms, r.engine_alone_ms, r.engine_ms, ratio, ratio, flops / r.ring_ms * 1e-9,
-        r.correct ? "true" : "false");
+    std::snprintf(row, sizeof(row),
+                  "%s    {\"shape\": {\"batch\": %lld, \"heads\": %lld, \"kv_heads\": %lld, "
+                  "\"seq_local\": %lld, \"head_dim\": %lld, \"causal\": %s, \"world\": %d}, "
+                  "\"dtype\": \"bf16\", \"ms\": {\"mkernel\": %.5f, \"engine_same_work\": %.5f, "
+                  "\"engine_same_flops\": %s, \"engine_alone\": %.5f, \"torch_sdpa\": null, "
+                  "\"sequential\": null}, \"limit_ms\": %.5f, "
+                  "\"ratio_to_limit\": %.4f, \"ring_vs_engine\": %.4f, \"tflops\": %.1f, "
+                  "\"correct\": %s}",
+                  rows.empty() ? "" : ",\n", static_cast<long long>(p.batch),
+                  static_cast<long long>(p.heads), static_cast<long long>(p.kv_heads),
+                  static_cast<long long>(p.seq_local), static_cast<long long>(p.head_dim),
+                  p.causal ? "true" : "false", world, r.ring_ms, r.engine_ms, flops_col,
+                  r.engine_alone_ms, r.engine_ms, ratio, ratio, flops / r.ring_ms * 1e-9,
+                  r.correct ? "true" : "false");
     rows += row;
   }
   if (!args.json.empty() &&

@@ -53,6 +53,7 @@ SERIES = {
     "engine_same_work": ("attention engine on the same work and SMs (ranks side by side)",
                          "#9e9e9e"),
     "engine_alone": ("attention engine on the same work and SMs (alone)", "#c7c7c7"),
+    "engine_same_flops": ("attention engine, causal's FLOPs unmasked (one problem)", "#dbdbdb"),
     "torch_reference": ("the plain PyTorch layer (torch._grouped_mm)", "#9e9e9e"),
 }
 SERIES_ORDER = ["mkernel", "gemm_alone", "comm_alone", "sequential", "torch_async_tp"]
