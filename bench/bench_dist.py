@@ -63,7 +63,8 @@ except ImportError as e:  # pragma: no cover
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dist_baselines as base  # noqa: E402
-from bench_fused import finish, graphed, log, time_variants, write_results  # noqa: E402
+from bench_fused import (agree_on_run, finish, graphed, log, time_variants,  # noqa: E402
+                         write_results)
 
 MOE_MODELS = {  # hidden, N / intermediate, experts, top-k
     "deepseek_v3": (7168, 2048, 256, 8),
@@ -362,13 +363,8 @@ def main():
                  "bench_ring_attention)")
     torch.cuda.set_device(local_rank)
     dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local_rank))
-    # The seed and whether to time the graph replay: rank 0's, so that every rank runs the same
-    # collectives (the other nodes do not see this one's BENCH_GRAPH).
     pinned = os.environ.get("MKERNEL_BENCH_SEED", "")
-    chosen = [int(pinned) if pinned else random.randrange(1 << 31),
-              os.environ.get("BENCH_GRAPH", "1") != "0"]
-    dist.broadcast_object_list(chosen, src=0)
-    seed, with_graph = chosen
+    seed, with_graph = agree_on_run(int(pinned) if pinned else random.randrange(1 << 31))
     comm = mkernel.init()
     world = dist.get_world_size()
     point_fn, row_fn = KERNELS[args.kernel]

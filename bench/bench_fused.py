@@ -290,6 +290,14 @@ def row_keys(ms):
     return [key for key in ROW_KEYS if key in ms]
 
 
+def agree_on_run(seed):
+    """(seed, whether to time the graph replay) as rank 0 has them, so that every rank runs the
+    same collectives (the other nodes do not see this one's BENCH_GRAPH)."""
+    chosen = [seed, os.environ.get("BENCH_GRAPH", "1") != "0"]
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0], chosen[1]
+
+
 def graphed(fn):
     """fn's one call captured into a CUDA graph, as its replay; None on every rank if capture
     failed on any (the ranks must time the same variants: the op waits for its peers)."""
@@ -344,11 +352,7 @@ def main():
     else:
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", device))
     global _RUN_SEED
-    # The seed and whether to time the graph replay: rank 0's, so that every rank runs the same
-    # collectives (the other nodes do not see this one's BENCH_GRAPH).
-    chosen = [random.randrange(1 << 31), os.environ.get("BENCH_GRAPH", "1") != "0"]
-    dist.broadcast_object_list(chosen, src=0)
-    _RUN_SEED, with_graph = chosen
+    _RUN_SEED, with_graph = agree_on_run(random.randrange(1 << 31))
     comm = mkernel.init()
     world = dist.get_world_size()
     global _NUM_NODES

@@ -131,8 +131,7 @@ Result run_point(const Point& p, int world, int iters) {
       CK(cudaEventCreate(&stop));
       // The engine on the same work and SMs: this rank's queries against all keys, on the ring's
       // CTAs (causal: each zigzag chunk against the keys up to its end, below).
-      AttentionProblem same = local;
-      same.causal = false;
+      AttentionProblem same = local;  // (non-causal)
       same.seq_kv = full_s;
       // Causal's same FLOPs as one unmasked problem (engine_same_flops).
       AttentionProblem flat = local;

@@ -42,10 +42,9 @@ def main():
         kernels = {}
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
-                name, us = e.name, e.device_time / 1.0
-                t = kernels.setdefault(name, [0, 0.0])
+                t = kernels.setdefault(e.name, [0, 0.0])
                 t[0] += 1
-                t[1] += us
+                t[1] += e.device_time
         parts = [f"{name} x{c // 5} {us / c:.1f} us" for name, (c, us) in kernels.items()]
         print(f"{m} x {n} x {k} {layout}: " + " | ".join(parts), flush=True)
 

@@ -431,6 +431,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     masks[j % Cfg::kMaskSlots] =
         m.active ? make_int2(m.kv_len, m.diag) : make_int2(Cfg::kBlockN, 1 << 30);
   };
+  // The producer's wait for the stage of item w's block i (block j of the CTA's ring) that K
+  // loads into: with kProducerMasks the block's mask worked out before the wait (off the path
+  // from the stage's release to its load) and handed over after it.
+  auto wait_k_stage = [&](uint64_t* empty, uint32_t parity, const WorkItem& w, int i, int j) {
+    BlockMask mask{};
+    if constexpr (Cfg::kProducerMasks) mask = policy.mask(w, i);
+    dev::mbarrier_wait(empty, parity);
+    if constexpr (Cfg::kProducerMasks) put_mask(j, mask);
+  };
   // The consumers' mask of item w's block i (block it + i of the CTA's ring): the producer's,
   // or worked out here.
   auto consumer_mask = [&](const WorkItem& w, int it, int i) {
@@ -485,15 +494,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               uint64_t* empty = which == 0 ? &k_empty[s] : &v_empty[s];
               uint64_t* full = which == 0 ? &k_full[s] : &v_full[s];
               uint8_t* dst = (which == 0 ? k_smem : v_smem) + s * Cfg::kKvBytes;
-              // (The mask worked out before the wait: off the path from the stage's release to
-              // its load.)
-              BlockMask mask{};
-              if constexpr (Cfg::kProducerMasks) {
-                if (which == 0) mask = policy.mask(w, i);
-              }
-              dev::mbarrier_wait(empty, (((it + i) / kStages) & 1) ^ 1);  // first lap: at once
-              if constexpr (Cfg::kProducerMasks) {
-                if (which == 0) put_mask(it + i, mask);
+              const uint32_t parity = (((it + i) / kStages) & 1) ^ 1;  // first lap: at once
+              if (which == 0) {
+                wait_k_stage(empty, parity, w, i, it + i);
+              } else {
+                dev::mbarrier_wait(empty, parity);
               }
               dev::mbarrier_arrive_expect_tx(full, Cfg::kKvBytes);
               policy.load_kv(dst, full, w, blk, which);
@@ -514,10 +519,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               const uint32_t phase = ((it / kStages) & 1) ^ 1;
               const typename Policy::KvBlock blk = policy.kv_block(w, i);
               policy.wait_kv(w, blk);
-              BlockMask mask{};
-              if constexpr (Cfg::kProducerMasks) mask = policy.mask(w, i);  // (as above)
-              dev::mbarrier_wait(&k_empty[s], phase);
-              if constexpr (Cfg::kProducerMasks) put_mask(it, mask);
+              wait_k_stage(&k_empty[s], phase, w, i, it);
               dev::mbarrier_arrive_expect_tx(&k_full[s], Cfg::kKvBytes);
               policy.load_kv(k_smem + s * Cfg::kKvBytes, &k_full[s], w, blk, 0);
               dev::mbarrier_wait(&v_empty[s], phase);

@@ -13,18 +13,16 @@ Every rank rebuilds every rank's tokens, routing and weights from the seed:
 import datetime
 import math
 import os
-import random
 import sys
-import time
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
 import dist_baselines as base  # noqa: E402
+from spawn_ranks import spawn_ranks  # noqa: E402
 
 JOB_TIMEOUT_S = 240
 
@@ -139,22 +137,7 @@ def _entry(rank, world, port, seed, body):
 
 
 def _spawn(body, world):
-    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60),
-                           wait_for_workers=False)
-    seed = random.randrange(1 << 31)
-    print(f"{body.__name__}: world {world}, seed {seed}")
-    ctx = mp.start_processes(_entry, args=(world, server.port, seed, body), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{body.__name__}: ranks still running after "
-                                     f"{JOB_TIMEOUT_S} s (seed {seed})")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_ranks(_entry, body.__name__, world, JOB_TIMEOUT_S, extra=(body,))
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -13,7 +13,6 @@ Checks, with fresh random inputs every run (the seed is printed) and poisoned ou
 import contextlib
 import datetime
 import os
-import random
 import time
 
 import pytest
@@ -21,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 mkernel = pytest.importorskip("mkernel", reason="mkernel is not installed (pip install .)")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from spawn_ranks import spawn_ranks  # noqa: E402
 
 WORLD = 2
 JOB_TIMEOUT_S = 300  # per spawned job: a hang is a bug, reported as a failure, never waited out
@@ -67,22 +66,8 @@ def _entry(rank, world, port, seed, body, kwargs):
 def _spawn(body, world=WORLD, **kwargs):
     """Runs body(rank, world, seed, use_nccl, **kwargs) in `world` processes; fails on any
     rank's exception or when the job outlives JOB_TIMEOUT_S."""
-    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=120),
-                           wait_for_workers=False)
-    seed = random.randrange(1 << 31)
-    print(f"{body.__name__}: seed {seed}, {torch.cuda.device_count()} GPU(s)")
-    ctx = mp.start_processes(_entry, args=(world, server.port, seed, body, kwargs),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{body.__name__}: ranks still running after "
-                                     f"{JOB_TIMEOUT_S} s (seed {seed})")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_ranks(_entry, body.__name__, world, JOB_TIMEOUT_S, extra=(body, kwargs),
+                store_timeout_s=120, poll_s=5, note=f", {torch.cuda.device_count()} GPU(s)")
 
 
 # ---- data and checks (run in the ranks) -------------------------------------------------------
