@@ -344,6 +344,9 @@ TEST(SanitizeAttention, Small) {
   const uint64_t seed = fresh_seed();
   expect_attention_matches({1, 200, 300, 2, 1, 128, true}, seed);
   expect_attention_matches({2, 130, 70, 2, 2, 64, false}, seed);
+  // D 64 takes its blocks' masks from the producer (AttentionConfig::kProducerMasks): causal
+  // diagonal blocks and a ragged tail both.
+  expect_attention_matches({1, 150, 250, 2, 1, 64, true}, seed);
   AttentionConfig split;  // the last wave split: 3 items on 2 CTAs, the last in 2 pieces
   split.sms = 2;
   expect_attention_matches({1, 100, 2100, 3, 1, 128, false}, seed, split);
