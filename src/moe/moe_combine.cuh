@@ -46,7 +46,7 @@ __device__ bool relay_back(const dev::Launch& launch, const DeviceComm& comm, co
                            const NodeMap& nm, const NodeXfer& xf, const Workspace& ws, int c,
                            int channels) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int k = d.top_k, per = nm.per_node;
+  const int k = d.top_k;
   const int me_node = nm.node_of[d.rank];
   const int64_t n16 = d.hidden / 8, slots = d.max_tokens * k;
   if (!rail_entered(launch, d, nm)) return false;
