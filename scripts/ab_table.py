@@ -5,7 +5,7 @@ round was correct; a geomean of the ratios per file.
 
     python3 scripts/ab_table.py ab-results.tar.gz      (or the folder it was unpacked into)
 
-Rows are keyed by their shape; `ms.mkernel` is the time compared.
+Rows are keyed by their shape (and B layout); `ms.mkernel` is the time compared.
 """
 import json
 import math
@@ -29,7 +29,10 @@ def load(root: Path):
             ms = (row.get("ms") or {}).get("mkernel")
             if ms is None:
                 continue
-            key = json.dumps(row.get("shape", {}), sort_keys=True)
+            shape = dict(row.get("shape", {}))
+            if "b_layout" in row:  # bench_gemm's rows: one shape in both B layouts
+                shape["b_layout"] = row["b_layout"]
+            key = json.dumps(shape, sort_keys=True)
             per = runs.setdefault(path.name, {}).setdefault(variant, {})
             per.setdefault(key, []).append((ms, bool(row.get("correct", True))))
     return runs

@@ -20,7 +20,13 @@
 # AB_RANK_POINTS=MODEL:T,... (T a rank) runs those points with two ranks sharing the GPU
 # (bench_moe_ranks --points) after them; with AB_POINTS and without it, no two-rank part.
 # AB_BUILD_TARGETS: what each variant builds ("mkernel_python bench_moe_ranks bench_gemm";
-# "" for everything).
+# "" for everything). AB_GEMM_ARGS: the gemm kernel's benchmark is bench_gemm with these
+# arguments (e.g. "--layouts nk --shapes 640x2048x7168,...") instead of bench/run.sh's sweep.
+# AB_TESTS (a ctest regex) and AB_SANITIZE (a gtest filter): before the benchmarks, every
+# patched variant runs those GPU suites, and compute-sanitizer's memcheck, racecheck and synccheck
+# on those cases (SANITIZE_TIMEOUT, 120 s a tool) - one call then says whether the patches are
+# correct as well as what they buy (mkernel_gpu_tests must be in AB_BUILD_TARGETS). Their logs go
+# into the tarball (tests-v<i>.log, sanitize-v<i>-<tool>.log), a line each into the log.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 rounds="${1:?usage: ab_variants.sh ROUNDS VARIANT...}"
@@ -70,12 +76,42 @@ done
 for pid in "${pids[@]}"; do wait "$pid" || exit 2; done  # (a patch that does not apply)
 echo "ab_variants: ${#variants[@]} variants built in $SECONDS s"
 
+if [[ -n "${AB_TESTS:-}${AB_SANITIZE:-}" ]]; then
+  sanitizer="$(command -v compute-sanitizer ||
+    echo "${CUDA_HOME:-/usr/local/cuda}/compute-sanitizer/compute-sanitizer")"
+  for i in "${!variants[@]}"; do
+    [[ -z "$(patches_of "${variants[$i]}")" ]] && continue  # the checkout: main's own runs
+    src="/tmp/ab-src-v$i"
+    if [[ -n "${AB_TESTS:-}" ]]; then
+      (cd "$src/build" && timeout 400 ctest -R "$AB_TESTS" --timeout 200) >"$results/tests-v$i.log" 2>&1
+      echo "[variant $i] tests ($AB_TESTS): rc $? -" \
+        "$(grep -E 'tests passed|tests failed' "$results/tests-v$i.log" | tail -1)"
+      grep -E '\*\*\*|Failed' "$results/tests-v$i.log" | sed "s/^/[variant $i]   /"
+    fi
+    if [[ -n "${AB_SANITIZE:-}" ]]; then
+      for tool in memcheck racecheck synccheck; do
+        log="$results/sanitize-v$i-$tool.log"
+        timeout --kill-after=10 "${SANITIZE_TIMEOUT:-120}" "$sanitizer" --tool "$tool" \
+          --error-exitcode 99 "$src/build/tests/mkernel_gpu_tests" --gtest_filter="$AB_SANITIZE" \
+          >"$log" 2>&1
+        echo "[variant $i] sanitize $tool: rc $? ($(grep -c '^\[       OK' "$log") cases ok;" \
+          "$(grep -m 1 -E 'ERROR SUMMARY|RACECHECK SUMMARY|Barrier error' "$log" || echo 'no summary'))"
+      done
+    fi
+  done
+  tar -czf "$OUT/ab-results.tar.gz" -C "$results" .
+fi
+
 for ((round = 1; round <= rounds; round++)); do
   for i in "${!variants[@]}"; do
     for kernel in $kernels; do
       echo "==== round $round, variant $i (${variants[$i]}), $kernel"
       marker="$(mktemp)"
       bench_cmd=(bash bench/run.sh "$kernel" bench 1)
+      if [[ -n "${AB_GEMM_ARGS:-}" && "$kernel" == gemm ]]; then
+        read -r -a gemm_args <<<"$AB_GEMM_ARGS"
+        bench_cmd=(build/bench/bench_gemm "${gemm_args[@]}" --json bench/results/gemm-ab-w1.json)
+      fi
       if [[ -n "${AB_POINTS:-}" && ("$kernel" == moe_dispatch_gemm || "$kernel" == moe_layer) ]]; then
         script=bench/bench_moe.py
         [[ "$kernel" == moe_layer ]] && script=bench/bench_moe_layer.py
