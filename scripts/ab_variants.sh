@@ -24,9 +24,10 @@
 # arguments (e.g. "--layouts nk --shapes 640x2048x7168,...") instead of bench/run.sh's sweep.
 # AB_TESTS (a ctest regex) and AB_SANITIZE (a gtest filter): before the benchmarks, every
 # patched variant runs those GPU suites, and compute-sanitizer's memcheck, racecheck and synccheck
-# on those cases (SANITIZE_TIMEOUT, 120 s a tool) - one call then says whether the patches are
-# correct as well as what they buy (mkernel_gpu_tests must be in AB_BUILD_TARGETS). Their logs go
-# into the tarball (tests-v<i>.log, sanitize-v<i>-<tool>.log), a line each into the log.
+# on those cases (SANITIZE_TIMEOUT, 120 s a tool; device_run.sh's test and sanitize steps) - one
+# call then says whether the patches are correct as well as what they buy (mkernel_gpu_tests must
+# be in AB_BUILD_TARGETS). Their logs go into the tarball (checks-v<i>/test.log, sanitize.log),
+# their verdicts into the log.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 rounds="${1:?usage: ab_variants.sh ROUNDS VARIANT...}"
@@ -77,27 +78,18 @@ for pid in "${pids[@]}"; do wait "$pid" || exit 2; done  # (a patch that does no
 echo "ab_variants: ${#variants[@]} variants built in $SECONDS s"
 
 if [[ -n "${AB_TESTS:-}${AB_SANITIZE:-}" ]]; then
-  sanitizer="$(command -v compute-sanitizer ||
-    echo "${CUDA_HOME:-/usr/local/cuda}/compute-sanitizer/compute-sanitizer")"
+  checks=()
+  [[ -n "${AB_TESTS:-}" ]] && checks+=(test)
+  [[ -n "${AB_SANITIZE:-}" ]] && checks+=(sanitize)
   for i in "${!variants[@]}"; do
     [[ -z "$(patches_of "${variants[$i]}")" ]] && continue  # the checkout: main's own runs
-    src="/tmp/ab-src-v$i"
-    if [[ -n "${AB_TESTS:-}" ]]; then
-      (cd "$src/build" && timeout 400 ctest -R "$AB_TESTS" --timeout 200) >"$results/tests-v$i.log" 2>&1
-      echo "[variant $i] tests ($AB_TESTS): rc $? -" \
-        "$(grep -E 'tests passed|tests failed' "$results/tests-v$i.log" | tail -1)"
-      grep -E '\*\*\*|Failed' "$results/tests-v$i.log" | sed "s/^/[variant $i]   /"
-    fi
-    if [[ -n "${AB_SANITIZE:-}" ]]; then
-      for tool in memcheck racecheck synccheck; do
-        log="$results/sanitize-v$i-$tool.log"
-        timeout --kill-after=10 "${SANITIZE_TIMEOUT:-120}" "$sanitizer" --tool "$tool" \
-          --error-exitcode 99 "$src/build/tests/mkernel_gpu_tests" --gtest_filter="$AB_SANITIZE" \
-          >"$log" 2>&1
-        echo "[variant $i] sanitize $tool: rc $? ($(grep -c '^\[       OK' "$log") cases ok;" \
-          "$(grep -m 1 -E 'ERROR SUMMARY|RACECHECK SUMMARY|Barrier error' "$log" || echo 'no summary'))"
-      done
-    fi
+    # device_run.sh's own test and sanitize steps on the variant's build.
+    BUILD="/tmp/ab-src-v$i/build" OUT="$results/checks-v$i" \
+      CTEST_ARGS="-R ${AB_TESTS:-.} --timeout 200" SANITIZE_FILTER="${AB_SANITIZE:-}" \
+      SANITIZE_TIMEOUT="${SANITIZE_TIMEOUT:-120}" \
+      bash "/tmp/ab-src-v$i/scripts/device_run.sh" "${checks[@]}" 2>&1 |
+      grep -E '^== |tests passed|tests failed|\*\*\*|sanitize [a-z]+: ' | awk '!seen[$0]++' |
+      sed "s/^/[variant $i] /"  # (device_run.sh repeats its steps' verdicts at the end)
   done
   tar -czf "$OUT/ab-results.tar.gz" -C "$results" .
 fi
