@@ -465,7 +465,7 @@ def _gemm_shapes(a, b, b_layout: str, op: str = "gemm"):
     n, kb = (b.shape[0], b.shape[1]) if b_layout == "nk" else (b.shape[1], b.shape[0])
     if kb != k:
         raise ValueError(f"mkernel.{op}: a has K = {k} but b ({b_layout}) has K = {kb}")
-    return a.numel() // k if k else 0, n, k
+    return math.prod(a.shape[:-1]), n, k
 
 
 if torch is not None:
@@ -511,8 +511,10 @@ if torch is not None:
             raise ValueError(f"mkernel.gemm: a is on {a.device} but b on {b.device}")
         a2, b2 = a.contiguous(), b.contiguous()
         c = torch.empty((*a.shape[:-1], n), dtype=torch.bfloat16, device=a.device)
-        if m == 0:
+        if c.numel() == 0:
             return c
+        if k == 0:  # an empty sum, as torch.matmul has it
+            return c.zero_()
         dev = a.get_device()
         with _current_device(dev):
             _C.gemm(a2.data_ptr(), b2.data_ptr(), c.data_ptr(), m, n, k, b_layout,

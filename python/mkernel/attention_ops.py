@@ -20,6 +20,7 @@ and in CUDA graphs.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Optional
 
 from mkernel import _C, _check_device, _communicator, _current_device, _current_raw_stream, _direct
@@ -71,6 +72,17 @@ def _check_inputs(op, q, k, v, softmax_scale):
     if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
         raise ValueError(f"mkernel.{op}: softmax_scale = {softmax_scale}; expected a finite "
                          "value > 0 (None: 1 / sqrt(head_dim))")
+    # The kernels take the scale as a float32, whose 0 means the default: a scale below float32's
+    # smallest subnormal would silently become 1 / sqrt(head_dim), one above its largest inf.
+    if softmax_scale is not None:
+        try:
+            as_float32 = struct.unpack("f", struct.pack("f", softmax_scale))[0]
+        except OverflowError:
+            as_float32 = math.inf
+        if as_float32 == 0 or math.isinf(as_float32):
+            raise ValueError(f"mkernel.{op}: softmax_scale = {softmax_scale} is "
+                             f"{as_float32} as a float32, which the kernels take; expected a "
+                             "value between 1.4e-45 and 3.4e38")
 
 
 def _outputs(q, b, s_q, h, d, return_lse):
@@ -213,12 +225,16 @@ def zigzag_shard(x: torch.Tensor, comm, dim: int = 1) -> torch.Tensor:
 
 
 def zigzag_unshard(x: torch.Tensor, comm, dim: int = 1) -> torch.Tensor:
-    """The full sequence from every rank's zigzag share along `dim` (all_gather over the default
-    process group, then the chunks put back in order); the inverse of zigzag_shard."""
+    """The full sequence from every rank's zigzag share along `dim` (all_gather over the
+    communicator's process group - the one mkernel.init was given, whose ranks are the
+    communicator's -, then the chunks put back in order); the inverse of zigzag_shard."""
     import torch.distributed as dist
     w = comm.world_size
+    if x.shape[dim] % 2 != 0:
+        raise ValueError(f"mkernel.zigzag_unshard: length {x.shape[dim]} along dim {dim} is odd; a "
+                         "zigzag share is two equal chunks")
     parts = [torch.empty_like(x) for _ in range(w)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=getattr(comm, "group", None))
     chunks = [None] * (2 * w)
     for r, part in enumerate(parts):
         first, second = part.chunk(2, dim=dim)

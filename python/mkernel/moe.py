@@ -255,6 +255,9 @@ def _combine_impl(y, topk_weights, rows, comm, num_experts, layout, capacity, ma
     if y.dtype != torch.bfloat16 or topk_weights.dtype != torch.float32:
         raise ValueError(f"mkernel.moe_combine: y must be bfloat16 and topk_weights float32; got "
                          f"{y.dtype} and {topk_weights.dtype}")
+    if rows.dtype != torch.int32:
+        raise ValueError(f"mkernel.moe_combine: the handle's rows have dtype {rows.dtype}; "
+                         "expected int32 (the MoeHandle moe_dispatch returned)")
     for name, t in (("y", y), ("topk_weights", topk_weights), ("handle.rows", rows)):
         _check_device("moe_combine", name, t, c._device)
     plan = _C.moe_plan(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout, capacity,

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "attention/attention_internal.h"
@@ -53,9 +54,13 @@ void attention_host::require_problem(const AttentionProblem& p, const char* op) 
     invalid(op, "heads = " + std::to_string(p.heads) +
                     " is not a multiple of kv_heads = " + std::to_string(p.kv_heads));
   }
+  // (In this order, so that no product wraps: each factor is below 2^31 when it is taken.)
   if (p.batch >= kMax32 || p.seq_q >= kMax32 || p.seq_kv >= kMax32 || p.heads >= kMax32 ||
-      p.batch * p.heads * ((p.seq_q + 127) / 128) >= kMax32) {
-    invalid(op, "the problem is too large (batch x heads x query tiles must be < 2^31)");
+      p.batch * p.heads >= kMax32 || p.batch * p.heads * ((p.seq_q + 127) / 128) >= kMax32 ||
+      p.batch * p.heads * p.seq_kv >= (int64_t{1} << 40)) {
+    invalid(op,
+            "the problem is too large (batch x heads x query tiles must be < 2^31, batch x heads x "
+            "seq_kv < 2^40)");
   }
   if (!(p.softmax_scale >= 0) || !std::isfinite(p.softmax_scale)) {
     invalid(op, "softmax_scale = " + std::to_string(p.softmax_scale) +
@@ -230,6 +235,7 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
   const AttentionProblem& p = problem;
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
+  detail::require_stream(device, stream, kOp);
   const attention_host::Operands io =
       attention_host::require_operands(p, q, k, v, o, lse, kOp, device);
   if (detail::process_overrides().print_config) {
@@ -266,29 +272,33 @@ void attention(const AttentionProblem& problem, const AttentionTensor& q, const 
                     std::string(kOp) + ": launch failed: " + cudaGetErrorString(err));
       }
     };
-    // The whole waves (all the items unless the last wave is split).
+    // The whole waves (all the items unless the last wave is split), then the last wave's items
+    // in pieces and their merge (split_attention.cuh). Everything that can fail on the host -
+    // the pieces' scratch, loading the kernels - comes before the first launch, so that a
+    // refusal leaves o unwritten.
     const int64_t whole = plan.items - plan.split_items;
+    using Split = attention_engine::SplitAttention<kHeadDim>;
+    Split split{};
+    std::optional<gemm_engine::StreamScratch> scratch;
+    const int64_t slots = plan.split_items * plan.split_pieces;
+    if (plan.split_items > 0) {
+      split.first = static_cast<int>(whole);
+      split.tail = static_cast<int>(plan.split_items);
+      split.pieces = plan.split_pieces;
+      const std::size_t o_bytes = static_cast<std::size_t>(slots) * 2 * 128 * (C::kORegs / 4) * 16;
+      scratch.emplace(o_bytes + static_cast<std::size_t>(slots) * 2 * 128 * 16, stream);
+      auto* base = static_cast<uint8_t*>(scratch->get());
+      split.state = {reinterpret_cast<float4*>(base), reinterpret_cast<float4*>(base + o_bytes)};
+    }
+    auto kernel = attention_host::prepared<C, Policy>();
+    auto pieces = plan.split_items > 0 ? attention_host::prepared<C, Split>() : nullptr;
     if (whole > 0) {
       policy.items = static_cast<int>(whole);
-      auto kernel = attention_host::prepared<C, Policy>();
       kernel<<<plan.ctas, C::kThreads, C::kSmemBytes, stream>>>(policy, scale_log2);
       launched();
     }
     if (plan.split_items == 0) return;
-    // The last wave's items in pieces, then their merge (split_attention.cuh).
-    using Split = attention_engine::SplitAttention<kHeadDim>;
-    Split split{};
     split.plain = policy;
-    split.first = static_cast<int>(whole);
-    split.tail = static_cast<int>(plan.split_items);
-    split.pieces = plan.split_pieces;
-    const int64_t slots = plan.split_items * plan.split_pieces;
-    const std::size_t o_bytes = static_cast<std::size_t>(slots) * 2 * 128 * (C::kORegs / 4) * 16;
-    gemm_engine::StreamScratch scratch(o_bytes + static_cast<std::size_t>(slots) * 2 * 128 * 16,
-                                       stream);
-    auto* base = static_cast<uint8_t*>(scratch.get());
-    split.state = {reinterpret_cast<float4*>(base), reinterpret_cast<float4*>(base + o_bytes)};
-    auto pieces = attention_host::prepared<C, Split>();
     pieces<<<static_cast<int>(slots), C::kThreads, C::kSmemBytes, stream>>>(split, scale_log2);
     launched();
     const dim3 grid(static_cast<unsigned>(plan.split_items),

@@ -281,6 +281,7 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) invalid("unknown B layout");
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
+  detail::require_stream(device, stream, kOp);
   gemm_engine::require_device_pointer(a, kOp, "A", device);
   gemm_engine::require_device_pointer(b, kOp, "B", device);
   gemm_engine::require_device_pointer(c, kOp, "C", device);

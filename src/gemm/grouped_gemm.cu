@@ -226,6 +226,7 @@ void gemm_engine::grouped_gemm(const void* a, const void* b, void* c, const int3
   }
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
+  detail::require_stream(device, stream, kOp);
   check_grouped_pointers(
       kOp, a, b, c, group_rows, groups, total_rows, n,
       static_cast<std::size_t>(groups) * static_cast<std::size_t>(n) * static_cast<std::size_t>(k),

@@ -373,8 +373,6 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
   // The timeline's buffer (null unless MKERNEL_TRACE) before the launches that peers wait for:
   // growing it allocates and frees (a device sync), and may throw.
   uint64_t* const trace = fused::trace_arm(comm, plan.ctas, stream);
-  launch_route_notify(dc, d, ws, topk_idx, index_type, c.plan.chunks(problem.tokens), tiles_n,
-                      expert_rows, stream, kDispatchGemm);
   gemm_engine::dispatch(block_n, w_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     moe::MoeDispatchGemm<kBlockN> f{};
     f.grouped.a = gemm_engine::make_map(recv_x, plan.rows, problem.hidden, 128);
@@ -400,6 +398,11 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
     const CUtensorMap map_b =
         kTransB ? gemm_engine::make_map_3d(w, d.experts_local, problem.hidden, n, 64)
                 : gemm_engine::make_map_3d(w, d.experts_local, n, problem.hidden, kBlockN);
+    // The maps (which may throw) and the kernel's loading before the first launch: notify
+    // signals the peers, who would then wait for a fused launch that never comes.
+    gemm_engine::prepared_kernel<kBlockN, kTransB, moe::MoeDispatchGemm<kBlockN>>();
+    launch_route_notify(dc, d, ws, topk_idx, index_type, c.plan.chunks(problem.tokens), tiles_n,
+                        expert_rows, stream, kDispatchGemm);
     gemm_engine::launch<kBlockN, kTransB>(f, map_b, problem.hidden, plan.ctas, stream,
                                           kDispatchGemm);
   });

@@ -79,6 +79,10 @@ Plan plan_moe(int world, int sm_budget, const MoeProblem& p, const MoeConfig& co
                     " or the pairs a rank may receive (" + str(every_row) +
                     ") exceed 2^31 - 1; give fewer max_tokens");
   }
+  // (Before the products below: a capacity near 2^63 would wrap the masked layout's rows.)
+  if (p.capacity > kMaxRows) {
+    invalid(op, "capacity = " + str(p.capacity) + " exceeds 2^31 - 1 rows");
+  }
   if (p.layout == MoeLayout::kPadded) {
     out.capacity = p.capacity > 0 ? p.capacity
                                   : every_row + static_cast<int64_t>(e_local) * (kMoeRowBlock - 1);

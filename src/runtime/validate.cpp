@@ -48,7 +48,7 @@ void require_device_pointer(const Communicator& comm, const void* ptr, std::size
   if (reinterpret_cast<uintptr_t>(ptr) % alignment != 0) {
     throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": " + name + " " + hex(ptr) +
                                                  " is not aligned to " + std::to_string(alignment) +
-                                                 " bytes (its element size)");
+                                                 " bytes");
   }
   cudaPointerAttributes attr{};
   cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
@@ -90,6 +90,10 @@ SymmetricRange require_symmetric(const Communicator& comm, const void* ptr, std:
 }
 
 void require_stream(const Communicator& comm, cudaStream_t stream, const char* op) {
+  require_stream(comm.device(), stream, op);
+}
+
+void require_stream(int expected_device, cudaStream_t stream, const char* op) {
   // Querying a capturing stream's device would invalidate the capture: trust the caller there
   // (the capture itself fails if the stream belongs to another device).
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -105,10 +109,10 @@ void require_stream(const Communicator& comm, cudaStream_t stream, const char* o
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(op) + ": invalid stream (" + cudaGetErrorString(err) + ")");
   }
-  if (device != comm.device()) {
+  if (device != expected_device) {
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(op) + ": the stream belongs to GPU " + std::to_string(device) +
-                    "; expected a stream of GPU " + std::to_string(comm.device()));
+                    "; expected a stream of GPU " + std::to_string(expected_device));
   }
 }
 

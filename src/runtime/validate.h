@@ -31,8 +31,10 @@ void require_device_pointer(const Communicator& comm, const void* ptr, std::size
 // [ptr, ptr + bytes) lies in one symmetric buffer of `comm`: returns where.
 SymmetricRange require_symmetric(const Communicator& comm, const void* ptr, std::size_t bytes,
                                  const char* op, const char* name);
-// The stream belongs to the communicator's GPU.
+// The stream belongs to the communicator's GPU (or to GPU `expected_device`: the ops without a
+// communicator, which run on the current device). A capturing stream is trusted (see there).
 void require_stream(const Communicator& comm, cudaStream_t stream, const char* op);
+void require_stream(int expected_device, cudaStream_t stream, const char* op);
 
 bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes);
 

@@ -112,6 +112,12 @@ TEST(AttentionPlan, RefusesBadProblemsNamingThem) {
   expect_refused(problem(1, 128, 128, 4, 0, 128), sms(8), "kv_heads 0");
   expect_refused(problem(1, int64_t{1} << 31, 128, 4, 4, 128), sms(8), "too large");
   expect_refused(problem(4096, 1 << 20, 128, 64, 64, 128), sms(8), "too large");
+  // Products that would wrap 64 bits: batch x heads x query tiles = 2^20 x 2^30 x 2^23 (2^73,
+  // 0 modulo 2^64), and a key sequence of 2^40 rows a head over the batch.
+  expect_refused(problem(int64_t{1} << 20, int64_t{1} << 30, 128, int64_t{1} << 30, 1, 128), sms(8),
+                 "too large");
+  expect_refused(problem(1 << 12, 128, int64_t{1} << 30, 1 << 8, 1 << 8, 128), sms(8),
+                 "seq_kv < 2^40");
   for (float scale : {-1.0f, std::numeric_limits<float>::infinity(), std::nanf("")}) {
     AttentionProblem p = problem(1, 128, 128, 4, 4, 128);
     p.softmax_scale = scale;

@@ -166,6 +166,15 @@ TEST(MoePlan, RefusesWhatItCannotDo) {
   p = deepseek(64);
   p.capacity = -3;
   refused(2, p, "capacity = -3");
+  // A capacity whose masked rows (capacity x E_local) would wrap 64 bits: refused, not wrapped.
+  for (const int64_t capacity : {(int64_t{1} << 62) + 1, int64_t{1} << 62, int64_t{1} << 31}) {
+    for (const MoeLayout layout : {MoeLayout::kMasked, MoeLayout::kPadded}) {
+      p = deepseek(64);
+      p.layout = layout;
+      p.capacity = capacity;
+      refused(2, p, "capacity = " + std::to_string(capacity) + " exceeds 2^31 - 1 rows");
+    }
+  }
   p = deepseek(64);
   MoeConfig config;
   config.sms = -1;

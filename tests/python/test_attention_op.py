@@ -144,3 +144,7 @@ def test_errors():
         mkernel.attention(q[0], k, v)
     with pytest.raises(ValueError, match="softmax_scale"):
         mkernel.attention(q, k, v, softmax_scale=-1.0)
+    # Positive doubles that are 0 or inf as the kernels' float32 (0 would mean the default).
+    for scale in (1e-46, 1e39):
+        with pytest.raises(ValueError, match="as a float32"):
+            mkernel.attention(q, k, v, softmax_scale=scale)

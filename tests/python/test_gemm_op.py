@@ -128,6 +128,18 @@ def test_errors_before_launch():
         mkernel.gemm(a[:, :60].contiguous(), b[:, :60].contiguous())
 
 
+def test_empty_shapes_as_torch():
+    """K = 0 is an empty sum: zeros, as torch.matmul gives (not an unwritten tensor); M = 0 or
+    N = 0 an empty result."""
+    for m, n, k in ((64, 32, 0), (0, 32, 64), (64, 0, 64), (0, 0, 0)):
+        for layout in ("nk", "kn"):
+            a = torch.randn(2, m, k, device="cuda").to(torch.bfloat16)
+            b = torch.randn((n, k) if layout == "nk" else (k, n), device="cuda").to(torch.bfloat16)
+            c = mkernel.gemm(a, b, layout)
+            assert c.shape == (2, m, n)
+            assert torch.equal(c, torch.zeros_like(c)) if k == 0 else c.numel() == 0
+
+
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 def test_grouped_gemm_matches_per_group(layout):
     g = torch.Generator(device="cuda").manual_seed(torch.seed() % (1 << 31))
