@@ -8,6 +8,7 @@
 // - cuBLAS| <= 2 bf16 ulps of the largest output (the exact fp64 check lives in
 // tests/gpu/test_gemm.cpp).
 #include <cublas_v2.h>
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -85,6 +86,61 @@ std::vector<double> median_ms(int iters, cudaStream_t s,
   for (auto& e : ev) cudaEventDestroy(e);
   for (auto& g : graphs) cudaGraphExecDestroy(g);
   return medians;
+}
+
+// The names of the kernels one call of `op` launches (the kernel nodes of a CUDA graph of the
+// call), joined by " + ": which kernel cuBLAS picks for a shape - its name carries the tile, the
+// cluster and any split or stream-K, and it is the kernel timed beside ours. "?" where the driver
+// cannot name one (cuFuncGetName / cuKernelGetName: CUDA 12.3).
+std::string kernel_names(cudaStream_t s, const std::function<void(int)>& op) {
+  const auto entry = [](const char* symbol, int version) -> void* {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    if (cudaGetDriverEntryPointByVersion(symbol, &fn, version, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return fn;
+  };
+  using NodeParams = CUresult (*)(CUgraphNode, CUDA_KERNEL_NODE_PARAMS*);
+  using FuncName = CUresult (*)(const char**, CUfunction);
+  using KernelName = CUresult (*)(const char**, CUkernel);
+  static const auto node_params =
+      reinterpret_cast<NodeParams>(entry("cuGraphKernelNodeGetParams", 12000));
+  static const auto func_name = reinterpret_cast<FuncName>(entry("cuFuncGetName", 12030));
+  static const auto kernel_name = reinterpret_cast<KernelName>(entry("cuKernelGetName", 12030));
+  cudaGraph_t g;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  op(0);
+  CK(cudaStreamEndCapture(s, &g));
+  std::size_t count = 0;
+  CK(cudaGraphGetNodes(g, nullptr, &count));
+  std::vector<cudaGraphNode_t> nodes(count);
+  CK(cudaGraphGetNodes(g, nodes.data(), &count));
+  std::string names;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type{};
+    CK(cudaGraphNodeGetType(node, &type));
+    if (type != cudaGraphNodeTypeKernel) continue;
+    const char* name = nullptr;
+    CUDA_KERNEL_NODE_PARAMS p{};
+    if (node_params != nullptr && node_params(node, &p) == CUDA_SUCCESS) {
+      if (p.func != nullptr && func_name != nullptr) {
+        func_name(&name, p.func);
+      } else if (p.kern != nullptr && kernel_name != nullptr) {
+        kernel_name(&name, p.kern);
+      }
+    }
+    names += (names.empty() ? "" : " + ") + std::string(name != nullptr ? name : "?");
+  }
+  CK(cudaGraphDestroy(g));
+  // (For the JSON: kernel names hold no quote or backslash, but nothing relies on it.)
+  for (char& ch : names) {
+    if (ch == '"' || ch == '\\') ch = '_';
+  }
+  return names.empty() ? "?" : names;
 }
 
 std::vector<Shape> parse_shapes(const std::string& text) {
@@ -241,6 +297,8 @@ int main(int argc, char** argv) {
         worst_ratio = std::min(worst_ratio, ratio);
         std::printf("%-22s %10.3f %10.3f %9.1f %9.1f %7.3f  %s\n", label.c_str(), ms, ms_blas,
                     flops / ms * 1e-9, flops / ms_blas * 1e-9, ratio, correct ? "ok" : "WRONG");
+        const std::string blas_kernel = kernel_names(s, theirs);
+        std::printf("  cuBLAS %-15s %s\n", label.c_str(), blas_kernel.c_str());
         rows << (rows.tellp() > 0 ? ",\n" : "") << "    {\"shape\": {\"M\": " << sh.m
              << ", \"N\": " << sh.n << ", \"K\": " << sh.k << "}, \"b_layout\": \""
              << (kn ? "kn" : "nk") << "\", \"plan\": \""
@@ -248,7 +306,8 @@ int main(int argc, char** argv) {
              << "\", \"dtype\": \"bf16\", \"ms\": {\"mkernel\": " << ms
              << ", \"gemm_alone\": " << ms_blas << "}, \"limit_ms\": " << ms_blas
              << ", \"ratio_to_limit\": " << ms / ms_blas << ", \"tflops\": " << flops / ms * 1e-9
-             << ", \"tflops_cublas\": " << flops / ms_blas * 1e-9
+             << ", \"tflops_cublas\": " << flops / ms_blas * 1e-9 << ", \"cublas_kernel\": \""
+             << blas_kernel << "\""
              << ", \"correct\": " << (correct ? "true" : "false") << "}";
       }
       if (sweep && !check_only) {
