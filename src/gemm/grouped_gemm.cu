@@ -91,7 +91,6 @@ void launch_grouped(const void* a, const void* b, void* c, int32_t* scratch, int
   f.row_start = scratch;
   f.row_count = scratch + groups;
   f.tile_prefix = scratch + 2 * groups;
-  f.counter = scratch + gemm_engine::grouped_table_ints(groups) - 1;  // (the tables' last int)
   f.groups = groups;
   f.tiles_n = static_cast<int>((n + kBlockN - 1) / kBlockN);
   f.n = static_cast<int>(n);

@@ -63,14 +63,14 @@ template <int kBlockN>
 struct GroupedGemm {
   // B [G][...]: a tile's group is its third coordinate.
   static constexpr FusionTraits kTraits{.batched_b = true, .dynamic_tiles = true};
-  CUtensorMap a;               // A [rows, K] (all groups' rows), boxes of 128 rows x 64
-  CUtensorMap c;               // C [rows, N], boxes of 64 rows x 64 columns
-  __nv_bfloat16* c_ptr;        // C, for the masked stores at a group's end
-  const int32_t* row_start;    // device [G] (prep kernel)
-  const int32_t* row_count;    // device [G] (prep kernel)
-  const int32_t* tile_prefix;  // device [G + 1] (prep kernel)
-  int* counter;                // device: tile_prefix[G + 1], zeroed by whoever writes the tables
-                               // (the prep kernel; moe_dispatch_gemm's notify)
+  CUtensorMap a;             // A [rows, K] (all groups' rows), boxes of 128 rows x 64
+  CUtensorMap c;             // C [rows, N], boxes of 64 rows x 64 columns
+  __nv_bfloat16* c_ptr;      // C, for the masked stores at a group's end
+  const int32_t* row_start;  // device [G] (prep kernel)
+  const int32_t* row_count;  // device [G] (prep kernel)
+  int32_t* tile_prefix;      // device [G + 1] (prep kernel), then the tile counter: zeroed by
+                             // whoever writes the tables (the prep kernel; moe_dispatch_gemm's
+                             // notify)
   int groups;
   int tiles_n;
   int n;
@@ -79,7 +79,7 @@ struct GroupedGemm {
 
   __device__ int num_tiles() const { return tile_prefix[groups]; }
   // Skewed groups take different times a tile: the CTAs take the next tile when free.
-  __device__ int* tile_counter() const { return counter; }
+  __device__ int* tile_counter() const { return tile_prefix + groups + 1; }
 
   __device__ Tile tile(int t) const {
     const int g = last_at_or_below(tile_prefix, groups, t);  // the group whose tiles hold t

@@ -381,8 +381,6 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
     f.grouped.row_start = tables + lt.row_start;
     f.grouped.row_count = tables + lt.row_count;
     f.grouped.tile_prefix = tables + lt.tile_prefix;
-    f.grouped.counter =  // the grouped tables' last int (notify zeroes it)
-        tables + lt.row_start + gemm_engine::grouped_table_ints(d.experts_local) - 1;
     f.grouped.groups = d.experts_local;
     f.grouped.tiles_n = tiles_n;
     f.grouped.n = static_cast<int>(n);
