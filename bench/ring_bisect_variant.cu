@@ -1,0 +1,35 @@
+// One variant of bench_ring_bisect (ring_bisect.cuh), compiled once a variant with
+// RING_BISECT_BITS set (bench/CMakeLists.txt): its kernel and a launcher that registers itself.
+#include "attention/attention_launch.cuh"
+#include "ring_bisect.cuh"
+
+#ifndef RING_BISECT_BITS
+#error "RING_BISECT_BITS: the variant's bits (ring_bisect.cuh), or -1 for the engine"
+#endif
+
+namespace mk::bench::ring_bisect {
+namespace {
+
+using Cfg = attention_engine::AttentionConfig<128>;
+
+void launch(const Setup& s, cudaStream_t stream) {
+  if constexpr (RING_BISECT_BITS == kEngine) {
+    auto kernel = attention_host::prepared<Cfg, attention_engine::PlainAttention<128>>();
+    kernel<<<s.ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(s.plain, s.scale_log2);
+  } else {
+    using Variant = RingVariant<128, RING_BISECT_BITS>;
+    Variant v{};
+    static_cast<attention_engine::RingAttention<128>&>(v) = s.ring;
+    v.q4 = s.q4;
+    v.k4 = s.k4;
+    v.v4 = s.v4;
+    v.o4 = s.o4;
+    auto kernel = attention_host::prepared<Cfg, Variant>();
+    kernel<<<s.ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(v, s.scale_log2);
+  }
+}
+
+const bool kRegistered = (registry().push_back({RING_BISECT_BITS, &launch}), true);
+
+}  // namespace
+}  // namespace mk::bench::ring_bisect
