@@ -18,6 +18,11 @@
 //                 the launch's end)
 //   kMaps4d       Q, K, V and O through the engine's 4-D maps (D, H, S, B) instead of the 5-D
 //                 (D, H, L, P, B)
+//   kEngineBlocks a causal tile of the later part visits its own part's keys first, from the
+//                 diagonal down, then the earlier part's - the engine's order (the ring's visits
+//                 the earlier part first); O then differs from the ring's in rounding only
+// kClosedWalk, kEngineMask and kEngineBlocks work a block out in closed form at world 1 (no step
+// walk, no read of the communicator's tables: neither kernel's loop has one).
 #pragma once
 
 #include <cuda.h>
@@ -40,7 +45,8 @@ enum Bits : int {
   kNoCarry = 32,
   kNoSide = 64,
   kMaps4d = 128,
-  kAllBits = 255,
+  kEngineBlocks = 256,
+  kAllBits = 511,
 };
 constexpr int kEngine = -1;  // the plain engine (PlainAttention), the baseline
 
@@ -66,9 +72,26 @@ struct RingVariant : attention_engine::RingAttention<kHeadDim> {
     }
   }
 
-  // World 1: one round of one step, whose blocks are the step's own-chunk blocks.
+  // World 1, one round of one step: the blocks a tile of part `part` sees in key part 0 and 1
+  // (causal zigzag of one rank: part 0 is rows [0, L), part 1 rows [L, 2L)).
+  __device__ void counts(int part, int m, int& n0, int& n1) const {
+    n0 = this->causal && part == 0 ? m + 1 : this->blocks_per_part;
+    n1 = this->causal && part == 1 ? m + 1 : 0;
+  }
+  __device__ KvBlock closed_block(const WorkItem& w, int i) const {
+    int n0, n1;
+    counts(w.part, w.m, n0, n1);
+    const bool first = i == 0;
+    if constexpr ((kBits & kEngineBlocks) != 0) {  // own part first, from the diagonal down
+      return i < n1 ? KvBlock{0, 1, n1 - 1 - i, first} : KvBlock{0, 0, n0 + n1 - 1 - i, first};
+    } else {
+      return i < n0 ? KvBlock{0, 0, n0 - 1 - i, first} : KvBlock{0, 1, n0 + n1 - 1 - i, first};
+    }
+  }
+  static constexpr bool kClosed = (kBits & (kClosedWalk | kEngineBlocks)) != 0;
+
   __device__ WorkItem item(int round, int t) const {
-    if constexpr ((kBits & (kClosedWalk | kNoCarry)) == 0) {
+    if constexpr ((kBits & (kClosedWalk | kNoCarry | kEngineBlocks)) == 0) {
       return Base::item(round, t);
     } else {
       WorkItem w{};
@@ -82,10 +105,10 @@ struct RingVariant : attention_engine::RingAttention<kHeadDim> {
       w.kv_head = w.head / this->group;
       w.part = in_head / this->tiles_per_part;
       w.m = in_head % this->tiles_per_part;
-      if constexpr ((kBits & kClosedWalk) != 0) {
-        int n[2];
-        this->step_blocks(w.part, w.m, 0, n);
-        w.blocks = n[0] + n[1];
+      if constexpr (kClosed) {
+        int n0, n1;
+        counts(w.part, w.m, n0, n1);
+        w.blocks = n0 + n1;
       } else {
         for (int j = this->first_step(round); j <= this->last_step(round); ++j) {
           int n[2];
@@ -101,21 +124,17 @@ struct RingVariant : attention_engine::RingAttention<kHeadDim> {
     }
   }
   __device__ KvBlock kv_block(const WorkItem& w, int i) const {
-    if constexpr ((kBits & kClosedWalk) != 0) {
-      int n[2];
-      this->step_blocks(w.part, w.m, 0, n);
-      const bool first = i == 0;
-      return i < n[0] ? KvBlock{0, 0, n[0] - 1 - i, first}
-                      : KvBlock{0, 1, n[0] + n[1] - 1 - i, first};
+    if constexpr (kClosed) {
+      return closed_block(w, i);
     } else {
       return Base::kv_block(w, i);
     }
   }
-  // The engine's arithmetic on the block's part and number (world 1: the key part p holds the
-  // sequence's rows [p part_len, (p + 1) part_len), the query part pq likewise).
+  // The engine's arithmetic on the block's part and number (world 1: key part p holds the
+  // sequence's rows [p part_len, (p + 1) part_len), the query part likewise).
   __device__ BlockMask mask(const WorkItem& w, int i) const {
-    if constexpr ((kBits & kEngineMask) != 0) {
-      const KvBlock blk = kv_block(w, i);
+    if constexpr ((kBits & (kEngineMask | kEngineBlocks)) != 0) {
+      const KvBlock blk = closed_block(w, i);
       const int key0 = blk.part * this->part_len + blk.n * 128;
       const int row0 = w.part * this->part_len + w.m * 128;
       const int kv_len = (blk.part + 1) * this->part_len - key0;

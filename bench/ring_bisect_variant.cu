@@ -12,12 +12,14 @@ namespace {
 
 using Cfg = attention_engine::AttentionConfig<128>;
 
+// (A template, so that only this object's kernel is instantiated.)
+template <int kBits>
 void launch(const Setup& s, cudaStream_t stream) {
-  if constexpr (RING_BISECT_BITS == kEngine) {
+  if constexpr (kBits == kEngine) {
     auto kernel = attention_host::prepared<Cfg, attention_engine::PlainAttention<128>>();
     kernel<<<s.ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(s.plain, s.scale_log2);
   } else {
-    using Variant = RingVariant<128, RING_BISECT_BITS>;
+    using Variant = RingVariant<128, kBits>;
     Variant v{};
     static_cast<attention_engine::RingAttention<128>&>(v) = s.ring;
     v.q4 = s.q4;
@@ -29,7 +31,8 @@ void launch(const Setup& s, cudaStream_t stream) {
   }
 }
 
-const bool kRegistered = (registry().push_back({RING_BISECT_BITS, &launch}), true);
+const bool kRegistered =
+    (registry().push_back({RING_BISECT_BITS, &launch<RING_BISECT_BITS>}), true);
 
 }  // namespace
 }  // namespace mk::bench::ring_bisect
