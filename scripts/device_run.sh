@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script sent to the GPU machine (see /work/.library/device/README.md).
 #
-#   bash scripts/device_run.sh [build|test|sanitize|python|bench|check|compare|trace|ab|nodes|host|profile|all]...
+#   bash scripts/device_run.sh [build|test|sanitize|python|bench|check|compare|trace|ab|nodes|host|profile|bisect|all]...
 #   (default: all)
 #
 # Steps run in the order given; `all` = build test sanitize python bench (`host`: the host time
@@ -10,7 +10,7 @@
 # import it from there (the fused kernels' benchmarks need it). A failed step does not stop
 # the later ones; each ends with one line "== <step>: PASS|FAIL|SKIP (<s> s) ..." and the script
 # exits non-zero when any step failed. Logs go to $OUT (./out when $OUT is unset):
-#   build.log  test.log  topo.txt  sanitize.log  bench.log  nodes.log  host.log  and the JSON files
+#   build.log  test.log  topo.txt  sanitize.log  bench.log  nodes.log  host.log  bisect.log  and the JSON files
 # (at most 8 files come back from $OUT: JSON beyond that is packed into bench-json.tar.gz).
 #
 # That machine has nvcc, cmake, ninja and python3 with torch, and no internet. GoogleTest is taken
@@ -380,6 +380,20 @@ step_host() {
   return "$rc"
 }
 
+# ---- bisect ---------------------------------------------------------------------------------
+# Ring attention at world 1 against the engine, piece by piece (bench_ring_bisect; issue 32,
+# docs/design/attention.md): on every SM, then on BISECT_SMS (66: a rank's share with two ranks
+# sharing the GPU). BUILD_TARGETS=bench_ring_bisect builds just it.
+step_bisect() {
+  local rc=0 sms
+  [[ -x "$BUILD/bench/bench_ring_bisect" ]] || { log "no $BUILD/bench/bench_ring_bisect"; return 1; }
+  for sms in 0 ${BISECT_SMS:-66}; do
+    timeout 300 "$BUILD/bench/bench_ring_bisect" --sms "$sms" 2>&1 | tee -a "$OUT/bisect.log"
+    ((PIPESTATUS[0] == 0)) || rc=1
+  done
+  return "$rc"
+}
+
 # ---- check ----------------------------------------------------------------------------------
 # The users' check front (bench/run.sh <kernel> check 1) at CHECK_RANKS ranks (default "2 4"),
 # however many GPUs there are: with fewer GPUs than ranks the ranks share them (the references
@@ -475,8 +489,8 @@ plan=()
 for s in "${steps[@]}"; do
   case "$s" in
     all) plan+=(build test sanitize python bench) ;;
-    build | test | sanitize | python | bench | check | compare | trace | ab | nodes | host | profile) plan+=("$s") ;;
-    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|check|compare|trace|ab|nodes|host|profile|all]..." >&2; exit 2 ;;
+    build | test | sanitize | python | bench | check | compare | trace | ab | nodes | host | profile | bisect) plan+=("$s") ;;
+    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|check|compare|trace|ab|nodes|host|profile|bisect|all]..." >&2; exit 2 ;;
   esac
 done
 
@@ -537,6 +551,7 @@ for s in "${plan[@]}"; do
     nodes) step_nodes ;;
     host) step_host ;;
     profile) step_profile ;;
+    bisect) step_bisect ;;
   esac
   rc=$?
   case "$rc" in
