@@ -23,10 +23,13 @@
 #include <vector>
 
 #include "bench_kernels.h"
+#include "graph_nodes.h"
 #include "mkernel/gemm.h"
 
 namespace {
 
+// (bench_check.h's, for cuBLAS statuses as well as CUDA errors.)
+#undef CK
 #define CK(x)                                                                               \
   do {                                                                                      \
     auto e_ = (x);                                                                          \
@@ -93,47 +96,16 @@ std::vector<double> median_ms(int iters, cudaStream_t s,
 // cluster and any split or stream-K, and it is the kernel timed beside ours. "?" where the driver
 // cannot name one (cuFuncGetName / cuKernelGetName: CUDA 12.3).
 std::string kernel_names(cudaStream_t s, const std::function<void(int)>& op) {
-  const auto entry = [](const char* symbol, int version) -> void* {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    if (cudaGetDriverEntryPointByVersion(symbol, &fn, version, cudaEnableDefault, &status) !=
-            cudaSuccess ||
-        status != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return nullptr;
-    }
-    return fn;
-  };
-  using NodeParams = CUresult (*)(CUgraphNode, CUDA_KERNEL_NODE_PARAMS*);
-  using FuncName = CUresult (*)(const char**, CUfunction);
-  using KernelName = CUresult (*)(const char**, CUkernel);
-  static const auto node_params =
-      reinterpret_cast<NodeParams>(entry("cuGraphKernelNodeGetParams", 12000));
-  static const auto func_name = reinterpret_cast<FuncName>(entry("cuFuncGetName", 12030));
-  static const auto kernel_name = reinterpret_cast<KernelName>(entry("cuKernelGetName", 12030));
   cudaGraph_t g;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   op(0);
   CK(cudaStreamEndCapture(s, &g));
-  std::size_t count = 0;
-  CK(cudaGraphGetNodes(g, nullptr, &count));
-  std::vector<cudaGraphNode_t> nodes(count);
-  CK(cudaGraphGetNodes(g, nodes.data(), &count));
   std::string names;
-  for (cudaGraphNode_t node : nodes) {
+  for (cudaGraphNode_t node : mk::bench::nodes_in_order(g)) {
     cudaGraphNodeType type{};
     CK(cudaGraphNodeGetType(node, &type));
     if (type != cudaGraphNodeTypeKernel) continue;
-    const char* name = nullptr;
-    CUDA_KERNEL_NODE_PARAMS p{};
-    if (node_params != nullptr && node_params(node, &p) == CUDA_SUCCESS) {
-      if (p.func != nullptr && func_name != nullptr) {
-        func_name(&name, p.func);
-      } else if (p.kern != nullptr && kernel_name != nullptr) {
-        kernel_name(&name, p.kern);
-      }
-    }
-    names += (names.empty() ? "" : " + ") + std::string(name != nullptr ? name : "?");
+    names += (names.empty() ? "" : " + ") + mk::bench::node_name(node);
   }
   CK(cudaGraphDestroy(g));
   // (For the JSON: kernel names hold no quote or backslash, but nothing relies on it.)

@@ -5,8 +5,11 @@
 // this GPU's memory: NVLink is not measured here.
 //   bench_moe_ranks [--op moe_layer|moe_dispatch_gemm] [--ranks 2] [--iters 5] [--json FILE]
 //                   [--commit SHA] [--torch MODEL:TOKENS:MS,...] [--trace MODEL:TOKENS]
-//                   [--points MODEL:TOKENS,...]
+//                   [--points MODEL:TOKENS,...] [--prefix MODEL:TOKENS,...]
 // --points: those points only (TOKENS a rank; an A/B's few points, scripts/ab_variants.sh).
+// --prefix: those points only, and after the timed rounds the world-1 op's kernels, each timed as
+// what it adds to the call (graph_nodes.h, time_prefixes: the call's graph cut after each node),
+// with moe_dispatch_gemm's grouped GEMM alone on the rows the call placed beside them.
 // --trace: that point only (TOKENS a rank), and after the timed rounds one more call of every
 // rank and of the world-1 op with the fused launch's timeline recorded (MKERNEL_TRACE,
 // src/fused/trace_layout.h), summarised: when the side warps' sends, the other ranks' rows and
@@ -43,6 +46,7 @@
 #include "bench_inprocess.h"
 #include "bench_kernels.h"
 #include "fused/trace_layout.h"
+#include "graph_nodes.h"
 #include "mkernel/mkernel.h"
 #include "mkernel/moe.h"
 #include "trace_records.h"
@@ -299,7 +303,44 @@ double time_calls(RankOp& l, int iters, cudaEvent_t start, cudaEvent_t stop) {
   return static_cast<double>(ms) / iters;
 }
 
-Result run_point(Op op, const Point& pt, int world, int iters, bool trace, int sms) {
+// The world-1 op's kernels, what each adds to its time (--prefix), and for moe_dispatch_gemm our
+// grouped GEMM alone on the rows the call placed (the padded layout and the counts it left).
+void print_prefixes(RankOp& one, const Point& pt) {
+  const std::vector<mk::bench::PrefixTime> times = mk::bench::time_prefixes(
+      one.s, [&] { one.call(); }, 10, kRounds);
+  std::printf("  world 1, %s at %lld tokens: the call cut after each of its nodes (ms)\n", pt.model,
+              static_cast<long long>(one.p.tokens));
+  std::printf("    %-72s %9s %9s\n", "the call up to", "ms", "added");
+  for (const mk::bench::PrefixTime& t : times) {
+    std::printf("    %-72s %9.4f %9.4f\n", mk::bench::short_name(t.node).c_str(), t.ms,
+                t.increment);
+  }
+  if (one.op != Op::kDispatchGemm) return;
+  cudaEvent_t start, stop;
+  CK(cudaEventCreate(&start));
+  CK(cudaEventCreate(&stop));
+  const auto gemm = [&] {
+    grouped_gemm(one.recv, one.w13, one.y, one.expert_rows, pt.experts, one.rows, pt.inter,
+                 pt.hidden, BLayout::kNK, one.s, {}, GroupedLayout::kPadded);
+  };
+  gemm();  // warm
+  std::vector<double> rounds;
+  for (int round = 0; round < kRounds; ++round) {
+    CK(cudaEventRecord(start, one.s));
+    for (int i = 0; i < 10; ++i) gemm();
+    CK(cudaEventRecord(stop, one.s));
+    CK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, start, stop));
+    rounds.push_back(static_cast<double>(ms) / 10);
+  }
+  std::printf("    %-72s %9.4f\n", "our grouped GEMM alone on the placed rows (grouped_gemm)",
+              mk::bench::median(rounds));
+  CK(cudaEventDestroy(start));
+  CK(cudaEventDestroy(stop));
+}
+
+Result run_point(Op op, const Point& pt, int world, int iters, bool trace, bool prefix, int sms) {
   const int64_t all_tokens = world * pt.tokens;
   const auto xn = static_cast<std::size_t>(all_tokens * pt.hidden);
   const auto slots = static_cast<std::size_t>(all_tokens * pt.top_k);
@@ -418,6 +459,14 @@ Result run_point(Op op, const Point& pt, int world, int iters, bool trace, int s
         }
         l.comm->bootstrap().barrier();
       }
+      if (prefix) {  // rank 0's world-1 op cut into its kernels, the other ranks waiting
+        l.comm->bootstrap().barrier();
+        if (r == 0) {
+          print_prefixes(one, pt);
+          std::fflush(stdout);
+        }
+        l.comm->bootstrap().barrier();
+      }
       CK(cudaEventDestroy(start));
       CK(cudaEventDestroy(stop));
       l.comm->synchronize(l.s);
@@ -490,7 +539,8 @@ int main(int argc, char** argv) {
   args.iters = 5;
   Op op = Op::kLayer;
   std::map<std::pair<std::string, int64_t>, double> torch_ms;
-  std::vector<std::pair<std::string, int64_t>> only, traced;  // --points; --trace's one point
+  // --points; --trace's one point; --prefix's points
+  std::vector<std::pair<std::string, int64_t>> only, traced, prefixed;
   const auto extra = [&](const std::string& key, const std::string& value) {
     if (key == "--op" && (value == "moe_layer" || value == "moe_dispatch_gemm")) {
       op = value == "moe_layer" ? Op::kLayer : Op::kDispatchGemm;
@@ -501,17 +551,24 @@ int main(int argc, char** argv) {
       return parse_points(value, traced) && traced.size() == 1;
     }
     if (key == "--points") return parse_points(value, only);
+    if (key == "--prefix") return parse_points(value, prefixed);
     return key == "--torch" && parse_torch(value, torch_ms);
   };
   if (!mk::bench::parse_inprocess_args(argc, argv, args, extra,
                                        " [--op moe_layer|moe_dispatch_gemm] "
                                        "[--torch MODEL:TOKENS:MS,...] [--trace MODEL:TOKENS] "
-                                       "[--points MODEL:TOKENS,...]")) {
+                                       "[--points MODEL:TOKENS,...] [--prefix MODEL:TOKENS,...]")) {
     return 2;
   }
-  const bool trace = !traced.empty();  // (--trace: that point only)
+  const bool trace = !traced.empty();     // (--trace: that point only)
+  const bool prefix = !prefixed.empty();  // (--prefix: those points only)
+  if (trace && prefix) {
+    std::fprintf(stderr, "%s: --trace and --prefix: one at a time\n", argv[0]);
+    return 2;
+  }
   if (trace) only = traced;
-  const char* only_flag = trace ? "--trace" : "--points";
+  if (prefix) only = prefixed;
+  const char* only_flag = trace ? "--trace" : prefix ? "--prefix" : "--points";
   if (trace) setenv("MKERNEL_TRACE", "1", 1);  // read when a communicator is created
   const int world = args.ranks, iters = args.iters;
   const char* kernel = op == Op::kLayer ? "moe_layer" : "moe_dispatch_gemm";
@@ -555,7 +612,7 @@ int main(int argc, char** argv) {
   bool all_ok = true;
   for (const Point& p : points) {
     if (p.experts % world != 0) continue;
-    const Result r = run_point(op, p, world, iters, trace, prop.multiProcessorCount);
+    const Result r = run_point(op, p, world, iters, trace, prefix, prop.multiProcessorCount);
     const double routed = static_cast<double>(world) * p.tokens * p.top_k;
     const double flops = (op == Op::kLayer ? 6.0 : 2.0) * routed * p.hidden * p.inter;
     const double ratio = r.ranks_ms / r.world1_ms;
