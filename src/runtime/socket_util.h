@@ -43,6 +43,7 @@ class Deadline {
   using Clock = std::chrono::steady_clock;
   static Deadline after(double seconds);
   static Deadline never() { return Deadline(Clock::time_point::max()); }
+  static Deadline earlier(const Deadline& a, const Deadline& b) { return a.at_ < b.at_ ? a : b; }
 
   bool expired() const { return Clock::now() >= at_; }
   // Milliseconds left, rounded up so that a poll() does not wake before the deadline; -1 for never.

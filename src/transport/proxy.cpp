@@ -2,6 +2,8 @@
 #include "mkernel/transport/proxy.h"
 
 #include <chrono>
+#include <exception>
+#include <optional>
 #include <string>
 
 #include "transport/completion.h"
@@ -218,10 +220,19 @@ void Proxy::run(int i) {
         ++delta.signals;
       }
     }
+    // Nothing may leave this thread: an exception escaping it would end the process.
+    std::optional<Error> failure;
     try {
       if (!ops.empty()) transport_.post(ops);
     } catch (const Error& e) {
-      fail(Error(e.code(), ring_name(i) + ": " + detail::message_of(e)));
+      failure.emplace(e.code(), ring_name(i) + ": " + detail::message_of(e));
+    } catch (const std::exception& e) {  // e.g. a user's copy hook, std::bad_alloc
+      failure.emplace(ErrorCode::kInternal, ring_name(i) + ": post failed: " + e.what());
+    } catch (...) {
+      failure.emplace(ErrorCode::kInternal, ring_name(i) + ": post failed: unknown exception");
+    }
+    if (failure) {
+      fail(*failure);
       for (auto& other : rings_) other->ring().mark_broken(RingBroken::kConsumerFailed);
       return;
     }

@@ -311,7 +311,9 @@ void SocketTransport::accept_peers(int listen_fd) {
     const int n = poll(&p, 1, deadline.poll_timeout_ms());
     if (n < 0 && errno != EINTR)
       mk::detail::throw_system_error("poll on the listening socket", errno);
-    if (n <= 0) {
+    // Expiry is checked whether or not a connection is pending: strays arriving one after the
+    // other must not keep this loop going past the time limit.
+    if (n <= 0 || deadline.expired()) {
       if (!deadline.expired()) continue;
       std::vector<int> ranks;
       for (int r = 0; r < rank(); ++r) {
@@ -323,9 +325,18 @@ void SocketTransport::accept_peers(int listen_fd) {
                       " s waiting for connections from " + mk::detail::format_rank_list(ranks));
     }
     UniqueFd fd(accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-    if (!fd) continue;  // the connection went away again; keep waiting
+    if (!fd) {
+      // Out of descriptors or memory: the connection stays queued and poll() reports it at once
+      // again, so retrying would spin until the time limit. Say why now.
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        mk::detail::throw_system_error(
+            "rank " + std::to_string(rank()) + ": accept() on " + to_string(me_), errno);
+      }
+      continue;  // the connection went away again; keep waiting
+    }
     WireHello hello{};
-    const Deadline hello_deadline = Deadline::after(std::min(timeout_seconds_, 10.0));
+    const Deadline hello_deadline =
+        Deadline::earlier(deadline, Deadline::after(std::min(timeout_seconds_, 10.0)));
     if (mk::detail::recv_all(fd.get(), &hello, sizeof(hello), hello_deadline, "hello") !=
         IoStatus::kDone) {
       continue;  // not one of ours (or it died): ignore it

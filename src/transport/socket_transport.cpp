@@ -132,6 +132,15 @@ void SocketTransport::send_run(Connection& c, std::span<const TransferOp> ops) {
 }
 
 void SocketTransport::send_iov(Connection& c, iovec* iov, int count) {
+  // A failure may leave a message half sent: the stream is out of step for good. Nothing more may
+  // go on it (another thread's post, the goodbye), and the peer must see it end rather than wait
+  // for the rest of the message or read the next one as the rest of this one.
+  auto abandon = [&](Error error) {
+    fail(error);
+    c.broken.store(true);
+    shutdown(c.fd.get(), SHUT_RDWR);
+    return error;
+  };
   Deadline deadline = Deadline::after(timeout_seconds_);
   int first = 0;
   while (first < count) {
@@ -155,22 +164,21 @@ void SocketTransport::send_iov(Connection& c, iovec* iov, int count) {
       continue;
     }
     if (errno == EINTR) continue;
-    if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN) throw lost(c, "sending");
+    if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN) {
+      throw abandon(lost(c, "sending"));
+    }
     if (errno != EAGAIN && errno != EWOULDBLOCK) {
-      Error error(ErrorCode::kSystem, prefix() + "sendmsg to rank " + std::to_string(c.peer) +
-                                          ": " + std::strerror(errno));
-      fail(error);
-      throw error;
+      throw abandon(Error(
+          ErrorCode::kSystem,
+          prefix() + "sendmsg to rank " + std::to_string(c.peer) + ": " + std::strerror(errno)));
     }
     pollfd p{c.fd.get(), POLLOUT, 0};
     const int ready = poll(&p, 1, deadline.poll_timeout_ms());
     if (ready == 0 && deadline.expired()) {
-      Error error(ErrorCode::kTimeout, prefix() + "rank " + std::to_string(c.peer) + " (" +
-                                           c.address + ") took no data for " +
-                                           mk::detail::format_seconds(timeout_seconds_) +
-                                           " s (MKERNEL_TIMEOUT_S); is it stuck?");
-      fail(error);
-      throw error;
+      throw abandon(Error(ErrorCode::kTimeout, prefix() + "rank " + std::to_string(c.peer) + " (" +
+                                                   c.address + ") took no data for " +
+                                                   mk::detail::format_seconds(timeout_seconds_) +
+                                                   " s (MKERNEL_TIMEOUT_S); is it stuck?"));
     }
   }
 }

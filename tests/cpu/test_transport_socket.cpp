@@ -11,7 +11,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -620,6 +622,219 @@ TEST(TransportSocket, PostRefusesOpsOutsideTheLimits) {
     b.barrier();
   });
   expect_all_ok(outcomes);
+}
+
+// A send that times out half-way through a message leaves the stream out of step: the sender
+// must not put anything more on it (a later post would be read as the rest of the cut message)
+// and the receiver must see the stream end instead of waiting for the missing bytes.
+TEST(TransportSocket, StreamCutMidMessageIsClosedNotReused) {
+  constexpr uint64_t kBytes = 256 * kMiB;  // far more than the sockets buffer: the send stalls
+  std::atomic<bool> release{false};
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    const int me = b.rank();
+    HostSignalPad pad(2, 8);
+    TransportConfig c = config_for(pad, 8, me == 0 ? 1 : 10);
+    c.copy_to_device = [&](void* d, const void* s, std::size_t n) {
+      // Rank 1's receiver stalls in its first copy until rank 0 is done.
+      const mk::test::Stopwatch clock;
+      while (!release.load() && clock.seconds() < 30) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      std::memcpy(d, s, n);
+    };
+    c.copy_from_device = [](void* d, const void* s, std::size_t n) { std::memcpy(d, s, n); };
+    auto t = make_transport(b, c, "socket");
+    mk::test::SparseBuffer src(kBytes), dst(kBytes);
+    ASSERT_NE(src.data(), nullptr);
+    ASSERT_NE(dst.data(), nullptr);
+    t->register_buffer(0, src.data(), kBytes);
+    t->register_buffer(1, dst.data(), kBytes, MemoryKind::kDevice);
+    if (me == 0) {
+      TransferOp put;
+      put.dst_rank = 1;
+      put.src_buffer = 0;
+      put.dst_buffer = 1;
+      put.bytes = kBytes;
+      put.signal_id = 0;
+      try {
+        t->post(std::span<const TransferOp>(&put, 1));
+        ADD_FAILURE() << "a put into a stalled receiver completed";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+      }
+      TransferOp sig;
+      sig.kind = TransferOp::Kind::kSignal;
+      sig.dst_rank = 1;
+      sig.signal_id = 0;
+      sig.target = 0;
+      sig.value = 1;
+      const mk::test::Stopwatch clock;
+      EXPECT_THROW(t->post(std::span<const TransferOp>(&sig, 1)), Error);
+      EXPECT_LT(clock.seconds(), 0.5) << "the second post waited on the cut stream";
+      release = true;
+    } else {
+      try {
+        pad.wait(0, 0, 1, 10, [&] { t->check(); });
+        ADD_FAILURE() << "rank 1 saw neither the signal nor an error";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kBootstrap) << e.what();
+        EXPECT_TRUE(contains(e.what(), "lost the connection to rank 0")) << e.what();
+      }
+      EXPECT_EQ(pad.load(0, 0), 0u);
+    }
+    b.barrier();
+  });
+  release = true;
+  expect_all_ok(outcomes);
+}
+
+// A post whose copy hook throws something other than mk::Error: the proxy reports it instead of
+// letting it escape its thread (std::terminate).
+TEST(TransportSocket, CopyHookThrowingStdExceptionIsReportedByTheProxy) {
+  const auto outcomes = mk::test::run_group(2, [&](Bootstrap& b) {
+    const int me = b.rank(), peer = 1 - me;
+    HostSignalPad pad(2, 8);
+    TransportConfig c = config_for(pad);
+    c.copy_to_device = [](void* d, const void* s, std::size_t n) { std::memcpy(d, s, n); };
+    c.copy_from_device = [](void*, const void*, std::size_t) {
+      throw std::runtime_error("copy hook: device lost");
+    };
+    auto t = make_transport(b, c, "socket");
+    std::vector<char> src(4096), dst(4096);
+    t->register_buffer(0, src.data(), src.size(), MemoryKind::kDevice);
+    t->register_buffer(1, dst.data(), dst.size());
+    b.barrier();
+    if (me == 0) {
+      Proxy proxy(*t);
+      proxy.push(0, make_put_signal(peer, 0, 0, 0, 1, 0, 4096, 0, 1));
+      try {
+        proxy.drain(10);
+        ADD_FAILURE() << "drain succeeded";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInternal) << e.what();
+        EXPECT_TRUE(contains(e.what(), "copy hook: device lost")) << e.what();
+      }
+      EXPECT_THROW(proxy.check(), Error);
+    }
+    b.barrier();
+  });
+  expect_all_ok(outcomes);
+}
+
+// Connections that never send a hello (port scanners, health checks) must not stretch the wait
+// for the real peers past the time limit. Rank 1 is the transport under test; the test plays
+// rank 0 in the allgathers, and never connects.
+TEST(TransportSocket, SilentStrayConnectionsDoNotExtendTheAcceptLimit) {
+  std::atomic<int> port{0};
+  std::atomic<bool> done{false};
+  auto allgather = [&](const void* send, void* recv, std::size_t bytes) {
+    char* out = static_cast<char*>(recv);
+    std::memcpy(out + bytes, send, bytes);  // rank 1: itself
+    if (bytes == 2) {                       // the peer rows: rank 0 lists rank 1
+      out[0] = 0;
+      out[1] = 1;
+    } else if (bytes == sizeof(detail::SocketAddress)) {  // addresses: start the strays
+      detail::SocketAddress a;
+      std::memcpy(&a, send, sizeof(a));
+      std::memcpy(out, send, bytes);
+      port = a.port;
+    } else {
+      std::memset(out, 0, bytes);  // statuses: rank 0 is fine
+    }
+  };
+  std::thread strays([&] {
+    std::vector<int> fds;
+    const mk::test::Stopwatch clock;
+    while (!done.load() && clock.seconds() < 8) {
+      if (port.load() != 0) {
+        const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        a.sin_port = htons(static_cast<uint16_t>(port.load()));
+        connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+        fds.push_back(fd);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    for (int fd : fds) close(fd);
+  });
+  auto b = make_callback_bootstrap(1, 2, AllgatherFn(allgather));
+  HostSignalPad pad(2, 8);
+  const mk::test::Stopwatch clock;
+  try {
+    auto t = make_transport(*b, config_for(pad, 8, 1), "socket");
+    ADD_FAILURE() << "setup succeeded without rank 0";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kBootstrap) << e.what();
+    EXPECT_TRUE(contains(e.what(), "waiting for connections from rank 0")) << e.what();
+  }
+  const double seconds = clock.seconds();
+  done = true;
+  strays.join();
+  EXPECT_GE(seconds, 0.9);
+  EXPECT_LT(seconds, 3.0) << "stray connections kept the accept loop going";
+}
+
+// Rank 1 runs out of descriptors while a peer's connection waits to be accepted: a clear error
+// at once on every rank, not a spin until the time limit (nor, as before, forever: the queued
+// connection kept poll() ready, so the limit was never looked at). In a child process, whose
+// descriptor table the test fills up; the test plays rank 0 in the allgathers.
+TEST(TransportSocket, AcceptOutOfDescriptorsIsReportedAtOnce) {
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto allgather = [](const void* send, void* recv, std::size_t bytes) {
+      char* out = static_cast<char*>(recv);
+      std::memcpy(out + bytes, send, bytes);
+      if (bytes == 2) {
+        out[0] = 0;
+        out[1] = 1;
+      } else if (bytes == sizeof(detail::SocketAddress)) {
+        detail::SocketAddress a;
+        std::memcpy(&a, send, sizeof(a));
+        std::memcpy(out, send, bytes);
+        // A connection in rank 1's accept queue, then no descriptor left to accept it with.
+        const int fd = socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in in{};
+        in.sin_family = AF_INET;
+        in.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        in.sin_port = htons(a.port);
+        if (connect(fd, reinterpret_cast<sockaddr*>(&in), sizeof(in)) != 0) _exit(10);
+        while (dup(fd) >= 0) {
+        }
+        if (errno != EMFILE) _exit(11);
+      } else {
+        std::memset(out, 0, bytes);
+      }
+    };
+    auto b = make_callback_bootstrap(1, 2, AllgatherFn(allgather));
+    HostSignalPad pad(2, 8);
+    const mk::test::Stopwatch clock;
+    try {
+      auto t = make_transport(*b, config_for(pad, 8, 5), "socket");
+      _exit(12);
+    } catch (const Error& e) {
+      const bool named = e.code() == ErrorCode::kBootstrap &&
+                         contains(e.what(), "rank 1: accept() on 127.0.0.1:") &&
+                         contains(e.what(), "Too many open files");
+      _exit(!named ? 13 : clock.seconds() < 2 ? 0 : 14);
+    }
+  }
+  int status = 0;
+  const mk::test::Stopwatch clock;
+  while (waitpid(child, &status, WNOHANG) == 0 && clock.seconds() < 15) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (clock.seconds() >= 15) {
+    kill(child, SIGKILL);
+    waitpid(child, &status, 0);
+    FAIL() << "setup did not end within 15 s (limit 5 s)";
+  }
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "10/11: test setup failed, 12: no error, 13: error not naming accept / EMFILE, "
+         "14: error only after the time limit";
 }
 
 TEST(TransportSocket, AddressesParseAndPrint) {
