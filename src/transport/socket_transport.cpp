@@ -270,7 +270,11 @@ void SocketTransport::shutdown_all(bool goodbye) {
     for (auto& c : conns_) {
       if (!c || !c->fd) continue;
       std::lock_guard<std::mutex> lock(c->send_mutex);
-      mk::detail::send_all(c->fd.get(), &bye, sizeof(bye), Deadline::after(1), "goodbye");
+      try {  // (from the destructor too: nothing may leave it)
+        mk::detail::send_all(c->fd.get(), &bye, sizeof(bye), Deadline::after(1), "goodbye");
+      } catch (const std::exception&) {
+        // The peer learns of the end when the connection closes below.
+      }
       shutdown(c->fd.get(), SHUT_WR);
     }
     // Let the peers' goodbyes arrive, so that nobody closes with unread data (which would reset
