@@ -81,9 +81,15 @@ FusedGemmPlan fused::plan_ag_gemm(const fused::PlanContext& comm, int64_t m, int
   // kMaxOpSignals / nodes pieces per shard; across nodes also one host-pad signal per piece and
   // node after the entry signal (kInterNodeSignals).
   p.nodes = comm.nodes;
-  if (p.nodes > 1 && world > fused::kMaxGatherRanks) {
-    invalid("across nodes at most " + std::to_string(fused::kMaxGatherRanks) + " ranks; got " +
-            std::to_string(world));
+  // GatherRoutes holds kMaxGatherRanks shards (on one node too) and kMaxRailPeers rail peers (one
+  // per other node).
+  if (world > fused::kMaxGatherRanks) {
+    invalid(std::string(p.nodes > 1 ? "across nodes " : "") + "at most " +
+            std::to_string(fused::kMaxGatherRanks) + " ranks; got " + std::to_string(world));
+  }
+  if (p.nodes - 1 > fused::kMaxRailPeers) {
+    invalid("at most " + std::to_string(fused::kMaxRailPeers + 1) + " nodes; got " +
+            std::to_string(p.nodes));
   }
   const int64_t max_pieces =
       p.nodes > 1 ? (kInterNodeSignals - 1) / p.nodes : int64_t{kMaxOpSignals};

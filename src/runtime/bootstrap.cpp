@@ -30,6 +30,7 @@ namespace {
 
 constexpr const char* kTimeoutEnv = "MKERNEL_BOOTSTRAP_TIMEOUT_S";
 constexpr double kDefaultTimeoutSeconds = 300;
+constexpr double kForeverSeconds = 1e9;  // ~30 years: a limit this long is none
 
 // Time limit of one allgather of the in-process and launcher bootstraps.
 double bootstrap_timeout_seconds() {
@@ -248,9 +249,15 @@ class InProcessBootstrap final : public Bootstrap {
     } else {
       const bool own_limit = seconds > 0 && seconds < s.timeout_seconds;
       const double limit = own_limit ? seconds : s.timeout_seconds;
-      const bool woken = s.cv.wait_for(lock, std::chrono::duration<double>(limit), [&] {
-        return s.generation != generation || !s.broken.empty();
-      });
+      const auto done = [&] { return s.generation != generation || !s.broken.empty(); };
+      // Beyond kForeverSeconds (as Deadline::after): no limit - the steady clock's nanoseconds
+      // would overflow, and the wait would end at once.
+      bool woken = true;
+      if (limit < kForeverSeconds) {
+        woken = s.cv.wait_for(lock, std::chrono::duration<double>(limit), done);
+      } else {
+        s.cv.wait(lock, done);
+      }
       if (s.generation == generation) {  // not completed: timed out, or the group broke
         if (!woken) {
           const Error e =

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -19,6 +20,15 @@
 
 namespace mk {
 namespace {
+
+// A limit at least this long is none (as Deadline::after): its nanoseconds would overflow the
+// clocks' and the kernels' 64-bit counts (and it is some 30 years).
+constexpr double kForeverSeconds = 1e9;
+
+// The kernels' limit (DeviceComm::timeout_ns, 0: none).
+uint64_t timeout_ns(double seconds) {
+  return seconds > 0 && seconds < kForeverSeconds ? static_cast<uint64_t>(seconds * 1e9) : 0;
+}
 
 std::string describe_value(uint64_t v) {
   return "launch " + std::to_string(v >> 32) + " step " + std::to_string(v & 0xffffffffu);
@@ -81,7 +91,9 @@ void* const* SymmetricBuffer::device_peers() const { return impl_ ? impl_->d_pee
 Communicator::Communicator() : state_(std::make_unique<detail::CommState>()) {}
 
 Communicator::~Communicator() {
-  if (!state_) return;
+  // (No device yet: create failed before it chose one, and nothing was allocated. Setting device
+  // -1 would leave an error behind for the caller's next cudaGetLastError.)
+  if (!state_ || state_->device < 0) return;
   int previous = 0;
   cudaGetDevice(&previous);
   cudaSetDevice(state_->device);
@@ -103,6 +115,12 @@ std::shared_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
                                                    const CommOptions& options) {
   if (!bootstrap) {
     throw Error(ErrorCode::kInvalidArgument, "Communicator::create: bootstrap is null");
+  }
+  if (!std::isfinite(options.timeout_seconds)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "Communicator::create: CommOptions::timeout_seconds = " +
+                    std::to_string(options.timeout_seconds) +
+                    "; expected seconds >= 0 (0: none) or -1 (MKERNEL_TIMEOUT_S or 60)");
   }
   std::shared_ptr<Communicator> comm(new Communicator());
   detail::CommState& s = *comm->state_;
@@ -244,7 +262,7 @@ DeviceComm Communicator::device_comm() const {
   d.state = s.launch_state;
   d.error = s.error_device;
   d.data_error = s.error_device + 1;
-  d.timeout_ns = static_cast<uint64_t>(s.timeout_seconds * 1e9);
+  d.timeout_ns = timeout_ns(s.timeout_seconds);
   if (s.inter_node) {
     d.host_signals = s.inter_node->signals().words();  // mapped pinned: the same address on the GPU
     d.host_abort = s.host_abort;
@@ -274,7 +292,7 @@ detail::InterNode& Communicator::inter_node() {
   c.socket_ifname = s.overrides.socket_ifname;
   c.ring_capacity = 4096;
   c.num_signals = kInterNodeSignals;
-  c.timeout_seconds = s.timeout_seconds > 0 ? s.timeout_seconds : 300.0;
+  c.timeout_seconds = s.timeout_seconds > 0 ? std::min(s.timeout_seconds, kForeverSeconds) : 300.0;
   c.host_memory.alloc = [](std::size_t bytes) -> void* {
     void* p = nullptr;
     if (cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {

@@ -17,6 +17,7 @@
 #include "runtime/comm_state.h"
 #include "runtime/cuda_check.h"
 #include "runtime/cuda_driver.h"
+#include "runtime/socket_util.h"
 
 namespace mk::detail {
 namespace {
@@ -91,8 +92,10 @@ std::shared_ptr<SymAllocation> create_symmetric(CommState& comm, std::size_t byt
   alloc->handles.assign(topo.local_size, 0);
   alloc->bases.assign(topo.local_size, 0);
 
-  // 2. Create and export this rank's physical memory.
+  // 2. Create and export this rank's physical memory. The exported descriptor holds the memory
+  //    too: it is closed on every path, a peer's failure included (then `agree` throws here).
   const CUmemAllocationProp prop = allocation_prop(comm.device);
+  UniqueFd exported;
   int exported_fd = -1;
   std::string error;
   try {
@@ -110,6 +113,7 @@ std::shared_ptr<SymAllocation> create_symmetric(CommState& comm, std::size_t byt
     alloc->handles[topo.local_rank] = handle;
     MK_CU_CHECK(cu.MemExportToShareableHandle(&exported_fd, handle,
                                               CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    exported.reset(exported_fd);
   } catch (const std::exception& e) {
     error = what_of(e);
   }
@@ -124,10 +128,12 @@ std::shared_ptr<SymAllocation> create_symmetric(CommState& comm, std::size_t byt
   for (int r : topo.node_ranks) {
     if (r != topo.rank && !topo.same_process[r]) remote.push_back(r);
   }
-  std::vector<int> received;
+  std::vector<UniqueFd> received;  // the peers' descriptors, closed on every path
   error.clear();
   try {
-    received = comm.fd_exchange->exchange(exported_fd, remote, remote, comm.next_tag++);
+    for (int fd : comm.fd_exchange->exchange(exported_fd, remote, remote, comm.next_tag++)) {
+      received.emplace_back(fd);
+    }
   } catch (const std::exception& e) {
     error = what_of(e);
   }
@@ -147,8 +153,7 @@ std::shared_ptr<SymAllocation> create_symmetric(CommState& comm, std::size_t byt
           fd = dup(fd_numbers[r]);
           if (fd < 0) throw Error(ErrorCode::kSystem, "dup of a peer's memory handle failed");
         } else {
-          fd = received[next_remote];
-          received[next_remote++] = -1;
+          fd = received[next_remote++].release();
         }
         CUmemGenericAllocationHandle h = 0;
         CUresult rc =
@@ -180,17 +185,10 @@ std::shared_ptr<SymAllocation> create_symmetric(CommState& comm, std::size_t byt
   } catch (const std::exception& e) {
     error = what_of(e);
   }
-  for (int fd : received) {
-    if (fd >= 0) close(fd);
-  }
-  // Same-process peers dup()ed our descriptor before this allgather returns; only then close it.
-  try {
-    agree(comm, error, "map");
-  } catch (...) {
-    if (exported_fd >= 0) close(exported_fd);
-    throw;
-  }
-  if (exported_fd >= 0) close(exported_fd);
+  received.clear();
+  // Same-process peers dup()ed our descriptor before this allgather returns; only then close it
+  // (`exported`, on leaving, whether it throws or not).
+  agree(comm, error, "map");
 
   std::lock_guard<std::mutex> lock(comm.registry_mutex);
   comm.registry.push_back(alloc);

@@ -149,6 +149,24 @@ TEST(InProcessGroup, TimeoutFailsFastAndNamesMissingRanks) {
   }
 }
 
+// A limit too long for the steady clock's nanoseconds (1e10 s, 1e300 s) is no limit, not an
+// overflow that gives up at once: a rank arriving late still completes the allgather.
+TEST(InProcessGroup, VeryLongTimeoutStillWaits) {
+  for (const char* limit : {"1e10", "1e300"}) {
+    ScopedEnv timeout("MKERNEL_BOOTSTRAP_TIMEOUT_S", limit);
+    InProcessGroup group(2);
+    std::vector<std::unique_ptr<Bootstrap>> b;
+    for (int r = 0; r < 2; ++r) b.push_back(group.bootstrap(r));
+    const std::vector<Outcome> outcomes = test::run_threads(2, [&](int r) {
+      if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      allgather_and_check(*b[r], 3, 0, 8);
+    });
+    for (std::size_t r = 0; r < outcomes.size(); ++r) {
+      EXPECT_FALSE(outcomes[r].threw) << limit << ": rank " << r << ": " << outcomes[r].message;
+    }
+  }
+}
+
 TEST(InProcessGroup, DestroyedBootstrapFailsWaitingRanksFast) {
   InProcessGroup group(3);  // default time limit: only the early failure can end this quickly
   std::vector<std::unique_ptr<Bootstrap>> b;

@@ -213,6 +213,30 @@ TEST(FusedPlans, AgGemmAcrossNodesFitsTheHostPad) {
   }
 }
 
+// ag_gemm's kernel argument (GatherRoutes) holds at most kMaxGatherRanks shards on one node as
+// across nodes, and kMaxRailPeers rail peers (one per other node): beyond either the plan refuses
+// (the routes would be written past their tables).
+TEST(FusedPlans, AgGemmRejectsWhatItsRoutesCannotHold) {
+  auto message = [](const PlanContext& ctx) {
+    try {
+      plan_ag_gemm(ctx, ctx.world * 128, 256, 64, {});
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message({65, 65, 132, 1}).find("at most 64 ranks; got 65"), std::string::npos)
+      << message({65, 65, 132, 1});
+  EXPECT_NE(message({34, 1, 132, 34}).find("at most 33 nodes; got 34"), std::string::npos)
+      << message({34, 1, 132, 34});
+  EXPECT_NE(message({64, 1, 132, 64}).find("at most 33 nodes; got 64"), std::string::npos)
+      << message({64, 1, 132, 64});
+  EXPECT_EQ(message({64, 64, 132, 1}), "no error");
+  EXPECT_EQ(message({33, 1, 132, 33}), "no error");
+  EXPECT_EQ(message({64, 2, 132, 32}), "no error");
+}
+
 // gemm_rs across nodes: tiles at most 128 wide, blocked order, fp32 partials unless bf16 is
 // asked for, 3 x nodes - 2 regions of workspace, signals within both pads.
 TEST(FusedPlans, GemmRsAcrossNodes) {

@@ -191,8 +191,52 @@ TEST(InProcessRuntime, CreateRejectsMissingDevice) {
   InProcessGroup group(1);
   CommOptions options;
   options.device = 1000;
+  cudaGetLastError();
   expect_error([&] { Communicator::create(group.bootstrap(0), options); },
                ErrorCode::kInvalidArgument, "device 1000 does not exist");
+  // The failed creation leaves no CUDA error behind for the caller's next launch check.
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// An allocation that fails on one rank only (both ranks on one GPU, each asking for 60% of its
+// free memory: one of them runs out) fails on both, and the rank whose memory was created and
+// exported keeps neither its descriptor nor the memory; the communicator stays usable.
+TEST(InProcessRuntime, AllocFailingOnOneRankLeaksNoFdsOrMemory) {
+  MKT_REQUIRE_GPU();
+  InProcessGroup group(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        cudaSetDevice(0);
+        auto comm = Communicator::create(group.bootstrap(r), {});
+        SymmetricBuffer warm = comm->alloc(1 << 20);  // fd exchange and driver state set up
+        MKT_CUDA(cudaDeviceSynchronize());
+        comm->bootstrap().barrier();
+        size_t free_before = 0, total = 0;
+        MKT_CUDA(cudaMemGetInfo(&free_before, &total));
+        const int fds_before = open_fds();
+        uint64_t bytes = free_before / 10 * 6, agreed[2] = {};
+        comm->bootstrap().allgather(&bytes, agreed, sizeof(bytes));
+        expect_error([&] { comm->alloc(agreed[0]); }, ErrorCode::kOutOfMemory, "out of GPU memory");
+        comm->bootstrap().barrier();
+        size_t free_after = 0;
+        MKT_CUDA(cudaMemGetInfo(&free_after, &total));
+        if (r == 0) {
+          EXPECT_EQ(open_fds(), fds_before) << "file descriptors leaked";
+          EXPECT_GE(free_after + (64u << 20), free_before)
+              << "GPU memory leaked: " << free_before - free_after;
+        }
+        comm->bootstrap().barrier();
+        SymmetricBuffer after = comm->alloc(1 << 20);  // still usable
+        EXPECT_TRUE(static_cast<bool>(after));
+        comm->bootstrap().barrier();
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << r << " threw: " << e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
 }
 
 // ---- time limits
