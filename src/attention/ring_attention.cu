@@ -146,6 +146,10 @@ void require_ring_problem(const Communicator& comm, const AttentionProblem& p, c
 int ring_ctas(const Communicator& comm, const AttentionConfig& config) {
   if (config.sms < 0) invalid("config.sms = " + std::to_string(config.sms) + "; expected >= 0");
   const int budget = comm.topology().sm_budget();
+  if (budget < 1) {  // (the ranks' launches must all be resident at once: a CTA each at least)
+    invalid("more ranks share a GPU (" + std::to_string(comm.topology().max_ranks_per_device) +
+            ") than it has SMs (" + std::to_string(comm.topology().min_sm_count) + ")");
+  }
   return config.sms > 0 ? std::min(config.sms, budget) : budget;
 }
 

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "mkernel/error.h"
@@ -102,6 +103,10 @@ std::shared_ptr<SymAllocation> create_symmetric(CommState& comm, std::size_t byt
     std::size_t granularity = 0;
     MK_CU_CHECK(
         cu.MemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+    if (bytes > std::numeric_limits<std::size_t>::max() - granularity) {  // (rounding wraps)
+      throw Error(ErrorCode::kOutOfMemory,
+                  "symmetric alloc: " + std::to_string(bytes) + " bytes cannot be allocated");
+    }
     alloc->mapped_size = (bytes + granularity - 1) / granularity * granularity;
     CUmemGenericAllocationHandle handle = 0;
     CUresult rc = cu.MemCreate(&handle, alloc->mapped_size, &prop, 0);
