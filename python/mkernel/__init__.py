@@ -476,8 +476,9 @@ if torch is not None:
         on the GPU (bench/bench_host.py measures both). Direct only in plain eager mode: not while
         torch.compile traces, with no TorchDispatchMode or TorchFunctionMode active (fake tensors,
         FlopCounterMode, torch.device(...) as a context), not while the profiler records (its
-        traces name the op) and with plain tensors that need no gradient; anything else goes
-        through torch.ops.mkernel.*, which does the same work."""
+        traces name the op) and with plain CUDA tensors that need no gradient; anything else
+        goes through torch.ops.mkernel.*, which does the same work (meta tensors: the op's fake
+        implementation, so shapes propagate as through torch.ops.mkernel.*)."""
         try:
             compiling = torch.compiler.is_compiling
             dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -493,7 +494,8 @@ if torch is not None:
                     or profiler._is_profiler_enabled):
                 return False
             grad = torch.is_grad_enabled()
-            return all(type(t) is plain and not (grad and t.requires_grad) for t in tensors)
+            return all(type(t) is plain and t.is_cuda and not (grad and t.requires_grad)
+                       for t in tensors)
         return direct
 
     _direct = _make_direct()

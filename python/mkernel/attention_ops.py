@@ -227,8 +227,17 @@ def zigzag_shard(x: torch.Tensor, comm, dim: int = 1) -> torch.Tensor:
 def zigzag_unshard(x: torch.Tensor, comm, dim: int = 1) -> torch.Tensor:
     """The full sequence from every rank's zigzag share along `dim` (all_gather over the
     communicator's process group - the one mkernel.init was given, whose ranks are the
-    communicator's -, then the chunks put back in order); the inverse of zigzag_shard."""
+    communicator's -, then the chunks put back in order); the inverse of zigzag_shard.
+    Not differentiable (torch.distributed.all_gather is not): with gradients enabled, x must not
+    require one - detach it or call under torch.no_grad()."""
     import torch.distributed as dist
+    if torch.is_grad_enabled() and x.requires_grad:
+        # The gathered copies carry no gradient: the result would silently cut x (and whatever
+        # produced it, e.g. ring_attention's op, whose missing backward would never be reached)
+        # out of the graph.
+        raise RuntimeError("mkernel.zigzag_unshard: x requires grad, but the gathered result "
+                           "would not propagate it (torch.distributed.all_gather is not "
+                           "differentiable); pass x.detach() or call it under torch.no_grad()")
     w = comm.world_size
     if x.shape[dim] % 2 != 0:
         raise ValueError(f"mkernel.zigzag_unshard: length {x.shape[dim]} along dim {dim} is odd; a "

@@ -417,6 +417,30 @@ def moe_layer(x: "torch.Tensor", topk_idx: "torch.Tensor", topk_weights: "torch.
 _HF_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
+def _require_silu_gate(fn, what: str, fused: bool, device):
+    """Refuses experts whose gate is not moe_layer's silu(gate) * up: calls the module's own gate
+    function (fused: _apply_gate on [gate, up]; else act_fn on gate) on fp32 values on the
+    weights' device (the CPU for meta weights), some past the clamps of clamped SwiGLUs
+    (DeepSeek-V4, GLM, ... limit their gates), against SiLU's."""
+    if device.type == "meta":
+        device = torch.device("cpu")
+    gate = torch.linspace(-100.0, 100.0, 201, device=device)
+    up = torch.linspace(100.0, -100.0, 201, device=device)
+    want = torch.nn.functional.silu(gate) * up if fused else torch.nn.functional.silu(gate)
+    problem = None
+    try:
+        with torch.no_grad():
+            got = fn(torch.cat([gate, up])[None])[0] if fused else fn(gate)
+        if not (isinstance(got, torch.Tensor) and got.shape == want.shape
+                and torch.allclose(got.to(want), want, rtol=1e-3, atol=1e-5)):
+            problem = "it does not compute " + ("silu(gate) * up" if fused else "SiLU")
+    except Exception as e:  # noqa: BLE001 - any failure: the gate cannot be shown to be SiLU's
+        problem = f"calling it raised {type(e).__name__}: {e}"
+    if problem is not None:
+        raise ValueError(f"mkernel.moe_weights_from_hf: the experts' {what} is not this layer's "
+                         f"SwiGLU (silu(gate) * up, unclamped): {problem}")
+
+
 def moe_weights_from_hf(experts):
     """(w13 [E, 2I, H], w2 [E, H, I]) from Hugging Face MoE experts, in their order.
 
@@ -425,8 +449,11 @@ def moe_weights_from_hf(experts):
     w3 = up, w2 = down) or of a Qwen-MoE / DeepSeek block (gate_proj, up_proj, down_proj), each
     an nn.Linear with weight [out, in] - or a fused experts module (transformers 5: block.experts
     with gate_up_proj [E, 2I, H], the gate's rows then the up's, and down_proj [E, H, I]), whose
-    experts all come back (slice this rank's). Returns new contiguous tensors with the experts'
-    dtype and device.
+    experts all come back (slice this rank's). Returns contiguous tensors with the experts'
+    dtype and device: copies for expert modules, the parameters themselves for a fused module
+    whose parameters are contiguous already (an in-place change to them changes the model). Raises ValueError for experts that do not compute moe_layer's unclamped
+    silu(gate) * up without biases (checked on the modules' own act_fn / _apply_gate): their
+    weights would give another layer's outputs.
     """
     gate_up = getattr(experts, "gate_up_proj", None)
     down = getattr(experts, "down_proj", None)
@@ -440,6 +467,13 @@ def moe_weights_from_hf(experts):
             raise ValueError(f"mkernel.moe_weights_from_hf: fused experts gate_up_proj "
                              f"{tuple(gate_up.shape)} and down_proj {tuple(down.shape)}; expected "
                              "[E, 2I, H] and [E, H, I]")
+        if getattr(experts, "has_post_expert_norm", False):
+            raise ValueError("mkernel.moe_weights_from_hf: fused experts with a norm after each "
+                             "expert are not this layer's SwiGLU")
+        if callable(getattr(experts, "_apply_gate", None)):
+            _require_silu_gate(experts._apply_gate, "gate (_apply_gate)", True, gate_up.device)
+        elif callable(getattr(experts, "act_fn", None)):
+            _require_silu_gate(experts.act_fn, "activation (act_fn)", False, gate_up.device)
         return gate_up.detach().contiguous(), down.detach().contiguous()
     experts = list(experts)
     if not experts:
@@ -447,6 +481,14 @@ def moe_weights_from_hf(experts):
     for gate_name, up_name, down_name in _HF_NAMES:
         if all(hasattr(e, gate_name) and hasattr(e, up_name) and hasattr(e, down_name)
                for e in experts):
+            for e in experts:
+                for name in (gate_name, up_name, down_name):
+                    if getattr(getattr(e, name), "bias", None) is not None:
+                        raise ValueError(f"mkernel.moe_weights_from_hf: the experts' {name} has "
+                                         "a bias, which this layer's SwiGLU does not add")
+                if callable(getattr(e, "act_fn", None)):
+                    _require_silu_gate(e.act_fn, "activation (act_fn)", False,
+                                       getattr(e, gate_name).weight.device)
             w13 = torch.stack([torch.cat([getattr(e, gate_name).weight.detach(),
                                           getattr(e, up_name).weight.detach()], dim=0)
                                for e in experts])
