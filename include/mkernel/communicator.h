@@ -6,7 +6,9 @@
 //
 // Stream semantics: operations on one communicator must be issued in the same order on every
 // rank, one at a time (as with NCCL); they are stream-ordered and never synchronise the host,
-// so they can be captured in CUDA graphs and replayed.
+// so they can be captured in CUDA graphs and replayed. One at a time also on the GPU: ops of one
+// communicator on two streams must be ordered by the caller (an event), since they share the
+// communicator's signals and workspaces - use a communicator per stream to overlap them.
 //
 // Several ranks may share one GPU. In one process (InProcessGroup) their persistent kernels run
 // side by side, and a rank must not make an implicitly synchronising CUDA call (cudaMalloc,

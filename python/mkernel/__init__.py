@@ -281,7 +281,8 @@ class Communicator:
 
     Collectives take torch tensors on this rank's GPU (bf16, f16 or f32, contiguous), run on the
     current CUDA stream, never synchronise the host, and must be issued in the same order on every
-    rank. Tensors that must be symmetric (allocated with alloc_tensor on every rank) are named in
+    rank. Ops of one communicator on two streams must be ordered by the caller (they share its
+    signals and cached workspaces): use a communicator per stream to overlap them. Tensors that must be symmetric (allocated with alloc_tensor on every rank) are named in
     each method. Errors in the arguments raise ValueError/TypeError here, or MkernelError from the
     C++ checks, before anything is launched.
     """
