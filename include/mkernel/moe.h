@@ -69,7 +69,10 @@ struct MoeProblem {
 
 // The same on every rank: channel c of a rank pairs with channel c of its peers.
 struct MoeConfig {
-  int sms = 0;      // CTAs (channels) of each launch; 0 = the communicator's SM budget
+  int sms = 0;      // CTAs (channels) of each launch; 0 = the communicator's SM budget. The
+                    // same on every rank; the fused launches (moe_dispatch_gemm, moe_layer)
+                    // need all of their CTAs resident at once (tiles wait for rows other CTAs
+                    // place): no more than the budget, and no other work holding those SMs
   int block_n = 0;  // moe_dispatch_gemm: GEMM tile width 64, 128, 192 or 256; 0 = the library's
                     // choice (or MKERNEL_GEMM_BLOCK_N)
 };
