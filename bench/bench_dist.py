@@ -233,7 +233,11 @@ def ring_attention_point(comm, seed, point, mode):
     comm.synchronize()
     diff = (out.float() - out_seq.float()).abs().max().item()
     mag = out_seq.float().abs().max().item()
-    ok = diff <= mag / 64
+    # Each row within 4 bf16 steps of its own largest |O|: a causal sequence's first rows dwarf
+    # its last ones, so a bound on the whole tensor's largest |O| would not see wrong late rows.
+    row_diff = (out.float() - out_seq.float()).abs().amax(dim=-1)
+    row_mag = out_seq.float().abs().amax(dim=-1)
+    ok = bool((row_diff <= row_mag / 64 + 1e-4).all().item())
     k_parts = k.new_empty(world * b, *k.shape[1:])
     v_parts = torch.empty_like(k_parts)
     backend = best_sdpa_backend(q, k_seq, v_seq, causal, rank, world)

@@ -370,6 +370,10 @@ def main():
     for i, (m, n, k) in enumerate(shapes):
         ok, diff, mag, variants = CASES[args.kernel](comm, m, n, k, args.mode, args.iters,
                                                      args.sweep)
+        # Every rank checked its own output (gemm_rs: its slice): correct only if all are.
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device="cuda")
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ok = bool(flag.item())
         all_ok &= ok
         label = f"{m}x{n}x{k}"
         if args.mode == "check":
@@ -389,7 +393,10 @@ def main():
             "speedup_vs_sequential": ms["sequential"] / ms["mkernel"],
             "speedup_vs_torch_async_tp": (ms["torch_async_tp"] / ms["mkernel"]
                                           if "torch_async_tp" in ms else None),
-            "tflops": 2 * m * n * k / ms["mkernel"] * 1e-9,
+            # A GPU's share: ag_gemm multiplies all of K on every rank; gemm_rs and gemm_ar
+            # reduce over K, each rank multiplying its K / world.
+            "tflops": 2 * m * n * (k if args.kernel == "ag_gemm" else k // world)
+                      / ms["mkernel"] * 1e-9,
             "spread": {key: round(spread[key], 4) for key in row_keys(ms)},
             "correct": bool(ok),
         }

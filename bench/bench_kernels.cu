@@ -64,7 +64,38 @@ __global__ void max_diff_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, 
   atomicMax(&out[1], __float_as_uint(mag));
 }
 
+// Elements where |a - b| > 4 bf16 steps at |b|, plus 1e-4 (a rounding's worth near 0).
+__global__ void far_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, std::size_t n,
+                           unsigned long long* far) {
+  unsigned long long mine = 0;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const float x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    const float step = y == 0.f ? 0.f : ldexpf(1.f, ilogbf(fabsf(y)) - 7);
+    if (!(fabsf(x - y) <= 4.f * step + 1e-4f)) ++mine;
+  }
+  if (mine != 0) atomicAdd(far, mine);
+}
+
 }  // namespace
+
+void launch_count_far(const void* a, const void* b, std::size_t n, unsigned long long* far,
+                      cudaStream_t s) {
+  far_kernel<<<264, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(a),
+                                 static_cast<const __nv_bfloat16*>(b), n, far);
+}
+
+unsigned long long count_far(const void* a, const void* b, std::size_t n, cudaStream_t s) {
+  unsigned long long* far;
+  CK(cudaMalloc(reinterpret_cast<void**>(&far), sizeof(*far)));
+  CK(cudaMemsetAsync(far, 0, sizeof(*far), s));
+  launch_count_far(a, b, n, far, s);
+  unsigned long long count = 0;
+  CK(cudaMemcpyAsync(&count, far, sizeof(count), cudaMemcpyDeviceToHost, s));
+  CK(cudaStreamSynchronize(s));
+  CK(cudaFree(far));
+  return count;
+}
 
 void launch_max_diff_bf16(const void* a, const void* b, std::size_t n, unsigned int* out,
                           cudaStream_t s) {

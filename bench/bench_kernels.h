@@ -24,6 +24,14 @@ namespace mk::bench {
 void launch_max_diff_bf16(const void* a, const void* b, std::size_t n, unsigned int* out,
                           cudaStream_t s);
 
+// *far += the elements of a, b (`n` bf16 values) where |a - b| > 4 bf16 steps at |b| + 1e-4: a
+// check that holds at every element, whatever the magnitudes elsewhere (a causal attention's
+// first rows dwarf its last: a bound on the whole tensor's largest |b| misses wrong late rows).
+void launch_count_far(const void* a, const void* b, std::size_t n, unsigned long long* far,
+                      cudaStream_t s);
+// The same, synchronously on `s`: the count.
+unsigned long long count_far(const void* a, const void* b, std::size_t n, cudaStream_t s);
+
 // The same, synchronously on the default stream: {max |a - b|, max |b|}.
 struct MaxDiff {
   float diff;

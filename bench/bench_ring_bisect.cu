@@ -40,30 +40,6 @@ namespace {
 
 constexpr int kHeadDim = 128;
 
-// Elements where |a - b| > 4 bf16 steps at |b|, plus 1e-4 (a rounding's worth for O near 0).
-__global__ void count_far_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n,
-                                 unsigned long long* far) {
-  unsigned long long mine = 0;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
-    const float step = y == 0.f ? 0.f : ldexpf(1.f, ilogbf(fabsf(y)) - 7);
-    if (!(fabsf(x - y) <= 4.f * step + 1e-4f)) ++mine;
-  }
-  if (mine != 0) atomicAdd(far, mine);
-}
-
-unsigned long long count_far(const void* a, const void* b, int64_t n, unsigned long long* scratch,
-                             cudaStream_t stream) {
-  CK(cudaMemsetAsync(scratch, 0, sizeof(unsigned long long), stream));
-  count_far_kernel<<<264, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(a),
-                                            static_cast<const __nv_bfloat16*>(b), n, scratch);
-  unsigned long long far = 0;
-  CK(cudaMemcpyAsync(&far, scratch, sizeof(far), cudaMemcpyDeviceToHost, stream));
-  CK(cudaStreamSynchronize(stream));
-  return far;
-}
-
 // 16-byte vectors where a and b differ.
 unsigned long long count_diff(const void* a, const void* b, int64_t n, unsigned long long* scratch,
                               cudaStream_t stream) {
@@ -312,7 +288,7 @@ int main(int argc, char** argv) {
           entries[i].launch(s, stream);
           CK(cudaStreamSynchronize(stream));
           CK(cudaGetLastError());
-          far[i] = count_far(o, o_engine, q_n, scratch, stream);
+          far[i] = mk::bench::count_far(o, o_engine, q_n, stream);
           diff[i] = count_diff(o, o_ring, q_n, scratch, stream);
           const bool ring_order =
               entries[i].bits >= 0 && !(p.causal && (entries[i].bits & kEngineBlocks) != 0);
