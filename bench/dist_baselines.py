@@ -49,10 +49,12 @@ class Dispatched:
     recv_splits: what the combine needs to send the rows back.
     """
 
-    def __init__(self, recv, meta, weights, src, send_tokens, send_splits, recv_splits):
+    def __init__(self, recv, meta, weights, src, send_tokens, send_splits, recv_splits,
+                 recv_pairs):
         self.recv, self.meta, self.weights, self.src = recv, meta, weights, src
         self.send_tokens, self.send_splits, self.recv_splits = (send_tokens, send_splits,
                                                                 recv_splits)
+        self.recv_pairs = recv_pairs  # (token, slot) pairs of the rows here bound for this rank
 
 
 def nccl_dispatch(x, idx, num_experts, weights=None, group=None):
@@ -63,12 +65,21 @@ def nccl_dispatch(x, idx, num_experts, weights=None, group=None):
     to = torch.zeros(tokens, world + 1, dtype=torch.bool, device=x.device)
     to.scatter_(1, dst.long(), True)
     to = to[:, :world]
-    pairs = to.t().nonzero()  # (rank, token), by rank then token
-    send_tokens = pairs[:, 1]
-    send_counts = to.sum(0)
+    # Each destination's tokens and (token, slot) pairs, exchanged together and read back at once:
+    # the one host synchronisation the split sizes need (the pairs' count sizes the receiver's
+    # expert-major index, so that nonzero does not read its size back a second time).
+    slots = torch.zeros(world + 1, dtype=torch.int64, device=x.device)
+    slots.scatter_add_(0, dst.long().flatten(), torch.ones(dst.numel(), dtype=torch.int64,
+                                                           device=x.device))
+    send_counts = torch.stack([to.sum(0), slots[:world]], 1).flatten()  # [rank][tokens, pairs]
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    counts = torch.cat([send_counts, recv_counts]).tolist()
+    send_splits, recv_splits = counts[0:2 * world:2], counts[2 * world::2]
+    recv_pairs = sum(counts[2 * world + 1::2])
+    # (rank, token), by rank then token
+    pairs = torch.nonzero_static(to.t(), size=sum(send_splits))
+    send_tokens = pairs[:, 1]
     n = sum(recv_splits)
     recv = x.new_empty(n, x.shape[1])
     dist.all_to_all_single(recv, x.index_select(0, send_tokens), recv_splits, send_splits,
@@ -84,9 +95,9 @@ def nccl_dispatch(x, idx, num_experts, weights=None, group=None):
     recv_w = None
     if weights is not None:
         recv_w = meta_in[:, 1 + top_k:].int().view(torch.float32)
-    src = torch.repeat_interleave(torch.arange(world, device=x.device), recv_counts,
+    src = torch.repeat_interleave(torch.arange(world, device=x.device), recv_counts[0::2],
                                   output_size=n)
-    return Dispatched(recv, meta, recv_w, src, send_tokens, send_splits, recv_splits)
+    return Dispatched(recv, meta, recv_w, src, send_tokens, send_splits, recv_splits, recv_pairs)
 
 
 class ExpertMajor:
@@ -101,7 +112,9 @@ def expert_major(d: Dispatched, rank, e_local):
     experts = d.meta[:, 1:]
     first = rank * e_local
     mine = (experts >= first) & (experts < first + e_local)
-    row, slot = mine.nonzero(as_tuple=True)  # by received row (source, token), then slot
+    # by received row (source, token), then slot; the count known from the dispatch's
+    pairs = torch.nonzero_static(mine, size=d.recv_pairs)
+    row, slot = pairs[:, 0], pairs[:, 1]
     local = experts[row, slot] - first
     order = torch.sort(local, stable=True).indices
     row, slot, local = row[order], slot[order], local[order]
