@@ -2,10 +2,12 @@
 # Installs what a fresh Debian 12 machine needs to build and test mkernel. Idempotent: a second
 # run finds everything in place, installs nothing and takes a few seconds.
 #
-#   bash scripts/setup.sh [--with-torch] [--no-python]
+#   bash scripts/setup.sh [--with-torch | --no-torch] [--no-python]
 #
-#   --with-torch  also pip-install PyTorch (several GB; needed only by the Python package's tests
-#                 and the baselines of the benchmarks, which run on GPU machines)
+#   --with-torch  also pip-install PyTorch (several GB, about a minute from PyPI): the Python
+#                 package's tests and the benchmarks' baselines need it. The default where a GPU
+#                 answers (nvidia-smi), so that `make setup check` has what it runs
+#   --no-torch    not even there
 #   --no-python   skip the pip packages
 #
 # Runs as root, or through sudo when it is available. The CUDA toolkit is NOT installed: it is
@@ -15,12 +17,14 @@
 set -euo pipefail
 
 WITH_TORCH=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then WITH_TORCH=1; fi
 WITH_PYTHON=1
 for arg in "$@"; do
   case "$arg" in
     --with-torch) WITH_TORCH=1 ;;
+    --no-torch) WITH_TORCH=0 ;;
     --no-python) WITH_PYTHON=0 ;;
-    -h | --help) sed -n '2,14s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,17s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown option '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -130,7 +134,7 @@ print(int(os.path.exists(marker) and not in_venv))')"
   else
     say "pip: all ${#PIP_PACKAGES[@]} packages present ($PY)"
   fi
-  if ((!WITH_TORCH)); then say "pip: torch not installed (opt in with --with-torch)"; fi
+  if ((!WITH_TORCH)); then say "pip: torch not installed (no GPU here; opt in with --with-torch)"; fi
 fi
 
 say "done; build and test with: make test"
