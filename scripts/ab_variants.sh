@@ -27,7 +27,9 @@
 # on those cases (SANITIZE_TIMEOUT, 120 s a tool; device_run.sh's test and sanitize steps) - one
 # call then says whether the patches are correct as well as what they buy (mkernel_gpu_tests must
 # be in AB_BUILD_TARGETS). Their logs go into the tarball (checks-v<i>/test.log, sanitize.log),
-# their verdicts into the log.
+# their verdicts into the log; AB_CHECKS_TIMEOUT (300 s) bounds them a variant.
+# Every variant's patches are applied to a scratch copy first, before any build: a patch that
+# does not apply stops the script within seconds, naming it.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 rounds="${1:?usage: ab_variants.sh ROUNDS VARIANT...}"
@@ -56,8 +58,23 @@ repo="$PWD"
 export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 jobs=$(( ($(nproc 2>/dev/null || echo 8) + ${#variants[@]} - 1) / ${#variants[@]} ))
 ((jobs >= 2)) || jobs=2
+# Every variant's patches apply, in order, to a copy of the checkout: checked before any build,
+# one variant after another, so that a stale patch costs seconds and names itself.
+for i in "${!variants[@]}"; do
+  check="/tmp/ab-check-v$i"
+  rm -rf "$check" && mkdir -p "$check"
+  tar -C "$repo" --exclude='./build*' --exclude=./out --exclude=./.git -cf - . | tar -C "$check" -xf -
+  while IFS= read -r p; do
+    [[ -z "$p" ]] && continue
+    (cd "$check" && git apply "$repo/$p") ||
+      { echo "ab_variants: variant $i (${variants[$i]}): $p does not apply" >&2; exit 2; }
+  done < <(patches_of "${variants[$i]}")
+  rm -rf "$check"
+done
+
 build_variant() {  # variant index: copy, patch, build, install
-  local i="$1" src="/tmp/ab-src-v$i" p
+  local i="$1" p
+  local src="/tmp/ab-src-v$i"
   local -a list
   mapfile -t list < <(patches_of "${variants[$i]}")
   rm -rf "$src" && mkdir -p "$src"
@@ -68,6 +85,9 @@ build_variant() {  # variant index: copy, patch, build, install
   BUILD="$src/build" SITE="/tmp/site-v$i" PYTHON_TESTS=0 OUT="/tmp/ab-log-v$i" JOBS="$jobs" \
     BUILD_TARGETS="${AB_BUILD_TARGETS-mkernel_python bench_moe_ranks bench_gemm}" \
     bash "$src/scripts/device_run.sh" build python 2>&1 | grep -E '^== ' | sed "s/^/[variant $i] /"
+  # A failed build's errors into this log (its own log stays on the machine).
+  grep -E 'error|FAILED' "/tmp/ab-log-v$i/build.log" 2>/dev/null | head -40 |
+    sed "s/^/[variant $i build] /"
 }
 pids=()  # (a bare `wait` would also wait for the log's tee, which ends only with this script)
 for i in "${!variants[@]}"; do
@@ -84,9 +104,12 @@ if [[ -n "${AB_TESTS:-}${AB_SANITIZE:-}" ]]; then
   for i in "${!variants[@]}"; do
     [[ -z "$(patches_of "${variants[$i]}")" ]] && continue  # the checkout: main's own runs
     # device_run.sh's own test and sanitize steps on the variant's build.
+    # (Bounded as a whole, AB_CHECKS_TIMEOUT s: a hang in a patched kernel must leave the call
+    # time for the benchmarks.)
     BUILD="/tmp/ab-src-v$i/build" OUT="$results/checks-v$i" \
       CTEST_ARGS="-R ${AB_TESTS:-.} --timeout 200" SANITIZE_FILTER="${AB_SANITIZE:-}" \
       SANITIZE_TIMEOUT="${SANITIZE_TIMEOUT:-120}" \
+      timeout --kill-after=10 "${AB_CHECKS_TIMEOUT:-300}" \
       bash "/tmp/ab-src-v$i/scripts/device_run.sh" "${checks[@]}" 2>&1 |
       grep -E '^== |tests passed|tests failed|\*\*\*|sanitize [a-z]+: ' | awk '!seen[$0]++' |
       sed "s/^/[variant $i] /"  # (device_run.sh repeats its steps' verdicts at the end)
@@ -110,11 +133,14 @@ for ((round = 1; round <= rounds; round++)); do
         bench_cmd=(python3 "$script" --mode bench --points "$AB_POINTS"
                    --json "bench/results/$kernel-ab-w1.json")
       fi
-      (cd "/tmp/ab-src-v$i" && PYTHONPATH="/tmp/site-v$i" BUILD_DIR=build "${bench_cmd[@]}") 2>&1 |
+      # (The results files name the variant beside the commit.)
+      (cd "/tmp/ab-src-v$i" && PYTHONPATH="/tmp/site-v$i" BUILD_DIR=build \
+        MKERNEL_COMMIT="$MKERNEL_COMMIT+${variants[$i]}" "${bench_cmd[@]}") 2>&1 |
         grep -vE '^(bench/run.sh|bench_moe|moe_layer in-process)'
       if [[ -n "${AB_RANK_POINTS:-}" && ("$kernel" == moe_dispatch_gemm || "$kernel" == moe_layer) ]]; then
         (cd "/tmp/ab-src-v$i" && build/bench/bench_moe_ranks --op "$kernel" --ranks 2 \
-          --points "$AB_RANK_POINTS" --json "bench/results/$kernel-ab-w2-one-gpu.json") 2>&1
+          --points "$AB_RANK_POINTS" --json "bench/results/$kernel-ab-w2-one-gpu.json" \
+          --commit "$MKERNEL_COMMIT+${variants[$i]}") 2>&1
       fi
       mkdir -p "$results/v$i-r$round"
       find "/tmp/ab-src-v$i/bench/results" -maxdepth 1 -name '*.json' -newer "$marker" \
