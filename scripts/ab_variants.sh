@@ -28,7 +28,7 @@
 # call then says whether the patches are correct as well as what they buy (mkernel_gpu_tests must
 # be in AB_BUILD_TARGETS). Their logs go into the tarball (checks-v<i>/test.log, sanitize.log),
 # their verdicts into the log; AB_CHECKS_TIMEOUT (300 s) bounds them a variant.
-# Every variant's patches are applied to a scratch copy first, before any build: a patch that
+# Every variant's copy is patched first, before any build starts: a patch that
 # does not apply stops the script within seconds, naming it.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -58,30 +58,22 @@ repo="$PWD"
 export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 jobs=$(( ($(nproc 2>/dev/null || echo 8) + ${#variants[@]} - 1) / ${#variants[@]} ))
 ((jobs >= 2)) || jobs=2
-# Every variant's patches apply, in order, to a copy of the checkout: checked before any build,
-# one variant after another, so that a stale patch costs seconds and names itself.
+# Each variant's copy of the checkout (/tmp/ab-src-v<i>) with its patches applied in order, made
+# before any build, one variant after another: a stale patch costs seconds and names itself.
 for i in "${!variants[@]}"; do
-  check="/tmp/ab-check-v$i"
-  rm -rf "$check" && mkdir -p "$check"
-  tar -C "$repo" --exclude='./build*' --exclude=./out --exclude=./.git -cf - . | tar -C "$check" -xf -
-  while IFS= read -r p; do
-    [[ -z "$p" ]] && continue
-    (cd "$check" && git apply "$repo/$p") ||
-      { echo "ab_variants: variant $i (${variants[$i]}): $p does not apply" >&2; exit 2; }
-  done < <(patches_of "${variants[$i]}")
-  rm -rf "$check"
-done
-
-build_variant() {  # variant index: copy, patch, build, install
-  local i="$1" p
-  local src="/tmp/ab-src-v$i"
-  local -a list
-  mapfile -t list < <(patches_of "${variants[$i]}")
+  src="/tmp/ab-src-v$i"
   rm -rf "$src" && mkdir -p "$src"
   tar -C "$repo" --exclude='./build*' --exclude=./out --exclude=./.git -cf - . | tar -C "$src" -xf -
-  for p in "${list[@]}"; do
-    (cd "$src" && git apply "$repo/$p") || { echo "ab_variants: $p does not apply" >&2; return 2; }
-  done
+  while IFS= read -r p; do
+    [[ -z "$p" ]] && continue
+    (cd "$src" && git apply "$repo/$p") ||
+      { echo "ab_variants: variant $i (${variants[$i]}): $p does not apply" >&2; exit 2; }
+  done < <(patches_of "${variants[$i]}")
+done
+
+build_variant() {  # variant index: build and install its copy
+  local i="$1"
+  local src="/tmp/ab-src-v$i"
   BUILD="$src/build" SITE="/tmp/site-v$i" PYTHON_TESTS=0 OUT="/tmp/ab-log-v$i" JOBS="$jobs" \
     BUILD_TARGETS="${AB_BUILD_TARGETS-mkernel_python bench_moe_ranks bench_gemm}" \
     bash "$src/scripts/device_run.sh" build python 2>&1 | grep -E '^== ' | sed "s/^/[variant $i] /"
@@ -94,7 +86,7 @@ for i in "${!variants[@]}"; do
   build_variant "$i" &
   pids+=($!)
 done
-for pid in "${pids[@]}"; do wait "$pid" || exit 2; done  # (a patch that does not apply)
+for pid in "${pids[@]}"; do wait "$pid"; done
 echo "ab_variants: ${#variants[@]} variants built in $SECONDS s"
 
 if [[ -n "${AB_TESTS:-}${AB_SANITIZE:-}" ]]; then

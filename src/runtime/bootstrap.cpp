@@ -30,7 +30,6 @@ namespace {
 
 constexpr const char* kTimeoutEnv = "MKERNEL_BOOTSTRAP_TIMEOUT_S";
 constexpr double kDefaultTimeoutSeconds = 300;
-constexpr double kForeverSeconds = 1e9;  // ~30 years: a limit this long is none
 
 // Time limit of one allgather of the in-process and launcher bootstraps.
 double bootstrap_timeout_seconds() {
@@ -250,10 +249,10 @@ class InProcessBootstrap final : public Bootstrap {
       const bool own_limit = seconds > 0 && seconds < s.timeout_seconds;
       const double limit = own_limit ? seconds : s.timeout_seconds;
       const auto done = [&] { return s.generation != generation || !s.broken.empty(); };
-      // Beyond kForeverSeconds (as Deadline::after): no limit - the steady clock's nanoseconds
-      // would overflow, and the wait would end at once.
+      // Beyond detail::kForeverSeconds (as Deadline::after): no limit - the steady clock's
+      // nanoseconds would overflow, and the wait would end at once.
       bool woken = true;
-      if (limit < kForeverSeconds) {
+      if (limit < detail::kForeverSeconds) {
         woken = s.cv.wait_for(lock, std::chrono::duration<double>(limit), done);
       } else {
         s.cv.wait(lock, done);

@@ -17,17 +17,15 @@
 #include "runtime/device_guard.h"
 #include "runtime/inter_node_rings.h"
 #include "runtime/kernel_preload.h"
+#include "runtime/socket_util.h"
 
 namespace mk {
 namespace {
 
-// A limit at least this long is none (as Deadline::after): its nanoseconds would overflow the
-// clocks' and the kernels' 64-bit counts (and it is some 30 years).
-constexpr double kForeverSeconds = 1e9;
-
 // The kernels' limit (DeviceComm::timeout_ns, 0: none).
 uint64_t timeout_ns(double seconds) {
-  return seconds > 0 && seconds < kForeverSeconds ? static_cast<uint64_t>(seconds * 1e9) : 0;
+  return seconds > 0 && seconds < detail::kForeverSeconds ? static_cast<uint64_t>(seconds * 1e9)
+                                                          : 0;
 }
 
 std::string describe_value(uint64_t v) {
@@ -292,7 +290,8 @@ detail::InterNode& Communicator::inter_node() {
   c.socket_ifname = s.overrides.socket_ifname;
   c.ring_capacity = 4096;
   c.num_signals = kInterNodeSignals;
-  c.timeout_seconds = s.timeout_seconds > 0 ? std::min(s.timeout_seconds, kForeverSeconds) : 300.0;
+  c.timeout_seconds =
+      s.timeout_seconds > 0 ? std::min(s.timeout_seconds, detail::kForeverSeconds) : 300.0;
   c.host_memory.alloc = [](std::size_t bytes) -> void* {
     void* p = nullptr;
     if (cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {

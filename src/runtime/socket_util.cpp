@@ -35,7 +35,6 @@ void UniqueFd::reset(int fd) {
 }
 
 Deadline Deadline::after(double seconds) {
-  constexpr double kForeverSeconds = 1e9;  // ~30 years; also keeps the conversion from overflowing
   if (!(seconds < kForeverSeconds)) return never();
   const auto span =
       std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));

@@ -37,6 +37,10 @@ class UniqueFd {
   int fd_ = -1;
 };
 
+// A time limit at least this long is none (~30 years): its nanoseconds would overflow the clocks'
+// and the kernels' 64-bit counts. Deadline::after, the bootstraps and the communicator share it.
+constexpr double kForeverSeconds = 1e9;
+
 // A point in time after which waits give up. Deadline::never() does not expire.
 class Deadline {
  public:

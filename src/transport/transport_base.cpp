@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "runtime/overrides.h"
+#include "runtime/socket_util.h"
 #include "runtime/text_util.h"
 
 namespace mk::transport::detail {
@@ -45,7 +46,7 @@ double resolve_timeout(double configured) {
   if (seconds < 0) {
     seconds = mk::detail::env_seconds(mk::detail::process_environment(), "MKERNEL_TIMEOUT_S", 60);
   }
-  return seconds == 0 ? 1e9 : seconds;  // 0 = no limit (Deadline treats 1e9 s as never)
+  return seconds == 0 ? mk::detail::kForeverSeconds : seconds;  // 0 = no limit
 }
 
 void agree_or_throw(Bootstrap& bootstrap, const std::string& my_status, ErrorCode code,
