@@ -31,9 +31,10 @@ compute; tests/python/test_dist_baselines.py holds them to references). Columns
   ring_attention     points B:H:H_kv:S_local:D:causal (default S_local 4096 and 8192, D 128,
                      (1, 32, 8) and (4, 16, 16), zigzag causal and contiguous non-causal)
     mkernel          mkernel.ring_attention
-    torch_sdpa       SDPA of this rank's queries against every key (the keys gathered before;
-                     non-causal: its fastest backend of flash, cuDNN and memory-efficient, which
-                     the row names; causal: flash through the bottom-right causal bias)
+    torch_sdpa       SDPA of this rank's queries against every key (the keys gathered before) on
+                     its fastest backend of flash, cuDNN and memory-efficient, which the row
+                     names; causal: each zigzag chunk as torch's context parallelism does it (the
+                     keys before it unmasked, its own keys causal, merged by log-sum-exp)
     comm_alone       NCCL's all-gather of K and V (all_gather_into_tensor): the ring's traffic;
                      mkernel_all_gather: mkernel's (Communicator.all_gather; one node)
     sequential       NCCL's all-gather of K and V, in sequence order, then SDPA
@@ -271,23 +272,21 @@ def ring_attention_point(comm, seed, point, mode):
         "shape": {"batch": b, "heads": h, "kv_heads": h_kv, "seq_local": s_local,
                   "head_dim": d, "causal": causal, "world": world},
         "flops": flops,
-        "sdpa_backend": "flash (bottom-right causal bias)" if causal else backend.name.lower(),
+        "sdpa_backend": backend.name.lower() + (" (chunks merged by log-sum-exp)"
+                                                if causal else ""),
     }
     return bool(ok), diff, mag, variants, info
 
 
 def best_sdpa_backend(q, k_seq, v_seq, causal, rank, world):
-    """SDPA's fastest backend for the non-causal call among flash, cuDNN and memory-efficient
-    (rank 0's timing, the same on every rank); None for causal (its chunks' bottom-right bias
-    takes flash attention)."""
-    if causal:
-        return None
+    """SDPA's fastest backend for sdpa_local among flash, cuDNN and memory-efficient (rank 0's
+    timing, the same on every rank)."""
     from torch.nn.attention import SDPBackend
     times = {}
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
                     SDPBackend.EFFICIENT_ATTENTION):
         try:
-            fn = lambda: base.sdpa_local(q, k_seq, v_seq, False, rank, world, backend)  # noqa
+            fn = lambda: base.sdpa_local(q, k_seq, v_seq, causal, rank, world, backend)  # noqa
             fn()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -18,9 +18,9 @@ Attention (sequence parallelism):
   gather_kv       K and V of every rank by all_gather_into_tensor, put in sequence order
                   (contiguous shares, or zigzag: rank r holds chunks r and 2w - 1 - r of 2w)
   sdpa_local      this rank's queries against every key by torch SDPA (GQA through enable_gqa;
-                  zigzag causal: each of its two chunks against the keys up to its end, aligned
-                  bottom-right: flash attention on unexpanded K and V on Hopper; non-causal: the
-                  backend asked for)
+                  non-causal: the backend asked for; zigzag causal: each of its two chunks as
+                  torch's context parallelism does it - the keys before it unmasked, its own keys
+                  with the causal mask, merged by their log-sum-exp - on the backend asked for)
 """
 from __future__ import annotations
 
@@ -178,28 +178,58 @@ def gather_kv(k, v, causal, group=None):
     return out
 
 
+def _attend_lse(q, k, v, causal, backend):
+    """q [B, H, S, D] against k, v [B, H_kv, S_k, D] by one SDPA backend's own op, with each row's
+    log-sum-exp: (out [B, H, S, D], lse [B, H, S] fp32, natural log). causal: top-left (S = S_k).
+    backend: an SDPBackend (None: flash attention); on CPUs, torch's CPU flash attention."""
+    from torch.nn.attention import SDPBackend
+    aten = torch.ops.aten
+    if not q.is_cuda:
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)[:2]
+        return out, lse
+    if backend in (None, SDPBackend.FLASH_ATTENTION):
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+    elif backend == SDPBackend.CUDNN_ATTENTION:
+        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
+    elif backend == SDPBackend.EFFICIENT_ATTENTION:  # (no GQA: K and V expanded, as SDPA does)
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0,
+                                                                causal)[:2]
+    else:
+        raise ValueError(f"_attend_lse: no log-sum-exp from backend {backend}")
+    return out, lse[:, :, :q.shape[2]].reshape(out.shape[:3])  # (efficient pads S; cuDNN [.., 1])
+
+
 def sdpa_local(q, k_full, v_full, causal, rank, world, backend=None):
     """This rank's queries (its share of the sequence) against every key: [B, S_local, H, D].
-    backend: an SDPBackend for the non-causal call (None: torch's choice); the causal chunks go
-    through the bottom-right causal bias, which takes flash attention where it can."""
+    backend: the SDPBackend to use (None: torch's choice; flash for causal). Causal (zigzag): each
+    of its two chunks in two calls, what torch's context parallelism does - the keys before the
+    chunk without a mask, the chunk's own keys with the causal (square) mask, both with their
+    log-sum-exp - merged by it in fp32. (One call with the bottom-right causal bias takes
+    flash attention only, about half as fast as cuDNN on Hopper.)"""
     gqa = q.shape[2] != k_full.shape[2]
     kt, vt = k_full.transpose(1, 2), v_full.transpose(1, 2)
-
-    def attend(q_part, keys, mask=None):
-        return F.scaled_dot_product_attention(q_part.transpose(1, 2), kt[:, :, :keys],
-                                              vt[:, :, :keys], attn_mask=mask,
-                                              enable_gqa=gqa).transpose(1, 2)
-
     if not causal:
+        def attend():
+            return F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt,
+                                                  enable_gqa=gqa).transpose(1, 2)
         if backend is None:
-            return attend(q, k_full.shape[1])
+            return attend()
         from torch.nn.attention import sdpa_kernel
         with sdpa_kernel(backend):
-            return attend(q, k_full.shape[1])
-    from torch.nn.attention.bias import causal_lower_right
+            return attend()
     half = q.shape[1] // 2
     outs = []
     for i, c in enumerate((rank, 2 * world - 1 - rank)):
-        keys = (c + 1) * half
-        outs.append(attend(q[:, i * half:(i + 1) * half], keys, causal_lower_right(half, keys)))
+        qc = q[:, i * half:(i + 1) * half].transpose(1, 2)
+        keys = slice(c * half, (c + 1) * half)
+        out, lse = _attend_lse(qc, kt[:, :, keys], vt[:, :, keys], True, backend)
+        if c > 0:
+            before, lse_before = _attend_lse(qc, kt[:, :, :c * half], vt[:, :, :c * half], False,
+                                             backend)
+            mix = torch.sigmoid(lse_before - lse).unsqueeze(-1)  # its share of the row's sum
+            out = (out.float() + mix * (before.float() - out.float())).to(q.dtype)
+        outs.append(out.transpose(1, 2))
     return torch.cat(outs, dim=1)

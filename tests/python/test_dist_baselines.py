@@ -148,3 +148,32 @@ def test_moe_baselines_match_references(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_attention_baselines_match_references(world):
     _spawn(_attention, world)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU backends")
+@pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"])
+def test_sdpa_local_causal_backends(backend):
+    """The zigzag causal split (unmasked keys before each chunk, causal keys of the chunk, merged
+    by log-sum-exp) on each GPU backend, every rank of world 2, against fp32 attention."""
+    from torch.nn.attention import SDPBackend
+    b, h, h_kv, s_local, d, world = 2, 8, 2, 256, 128, 2
+    s = world * s_local
+    g = _gen(11, 5)
+    q_full, k_full, v_full = (_bf16(g, (b, s, hh, d)).cuda() for hh in (h, h_kv, h_kv))
+    half = s_local // 2
+    for rank in range(world):
+        chunks = (rank, 2 * world - 1 - rank)
+        q = torch.cat([q_full[:, c * half:(c + 1) * half] for c in chunks], 1)
+        positions = torch.cat([torch.arange(c * half, (c + 1) * half) for c in chunks]).cuda()
+        try:
+            out = base.sdpa_local(q, k_full, v_full, True, rank, world, SDPBackend[backend])
+        except RuntimeError as e:  # (best_sdpa_backend skips a backend that does not run)
+            pytest.skip(f"{backend} does not run here: {e}")
+        qt = q.float().transpose(1, 2)
+        kt = k_full.float().transpose(1, 2).repeat_interleave(h // h_kv, 1)
+        vt = v_full.float().transpose(1, 2).repeat_interleave(h // h_kv, 1)
+        scores = (qt @ kt.transpose(-1, -2) / math.sqrt(d)).masked_fill(
+            torch.arange(s, device="cuda")[None, :] > positions[:, None], float("-inf"))
+        ref = (torch.softmax(scores, -1) @ vt).transpose(1, 2)
+        err = (out.float() - ref).abs().max().item()
+        assert err <= 2 ** -7 * ref.abs().max().item() + 1e-3, f"{backend} rank {rank}: {err}"
