@@ -12,7 +12,8 @@ Qwen3-235B-like (4096, 1536, 128, 8), Mixtral (4096, 14336, 8, 2), every expert 
 (../shared/BENCH_SCHEMA.md, moe_layer):
   mkernel          mkernel.moe_layer
   torch_reference  the plain PyTorch layer: sort the slots by expert, gather x, grouped gate/up
-                   (torch._grouped_mm), silu(gate) * up, grouped down, weighted index_add in fp32
+                   (torch._grouped_mm), silu(gate) * up, grouped down, rows back in token order
+                   and each token's rows summed with its weights by one bmm
   compute_alone    mkernel.grouped_gemm of the dispatched rows with w13, then with w2 (the
                    layer's two GEMMs on our engine, nothing else)
   dispatch_combine_alone  mkernel.moe_dispatch, then mkernel.moe_combine of its rows
@@ -60,9 +61,12 @@ def torch_layer(x, idx, weights, w13_t, w2_t, experts):
     gate_up = torch._grouped_mm(rows, w13_t, offs=offs)
     h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     y = torch._grouped_mm(h, w2_t, offs=offs)
-    out = torch.zeros(tokens, x.shape[1], device=x.device, dtype=torch.float32)
-    out.index_add_(0, order // top_k, y.float() * weights.flatten()[order, None])
-    return out.to(torch.bfloat16)
+    # Back in token order, then each token's top-k rows summed with their weights in one batched
+    # product (fp32 accumulation; the weights in bf16, as the models' own layers cast them).
+    y_tok = torch.empty_like(y)
+    y_tok[order] = y
+    return torch.bmm(weights.to(y.dtype).view(tokens, 1, top_k),
+                     y_tok.view(tokens, top_k, -1)).view(tokens, -1)
 
 
 def exact_rows(x, idx, weights, w13, w2, picks):
