@@ -32,25 +32,42 @@ __all__ = ["attention", "ring_attention", "zigzag_shard", "zigzag_unshard"]
 _HEAD_DIMS = (64, 128)
 
 
-def _attention_shapes(q, k, v):
-    """(B, S_q, S_kv, H, H_kv, D), or ValueError naming the problem."""
+def _attention_shapes(q, k, v, op="attention"):
+    """(B, S_q, S_kv, H, H_kv, D), or ValueError naming the op and the problem."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
-            raise ValueError(f"mkernel.attention: {name} must be 4-D [batch, seq, heads, "
+            raise ValueError(f"mkernel.{op}: {name} must be 4-D [batch, seq, heads, "
                              f"head_dim]; got {tuple(x.shape)}")
     b, s_q, h, d = q.shape
     if k.shape != v.shape:
-        raise ValueError(f"mkernel.attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+        raise ValueError(f"mkernel.{op}: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
     bk, s_kv, h_kv, dk = k.shape
     if bk != b or dk != d:
-        raise ValueError(f"mkernel.attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ "
+        raise ValueError(f"mkernel.{op}: q {tuple(q.shape)} and k {tuple(k.shape)} differ "
                          "in batch or head_dim")
     if d not in _HEAD_DIMS:
-        raise ValueError(f"mkernel.attention: head_dim = {d}; expected 64 or 128")
+        raise ValueError(f"mkernel.{op}: head_dim = {d}; expected 64 or 128")
     if h_kv == 0 or h % h_kv != 0:
-        raise ValueError(f"mkernel.attention: {h} query heads are not a multiple of {h_kv} "
+        raise ValueError(f"mkernel.{op}: {h} query heads are not a multiple of {h_kv} "
                          "key/value heads")
     return b, s_q, s_kv, h, h_kv, d
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _dense(x):
+    """x with the contiguous layout's strides, 16-byte aligned: x itself where it is, else a
+    copy. (Not x.contiguous(), which returns x itself whenever torch calls it contiguous - at
+    any alignment, and whatever the strides of its size-1 dimensions.)"""
+    if x.stride() == _contiguous_strides(x.shape) and x.data_ptr() % 16 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def _readable(x):
@@ -61,7 +78,7 @@ def _readable(x):
           and all(x.stride(i) % 8 == 0 and (x.stride(i) != 0 or x.shape[i] == 1)
                   for i in range(3))
           and x.data_ptr() % 16 == 0)
-    return x if ok else x.contiguous()
+    return x if ok else _dense(x)
 
 
 def _check_inputs(op, q, k, v, softmax_scale):
@@ -149,29 +166,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
 # ---- ring attention --------------------------------------------------------------------------
 
-def _ring_shapes(q, k, v, world):
-    b, s_q, s_kv, h, h_kv, d = _attention_shapes(q, k, v)
+def _ring_shapes(q, k, v, causal):
+    """(B, S_local, H, H_kv, D), or ValueError naming the problem (the op and its fake)."""
+    b, s_q, s_kv, h, h_kv, d = _attention_shapes(q, k, v, "ring_attention")
     if s_q != s_kv:
         raise ValueError(f"mkernel.ring_attention: q has {s_q} rows and k {s_kv}; expected both "
                          "= S_local, this rank's share of the sequence")
+    if causal and s_q % 2 != 0:
+        raise ValueError(f"mkernel.ring_attention: causal with S_local = {s_q}; expected an even "
+                         "S_local (the zigzag share: two chunks of S_local / 2)")
     return b, s_q, h, h_kv, d
 
 
 def _ring_impl(q, k, v, comm, causal, softmax_scale, return_lse):
     c = _communicator(comm, "ring_attention")
-    b, s, h, h_kv, d = _ring_shapes(q, k, v, c.world_size)
+    b, s, h, h_kv, d = _ring_shapes(q, k, v, causal)
     _check_inputs("ring_attention", q, k, v, softmax_scale)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_device("ring_attention", name, x, c._device)
-    if causal and s % 2 != 0:
-        raise ValueError(f"mkernel.ring_attention: causal with S_local = {s}; expected an even "
-                         "S_local (the zigzag share: two chunks of S_local / 2)")
     o, lse = _outputs(q, b, s, h, d, return_lse)
     if o.numel() == 0:
         return o, lse
     q2, k2, v2 = _readable(q), _readable(k), _readable(v)
-    if k2.stride() != v2.stride():
-        k2, v2 = k2.contiguous(), v2.contiguous()
+    if k2.stride() != v2.stride():  # (the C++ layer takes one set of strides for both)
+        k2, v2 = _dense(k2), _dense(v2)
     ws = c._workspace(_C.ring_attention_workspace_bytes(c._impl, b, s, h, h_kv, d, causal),
                       "ring_attention", "ring")
     _C.ring_attention(c._impl, q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), o.data_ptr(),
@@ -191,6 +209,7 @@ _ring_op = torch.library.custom_op(
 
 @_ring_op.register_fake
 def _ring_fake(q, k, v, comm, causal, softmax_scale, return_lse):
+    _ring_shapes(q, k, v, causal)
     return _fake(q, k, v, return_lse)
 
 

@@ -135,6 +135,105 @@ def test_zigzag_unshard_refuses_to_drop_the_gradient(one_rank_group):
         torch.testing.assert_close(mkernel.zigzag_unshard(y, comm), w.detach() * 2)
 
 
+# ---- attention's inputs --------------------------------------------------------------------------
+
+def _misaligned(*shape):
+    """A contiguous bf16 tensor 2 bytes past a 16-byte boundary (a view into a flat buffer)."""
+    n = 1
+    for d in shape:
+        n *= d
+    flat = torch.randn(n + 8, dtype=torch.float32).to(torch.bfloat16)
+    skip = next(i for i in range(1, 8) if (flat.data_ptr() + 2 * i) % 16 != 0)
+    x = flat[skip:skip + n].view(*shape)
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    return x
+
+
+def _bf16_at(address, shape, strides):
+    """The bf16 tensor the C++ layer would read at `address` with these element strides."""
+    import ctypes
+    span = sum((n - 1) * s for n, s in zip(shape, strides)) + 1
+    raw = torch.frombuffer((ctypes.c_uint16 * span).from_address(address), dtype=torch.bfloat16)
+    return raw.as_strided(shape, strides)
+
+
+def test_attention_copies_what_the_copy_engine_cannot_read():
+    """attention's inputs are copied where the copy engine cannot read them (module doc); the
+    copy was x.contiguous(), which is x itself for a tensor torch calls contiguous - at any
+    alignment, and with any stride on a size-1 dimension - so those went on to the C++ layer
+    unchanged and were refused there ('not 16-byte aligned', 'stride = 3')."""
+    ops = mkernel.attention_ops
+    odd = torch.randn(1, 16, 1, 64).to(torch.bfloat16).as_strided((1, 16, 1, 64), (3, 64, 5, 1))
+    assert odd.is_contiguous()
+    for x in (_misaligned(2, 16, 4, 64), odd):
+        got = ops._readable(x)
+        assert got.data_ptr() % 16 == 0
+        assert got.stride(3) == 1 and all(s % 8 == 0 for s in got.stride()[:3])
+        assert torch.equal(got, x)
+    packed = torch.randn(2, 16, 3, 4, 64).to(torch.bfloat16)[:, :, 0]  # readable as it is
+    assert ops._readable(packed) is packed
+
+
+class _FakeRingComm:
+    """What ring_attention's implementation asks of a communicator, on the CPU."""
+
+    world_size, _device, _impl = 2, -1, None  # (_device -1: CPU tensors' get_device())
+
+    def _workspace(self, nbytes, op, kind):
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _stream(self):
+        return 0
+
+
+def test_ring_attention_hands_the_cxx_layer_readable_k_and_v(monkeypatch):
+    """The C++ layer takes one set of strides for k and v, 16-byte aligned pointers. A misaligned
+    contiguous k was passed on as it was (x.contiguous() of a contiguous tensor is itself), and
+    then refused; k and v of different strides each 'made contiguous' could still differ."""
+    ops = mkernel.attention_ops
+    calls = []
+
+    def ring_attention(impl, q, k, v, o, lse, q_strides, kv_strides, b, s, h, h_kv, d, *rest):
+        shape = (b, s, h_kv, d)
+        calls.append({"pointers": (q, k, v), "strides": (q_strides, kv_strides),
+                      "k": _bf16_at(k, shape, kv_strides + (1,)).clone(),
+                      "v": _bf16_at(v, shape, kv_strides + (1,)).clone()})
+
+    fake_c = types.SimpleNamespace(ring_attention_workspace_bytes=lambda *args: 256,
+                                   ring_attention=ring_attention)
+    monkeypatch.setattr(ops, "_C", fake_c)
+    monkeypatch.setattr(ops, "_communicator", lambda comm, op: _FakeRingComm())
+    q = torch.randn(2, 40, 4, 64).to(torch.bfloat16)
+    k = _misaligned(2, 40, 1, 64)
+    # [B, H_kv, S, D] as a model holds it, transposed: torch-contiguous (H_kv = 1), but its head
+    # stride is S x D where k's is D.
+    v = torch.randn(2, 1, 40, 64).to(torch.bfloat16).transpose(1, 2)
+    assert v.is_contiguous() and v.stride() != k.stride()
+    ops._ring_impl(q, k, v, 0, True, None, False)
+    (call,) = calls
+    assert all(p % 16 == 0 for p in call["pointers"]), call["pointers"]
+    assert all(s % 8 == 0 for strides in call["strides"] for s in strides), call["strides"]
+    assert torch.equal(call["k"], k) and torch.equal(call["v"], v)
+
+
+def test_ring_attention_fake_refuses_what_the_op_refuses():
+    """The fake implementation (torch.compile, meta tensors) gave shapes for what the op itself
+    refuses - S_q != S_kv, an odd causal S_local - so a compiled graph failed only when run; and
+    the shape errors of ring_attention were worded as mkernel.attention's."""
+    comm = mkernel.Communicator(_FakeImpl())
+    kv = _meta(2, 32, 2, 64)
+    with pytest.raises(ValueError, match="expected both = S_local"):
+        mkernel.ring_attention(_meta(2, 16, 8, 64), kv, kv, comm)
+    with pytest.raises(ValueError, match="even S_local"):
+        mkernel.ring_attention(_meta(2, 15, 8, 64), _meta(2, 15, 2, 64), _meta(2, 15, 2, 64), comm,
+                               causal=True)
+    with pytest.raises(ValueError, match="mkernel.ring_attention: q must be 4-D"):
+        mkernel.ring_attention(_meta(2, 32, 64), kv, kv, comm)
+    o = mkernel.ring_attention(_meta(2, 15, 8, 64), _meta(2, 15, 2, 64), _meta(2, 15, 2, 64), comm,
+                               causal=False)
+    _assert_like(o, (2, 15, 8, 64), torch.bfloat16)
+
+
 # ---- moe_weights_from_hf -----------------------------------------------------------------------
 
 def _default_apply_gate(self, gate_up):  # transformers 5's, which @use_experts_implementation adds
