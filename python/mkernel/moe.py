@@ -166,9 +166,7 @@ def _dispatch_gemm_impl(x, topk_idx, w, comm, num_experts, b_layout, layout, cap
     _check_device("moe_dispatch_gemm", "topk_idx", topk_idx, c._device)
     plan = _C.moe_plan(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout, capacity,
                        sms)
-    if w.shape[0] != plan[2]:
-        raise ValueError(f"mkernel.moe_dispatch_gemm: w holds {w.shape[0]} experts; this rank has "
-                         f"{plan[2]} (num_experts / world)")
+    _require_local_experts(w, plan)
     x2, idx2, w2 = x.contiguous(), topk_idx.contiguous(), w.contiguous()
     recv = torch.empty(_out_shape(plan, hidden, layout), dtype=torch.bfloat16, device=x.device)
     y = torch.empty(_out_shape(plan, n, layout), dtype=torch.bfloat16, device=x.device)
@@ -183,6 +181,13 @@ def _dispatch_gemm_impl(x, topk_idx, w, comm, num_experts, b_layout, layout, cap
     # (Without return_received the rows stay internal: freed after the launch in stream order.)
     kept = recv if return_received else recv.new_empty((0,) + tuple(recv.shape[1:]))
     return y, expert_rows, handle, kept
+
+
+def _require_local_experts(w, plan):
+    """w [E_local, ...] holds this rank's experts (the op and its fake)."""
+    if w.shape[0] != plan[2]:
+        raise ValueError(f"mkernel.moe_dispatch_gemm: w holds {w.shape[0]} experts; this rank has "
+                         f"{plan[2]} (num_experts / world)")
 
 
 def _gemm_width(x, w, b_layout):
@@ -215,6 +220,7 @@ def _dispatch_gemm_fake(x, topk_idx, w, comm, num_experts, b_layout, layout, cap
     n = _gemm_width(x, w, b_layout)
     plan = _C.moe_plan(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout, capacity,
                        sms)
+    _require_local_experts(w, plan)
     recv_shape = _out_shape(plan, hidden, layout)
     return (x.new_empty(_out_shape(plan, n, layout)),
             x.new_empty((plan[2],), dtype=torch.int32),

@@ -234,6 +234,28 @@ def test_ring_attention_fake_refuses_what_the_op_refuses():
     _assert_like(o, (2, 15, 8, 64), torch.bfloat16)
 
 
+def test_moe_dispatch_gemm_fake_refuses_another_ranks_count_of_experts(monkeypatch):
+    """moe_dispatch_gemm refuses w whose experts are not this rank's E_local (e.g. every rank's
+    experts); its fake implementation did not, so torch.compile traced it and it failed when
+    run."""
+    comm = mkernel.Communicator(_FakeImpl())  # world 2: 8 experts, 4 a rank
+    plans = []
+
+    def moe_plan(impl, tokens, max_tokens, hidden, top_k, num_experts, layout, capacity, sms):
+        plans.append(num_experts)
+        rows = 2 * max_tokens * top_k + 4 * 127
+        return rows, rows, num_experts // 2, 8, 1 << 20, "fake plan"
+
+    monkeypatch.setattr(mkernel.moe, "_C", types.SimpleNamespace(moe_plan=moe_plan))
+    x, idx = _meta(5, 64), _meta(5, 2, dtype=torch.int64)
+    y, expert_rows, handle = mkernel.moe_dispatch_gemm(x, idx, _meta(4, 32, 64), comm, 8)
+    _assert_like(y, (2 * 5 * 2 + 4 * 127, 32), torch.bfloat16)
+    _assert_like(expert_rows, (4,), torch.int32)
+    with pytest.raises(ValueError, match="w holds 8 experts; this rank has 4"):
+        mkernel.moe_dispatch_gemm(x, idx, _meta(8, 32, 64), comm, 8)
+    assert plans == [8, 8]
+
+
 # ---- moe_weights_from_hf -----------------------------------------------------------------------
 
 def _default_apply_gate(self, gate_up):  # transformers 5's, which @use_experts_implementation adds
