@@ -229,7 +229,7 @@ def sdpa_local(q, k_full, v_full, causal, rank, world, backend=None):
         if c > 0:
             before, lse_before = _attend_lse(qc, kt[:, :, :c * half], vt[:, :, :c * half], False,
                                              backend)
-            mix = torch.sigmoid(lse_before - lse).unsqueeze(-1)  # its share of the row's sum
-            out = (out.float() + mix * (before.float() - out.float())).to(q.dtype)
+            share = torch.sigmoid(lse_before - lse).unsqueeze(-1)  # the earlier keys' share
+            out = torch.lerp(out.float(), before.float(), share).to(q.dtype)
         outs.append(out.transpose(1, 2))
     return torch.cat(outs, dim=1)
