@@ -12,7 +12,8 @@
 # tool's `carry`). PATCHES: a comma list as ab_variants.sh takes ("-": none; "queue": the queued
 # patches in order). TARGET: CMake targets; each executable goes in stripped and xz-compressed
 # (~10 MB for bench_ring_bisect, mkernel_gpu_tests, bench_gemm and bench_moe_ranks together).
-# On the GPU machine `bash scripts/unpack_prebuilt.sh NAME` unpacks them; mkernel_gpu_tests
+# mkernel_python: the Python module, for the device's Python 3.12 (PREBUILT_DIR=prebuilt-NAME
+# for scripts/python_gpu_test.sh). On the GPU machine `bash scripts/unpack_prebuilt.sh NAME` unpacks them; mkernel_gpu_tests
 # runs mkrun from the path it was built with, which unpack_prebuilt.sh links to the carried
 # mkrun (build mkrun into the same folder).
 #
@@ -37,13 +38,28 @@ if [[ "$patches" != - && -n "$patches" ]]; then
     git -C "$src" apply "$repo/$p" || { echo "prebuild.sh: $p does not apply" >&2; exit 1; }
   done
 fi
+# The Python module (target mkernel_python) for the device's interpreter, 3.12: PYTHON names an
+# interpreter of that version here with nanobind installed (pyenv's 3.12 by default).
+python_args=()
+if [[ " $* " == *" mkernel_python "* ]]; then
+  py="${PYTHON:-$(ls -d /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)}"
+  [[ -x "$py" ]] && "$py" -m nanobind --cmake_dir >/dev/null ||
+    { echo "prebuild.sh: mkernel_python needs PYTHON=<python3.12 with nanobind>" >&2; exit 1; }
+  python_args=(-DMKERNEL_BUILD_PYTHON=ON -DPython_EXECUTABLE="$py")
+  grep -q '^MKERNEL_BUILD_PYTHON:BOOL=ON' "$src/build/CMakeCache.txt" 2>/dev/null ||
+    rm -f "$src/build/build.ninja"
+fi
 [[ -f "$src/build/build.ninja" ]] ||
   cmake -S "$src" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DMKERNEL_BUILD_TESTS=ON -DMKERNEL_BUILD_BENCH=ON >/dev/null
+    -DMKERNEL_BUILD_TESTS=ON -DMKERNEL_BUILD_BENCH=ON "${python_args[@]}" >/dev/null
 ninja -C "$src/build" "$@"
 
 rm -rf "$out" && mkdir -p "$out"
 for t in "$@"; do
+  if [[ "$t" == mkernel_python ]]; then  # the module _C*.so, which python_gpu_test.sh copies in
+    for so in "$src"/build/_C*.so; do strip -o "$out/$(basename "$so")" "$so" && xz -T0 -f "$out/$(basename "$so")"; done
+    continue
+  fi
   exe="$(find "$src/build" -maxdepth 3 -type f -name "$t" -perm -u+x | head -1)"
   [[ -n "$exe" ]] || { echo "prebuild.sh: no executable $t in $src/build" >&2; exit 1; }
   strip -o "$out/$t" "$exe" && xz -T0 -f "$out/$t"
