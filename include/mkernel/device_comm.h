@@ -18,7 +18,10 @@ enum class SignalId : uint32_t {
   kEntry = 0,              // channel c: "rank src entered this launch"
   kExit = kMaxChannels,    // channel c: "rank src finished writing into / reading from me"
   kOp = 2 * kMaxChannels,  // per-op use: kMaxOpSignals slots
-  kCount = 2 * kMaxChannels + kMaxOpSignals,
+  // channel c: "rank src found that this launch's entry signatures differ" (written before it
+  // leaves the launch: Launch::channel_barrier_agreeing)
+  kVerdict = 2 * kMaxChannels + kMaxOpSignals,
+  kCount = 3 * kMaxChannels + kMaxOpSignals,
 };
 constexpr int kNumSignals = static_cast<int>(SignalId::kCount);
 
@@ -39,16 +42,23 @@ constexpr uint32_t kLocalCounterBit = 1u << 30;
 
 enum class DeviceErrorCode : int32_t {
   kNone = 0,
-  kTimeout = 1,   // a wait on a peer gave up (DeviceComm::error): the communicator is broken
-  kCapacity = 2,  // data errors (DeviceComm::data_error), the launch completes: rows routed to
-  kBadIndex = 3,  // a local expert past the layout's room / an expert id out of range
+  kTimeout = 1,    // a wait on a peer gave up (DeviceComm::error): the communicator is broken
+  kCapacity = 2,   // data errors (DeviceComm::data_error), the launch completes: rows routed to
+  kBadIndex = 3,   // a local expert past the layout's room / an expert id out of range
+  kMismatch = 4,   // (DeviceComm::error, fatal as a time-out) a peer in the same launch entered
+                   // it with another op signature: the ranks disagree on the op or its sizes
+  kBadHandle = 5,  // a combine's handle row pointing outside its problem (another dispatch's)
 };
 
 // Written by the first wait that times out (DeviceComm::error), or by the first data error of a
 // launch (DeviceComm::data_error); host-mapped memory, read by Communicator::check().
 // Data errors use the fields as: kCapacity - peer = the local expert, expected = the rows its
 // layout holds, observed = the rows routed to it; kBadIndex - peer = the token, signal = the
-// top-k slot, expected = the number of experts, observed = the index (int64 bits).
+// top-k slot, expected = the number of experts, observed = the index (int64 bits). kMismatch
+// (in DeviceComm::error) - peer = the rank that disagreed, signal = the entry barrier's slot,
+// expected = this rank's signature, observed = the peer's (Launch::channel_barrier_agreeing).
+// kBadHandle - peer = the handle's row, signal = its field (0 source rank, 1 token, 2 slot),
+// expected = that field's bound (world, max_tokens, top_k), observed = the value.
 struct DeviceErrorRecord {
   int32_t code;        // DeviceErrorCode
   int32_t rank;        // the rank that waited

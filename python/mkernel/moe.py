@@ -133,7 +133,9 @@ def moe_dispatch(x: "torch.Tensor", topk_idx: "torch.Tensor", comm, num_experts:
     layout 'masked' (decode): recv_x [E_local, capacity, H], expert e's rows first in its block;
         capacity = rows per local expert (0: world x max_tokens).
     max_tokens: the most tokens any rank passes (the same on every rank; 0: this call's T, so
-        every rank must then pass the same T). It sizes the communicator's symmetric workspace,
+        every rank must then pass the same T - ranks that disagree on it, or on anything else
+        every rank shares, get MkernelError(code='invalid_argument') from comm.synchronize()
+        naming both ranks, and nothing moves). It sizes the communicator's symmetric workspace,
         allocated (collectively) by the first call with a larger problem - make that call before
         capturing a CUDA graph.
     expert_rows: int32 [E_local] on the GPU (feed it to mkernel.grouped_gemm); handle: a

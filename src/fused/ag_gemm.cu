@@ -262,6 +262,23 @@ void ag_gemm(Communicator& comm, const void* a_shard, const void* b, void* c, in
 }
 
 namespace detail {
+
+std::vector<GemmKernelResources> ag_gemm_kernel_resources() {
+  std::vector<GemmKernelResources> out;
+  gemm_engine::for_each_width([&]<int kBlockN, bool kTransB>() {
+    const std::string name = std::to_string(kBlockN) + (kTransB ? " B[K,N]" : " B[N,K]");
+    out.push_back(kernel_resources(
+        "ag_gemm " + name,
+        reinterpret_cast<const void*>(
+            gemm_engine::prepared_kernel<kBlockN, kTransB, fused::AgGemmFusion<kBlockN>>())));
+    out.push_back(kernel_resources(
+        "ag_gemm nodes " + name,
+        reinterpret_cast<const void*>(
+            gemm_engine::prepared_kernel<kBlockN, kTransB, fused::AgGemmAcrossNodes<kBlockN>>())));
+  });
+  return out;
+}
+
 namespace {
 
 // Every ag_gemm kernel the plans can pick (runtime/kernel_preload.h).

@@ -112,10 +112,13 @@ __device__ __forceinline__ void copy_bytes(const uint8_t* src, uint8_t* dst, uin
 template <int kBlockN, bool kAcrossNodes = false>
 struct AgGemmFusion {
   // Producer warpgroup: the pushes (four 16-byte loads in flight per thread) and waits with
-  // their timeline marks, across nodes also the rail's commands and relays - 48 registers
-  // spilled; the consumers' 224 are what is left.
-  static constexpr gemm_engine::FusionTraits kTraits{
-      .a_rows = true, .init_shared = true, .producer_regs = 56, .consumer_regs = 224};
+  // their timeline marks - 48 registers spilled; the consumers' 224 are what is left. Across
+  // nodes also the rail's commands and relays: 56 spilled 20 bytes there, so 72 (the consumers'
+  // 216 still hold the widest tile's accumulators).
+  static constexpr gemm_engine::FusionTraits kTraits{.a_rows = true,
+                                                     .init_shared = true,
+                                                     .producer_regs = kAcrossNodes ? 72 : 56,
+                                                     .consumer_regs = kAcrossNodes ? 216 : 224};
   CUtensorMap a_local;          // this rank's shard [S, K] (caller's memory), boxes 128 x 64
   CUtensorMap a_gathered;       // workspace [world][S][K], boxes 128 x 64 x 1 (rows clip per shard)
   CUtensorMap c;                // C as [world][S][N], boxes 64 x 64 x 1

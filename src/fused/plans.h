@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "fused/fused_common.h"
 #include "mkernel/fused.h"
@@ -18,3 +19,12 @@ FusedGemmPlan plan_gemm_ar(const PlanContext& ctx, int64_t m, int64_t n, int64_t
                            const FusedGemmConfig& config);
 
 }  // namespace mk::fused
+
+namespace mk {
+struct GemmKernelResources;  // gemm/gemm_internal.h
+}
+namespace mk::detail {
+// Every ag_gemm kernel (widths x B layouts, one node and across nodes), with its compiled
+// resources.
+std::vector<GemmKernelResources> ag_gemm_kernel_resources();
+}  // namespace mk::detail

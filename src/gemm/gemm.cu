@@ -223,14 +223,6 @@ void add_resources(std::vector<GemmKernelResources>& out, const char* what = "ge
           gemm_engine::prepared_kernel<kBlockN, kTransB, Fusion<kBlockN>, kBlockM>())));
 }
 
-// fn.template operator()<kBlockN, kTransB>() for every width and B layout.
-template <class Fn>
-void for_each_width(Fn&& fn) {
-  for (int block_n : {64, 128, 192, 256}) {
-    for (bool trans_b : {false, true}) gemm_engine::dispatch(block_n, trans_b, fn);
-  }
-}
-
 }  // namespace
 
 namespace {
@@ -326,7 +318,7 @@ std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
   add_resources<128, true, gemm_engine::SplitGemm>(out, "split");
   add_resources<192, true, gemm_engine::SplitGemm>(out, "split");
   add_resources<256, true, gemm_engine::SplitGemm>(out, "split");
-  for_each_width([&]<int kBlockN, bool kTransB>() {
+  gemm_engine::for_each_width([&]<int kBlockN, bool kTransB>() {
     if constexpr (kBlockN <= 128) {  // 192-row tiles: widths 64 and 128
       add_resources<kBlockN, kTransB, gemm_engine::TallGemm, 192>(out);
       add_resources<kBlockN, kTransB, gemm_engine::TallSplitGemm, 192>(out, "split");

@@ -48,17 +48,20 @@ auto prepared_kernel() {
   return kernel;
 }
 
+// fn.template operator()<kBlockN, kTransB>() for every width and B layout.
+template <class Fn>
+void for_each_width(Fn&& fn) {
+  for (int block_n : {64, 128, 192, 256}) {
+    for (bool trans_b : {false, true}) dispatch(block_n, trans_b, fn);
+  }
+}
+
 // Every (width, layout) instantiation of a policy template: loaded now, so that no launch waits
 // for lazy loading behind a peer's kernel that waits for this rank (communicator creation).
 template <template <int> class Fusion>
 void preload_all() {
-  for (int block_n : {64, 128, 192, 256}) {
-    for (bool trans_b : {false, true}) {
-      dispatch(block_n, trans_b, [&]<int kBlockN, bool kTransB>() {
-        prepared_kernel<kBlockN, kTransB, Fusion<kBlockN>>();
-      });
-    }
-  }
+  for_each_width(
+      [&]<int kBlockN, bool kTransB>() { prepared_kernel<kBlockN, kTransB, Fusion<kBlockN>>(); });
 }
 
 // The launch's configuration: `grid` persistent CTAs, in clusters of `cluster` (grid a multiple).

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool across = d.nodes > 1;
   const int per = across ? nm.per_node : d.world;
   // Every rank of the node has entered: done reading the last combine's rows from its buffers.
-  if (!launch.channel_barrier(SignalId::kEntry, c, 1)) {
+  if (!launch.channel_barrier_agreeing(SignalId::kEntry, c, d.signature)) {
     launch.end();
     return;
   }
@@ -121,6 +121,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int32_t src = handle[r * 3];
     if (src < 0) continue;
     const int64_t t = handle[r * 3 + 1], j = handle[r * 3 + 2];
+    // A row pointing outside this call's problem (a handle of another dispatch) goes nowhere: a
+    // write there would land anywhere in a peer's workspace. Recorded, and not combined.
+    if (src >= d.world || t < 0 || t >= d.max_tokens || j < 0 || j >= d.top_k) {
+      if (lane == 0) {
+        const int field = src >= d.world ? 0 : t < 0 || t >= d.max_tokens ? 1 : 2;
+        const int64_t bound = field == 0 ? d.world : field == 1 ? d.max_tokens : d.top_k;
+        const int64_t value = field == 0 ? src : field == 1 ? t : j;
+        dev::record_data_error(comm, launch.epoch, DeviceErrorCode::kBadHandle,
+                               static_cast<int32_t>(r), static_cast<uint32_t>(field),
+                               static_cast<uint64_t>(bound), static_cast<uint64_t>(value));
+      }
+      continue;
+    }
     __nv_bfloat16* to;
     uint32_t* flag;
     if (on_my_node(d, nm, src)) {

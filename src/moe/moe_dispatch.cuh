@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int el_n = d.experts_local, words = el_n + 1;
   // Every rank of the node has entered this launch: done with the last one's receive regions
   // and counts, and with what came before it on its stream (the workspace's first zeroing, say).
-  if (!launch.channel_barrier(SignalId::kEntry, c, 1)) {
+  if (!launch.channel_barrier_agreeing(SignalId::kEntry, c, d.signature)) {
     launch.end();
     return;
   }

@@ -56,7 +56,7 @@ constexpr int kPrefetchRows = 3;
 __global__ void __launch_bounds__(kThreads, 1)
     notify_kernel(DeviceComm comm, Dims d, Workspace ws, int tiles_n, int32_t* expert_rows) {
   const dev::Launch launch = dev::Launch::begin(comm);
-  if (!launch.channel_barrier(SignalId::kEntry, 0, 1)) {
+  if (!launch.channel_barrier_agreeing(SignalId::kEntry, 0, d.signature)) {
     launch.end();
     return;
   }
@@ -227,7 +227,19 @@ struct MoeDispatchGemm {
     fused::trace_mark(trace, fused::kTraceProducer, fused::kTraceOperandsIn, tile.shard);
   }
 
-  __device__ void init_shared() const { fused::trace_init(); }
+  __device__ void init_shared() const {
+    fused::trace_init();
+    // Whether the launches before this one failed (notify's entry barrier met a peer with another
+    // signature, or timed out): then the side warps do nothing - no row goes to a peer, whose
+    // offsets may not be this rank's - and the tiles' waits give up at once. Read once, by thread
+    // 0, so that every side thread takes the same path (a failure during this launch may raise
+    // the abort between two threads' reads).
+    sends_off() = dev::Launch::begin(comm).failed();
+  }
+  __device__ static bool& sends_off() {
+    __shared__ bool off;
+    return off;
+  }
 
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
     grouped.load_a(dst, bar, tile, k0);
@@ -311,6 +323,10 @@ struct MoeDispatchGemm {
     const int32_t* pos = ws.at<int32_t>(me, ws.pos);
     const int4* x16 = reinterpret_cast<const int4*>(x);
     if (thread == 0) fused::trace_mark(trace, fused::kTraceSide, fused::kTraceSideStart);
+    // After a failed notify (init_shared) nothing at all: no sends, and no walk - the layout
+    // tables are the last call's, which this call's x and by_local do not match. (Every side
+    // thread reads the same flag: no barrier below is met by some of them only.)
+    if (sends_off()) return;
 
     // 1. Channel c's share of the rows for each other rank, chunk by chunk.
     for (int i = 1; i < d.world; ++i) {

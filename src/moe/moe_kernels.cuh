@@ -77,6 +77,13 @@ struct Dims {
   bool masked;
   bool local_list;            // route_scan_kernel also lists this rank's own pairs (by_local)
   int64_t blocks_per_expert;  // masked: arrival counters per local expert; padded: 0 (by row)
+  // The op and the sizes every rank must share, hashed (dev::entry_signature): the entry
+  // barriers compare it with every peer's on this node (Launch::channel_barrier_agreeing), so
+  // ranks that disagree - a max_tokens of their own, another capacity or SM count, another op -
+  // stop with an error naming them before any row goes to a peer at offsets the peer does not
+  // use. (Across nodes only the node's own ranks are compared: a disagreement between nodes is
+  // not caught here.)
+  uint32_t signature;
 };
 
 // The workspace, from its base on each rank (byte offsets; moe.cu lays it out).

@@ -69,7 +69,7 @@ struct MoeLayerFused {
       dispatch.wait_operands(tile);
     }
   }
-  __device__ void init_shared() const { fused::trace_init(); }
+  __device__ void init_shared() const { dispatch.init_shared(); }
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
     gemms.load_a(dst, bar, tile, k0);
   }

@@ -12,6 +12,7 @@
 
 #include "mkernel/bootstrap.h"
 #include "mkernel/device_comm.h"
+#include "mkernel/error.h"
 #include "mkernel/topology.h"
 #include "runtime/fd_exchange.h"
 #include "runtime/inter_node.h"
@@ -61,7 +62,8 @@ struct CommState {
   int32_t* host_abort = nullptr;      // pinned, mapped: raised by the path's first error
   cudaStream_t copy_streams[2] = {};  // socket staging: to the device, from the device
 
-  std::string broken;  // non-empty once an error broke the communicator
+  std::string broken;                           // non-empty once an error broke the communicator
+  ErrorCode broken_code = ErrorCode::kTimeout;  // what check() raises then
 };
 
 // Collective: allocate and map a symmetric buffer (symmetric.cpp).

@@ -59,6 +59,10 @@ std::string describe_signal(uint32_t signal) {
     return "arrival counter " + std::to_string(signal & ~kLocalCounterBit) +
            " (a count in the op's workspace on that rank)";
   }
+  if (signal >= static_cast<uint32_t>(SignalId::kVerdict)) {
+    return "entry signatures' verdict, channel " +
+           std::to_string(signal - static_cast<uint32_t>(SignalId::kVerdict));
+  }
   if (signal >= static_cast<uint32_t>(SignalId::kOp)) {
     return "op signal " + std::to_string(signal - static_cast<uint32_t>(SignalId::kOp));
   }
@@ -341,10 +345,27 @@ detail::InterNode& Communicator::inter_node() {
 
 namespace {
 
-// The time-out a kernel recorded: who waited how long for whom on what.
-std::string recorded_timeout(const detail::CommState& s) {
+// The fatal error a kernel recorded: a time-out (who waited how long for whom on what), or a
+// mismatch (a peer entered the same launch with another op signature).
+std::string recorded_error(const detail::CommState& s) {
   const volatile DeviceErrorRecord* rec = s.error_host;
   std::ostringstream msg;
+  if (rec->code == static_cast<int32_t>(DeviceErrorCode::kMismatch)) {
+    msg << "rank " << rec->rank << " and rank " << rec->peer
+        << " entered the same launch with different operations or sizes (at the "
+        << describe_signal(rec->signal) << ": signature " << std::hex << rec->expected << " here, ";
+    if (rec->observed != 0) {
+      msg << rec->observed << std::dec << " there)";
+    } else {
+      msg << std::dec << "rank " << rec->peer << " saw the difference first)";
+    }
+    msg << ". Every rank must issue the same operations in the same order, with the sizes they "
+           "share equal - for the MoE ops max_tokens, hidden, top_k, num_experts, the layout, the "
+           "capacity, the SMs and moe_layer's block_n (the token counts may differ; pass "
+           "max_tokens, the largest, on every rank). The communicator is broken: create a new "
+           "one";
+    return msg.str();
+  }
   msg << "rank " << rec->rank << " waited " << static_cast<double>(rec->waited_ns) * 1e-9
       << " s for rank " << rec->peer << " on the " << describe_signal(rec->signal);
   if (rec->signal & kLocalCounterBit) {  // a count, not a (launch, step) value
@@ -386,13 +407,17 @@ void Communicator::check() {
       }
     }
     if (rec->code != static_cast<int32_t>(DeviceErrorCode::kNone)) {
-      s.broken = recorded_timeout(s) + (path_error.empty() ? "" : "; " + path_error);
+      if (rec->code == static_cast<int32_t>(DeviceErrorCode::kMismatch)) {
+        s.broken_code = ErrorCode::kInvalidArgument;
+      }
+      s.broken = recorded_error(s) + (path_error.empty() ? "" : "; " + path_error);
     } else if (!path_error.empty()) {
       s.broken = path_error;
+      s.broken_code = path_code;
       throw Error(path_code, s.broken);
     }
   }
-  if (!s.broken.empty()) throw Error(ErrorCode::kTimeout, s.broken);
+  if (!s.broken.empty()) throw Error(s.broken_code, s.broken);
   // A data error (an op's input or its room): raised once, the communicator stays usable - every
   // launch completed and the ranks are in step.
   volatile DeviceErrorRecord* data = s.error_host + 1;
@@ -410,6 +435,13 @@ void Communicator::check() {
     msg << "MoE routing: rank " << data->rank << ": topk_idx[" << data->peer << "][" << data->signal
         << "] = " << static_cast<int64_t>(data->observed) << " is not an expert id in [0, "
         << data->expected << ") nor -1; that slot was treated as -1";
+  } else if (code == static_cast<int32_t>(DeviceErrorCode::kBadHandle)) {
+    static const char* const kFields[] = {"source rank", "token", "top-k slot"};
+    const uint32_t field = data->signal < 3 ? data->signal : 0;
+    msg << "MoE combine: rank " << data->rank << ": the handle's row " << data->peer << " has "
+        << kFields[field] << " " << static_cast<int64_t>(data->observed) << ", outside [0, "
+        << data->expected << ") of this call's problem - a handle of a dispatch with other sizes? "
+        << "That row was not combined";
   } else {
     msg << "a kernel recorded data error code " << code;
     error = ErrorCode::kInternal;
@@ -424,6 +456,7 @@ void Communicator::synchronize(cudaStream_t stream) {
   check();  // a recorded time-out explains a failed stream better than the CUDA error does
   if (err != cudaSuccess) {
     state_->broken = std::string("stream failed: ") + cudaGetErrorString(err);
+    state_->broken_code = ErrorCode::kCuda;
     throw Error(ErrorCode::kCuda, state_->broken);
   }
 }
@@ -440,7 +473,7 @@ void Communicator::ensure_usable(const char* op) const {
   if (rec->code != 0) {  // an earlier launch's failure, not yet seen by check()
     throw Error(ErrorCode::kNotInitialized,
                 std::string(op) + ": an earlier kernel of this communicator failed: " +
-                    recorded_timeout(*state_) + "; create a new communicator");
+                    recorded_error(*state_) + "; create a new communicator");
   }
 }
 

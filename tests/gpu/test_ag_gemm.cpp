@@ -13,6 +13,8 @@
 
 #include "across_nodes_checks.h"
 #include "collective_checks.h"
+#include "fused/plans.h"
+#include "gemm/gemm_internal.h"
 #include "gemm_reference.h"
 #include "mkernel/fused.h"
 
@@ -349,6 +351,18 @@ void expect_ag_gemm_growing_workspaces(Communicator& comm) {
     const auto [m, n, k] = shapes[i];
     workspaces.push_back(comm.alloc(ag_gemm_workspace_bytes(m / world * world, k)));
     expect_ag_gemm(comm, {m / world, n, k, BLayout::kNK, 0}, seed + i, {}, &workspaces.back());
+  }
+}
+
+// The compiler's resource report for every ag_gemm kernel: no local memory (no spills, no stack)
+// - across nodes too, whose side warps also drive the rail.
+TEST(AgGemm, KernelsDoNotSpill) {
+  MKT_REQUIRE_GPU();
+  const std::vector<GemmKernelResources> kernels = detail::ag_gemm_kernel_resources();
+  ASSERT_EQ(kernels.size(), 16u);  // 4 widths x 2 B layouts, one node and across nodes
+  for (const GemmKernelResources& k : kernels) {
+    EXPECT_EQ(k.local_bytes, 0) << k.name << " uses local memory (register spills or a stack)";
+    std::printf("  %-28s %3d registers\n", k.name.c_str(), k.registers);
   }
 }
 

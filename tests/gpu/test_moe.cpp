@@ -14,6 +14,7 @@
 // bit for bit as the grouped GEMM computes it on those rows (same tile width); both weight
 // layouts, both row layouts, overflow, graph replays with new routing, a missing rank.
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <numeric>
@@ -569,6 +570,140 @@ TEST(InProcessMoe, MissingRankTimesOut) {
         cudaStreamDestroy(s);
       },
       options);
+}
+
+// Ranks that disagree on what every rank must share (here max_tokens, as Python's default - each
+// rank's own T - gives when the ranks' T differ; or one rank in another MoE op): the entry
+// barrier finds it, each rank raises kInvalidArgument naming itself and the peer, well inside the
+// time limit (no hang, no time-out), and no row reached a peer's receive region. Variants:
+//   0 max_tokens differs (moe_dispatch)        1 the capacity differs (moe_dispatch)
+//   2 rank 1 combines while rank 0 dispatches  3 as 0, then a second call queued on each rank
+//     (the rank that finds the difference first goes on to its next launch at once: the other
+//     must still find it, from the first one's verdict)
+//   4 as 0 with moe_dispatch_gemm (notify's barrier, then the fused launch sends nothing)
+TEST(InProcessMoe, RanksThatDisagreeFailNamingIt) {
+  MKT_REQUIRE_GPU();
+  CommOptions options;
+  options.timeout_seconds = 20.0;
+  for (int variant = 0; variant < 5; ++variant) {
+    run_in_process(
+        2,
+        [variant](Communicator& comm) {
+          const int me = comm.rank(), peer = 1 - me;
+          const MoeCase c{8, 2, 256, 64};
+          const World w(c, comm.world_size(), 5, 0);
+          MoeProblem p = problem_of(w, me);
+          if (variant != 1) p.max_tokens += 8 * me;
+          if (variant == 1) p.capacity = me == 0 ? 0 : 4096;
+          MoeProblem largest = p;
+          largest.max_tokens = w.max_tokens + 8;
+          largest.capacity = 4096;
+          const MoePlan plan = moe_plan(comm, p);
+          // The same symmetric buffer on every rank (collective), zeroed: room for either plan.
+          SymmetricBuffer ws = comm.alloc(
+              std::max(moe_plan(comm, largest).workspace_bytes, plan.workspace_bytes) + 4096);
+          cudaStream_t s;
+          MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+          MKT_CUDA(cudaMemsetAsync(ws.data(), 0, ws.size(), s));
+          Buffers b(p, plan, c.index);
+          void *weights = nullptr, *y = nullptr;
+          MKT_CUDA(cudaMalloc(&weights, plan.experts_local * 128 * c.hidden * 2));
+          MKT_CUDA(cudaMalloc(&y, plan.rows * 128 * 2));
+          upload_inputs(w, me, b, s);
+          ready(comm, s);
+          const auto start = std::chrono::steady_clock::now();
+          const auto dispatch = [&] {
+            moe_dispatch(comm, p, b.x, b.topk, c.index, b.recv, b.rows, b.handle, ws.data(), s);
+          };
+          if (variant == 2 && me == 1) {
+            moe_combine(comm, p, b.recv, b.weights, b.handle, b.out, ws.data(), s);
+          } else if (variant == 4) {
+            moe_dispatch_gemm(comm, p, b.x, b.topk, c.index, weights, BLayout::kNK, 128, y, b.recv,
+                              b.rows, b.handle, ws.data(), s);
+          } else {
+            dispatch();
+          }
+          if (variant == 3) dispatch();
+          try {
+            comm.synchronize(s);
+            ADD_FAILURE() << "variant " << variant << ", rank " << me
+                          << ": no error although the ranks disagree";
+          } catch (const Error& e) {
+            const double seconds =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            const std::string msg = e.what();
+            EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << msg;
+            EXPECT_NE(msg.find("rank " + std::to_string(me) + " and rank " + std::to_string(peer) +
+                               " entered the same launch with different operations or sizes"),
+                      std::string::npos)
+                << msg;
+            EXPECT_LT(seconds, 10.0) << "the mismatch took a time-out to surface";
+          }
+          // Nothing in this rank's receive region: no peer sent a row (the workspace was zeroed).
+          std::vector<uint8_t> host(ws.size());
+          MKT_CUDA(cudaMemcpy(host.data(), ws.data(), host.size(), cudaMemcpyDeviceToHost));
+          const std::size_t recv_x_begin =
+              moe::plan_moe(comm.world_size(), 132, p, {}, "test").offsets.recv_x;
+          const std::size_t recv_x_bytes =
+              static_cast<std::size_t>(comm.world_size()) * p.max_tokens * p.hidden * 2;
+          bool untouched = true;
+          for (std::size_t i = recv_x_begin; i < recv_x_begin + recv_x_bytes && i < host.size();
+               ++i) {
+            untouched = untouched && host[i] == 0;
+          }
+          EXPECT_TRUE(untouched) << "variant " << variant << ": a peer's rows reached rank " << me;
+          cudaFree(weights);
+          cudaFree(y);
+          cudaStreamDestroy(s);
+        },
+        options);
+  }
+}
+
+// A combine handed a handle row outside its problem (a token past max_tokens: another dispatch's
+// handle) skips that row and records it; check() names the row, and the communicator stays
+// usable (the next combine with the dispatch's own handle runs).
+TEST(InProcessMoe, CombineRefusesAForeignHandleRow) {
+  MKT_REQUIRE_GPU();
+  run_in_process(1, [](Communicator& comm) {
+    const MoeCase c{8, 2, 256, 64};
+    const World w(c, comm.world_size(), 9, 0);
+    const MoeProblem p = problem_of(w, 0);
+    const MoePlan plan = moe_plan(comm, p);
+    SymmetricBuffer ws = comm.alloc(plan.workspace_bytes);
+    cudaStream_t s;
+    MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    Buffers b(p, plan, c.index);
+    upload_inputs(w, 0, b, s);
+    moe_dispatch(comm, p, b.x, b.topk, c.index, b.recv, b.rows, b.handle, ws.data(), s);
+    comm.synchronize(s);
+    std::vector<int32_t> handle(plan.rows * 3);
+    MKT_CUDA(cudaMemcpy(handle.data(), b.handle, handle.size() * 4, cudaMemcpyDeviceToHost));
+    int64_t row = -1;
+    for (int64_t r = 0; r < plan.rows && row < 0; ++r) {
+      if (handle[r * 3] >= 0) row = r;
+    }
+    ASSERT_GE(row, 0);
+    std::vector<int32_t> foreign = handle;
+    foreign[row * 3 + 1] = static_cast<int32_t>(p.max_tokens + 5);
+    MKT_CUDA(cudaMemcpy(b.handle, foreign.data(), foreign.size() * 4, cudaMemcpyHostToDevice));
+    moe_combine(comm, p, b.recv, b.weights, b.handle, b.out, ws.data(), s);
+    try {
+      comm.synchronize(s);
+      ADD_FAILURE() << "no error for a handle row outside the problem";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << msg;
+      EXPECT_NE(msg.find("the handle's row " + std::to_string(row) + " has token " +
+                         std::to_string(p.max_tokens + 5)),
+                std::string::npos)
+          << msg;
+    }
+    MKT_CUDA(cudaMemcpy(b.handle, handle.data(), handle.size() * 4, cudaMemcpyHostToDevice));
+    moe_combine(comm, p, b.recv, b.weights, b.handle, b.out, ws.data(), s);
+    EXPECT_NO_THROW(comm.synchronize(s));
+    cudaStreamDestroy(s);
+  });
 }
 
 TEST(InProcessMoe, RejectsBadArgumentsBeforeLaunch) {

@@ -221,3 +221,28 @@ def _moe(rank, world, seed, use_nccl):
 
 def test_moe_dispatch_and_combine_match_references():
     _spawn(_moe)
+
+
+def _disagree(rank, world, seed, use_nccl):
+    comm = mkernel.init(timeout_seconds=30)
+    dev = torch.device("cuda", comm.device)
+    torch.cuda.set_device(dev)
+    x = _data(seed, 70, rank, (16, 64)).to(dev)
+    idx = _routing(seed, 70, rank, 16, 2, 8 * world).to(dev)
+    # A first call with room for both problems below: every rank's workspace fits either, so the
+    # ranks meet in the kernels, not in a workspace allocation one of them makes alone.
+    mkernel.moe_dispatch(x, idx, comm, 8 * world, max_tokens=64)
+    comm.synchronize()
+    dist.barrier()
+    # max_tokens of its own on each rank (as the default, this call's T, gives when the ranks' T
+    # differ): an error naming both ranks, not rows at the wrong offsets.
+    mkernel.moe_dispatch(x, idx, comm, 8 * world, max_tokens=16 + 8 * rank)
+    with pytest.raises(mkernel.MkernelError, match="different operations or sizes") as info:
+        comm.synchronize()
+    assert info.value.code == "invalid_argument"
+    assert f"rank {rank} and rank " in str(info.value)
+    dist.barrier()
+
+
+def test_ranks_that_disagree_on_the_problem_get_an_error():
+    _spawn(_disagree)

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "mkernel/device/sync.cuh"
 #include "mkernel/device_comm.h"
@@ -24,6 +25,19 @@ namespace mk::dev {
 
 __host__ __device__ constexpr uint64_t signal_value(uint64_t epoch, uint32_t step) {
   return (epoch << 32) | step;
+}
+
+// An op's signature for Launch::channel_barrier_agreeing (host code): FNV-1a over its kind
+// (any number the op picks) and the sizes every rank must call it with; never 0, which a
+// signal step must not be there.
+inline uint32_t entry_signature(uint32_t op, std::initializer_list<int64_t> sizes) {
+  uint32_t h = 2166136261u;
+  const auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ static_cast<uint32_t>(v & 0xff)) * 16777619u;
+  };
+  mix(op);
+  for (const int64_t v : sizes) mix(static_cast<uint64_t>(v));
+  return h != 0 ? h : 1;
 }
 
 __device__ __forceinline__ bool reached(uint64_t value, uint64_t expected) {
@@ -91,6 +105,11 @@ struct Launch {
                    signal_value(epoch, step));
   }
 
+  // Rank `src`'s word of signal `signal` in this rank's pad.
+  __device__ const uint64_t* word(uint32_t signal, int src) const {
+    return comm.signals + static_cast<uint64_t>(signal) * comm.world_size + src;
+  }
+
   // Wait until rank `src` raised `signal` to at least (epoch, step). False on time-out / abort,
   // and across nodes once this rank's inter-node path failed: a local signal may stand for data
   // that crossed the network (a relay's copy), and the operation cannot finish anyway.
@@ -142,6 +161,49 @@ struct Launch {
     return __syncthreads_and(ok) != 0;
   }
 
+  // channel_barrier whose signal carries this rank's `signature` of the op (nonzero: what its
+  // kind and the sizes every rank must share hash to, entry_signature above) instead of a step.
+  // A peer that entered the same launch with another value - other sizes, another op at this
+  // point of its stream (whose buffers this rank would read and write at other offsets), or an
+  // op whose entry barrier signals 0 - is recorded as DeviceErrorCode::kMismatch, which aborts
+  // this rank's waits as a time-out does; false on every thread then, as on a failed wait. A
+  // peer already past this launch (its next value in the slot) compared this rank's signature
+  // itself, and left its verdict in kVerdict before it went on. False too once this rank's
+  // launch has failed elsewhere (a sibling CTA found a difference first).
+  __device__ bool channel_barrier_agreeing(SignalId id, int channel, uint32_t signature) const {
+    const uint32_t sig = signal_index(id, channel);
+    const uint32_t verdict = signal_index(SignalId::kVerdict, channel);
+    __syncthreads();
+    bool ok = true;
+    for (int t = threadIdx.x; t < comm.local_size; t += blockDim.x) {
+      if (t == comm.local_rank) continue;
+      fence_acq_rel_sys();
+      signal(t, sig, signature);
+    }
+    for (int t = threadIdx.x; t < comm.local_size; t += blockDim.x) {
+      if (t == comm.local_rank) continue;
+      const int src = comm.node_ranks[t];
+      if (!wait(src, sig, 0)) {
+        ok = false;
+        continue;
+      }
+      const uint64_t seen = ld_acquire_sys(word(sig, src));
+      uint32_t theirs = static_cast<uint32_t>(seen);
+      bool differs = theirs != signature;
+      if (static_cast<uint32_t>(seen >> 32) != static_cast<uint32_t>(epoch)) {  // past it
+        theirs = 0;  // (unknown here: its slot holds its next launch's)
+        differs = static_cast<uint32_t>(ld_acquire_sys(word(verdict, src)) >> 32) ==
+                  static_cast<uint32_t>(epoch);
+      }
+      if (differs) {
+        record_fatal(DeviceErrorCode::kMismatch, src, sig, signature, theirs, 0);
+        signal(t, verdict, 1);  // for the peer, should it find this rank past the launch
+        ok = false;
+      }
+    }
+    return __syncthreads_and(ok) != 0 && !failed();
+  }
+
   // Every CTA calls this last (all threads). The last CTA to arrive publishes epoch + 1.
   __device__ void end() const {
     __syncthreads();
@@ -176,15 +238,17 @@ struct Launch {
         if (aborted() || (path_abort != nullptr && ld_relaxed_sys(path_abort) != 0)) return false;
         const uint64_t waited = global_timer_ns() - start;
         if (comm.timeout_ns != 0 && waited > comm.timeout_ns) {
-          record_timeout(src, tag, expected, seen, waited);
+          record_fatal(DeviceErrorCode::kTimeout, src, tag, expected, seen, waited);
           return false;
         }
       }
     }
   }
 
-  __device__ void record_timeout(int src, uint32_t signal, uint64_t expected, uint64_t seen,
-                                 uint64_t waited) const {
+  // The communicator's first fatal error (a time-out, a mismatch): the record, and this rank's
+  // abort, which every other wait of this rank sees.
+  __device__ void record_fatal(DeviceErrorCode code, int src, uint32_t signal, uint64_t expected,
+                               uint64_t seen, uint64_t waited) const {
     if (atomicCAS(&comm.state->abort, 0, 1) != 0) return;  // someone else reports
     DeviceErrorRecord* rec = comm.error;
     rec->rank = comm.rank;
@@ -194,8 +258,7 @@ struct Launch {
     rec->observed = seen;
     rec->waited_ns = waited;
     __threadfence_system();
-    *reinterpret_cast<volatile int32_t*>(&rec->code) =
-        static_cast<int32_t>(DeviceErrorCode::kTimeout);
+    *reinterpret_cast<volatile int32_t*>(&rec->code) = static_cast<int32_t>(code);
     __threadfence_system();
   }
 };
