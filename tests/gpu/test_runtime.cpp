@@ -223,7 +223,9 @@ TEST(InProcessRuntime, AllocFailingOnOneRankLeaksNoFdsOrMemory) {
         size_t free_after = 0;
         MKT_CUDA(cudaMemGetInfo(&free_after, &total));
         if (r == 0) {
-          EXPECT_EQ(open_fds(), fds_before) << "file descriptors leaked";
+          // At most as many: both ranks are threads of this process, and the driver opens and
+          // closes descriptors of its own (one fewer after than before on an H100, 2026-12-06).
+          EXPECT_LE(open_fds(), fds_before) << "file descriptors leaked";
           EXPECT_GE(free_after + (64u << 20), free_before)
               << "GPU memory leaked: " << free_before - free_after;
         }
