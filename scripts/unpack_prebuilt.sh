@@ -2,6 +2,11 @@
 # On the GPU machine: unpacks prebuilt-NAME/ (scripts/prebuild.sh) in place, and links the path
 # the tests were built to run mkrun from to the carried mkrun.
 #   bash scripts/unpack_prebuilt.sh NAME...
+# Run it at the start of every call that uses them: each call re-sends the working tree, and the
+# carried folders arrive compressed again (2 s for two variants). Then e.g.
+#   prebuilt-v1/mkernel_gpu_tests --gtest_filter='*Moe*'    prebuilt-v1/bench_ring_bisect --sms 66
+#   PREBUILT_DIR=prebuilt-v0 PYTHON_TESTS=0 bash scripts/python_gpu_test.sh   (the module, if built)
+# (first run: 2026-12-06 on an H100, v0 = main and v1 = the queue, both ran as built here).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 for name in "$@"; do
