@@ -49,6 +49,9 @@ enum Bits : int {
   kAllBits = 511,
 };
 constexpr int kEngine = -1;  // the plain engine (PlainAttention), the baseline
+// The library's one-round ring (RingAttention<D, true>: the carried state compiled out), which
+// ring_attention launches on one node up to 1 + kRingSlots ranks.
+constexpr int kOneRoundRing = -2;
 
 template <int kHeadDim, int kBits>
 struct RingVariant : attention_engine::RingAttention<kHeadDim> {

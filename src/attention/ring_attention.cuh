@@ -88,7 +88,12 @@ __host__ __device__ constexpr int ring_round_of(int step) {
   return step <= kRingSlots ? 0 : (step - 1) / kRingSlots;
 }
 
-template <int kHeadDim>
+// kOneRound: the launch is the call's only one and covers every step in one round (one node,
+// world <= 1 + kRingSlots): no softmax state ever comes from a round or launch before or goes
+// to one after, so its paths (the state's loads and stores, the kernel's step loop) are compiled
+// out of the consumers. Otherwise (more ranks, or across nodes) they stay, taken at run time.
+// ring_attention takes it for non-causal calls only: causal ones measured slower with it.
+template <int kHeadDim, bool kOneRound = false>
 struct RingAttention {
   static constexpr int kORegs = kHeadDim / 2;
   // The side warps copy with 2 vectors in flight per lane and keep the schedule's counters.
@@ -158,7 +163,9 @@ struct RingAttention {
   }
   // The global rank whose chunk local rank i holds in this launch: the node's own ranks in the
   // first (one node: the only) launch, another node's later (chunk_rank, filled then only).
-  __device__ int owner(int i) const { return carry_first ? chunk_rank[i] : comm.node_ranks[i]; }
+  __device__ int owner(int i) const { return carries_in() ? chunk_rank[i] : comm.node_ranks[i]; }
+  // Whether the softmax state comes from the launch before (never with kOneRound).
+  __device__ bool carries_in() const { return !kOneRound && carry_first; }
   // The chunk (of 2 world, zigzag) that part p of global rank r holds.
   __device__ int chunk_of(int r, int p) const { return p == 0 ? r : 2 * world - 1 - r; }
   // The local rank whose chunk step j reads: (local rank - step) mod ring size, step < that.
@@ -168,7 +175,7 @@ struct RingAttention {
   }
 
   // Rounds of steps (see the header).
-  __device__ int num_steps() const { return rounds; }
+  __device__ int num_steps() const { return kOneRound ? 1 : rounds; }
   __device__ int first_step(int round) const { return ring_first_step(round); }
   __device__ int last_step(int round) const {
     return min(comm.local_size - 1, ring_first_step(round + 1) - 1);
@@ -207,8 +214,8 @@ struct RingAttention {
     // On one node round 0 always has blocks (step 0: the diagonal, or everything); across nodes
     // a launch's may have none (a node's chunks all after this tile's): the state carries
     // through.
-    w.carry_in = round > 0 || carry_first;
-    w.carry_out = round < rounds - 1 || carry_last;
+    w.carry_in = !kOneRound && (round > 0 || carry_first);
+    w.carry_out = !kOneRound && (round < num_steps() - 1 || carry_last);
     return w;
   }
   // Block i of an item: its step, key part and block (each part's from the last down), and
@@ -280,7 +287,7 @@ struct RingAttention {
     if (part_len % 128 == 0) {
       // (Only the node's own chunks, launch 0, have a diagonal: step 0's is this rank's own.)
       const bool diagonal =
-          causal && !carry_first && w.step == 0 && i == (w.part == 0 ? 0 : blocks_per_part);
+          causal && !carries_in() && w.step == 0 && i == (w.part == 0 ? 0 : blocks_per_part);
       return {diagonal, 128, diagonal ? 0 : (1 << 30)};
     }
     const Block blk = block_of(w, i);
@@ -383,7 +390,7 @@ struct RingAttention {
     // left: each thread reads the failure flags itself, and they may be raised between two
     // threads' reads.
     bool stop = side_barrier(launch, threads);
-    for (int round = 0; round < rounds; ++round) {
+    for (int round = 0; round < num_steps(); ++round) {
       // The destinations' slots of the round: their last readers there (steps kRingSlots
       // earlier) are done on every CTA of the destination.
       for (int j = max(1, first_step(round)); thread == 0 && !stop && j <= last_step(round); ++j) {
