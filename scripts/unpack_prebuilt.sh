@@ -6,6 +6,7 @@
 # carried folders arrive compressed again (2 s for two variants). Then e.g.
 #   prebuilt-v1/mkernel_gpu_tests --gtest_filter='*Moe*'    prebuilt-v1/bench_ring_bisect --sms 66
 #   PREBUILT_DIR=prebuilt-v0 PYTHON_TESTS=0 bash scripts/python_gpu_test.sh   (the module, if built)
+#   BUILD=$PWD/prebuilt-v0/build bash scripts/device_run.sh python bench      (the links below)
 # (first run: 2026-12-06 on an H100, v0 = main and v1 = the queue, both ran as built here).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -18,5 +19,17 @@ for name in "$@"; do
     path="$(cat "$dir/MKRUN_PATH")"
     mkdir -p "$(dirname "$path")" && ln -sf "$dir/mkrun" "$path"
   fi
+  # A build tree's layout of links (build/bench/bench_*, build/tests/mkernel_gpu_tests, the
+  # module in build/), so that the steps that take BUILD run on them as they are:
+  #   BUILD=$PWD/prebuilt-NAME/build BENCH_KERNELS="gemm ring_attention" bash scripts/device_run.sh python bench
+  mkdir -p "$dir/build/bench" "$dir/build/tests"
+  for f in "$dir"/*; do
+    [[ -f "$f" ]] || continue
+    case "$(basename "$f")" in
+      bench_*) ln -sf "$f" "$dir/build/bench/" ;;
+      mkernel_gpu_tests) ln -sf "$f" "$dir/build/tests/" ;;
+      _C*.so) ln -sf "$f" "$dir/build/" ;;
+    esac
+  done
   echo "unpack_prebuilt.sh: $dir ($(cat "$dir/COMMIT" 2>/dev/null || echo '?'))"
 done
