@@ -17,7 +17,9 @@
 # from the system when it has one (its image of 2026-11-30 had 1.14 in /usr), else from `.deps`:
 # run scripts/pack_deps.sh here and carry `.deps` (and `build` to reuse a build made here).
 # A call that only runs (tests, benchmarks) can skip building there altogether: scripts/prebuild.sh
-# builds the executables here, stripped and compressed, and scripts/unpack_prebuilt.sh unpacks them.
+# builds the executables here, stripped and compressed, and scripts/unpack_prebuilt.sh unpacks them
+# (then BUILD=$PWD/prebuilt-NAME/build for the python and bench steps; scripts/ab_prebuilt.sh
+# times prebuilt variants side by side).
 #
 # Environment knobs: BUILD (build: the CMake build directory), BUILD_TARGETS (build: only these
 # targets), JOBS (build: parallel jobs; nproc), BACKEND (socket), BUILD_TYPE (Release), CMAKE_ARGS,
