@@ -23,7 +23,8 @@
 # the first. The log: $OUT/ab.log (and stdout, the tables' lines).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-export NCCL_NVLS_ENABLE=0 NCCL_NVLS_DISABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_NVLS_ENABLE=0 NCCL_NVLS_DISABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export NVSHMEM_DISABLE_NVLS=1
 rounds="${1:?usage: ab_prebuilt.sh ROUNDS NAME...}"
 shift
 (($# >= 1)) || { echo "ab_prebuilt: no variant" >&2; exit 2; }
@@ -34,10 +35,14 @@ results=/tmp/ab-prebuilt
 rm -rf "$results" && mkdir -p "$OUT" "$results"
 exec > >(tee -a "$OUT/ab.log") 2>&1
 deadline=$((SECONDS + ${AB_DEADLINE:-540}))
-rank_points="${AB_RANK_POINTS:-qwen3_235b:512,qwen3_235b:2048,qwen3_235b:4096,deepseek_v3:2048,mixtral:2048}"
+default="qwen3_235b:512,qwen3_235b:2048,qwen3_235b:4096,deepseek_v3:2048,mixtral:2048"
+rank_points="${AB_RANK_POINTS:-$default}"
 prefix_points="${AB_PREFIX_POINTS:-qwen3_235b:1024,qwen3_235b:8192}"
-gemm_shapes="${AB_GEMM_SHAPES:-640x2048x7168,768x2048x7168,384x4096x14336,640x4096x14336,256x14336x4096,512x7168x2048,640x7168x2048,2048x7168x2048,256x28672x8192,8192x8192x8192}"
-echo "ab_prebuilt: data seed $MKERNEL_BENCH_SEED; variants ${names[*]}; runs ${AB_RUNS:-moe gemm ring}"
+default="640x2048x7168,768x2048x7168,384x4096x14336,640x4096x14336,256x14336x4096"
+default+=",512x7168x2048,640x7168x2048,2048x7168x2048,256x28672x8192,8192x8192x8192"
+gemm_shapes="${AB_GEMM_SHAPES:-$default}"
+echo "ab_prebuilt: data seed $MKERNEL_BENCH_SEED; variants ${names[*]};" \
+     "runs ${AB_RUNS:-moe gemm ring}"
 bash scripts/unpack_prebuilt.sh "${names[@]}" || exit 1
 
 # Runs "$@" (a benchmark writing $json) for variant i, round r, unless past the deadline.
@@ -87,7 +92,9 @@ if [[ -n "${AB_TESTS:-}" ]]; then
     MKERNEL_BOOTSTRAP_TIMEOUT_S=60 timeout "$left" "$dir/mkernel_gpu_tests" --gtest_brief=1 \
       --gtest_filter="$AB_TESTS" >"$results/tests-v$i/test.log" 2>&1
     rc=$?
-    echo "ab_prebuilt: ${names[$i]} tests ($AB_TESTS): $([[ $rc == 0 ]] && echo PASS || echo "FAIL (rc $rc)")"
+    verdict=PASS
+    ((rc == 0)) || verdict="FAIL (rc $rc)"
+    echo "ab_prebuilt: ${names[$i]} tests ($AB_TESTS): $verdict"
     grep -E "^\[  FAILED  \]" "$results/tests-v$i/test.log" | head -20
     ((rc == 0)) || status=1
     tar -czf "$OUT/ab-results.tar.gz" -C "$results" .
