@@ -35,6 +35,9 @@
 //                                 issues its TMA loads, e.g. a peer's partial sums) - and
 //                                 store(..., ring) gets them as an EpilogueRing (below)
 //   tile_counter()                dynamic_tiles: a zeroed int the CTAs take work items from
+//   consumer_prologue(thread, threads)  every consumer thread (128 x kConsumers), before its
+//                                 first tile: work for warps that would only wait for the first
+//                                 tile's operands (moe_dispatch_gemm: the sends to its peers)
 // with its batched B and register split. check_fusion<Cfg, Fusion>() holds the declaration
 // against the members: a misspelt or missing hook, or one present but not declared, fails to
 // compile (each policy static_asserts it for its widths; the kernel once more).
@@ -206,6 +209,7 @@ struct FusionTraits {
   // for a policy whose finish() or shared-memory setup counts on the static order (PlainGemm's
   // split K, gemm_rs).
   bool dynamic_tiles = false;
+  bool consumer_prologue = false;
   int producer_regs = 40;
   int consumer_regs = 232;
 };
@@ -243,6 +247,10 @@ concept HasTileCounter = requires(const F f) {
   { f.tile_counter() } -> std::same_as<int*>;
 };
 template <class F>
+concept HasConsumerPrologue = requires(const F f, int i) {
+  { f.consumer_prologue(i, i) } -> std::same_as<void>;
+};
+template <class F>
 concept HasMidTile = requires(const F f, typename F::ConsumerState& state) {
   { f.mid_tile(state) } -> std::same_as<void>;
 };
@@ -275,6 +283,7 @@ constexpr bool fusion_matches() {
     return t.a_rows == HasARows<F> && t.load_b == HasLoadB<F> &&
            t.init_shared == HasInitShared<F> && t.mid_tile == HasMidTile<F> &&
            t.epilogue_loads == HasEpilogueLoads<F> && t.dynamic_tiles == HasTileCounter<F> &&
+           t.consumer_prologue == HasConsumerPrologue<F> &&
            !(t.dynamic_tiles && t.epilogue_loads) &&
            (t.epilogue_loads ? HasRingStore<F, Cfg::kAccRegs>
                              : HasStore<F, Cfg::kAccRegs>)&&t.producer_regs %
@@ -306,6 +315,8 @@ constexpr bool check_fusion() {
                 "kTraits.epilogue_loads does not match epilogue_loads(tile) + load_epilogue(...)");
   static_assert(traits.dynamic_tiles == HasTileCounter<F>,
                 "kTraits.dynamic_tiles does not match a tile_counter()");
+  static_assert(traits.consumer_prologue == HasConsumerPrologue<F>,
+                "kTraits.consumer_prologue does not match a consumer_prologue(thread, threads)");
   static_assert(!(traits.dynamic_tiles && traits.epilogue_loads),
                 "dynamic tiles have no Tile::next for an epilogue's loads");
   static_assert(traits.epilogue_loads ? HasRingStore<F, kRegs> : HasStore<F, kRegs>,
@@ -703,6 +714,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   } else {
     // ---- consumers ----
     dev::warpgroup_reg_alloc<kTraits.consumer_regs>();
+    if constexpr (kTraits.consumer_prologue) {
+      fusion.consumer_prologue(threadIdx.x - 128, 128 * Cfg::kConsumers);
+    }
     const int consumer = warpgroup - 1;  // rows [64 * consumer, 64 * consumer + 64) of the tile
     const bool leader = threadIdx.x % 128 == 0;
     float acc[Cfg::kAccRegs];

@@ -11,7 +11,9 @@
 //     side warps (the producer warpgroup's three spare warps):
 //       1. send    channel c's share of the rows for each other rank, in chunks of kChunkRows,
 //                  and for each row where its (token, slot) pairs come in that rank's layout
-//                  order (recv_order); after each chunk signal kOp + c with step = chunks so far
+//                  order (recv_order) - copied by the consumers (below); side thread 0
+//                  signals kOp + c with step = chunks so far once every consumer warp has
+//                  counted the chunk copied
 //       2. wait    until every other rank's channels have signalled all their chunks
 //       3. place   every row bound here in layout order - this rank's own from x (by_local),
 //                  received ones from their staging (recv_order) - in units of kChunkRows taken
@@ -25,7 +27,9 @@
 //               rows, then orders that acquire before its TMA reads (proxy fence); a CTA's
 //               tiles after its first come from a counter (the engine's dynamic tiles: the
 //               tiles running side by side stay neighbours, whenever each CTA's rows came in)
-//     consumers: the grouped GEMM's (y in the dispatch layout)
+//     consumers: first the sends' copies (the engine's consumer_prologue: until the walk
+//               places the first tile's rows, which needs every peer's rows, they would only
+//               wait), then the grouped GEMM's tiles (y in the dispatch layout)
 //
 //   block of a layout row:  padded - row / 128 (experts start on multiples of 128);
 //                           masked - e x ceil(capacity / 128) + (row - e x capacity) / 128
@@ -157,10 +161,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   launch.end();
 }
 
-// One warp copies a row of n16 16-byte words, kInFlight per lane (kFresh: src may have been
-// written during the kernel - read through L2). The side warps run on the producer warpgroup's
-// few registers: 32-bit indices, four vectors in flight (eight spilled).
-template <bool kFresh, int kInFlight = 4>
+// One warp copies a row of n16 16-byte words, kInFlight per lane, read through L2 (src may have
+// been written during the kernel). The side warps run on the producer warpgroup's few
+// registers: 32-bit indices, four vectors in flight (eight spilled).
+template <int kInFlight = 4>
 __device__ __forceinline__ void copy_row_warp(const int4* src, int4* dst, int n16, int lane) {
   auto load_fresh = [](const int4* p) {
     const uint4 v = dev::load_l2(p);
@@ -171,12 +175,28 @@ __device__ __forceinline__ void copy_row_warp(const int4* src, int4* dst, int n1
   for (; i + 32 * (kInFlight - 1) < n16; i += 32 * kInFlight) {
     int4 v[kInFlight];
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u)
-      v[u] = kFresh ? load_fresh(src + i + 32 * u) : __ldg(src + i + 32 * u);
+    for (int u = 0; u < kInFlight; ++u) v[u] = load_fresh(src + i + 32 * u);
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) dst[i + 32 * u] = v[u];
   }
-  for (; i < n16; i += 32) dst[i] = kFresh ? load_fresh(src + i) : __ldg(src + i);
+  for (; i < n16; i += 32) dst[i] = load_fresh(src + i);
+}
+
+// One warp copies a row of n16 16-byte words with kInFlight per lane, every word of a round in
+// flight at once (the tail too): the consumers' copies, on registers to spare.
+template <int kInFlight>
+__device__ __forceinline__ void copy_row_wide(const int4* src, int4* dst, int n16, int lane) {
+  for (int base = lane; base < n16; base += 32 * kInFlight) {
+    int4 v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      if (base + 32 * u < n16) v[u] = __ldg(src + base + 32 * u);
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      if (base + 32 * u < n16) dst[base + 32 * u] = v[u];
+    }
+  }
 }
 
 template <int kBlockN>
@@ -187,9 +207,12 @@ struct MoeDispatchGemm {
   static constexpr gemm_engine::FusionTraits kTraits{.init_shared = true,
                                                      .batched_b = true,
                                                      .dynamic_tiles = true,
+                                                     .consumer_prologue = true,
                                                      .producer_regs = 88,
                                                      .consumer_regs = 208};
   static constexpr int kSideBarrier = 3;  // named barrier of the 96 side threads
+  // The sends (consumer_prologue): the consumers copy, up to 8 KB of a row in flight a warp.
+  static constexpr int kSendInFlight = 16;
 
   gemm_engine::GroupedGemm<kBlockN> grouped;  // A = recv [rows, H], C = y, the layout's tables
   DeviceComm comm;
@@ -229,16 +252,32 @@ struct MoeDispatchGemm {
 
   __device__ void init_shared() const {
     fused::trace_init();
+    for (int w = 0; w < kMaxSendWarps; ++w) chunks_copied()[w] = 0;
     // Whether the launches before this one failed (notify's entry barrier met a peer with another
-    // signature, or timed out): then the side warps do nothing - no row goes to a peer, whose
-    // offsets may not be this rank's - and the tiles' waits give up at once. Read once, by thread
-    // 0, so that every side thread takes the same path (a failure during this launch may raise
-    // the abort between two threads' reads).
+    // signature, or timed out): then the side warps do nothing and the consumers copy no sends -
+    // no row goes to a peer, whose offsets may not be this rank's - and the tiles' waits give up
+    // at once. Read once, by thread 0, so that every side thread and every consumer takes the
+    // same path (a failure during this launch may raise the abort between two threads' reads).
     sends_off() = dev::Launch::begin(comm).failed();
   }
   __device__ static bool& sends_off() {
     __shared__ bool off;
     return off;
+  }
+
+  // The sends' hand-over (consumer_prologue, signal_sends): each consumer warp counts the chunks
+  // it has copied in a word of its own, and side thread 0 signals the CTA's j-th chunk once every
+  // warp's count has reached j. A word a warp, not one running total: the warps do not wait for
+  // each other, so a total could reach j x warps while a slow warp still copies chunk j (the
+  // others already counting later chunks). Counts, not a named barrier: bar.sync wants every
+  // participant at the same instruction, which two roles' code is not (compute-sanitizer's
+  // synccheck reported divergent threads at such a barrier), and only thread 0 of the side warps
+  // has anything to wait for.
+  static constexpr int kMaxSendWarps = 12;  // consumer warps: up to three warpgroups
+  // The counts, a word per consumer warp.
+  __device__ static uint32_t* chunks_copied() {
+    __shared__ uint32_t count[kMaxSendWarps];
+    return count;
   }
 
   __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
@@ -311,28 +350,29 @@ struct MoeDispatchGemm {
     }
   }
 
-  // The side warps' four steps (the header). Indices are 32-bit (rows and tokens below 2^31):
-  // these warps run on the producer warpgroup's few registers.
-  __device__ void side_task(int thread, int threads) const {
-    const int warp = thread / 32, lane = thread % 32, warps = threads / 32;
-    const int c = blockIdx.x, channels = gridDim.x;
+  // 1. Channel c's share of the rows for each other rank, chunk by chunk. The consumers copy
+  //    them (consumer_prologue: they would only wait for the first tile's rows, which the walk
+  //    places after every peer's rows have landed, and they have the registers for 8 KB of a row
+  //    in flight a warp - the side warps' 88 keep four vectors a lane); side thread 0 signals
+  //    each chunk once every consumer warp has counted it copied (signal_sends).
+  __device__ void send_share(int dst, int64_t& lo, int64_t& hi) const {
+    share(ws.at<int32_t>(d.rank, ws.totals)[d.experts + dst], blockIdx.x, gridDim.x, lo, hi);
+  }
+
+  // The consumers, before their first tile (`thread` of `threads`).
+  __device__ void consumer_prologue(int thread, int threads) const {
     const int el_n = d.experts_local, k = d.top_k, me = d.rank;
     const int n16 = static_cast<int>(d.hidden / 8);
     const LayoutTables lt = layout_tables(d.world, el_n);
     const int32_t* tables = ws.at<int32_t>(me, ws.layout);
     const int32_t* pos = ws.at<int32_t>(me, ws.pos);
     const int4* x16 = reinterpret_cast<const int4*>(x);
-    if (thread == 0) fused::trace_mark(trace, fused::kTraceSide, fused::kTraceSideStart);
-    // After a failed notify (init_shared) nothing at all: no sends, and no walk - the layout
-    // tables are the last call's, which this call's x and by_local do not match. (Every side
-    // thread reads the same flag: no barrier below is met by some of them only.)
-    if (sends_off()) return;
-
-    // 1. Channel c's share of the rows for each other rank, chunk by chunk.
-    for (int i = 1; i < d.world; ++i) {
+    const int warp = thread / 32, lane = thread % 32, warps = threads / 32;
+    // (None after a failed notify: init_shared; the side warps stop there too.)
+    for (int i = 1; i < (sends_off() ? 1 : d.world); ++i) {
       const int dst = (me + i) % d.world;
       int64_t lo, hi;
-      share(ws.at<int32_t>(me, ws.totals)[d.experts + dst], c, channels, lo, hi);
+      send_share(dst, lo, hi);
       const int64_t region = static_cast<int64_t>(me) * d.max_tokens;
       int4* rx = reinterpret_cast<int4*>(ws.at<__nv_bfloat16>(dst, ws.recv_x)) + region * n16;
       int32_t* meta = ws.at<int32_t>(dst, ws.recv_meta) + region * d.meta_ints;
@@ -340,13 +380,12 @@ struct MoeDispatchGemm {
       const int32_t* sent = tables + lt.sent + dst * (el_n + 1);
       const int32_t* list =
           ws.at<int32_t>(me, ws.send_list) + static_cast<int64_t>(dst) * d.max_tokens;
-      uint32_t chunk = 0;
       for (int first = static_cast<int>(lo); first < hi; first += kChunkRows) {
         const int last = min(static_cast<int>(hi), first + kChunkRows);
         for (int slot = first + warp; slot < last; slot += warps) {
           const int t = list[slot];
-          copy_row_warp<false>(x16 + static_cast<int64_t>(t) * n16,
-                               rx + static_cast<int64_t>(slot) * n16, n16, lane);
+          copy_row_wide<kSendInFlight>(x16 + static_cast<int64_t>(t) * n16,
+                                       rx + static_cast<int64_t>(slot) * n16, n16, lane);
           if (lane == 0) meta[static_cast<int64_t>(slot) * d.meta_ints] = t;
           if (lane < k) {  // where each of its rows there comes in the receiver's layout order
             const int64_t e = topk_at(static_cast<int64_t>(t) * k + lane);
@@ -355,14 +394,51 @@ struct MoeDispatchGemm {
             }
           }
         }
-        dev::named_barrier_sync(kSideBarrier, threads);
-        if (thread == 0) {
-          dev::fence_acq_rel_sys();
-          dev::Launch::begin(comm).signal(dst, dev::signal_index(SignalId::kOp, c), ++chunk);
-        }
+        __syncwarp();  // the lanes' stores before lane 0's release
+        if (lane == 0) dev::red_add_release_cta(&chunks_copied()[warp], 1);
       }
-      if (thread == 0) fused::trace_mark(trace, fused::kTraceSide, fused::kTraceSent, dst);
     }
+  }
+
+  // Side thread 0: each chunk's signal, once each of the `warps` consumer warps has copied it.
+  __device__ void signal_sends(int warps) const {
+    if (warps > kMaxSendWarps) __trap();  // (a launch shape the counts have no words for)
+    uint32_t copied = 0;
+    for (int i = 1; i < d.world; ++i) {
+      const int dst = (d.rank + i) % d.world;
+      int64_t lo, hi;
+      send_share(dst, lo, hi);
+      uint32_t chunk = 0;
+      for (int64_t first = lo; first < hi; first += kChunkRows) {
+        ++copied;
+        for (int w = 0; w < warps; ++w) {
+          while (dev::ld_acquire_cta(&chunks_copied()[w]) < copied) {
+          }
+        }
+        dev::fence_acq_rel_sys();  // the consumers' stores (acquired above) before the signal
+        dev::Launch::begin(comm).signal(dst, dev::signal_index(SignalId::kOp, blockIdx.x), ++chunk);
+      }
+      fused::trace_mark(trace, fused::kTraceSide, fused::kTraceSent, dst);
+    }
+  }
+
+  // The side warps' four steps (the header). Indices are 32-bit (rows and tokens below 2^31):
+  // these warps run on the producer warpgroup's few registers.
+  __device__ void side_task(int thread, int threads) const {
+    const int warp = thread / 32, lane = thread % 32, warps = threads / 32;
+    const int c = blockIdx.x, channels = gridDim.x;
+    const int el_n = d.experts_local, me = d.rank;
+    const int n16 = static_cast<int>(d.hidden / 8);
+    const LayoutTables lt = layout_tables(d.world, el_n);
+    const int32_t* tables = ws.at<int32_t>(me, ws.layout);
+    if (thread == 0) fused::trace_mark(trace, fused::kTraceSide, fused::kTraceSideStart);
+    // After a failed notify (init_shared) nothing at all: no signals, and no walk - the layout
+    // tables are the last call's, which this call's x and by_local do not match. (Every side
+    // thread reads the same flag: no barrier below is met by some of them only.)
+    if (sends_off()) return;
+
+    // 1. The sends (the consumers copy, thread 0 signals; the other side threads go on to 2).
+    if (thread == 0) signal_sends((static_cast<int>(blockDim.x) - 128) / 32);
 
     // 2. Every other rank's rows have landed (all its channels' chunks): the walk below takes
     //    them in layout order, not in the order they were sent.
@@ -422,7 +498,7 @@ struct MoeDispatchGemm {
             __shfl_sync(~0u, reinterpret_cast<unsigned long long>(from_row), j));
         const int r = __shfl_sync(~0u, row, j);
         if (s != nullptr) {
-          copy_row_warp<true>(s, recv16 + static_cast<int64_t>(r) * n16, n16, lane);
+          copy_row_warp(s, recv16 + static_cast<int64_t>(r) * n16, n16, lane);
         }
       }
       __syncwarp();     // every lane's stores of every row, then

@@ -4,16 +4,17 @@
 // Per rank and call, on its stream: the route kernels and notify_kernel (as moe_dispatch_gemm's:
 // the layout, the GEMMs' tables with one tile per tile-row, the block counters zeroed), the
 // combine counters zeroed (a memset), then the GEMM engine with MoeLayerFused, one CTA per SM:
-//   side warps  the rows placed, as moe_dispatch_gemm's (send, wait for every source's rows,
-//               every row bound here in layout order, the handle's unused rows); a row past
-//               its expert's room (the capacity error, recorded by notify) is counted as done
-//               at its source, without data
+//   side warps  the rows placed, as moe_dispatch_gemm's (send - the consumers copying -, wait
+//               for every source's rows, every row bound here in layout order, the handle's
+//               unused rows); a row past its expert's room (the capacity error, recorded by
+//               notify) is counted as done at its source, without data
 //   producer    a gate / up tile waits for its rows (the block counter), a down tile for the
 //               gate / up tiles of its tile-row (GroupedSwigluDown)
-//   consumers   gate / up: SwiGLU, h stored, the tile-row's count (GroupedSwigluDown); down:
-//               each row of the tile straight to its source's combine slot [token][slot] (the
-//               handle), then per row the flag (this launch's epoch) and one count in the
-//               source's counter of (token, column block)
+//   consumers   first the sends' copies (moe_dispatch_gemm's consumer_prologue); then gate / up:
+//               SwiGLU, h stored, the tile-row's count (GroupedSwigluDown); down: each row of
+//               the tile straight to its source's combine slot [token][slot] (the handle), then
+//               per row the flag (this launch's epoch) and one count in the source's counter of
+//               (token, column block)
 //   every warp  last (finish, once the CTA's tiles are done), the combine's sums: this rank's
 //               (token, 256-column span) pairs dealt out over all warps of all CTAs; each waits
 //               until every valid slot of its token has counted in, then sums the slots that
@@ -43,6 +44,7 @@ struct MoeLayerFused {
   static constexpr gemm_engine::FusionTraits kTraits{.init_shared = true,
                                                      .load_b = true,
                                                      .split_k = true,
+                                                     .consumer_prologue = true,
                                                      .producer_regs = 88,
                                                      .consumer_regs = 208};
 
@@ -241,6 +243,10 @@ struct MoeLayerFused {
   }
 
   __device__ void side_task(int thread, int threads) const { dispatch.side_task(thread, threads); }
+  // The consumers copy the sends first, as moe_dispatch_gemm's (MoeDispatchGemm::consumer_prologue).
+  __device__ void consumer_prologue(int thread, int threads) const {
+    dispatch.consumer_prologue(thread, threads);
+  }
 
   // Every thread of every CTA, last: the combine's sums once the CTA's own tiles are done (the
   // barrier: the sums' timed waits then span only other CTAs' last tiles, not the whole GEMM

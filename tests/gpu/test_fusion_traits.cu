@@ -78,6 +78,22 @@ struct TileCounterUndeclared : Plain {
   static constexpr FusionTraits kTraits{};
   __device__ int* tile_counter() const { return nullptr; }
 };
+// consumer_prologue declared with the hook; without it; the hook not declared.
+struct ConsumerPrologue : Plain {
+  static constexpr FusionTraits kTraits{.consumer_prologue = true};
+  __device__ void consumer_prologue(int, int) const {}
+};
+struct ConsumerPrologueMissing : Plain {
+  static constexpr FusionTraits kTraits{.consumer_prologue = true};
+};
+struct ConsumerPrologueUndeclared : Plain {
+  static constexpr FusionTraits kTraits{};
+  __device__ void consumer_prologue(int, int) const {}
+};
+struct ConsumerPrologueWrongSignature : Plain {
+  static constexpr FusionTraits kTraits{.consumer_prologue = true};
+  __device__ void consumer_prologue(int) const {}
+};
 // A register split the CTA cannot give.
 struct TooManyRegisters : Plain {
   static constexpr FusionTraits kTraits{.producer_regs = 64, .consumer_regs = 232};
@@ -102,6 +118,10 @@ static_assert(!fusion_matches<Cfg, TooManyRegisters>());
 static_assert(fusion_matches<Cfg, DynamicTiles>());
 static_assert(!fusion_matches<Cfg, DynamicTilesNoCounter>());
 static_assert(!fusion_matches<Cfg, TileCounterUndeclared>());
+static_assert(fusion_matches<Cfg, ConsumerPrologue>());
+static_assert(!fusion_matches<Cfg, ConsumerPrologueMissing>());
+static_assert(!fusion_matches<Cfg, ConsumerPrologueUndeclared>());
+static_assert(!fusion_matches<Cfg, ConsumerPrologueWrongSignature>());
 static_assert(!fusion_matches<Cfg, NoStore>());
 static_assert(!fusion_matches<Cfg, Undeclared>());
 

@@ -48,6 +48,25 @@ __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 
+// A count in shared memory handed between warps of a CTA: adds with release (the adding thread's
+// earlier stores, and those ordered before them, are visible to whoever acquires the sum) and
+// an acquire load.
+__device__ __forceinline__ void red_add_release_cta(uint32_t* shared, uint32_t v) {
+  asm volatile("red.release.cta.shared::cta.add.u32 [%0], %1;" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(shared))),
+               "r"(v)
+               : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_cta(const uint32_t* shared) {
+  uint32_t v;
+  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];"
+               : "=r"(v)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(shared)))
+               : "memory");
+  return v;
+}
+
 // Asks L2 for `bytes` from p (16-byte aligned, a multiple of 16) without waiting or registers
 // (cp.async.bulk.prefetch.L2): a copy's later loads of them hit L2.
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
