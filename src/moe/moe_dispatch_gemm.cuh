@@ -201,15 +201,19 @@ __device__ __forceinline__ void copy_row_wide(const int4* src, int4* dst, int n1
 
 template <int kBlockN>
 struct MoeDispatchGemm {
-  // The side warps copy rows and keep the layout's bookkeeping: the producer warpgroup needs 88
-  // registers for them without spilling (ptxas, every width; 72 spilled 16 bytes); the
-  // consumers' 208 hold the widest tile's 128 accumulators without spilling too.
+  // The side warps copy rows and keep the layout's bookkeeping; the walk copies each row with
+  // kWalkInFlight vectors a lane in flight, as many as their registers allow: below 256-wide
+  // tiles the consumers (96 accumulators at most) give 16 registers a thread to the producer
+  // warpgroup, and the walk keeps twice the vectors in flight; 256-wide tiles' consumers need
+  // 208 for their 128 accumulators, which leaves the side warps 88 (72 spilled) and four vectors.
+  static constexpr bool kWideTile = kBlockN >= 256;
+  static constexpr int kWalkInFlight = kWideTile ? 4 : 8;
   static constexpr gemm_engine::FusionTraits kTraits{.init_shared = true,
                                                      .batched_b = true,
                                                      .dynamic_tiles = true,
                                                      .consumer_prologue = true,
-                                                     .producer_regs = 88,
-                                                     .consumer_regs = 208};
+                                                     .producer_regs = kWideTile ? 88 : 120,
+                                                     .consumer_regs = kWideTile ? 208 : 192};
   static constexpr int kSideBarrier = 3;  // named barrier of the 96 side threads
   // The sends (consumer_prologue): the consumers copy, up to 8 KB of a row in flight a warp.
   static constexpr int kSendInFlight = 16;
@@ -498,7 +502,7 @@ struct MoeDispatchGemm {
             __shfl_sync(~0u, reinterpret_cast<unsigned long long>(from_row), j));
         const int r = __shfl_sync(~0u, row, j);
         if (s != nullptr) {
-          copy_row_warp(s, recv16 + static_cast<int64_t>(r) * n16, n16, lane);
+          copy_row_warp<kWalkInFlight>(s, recv16 + static_cast<int64_t>(r) * n16, n16, lane);
         }
       }
       __syncwarp();     // every lane's stores of every row, then

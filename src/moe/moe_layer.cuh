@@ -41,12 +41,13 @@ template <int kBlockN>
 struct MoeLayerFused {
   // The side warps place rows (88 registers, as moe_dispatch_gemm's); the consumers hold the
   // widest tile's accumulators in the rest.
-  static constexpr gemm_engine::FusionTraits kTraits{.init_shared = true,
-                                                     .load_b = true,
-                                                     .split_k = true,
-                                                     .consumer_prologue = true,
-                                                     .producer_regs = 88,
-                                                     .consumer_regs = 208};
+  static constexpr gemm_engine::FusionTraits kTraits{
+      .init_shared = true,
+      .load_b = true,
+      .split_k = true,
+      .consumer_prologue = true,
+      .producer_regs = MoeDispatchGemm<kBlockN>::kTraits.producer_regs,
+      .consumer_regs = MoeDispatchGemm<kBlockN>::kTraits.consumer_regs};
 
   MoeDispatchGemm<kBlockN> dispatch;              // the rows' placement and the tiles' waits for
                                                   // them (its `grouped` is not used)
