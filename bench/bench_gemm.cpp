@@ -194,13 +194,15 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--json FILE] [--iters N] [--check] [--sweep] [--shapes MxNxK,...] "
                    "[--layouts nk,kn] [--splits 1,2,4,...] [--block-m 64|128|192] [--candidates]\n"
-                   "  --sweep: also time every tile width (64, 128, 192, 256) per shape (K whole\n"
-                   "  where the plan does not split it), and the plan's width with K whole\n"
+                   "  --sweep: also time every tile width (64, 128, 192, 256; with B [N, K] at\n"
+                   "  128 rows also 80, 96, 112, 144, 160, 224) per shape (K whole where the plan\n"
+                   "  does not split it), and the plan's width with K whole\n"
                    "  --splits: also time the plan's width with the last wave in each of these\n"
                    "  numbers of pieces of K (1: K whole)\n"
                    "  --block-m: the tile height of every op timed (default: the plan's)\n"
                    "  --candidates: also time every distinct plan gemm_plan makes for the shape\n"
-                   "  (heights, widths, 1-8 pieces), each with the plan model's estimate: the\n"
+                   "  (heights, widths - the step widths K whole -, 1-8 pieces), each with the\n"
+                   "  plan model's estimate: the\n"
                    "  data to refit src/gemm/plan.cpp against\n",
                    argv[0]);
       return 2;
@@ -274,7 +276,7 @@ int main(int argc, char** argv) {
         rows << (rows.tellp() > 0 ? ",\n" : "") << "    {\"shape\": {\"M\": " << sh.m
              << ", \"N\": " << sh.n << ", \"K\": " << sh.k << "}, \"b_layout\": \""
              << (kn ? "kn" : "nk") << "\", \"plan\": \""
-             << mk::gemm_plan(sh.m, sh.n, sh.k, base).describe()
+             << mk::gemm_plan(sh.m, sh.n, sh.k, base, layout).describe()
              << "\", \"dtype\": \"bf16\", \"ms\": {\"mkernel\": " << ms
              << ", \"gemm_alone\": " << ms_blas << "}, \"limit_ms\": " << ms_blas
              << ", \"ratio_to_limit\": " << ms / ms_blas << ", \"tflops\": " << flops / ms * 1e-9
@@ -285,8 +287,12 @@ int main(int argc, char** argv) {
       if (sweep && !check_only) {
         std::vector<std::function<void(int)>> widths;
         std::vector<int> w;  // the widths of the height timed
-        for (int width : {64, 128, 192, 256}) {
+        // The step widths (between the multiples of 64): B [N, K] and 128-row tiles only - timed
+        // where the four widths run at 128 rows too.
+        const bool steps = !kn && mk::gemm_plan(sh.m, sh.n, sh.k, base, layout).block_m == 128;
+        for (int width : {64, 80, 96, 112, 128, 144, 160, 192, 224, 256}) {
           if (base.block_m == 192 && width > 128) continue;
+          if (width % 64 != 0 && !steps) continue;
           w.push_back(width);
           widths.push_back([&, width](int i) {
             mk::GemmConfig config = base;
@@ -295,7 +301,7 @@ int main(int argc, char** argv) {
           });
         }
         // The plan's width with K whole: what its split of the last wave buys.
-        const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k, base);
+        const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k, base, layout);
         widths.push_back([&](int i) {
           mk::GemmConfig config = base;
           config.block_n = plan.block_n;
@@ -310,8 +316,13 @@ int main(int argc, char** argv) {
         std::printf("  plan  %-14s  %s; n%d with K whole %.3f ms\n", label.c_str(),
                     plan.describe().c_str(), plan.block_n, t[w.size()]);
       }
-      if (!splits.empty() && !check_only) {
-        const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k, base);
+      const int plan_width = mk::gemm_plan(sh.m, sh.n, sh.k, base, layout).block_n;
+      if (!splits.empty() && !check_only && plan_width % 64 != 0) {
+        std::printf("  splits %-13s the plan's width %d keeps K whole: no splits timed\n",
+                    label.c_str(), plan_width);
+      }
+      if (!splits.empty() && !check_only && plan_width % 64 == 0) {
+        const mk::GemmPlan plan = mk::gemm_plan(sh.m, sh.n, sh.k, base, layout);
         std::vector<mk::GemmConfig> configs(splits.size(), base);
         std::vector<std::function<void(int)>> ops;
         for (std::size_t i = 0; i < splits.size(); ++i) {
@@ -325,7 +336,7 @@ int main(int argc, char** argv) {
         const std::vector<double> t = median_ms(iters, s, ops);
         std::printf("  splits %-13s %dx%d:", label.c_str(), plan.block_m, plan.block_n);
         for (std::size_t i = 0; i < splits.size(); ++i) {  // asked: pieces/CTAs it got, ms
-          const mk::GemmPlan got = mk::gemm_plan(sh.m, sh.n, sh.k, configs[i]);
+          const mk::GemmPlan got = mk::gemm_plan(sh.m, sh.n, sh.k, configs[i], layout);
           std::printf("  %d:%d/%d %.4f", splits[i], got.split_k, got.ctas, t[i]);
         }
         std::printf("  cuBLAS %.4f ms\n", t.back());
@@ -336,14 +347,16 @@ int main(int argc, char** argv) {
         std::vector<mk::GemmPlan> plans;
         for (int height : {64, 128, 192}) {
           if ((height == 64 && sh.m > 128) || (height == 192 && sh.m > 384)) continue;
-          for (int width : {64, 128, 192, 256}) {
+          for (int width : {64, 80, 96, 112, 128, 144, 160, 192, 224, 256}) {
             if (height == 192 && width > 128) continue;
-            for (int pieces = 1; pieces <= 8; ++pieces) {
+            const bool step = width % 64 != 0;  // B [N, K], 128 rows, K whole only
+            if (step && (kn || height != 128)) continue;
+            for (int pieces = 1; pieces <= (step ? 1 : 8); ++pieces) {
               mk::GemmConfig config;
               config.block_m = height;
               config.block_n = width;
               config.split_k = pieces;
-              const mk::GemmPlan p = mk::gemm_plan(sh.m, sh.n, sh.k, config);
+              const mk::GemmPlan p = mk::gemm_plan(sh.m, sh.n, sh.k, config, layout);
               const bool seen = std::any_of(plans.begin(), plans.end(), [&](const mk::GemmPlan& q) {
                 return q.block_m == p.block_m && q.block_n == p.block_n && q.split_k == p.split_k &&
                        q.ctas == p.ctas;
@@ -360,7 +373,7 @@ int main(int argc, char** argv) {
         }
         ops.push_back(theirs);
         const std::vector<double> t = median_ms(iters, s, ops);
-        const mk::GemmPlan chosen = mk::gemm_plan(sh.m, sh.n, sh.k);
+        const mk::GemmPlan chosen = mk::gemm_plan(sh.m, sh.n, sh.k, {}, layout);
         for (std::size_t i = 0; i < plans.size(); ++i) {
           const mk::GemmPlan& p = plans[i];
           const bool is_chosen = p.block_m == chosen.block_m && p.block_n == chosen.block_n &&

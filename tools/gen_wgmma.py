@@ -12,7 +12,9 @@ import pathlib
 import sys
 import textwrap
 
-WIDTHS = (64, 128, 192, 256)
+# The engines' tile widths: the four multiples of 64, and between them the widths in steps of 16
+# the plain GEMM takes with B [N, K] (gemm_engine::kStepWidths: a last wave that fills the SMs).
+WIDTHS = (64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
 HEADER = pathlib.Path(__file__).resolve().parent.parent / "include/mkernel/device/wgmma_ops.cuh"
 
 

@@ -28,7 +28,8 @@ struct GemmConfig {
                     // widths 64 and 128); 0 = the library's choice (64 for M <= 64, 192 for
                     // M 129..192 unless the width asked for is 192 or 256, else 128).
                     // grouped_gemm: 0 or 128.
-  int block_n = 0;  // tile width 64, 128, 192 or 256; 0 = the library's choice (or
+  int block_n = 0;  // tile width 64, 128, 192 or 256 - gemm with B [N, K], 128-row tiles and
+                    // K whole also 80, 96, 112, 144, 160 or 224; 0 = the library's choice (or
                     // MKERNEL_GEMM_BLOCK_N, when set)
   int sms = 0;      // persistent CTAs; 0 = every SM of the device
   int split_k = 0;  // gemm: at most this many pieces of K for the tiles of the last, partial
@@ -52,9 +53,10 @@ struct GemmPlan {
   double estimate_us = 0;        // the model's estimate
   std::string describe() const;  // one line: what and why
 };
-// The plan gemm() follows (throws on the configuration errors gemm() would throw on). `sms`:
-// config.sms, or the current device's SM count.
-GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, const GemmConfig& config = {});
+// The plan gemm() follows for B in `b_layout` (throws on the configuration errors gemm() would
+// throw on). `sms`: config.sms, or the current device's SM count.
+GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, const GemmConfig& config = {},
+                   BLayout b_layout = BLayout::kNK);
 
 // C[M, N] = A[M, K] @ op(B), bf16 in and out, fp32 accumulation, on `stream`.
 //   A: [M, K] row-major bf16, 16-byte aligned; any M >= 1.

@@ -129,10 +129,41 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
       kSplitK ? plan.split_k : 1);
 }
 
+// Calls fn.template operator()<kBlockN>() for a width of kStepWidths.
+template <class Fn>
+void dispatch_step_width(int block_n, Fn&& fn) {
+  static_assert(sizeof(gemm_engine::kStepWidths) / sizeof(int) == 6);
+  switch (block_n) {
+    case 80:
+      return fn.template operator()<80>();
+    case 96:
+      return fn.template operator()<96>();
+    case 112:
+      return fn.template operator()<112>();
+    case 144:
+      return fn.template operator()<144>();
+    case 160:
+      return fn.template operator()<160>();
+    case 224:
+      return fn.template operator()<224>();
+    default:
+      throw Error(ErrorCode::kInternal, "gemm: not a step width: " + std::to_string(block_n));
+  }
+}
+
 // The plan's kernel: its tile height, width, B layout and whether it splits K.
 void launch_plan(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k,
                  bool trans_b, const GemmPlan& plan, cudaStream_t stream) {
   const bool split = plan.split_k > 1 && plan.whole_tiles < plan.tiles;
+  if (gemm_engine::is_step_width(plan.block_n)) {  // B [N, K], 128 rows, K whole (the plan's)
+    if (trans_b || split || plan.block_m != 128) {
+      throw Error(ErrorCode::kInternal, "gemm: a plan the kernels cannot run: " + plan.describe());
+    }
+    dispatch_step_width(plan.block_n, [&]<int kBlockN>() {
+      launch<128, kBlockN, false, false>(a, b, c, m, n, k, plan, stream);
+    });
+    return;
+  }
   gemm_engine::dispatch(plan.block_n, trans_b, [&]<int kBlockN, bool kTransB>() {
     auto run = [&]<int kBlockM>() {
       if (split) {
@@ -255,14 +286,14 @@ const gemm_engine::ClusterCtas& device_clusters(int device) {
 
 // gemm_plan() for a checked shape: the config's SMs (or the device's) and width (or
 // MKERNEL_GEMM_BLOCK_N).
-GemmPlan plan_checked(int64_t m, int64_t n, int64_t k, const GemmConfig& config) {
+GemmPlan plan_checked(int64_t m, int64_t n, int64_t k, BLayout b_layout, const GemmConfig& config) {
   int device = 0;
   MK_CUDA_CHECK(cudaGetDevice(&device));
   int sms = config.sms;
   if (sms <= 0) MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int block_n = config.block_n != 0 ? config.block_n : detail::process_overrides().block_n;
-  return gemm_engine::plan_gemm(m, n, k, sms, config.block_m, block_n, config.split_k, kOp,
-                                device_clusters(device));
+  return gemm_engine::plan_gemm(m, n, k, b_layout, sms, config.block_m, block_n, config.split_k,
+                                kOp, device_clusters(device));
 }
 
 }  // namespace
@@ -280,7 +311,7 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   detail::require_disjoint(kOp, {{"A", a, static_cast<std::size_t>(m) * k * 2, false},
                                  {"B", b, static_cast<std::size_t>(n) * k * 2, false},
                                  {"C", c, static_cast<std::size_t>(m) * n * 2, true}});
-  const GemmPlan plan = plan_checked(m, n, k, config);
+  const GemmPlan plan = plan_checked(m, n, k, b_layout, config);
   if (detail::process_overrides().print_config) {
     std::fprintf(stderr, "[mkernel] gemm %lldx%lldx%lld: %s\n", static_cast<long long>(m),
                  static_cast<long long>(n), static_cast<long long>(k), plan.describe().c_str());
@@ -288,9 +319,10 @@ void gemm(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k
   launch_plan(a, b, c, m, n, k, b_layout == BLayout::kKN, plan, stream);
 }
 
-GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, const GemmConfig& config) {
+GemmPlan gemm_plan(int64_t m, int64_t n, int64_t k, const GemmConfig& config, BLayout b_layout) {
   require_shape(m, n, k);
-  return plan_checked(m, n, k, config);
+  if (b_layout != BLayout::kNK && b_layout != BLayout::kKN) invalid("unknown B layout");
+  return plan_checked(m, n, k, b_layout, config);
 }
 
 GemmKernelResources detail::kernel_resources(std::string name, const void* kernel) {
@@ -326,6 +358,9 @@ std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
     add_resources<kBlockN, kTransB, gemm_engine::ShortGemm, 64>(out);
     add_resources<kBlockN, kTransB, gemm_engine::ShortSplitGemm, 64>(out, "split");
   });
+  for (int block_n : gemm_engine::kStepWidths) {
+    dispatch_step_width(block_n, [&]<int kBlockN>() { add_resources<kBlockN, false>(out); });
+  }
   add_resources<64, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<128, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<192, false, gemm_engine::GroupedGemm>(out, "grouped");

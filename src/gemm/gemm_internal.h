@@ -57,13 +57,24 @@ using ClusterCtas = std::array<int, kMaxSplit + 1>;
 // The stand-in without a device: every SM in some cluster, (sms / p) * p.
 ClusterCtas even_clusters(int sms);
 
-// gemm()'s plan on `sms` CTAs (`clusters`: how many of them run in clusters of p): the
-// requested height (0: the library's), width (0: any) and split (0: any, 1: none; else at most
-// this many pieces) or the cost model's best (src/gemm/plan.cpp). Throws (naming `op`) on a bad
-// height, width or split.
-GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block_m,
-                   int requested_block_n, int requested_split_k, const char* op,
-                   const ClusterCtas& clusters);
+// The plain GEMM's tile widths between the four multiples of 64, in steps of 16: with B [N, K],
+// 128-row tiles and K whole, where the last wave of a multiple of 64 would leave SMs idle (e.g.
+// 640 x 2048: 130 tiles 80 wide, one wave, against 80 128 wide on 132 SMs).
+inline constexpr int kStepWidths[] = {80, 96, 112, 144, 160, 224};
+constexpr bool is_step_width(int block_n) {
+  for (int w : kStepWidths) {
+    if (w == block_n) return true;
+  }
+  return false;
+}
+
+// gemm()'s plan on `sms` CTAs (`clusters`: how many of them run in clusters of p) for B in
+// `b_layout`: the requested height (0: the library's), width (0: any) and split (0: any, 1:
+// none; else at most this many pieces) or the cost model's best (src/gemm/plan.cpp). Throws
+// (naming `op`) on a bad height, width or split.
+GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, BLayout b_layout, int sms,
+                   int requested_block_m, int requested_block_n, int requested_split_k,
+                   const char* op, const ClusterCtas& clusters);
 }  // namespace gemm_engine
 
 namespace gemm_engine {

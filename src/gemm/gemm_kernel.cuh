@@ -74,7 +74,7 @@ namespace mk::gemm_engine {
 template <int kBlockN_, int kMaxStages = 8, int kBlockM_ = 128>
 struct TileConfig {
   static constexpr int kBlockM = kBlockM_;  // 64 rows per consumer warpgroup
-  static constexpr int kBlockN = kBlockN_;  // 64, 128, 192 or 256
+  static constexpr int kBlockN = kBlockN_;  // 64, 128, 192 or 256 (the plain GEMM: kStepWidths)
   static constexpr int kBlockK = 64;        // 64 bf16 = 128 bytes = one swizzle row
   static constexpr int kConsumers = kBlockM / 64;
   static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -102,7 +102,8 @@ struct TileConfig {
   static constexpr int kAccRegs = kBlockN / 2;  // fp32 accumulators per consumer thread
   static_assert(kStages >= 3, "too few pipeline stages fit");
   static_assert(kSmemBytes <= kSmemLimit, "shared memory per CTA on sm_90");
-  static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "tile widths of wgmma_ops.cuh");
+  static_assert(kBlockN % 16 == 0 && kBlockN >= 64 && kBlockN <= 256,
+                "tile widths of wgmma_ops.cuh");
   static_assert(kBlockM == 64 || kBlockM == 128 || kBlockM == 192,
                 "one, two or three consumer warpgroups");
 };
@@ -409,6 +410,30 @@ __device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0,
   }
 }
 
+// The columns of a slice past its whole 64-column chunks (store_slice's), for widths that are not
+// a multiple of 64 (16, 32 or 48 columns): each thread's column pairs straight to C [m, n] with
+// 4-byte stores - no TMA box in the staging buffers' layout is that narrow, and they are at most
+// a fifth of the tile's bytes. col0: the first of these columns; rows outside C are skipped.
+template <int kRegs>
+__device__ __forceinline__ void store_slice_tail(const float (&acc)[kRegs], __nv_bfloat16* c,
+                                                 int64_t row0, int col0, int64_t m, int n) {
+  constexpr int kWhole = kRegs / 32 * 32;  // the whole chunks' registers
+  const int t = threadIdx.x % 128;
+  const int64_t r = row0 + (t / 32) * 16 + (t % 32) / 4;  // this thread's rows: r and r + 8
+#pragma unroll
+  for (int b = 0; b < (kRegs - kWhole) / 4; ++b) {
+    const int col = col0 + 8 * b + 2 * (t % 4);  // even, and n a multiple of 8: col + 1 < n too
+    if (col >= n) break;
+    const float* v = &acc[kWhole + 4 * b];
+    if (r < m) {
+      *reinterpret_cast<uint32_t*>(c + r * n + col) = pack_bf16(v[0], v[1]);
+    }
+    if (r + 8 < m) {
+      *reinterpret_cast<uint32_t*>(c + (r + 8) * n + col) = pack_bf16(v[2], v[3]);
+    }
+  }
+}
+
 // Split K for the tiles of a launch's last, partial wave (few tiles: all of them): those tiles
 // are computed in `pieces` pieces of their k-blocks, in the launch's last round, each tile's
 // pieces on the CTAs of one thread-block cluster (the launch's cluster size is `pieces`, its
@@ -524,10 +549,10 @@ struct PlainGemm {
   CUtensorMap c;  // C [M, N], boxes of 64 rows x 64 columns
   GroupedRaster raster;
   int n;
-  CUtensorMap a_last;  // A again, boxes of the last tile-row's rows x 64
-  int last_rows;       // rows of the last tile-row (1..kBlockM)
-  int m;
-  SplitSchedule split;
+  CUtensorMap a_last;   // A again, boxes of the last tile-row's rows x 64
+  int last_rows;        // rows of the last tile-row (1..kBlockM)
+  int m;                // C's rows
+  SplitSchedule split;  // split K; its `out` is C, where a step width's last columns go too
 
   __device__ int num_tiles() const {
     return kSplitK ? split.items(raster.num_tiles()) : raster.num_tiles();
@@ -563,6 +588,9 @@ struct PlainGemm {
     store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
       dev::tma_store_2d(&c, buf, col0 + 64 * j, row0);
     });
+    if constexpr (kBlockN % 64 != 0) {  // a step width: its last 16-48 columns
+      store_slice_tail(acc, split.out, row0, col0 + kBlockN / 64 * 64, m, n);
+    }
   }
   __device__ void consumer_done(ConsumerState&) const {}
   __device__ void side_task(int, int) const {}
@@ -590,6 +618,13 @@ template <int kBlockN>
 using ShortSplitGemm = PlainGemm<kBlockN, true, 64>;
 static_assert(check_fusion_widths<PlainGemm>());
 static_assert(check_fusion_widths<SplitGemm>());
+// The step widths (gemm_internal.h's kStepWidths: B [N, K], 128 rows, K whole).
+static_assert(check_fusion<EngineTileConfig<80>, PlainGemm<80>>() &&
+              check_fusion<EngineTileConfig<96>, PlainGemm<96>>() &&
+              check_fusion<EngineTileConfig<112>, PlainGemm<112>>() &&
+              check_fusion<EngineTileConfig<144>, PlainGemm<144>>() &&
+              check_fusion<EngineTileConfig<160>, PlainGemm<160>>() &&
+              check_fusion<EngineTileConfig<224>, PlainGemm<224>>());
 static_assert(check_fusion<EngineTileConfig<64, 192>, TallGemm<64>>() &&
               check_fusion<EngineTileConfig<128, 192>, TallGemm<128>>() &&
               check_fusion<EngineTileConfig<64, 192>, TallSplitGemm<64>>() &&

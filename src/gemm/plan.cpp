@@ -19,6 +19,9 @@
 // error 26% -> 12.5%).
 // Where the estimates of two splits of one width tie (both at the HBM rate), fewer pieces win:
 // measured faster (64 x 2048 x 7168: 4 pieces 13.2 us, 6 pieces 14.2).
+// The widths in steps of 16 (kStepWidths; B [N, K], 128-row tiles, K whole) are weighed by the
+// same model, their wgmma rate interpolated; one replaces the four widths' K-whole plan only
+// where the model finds it kStepGain faster.
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -47,14 +50,29 @@ constexpr double kPeerBytesPerCta = 26e9;
 constexpr int kMinKBlocks = 8;
 constexpr int64_t kMaxWavesBeforeSplit = 3;
 constexpr double kSplitGain = 1.05;
+constexpr double kStepGain = 1.05;
 
 // HBM bytes per second one CTA pulls with its ring of stages: the 64-wide tile's stages hold
-// half the bytes of the wider ones'.
-double hbm_per_cta(int block_n) { return block_n == 64 ? 35e9 : 72e9; }
+// half the bytes of the wider ones'. (The step widths below 128, between the two: interpolated.)
+double hbm_per_cta(int block_n) {
+  return block_n >= 128 ? 72e9 : 35e9 + (72e9 - 35e9) * (block_n - 64) / 64.0;
+}
 
-// The wgmma rate of a width against 256 (a narrower wgmma reads more shared memory per flop).
+// The wgmma rate of a width against 256 (a narrower wgmma reads more shared memory per flop):
+// measured at the multiples of 64; a width between two of them (kStepWidths) interpolated
+// linearly in 1 / width - the shared-memory bytes per flop of its B operand - not measured yet.
 double wgmma_efficiency(int block_n) {
-  return block_n == 64 ? 0.77 : block_n == 128 ? 0.95 : block_n == 192 ? 0.97 : 1.0;
+  constexpr int kWidths[] = {64, 128, 192, 256};
+  constexpr double kMeasured[] = {0.77, 0.95, 0.97, 1.0};
+  if (block_n <= kWidths[0]) return kMeasured[0];
+  for (int i = 1; i < 4; ++i) {
+    if (block_n <= kWidths[i]) {
+      const double lo = 1.0 / kWidths[i - 1], hi = 1.0 / kWidths[i];
+      const double t = (lo - 1.0 / block_n) / (lo - hi);
+      return kMeasured[i - 1] + t * (kMeasured[i] - kMeasured[i - 1]);
+    }
+  }
+  return kMeasured[3];
 }
 
 int64_t tile_count(int64_t m, int64_t n, int block_m, int block_n) {
@@ -116,9 +134,9 @@ ClusterCtas gemm_engine::even_clusters(int sms) {
   return out;
 }
 
-GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int requested_block_m,
-                                int requested_block_n, int requested_split_k, const char* op,
-                                const ClusterCtas& clusters) {
+GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, BLayout b_layout, int sms,
+                                int requested_block_m, int requested_block_n, int requested_split_k,
+                                const char* op, const ClusterCtas& clusters) {
   if (requested_block_m != 0 && requested_block_m != 64 && requested_block_m != 128 &&
       requested_block_m != 192) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -132,6 +150,24 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
         std::string(op) + ": block_m = 192 with block_n = " + std::to_string(requested_block_n) +
             "; 192-row tiles are 64 or 128 wide (three consumers' accumulators; the width is "
             "GemmConfig::block_n, or MKERNEL_GEMM_BLOCK_N where that is 0)");
+  }
+  const bool step_asked = is_step_width(requested_block_n);
+  if (requested_block_n != 0 && !step_asked && requested_block_n % 64 != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(op) + ": block_n = " + std::to_string(requested_block_n) +
+                    "; expected 0 (the library's choice), 64, 128, 192 or 256, or with B [N, K] "
+                    "and 128-row tiles 80, 96, 112, 144, 160 or 224");
+  }
+  if (step_asked &&
+      (b_layout != BLayout::kNK || (requested_block_m != 0 && requested_block_m != 128) ||
+       requested_split_k > 1)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(op) + ": block_n = " + std::to_string(requested_block_n) +
+                    " takes B [N, K], 128-row tiles and K whole (the widths between 64, 128, 192 "
+                    "and 256 in steps of 16); asked with " +
+                    (b_layout != BLayout::kNK ? std::string("B [K, N]")
+                     : requested_split_k > 1  ? "split_k = " + std::to_string(requested_split_k)
+                                              : "block_m = " + std::to_string(requested_block_m)));
   }
   if (requested_split_k < 0 || requested_split_k > kMaxSplit) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -161,7 +197,8 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
     return plan_for(block_m, block_n, {static_cast<int>(std::min<int64_t>(sms, tiles)), tiles, 1});
   };
   // The best plan at one tile height, and the estimate it was chosen by (a split's times
-  // kSplitGain: the library splits only for a clear gain).
+  // kSplitGain, a step width's times kStepGain: the library takes either only for a clear gain -
+  // over the other heights too).
   struct Choice {
     GemmPlan plan;
     double score;
@@ -183,10 +220,23 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
         const GemmPlan p = k_whole(192, block_n);
         if (whole.block_n == 0 || p.estimate_us < whole.estimate_us) whole = p;
       }
+    } else if (step_asked) {
+      whole = k_whole(block_m, requested_block_n);
     } else {
       whole = k_whole(block_m, pick_block_n(requested_block_n, m, n, sms, op, block_m));
+      if (block_m == 128 && b_layout == BLayout::kNK && requested_block_n == 0 &&
+          requested_split_k <= 1) {
+        GemmPlan step;  // the best step width, taken where it is clearly better
+        for (int block_n : kStepWidths) {
+          const GemmPlan p = k_whole(block_m, block_n);
+          if (step.block_n == 0 || p.estimate_us < step.estimate_us) step = p;
+        }
+        if (step.estimate_us * kStepGain < whole.estimate_us) whole = step;
+      }
     }
-    if (requested_split_k == 1) return {whole, whole.estimate_us};
+    const double whole_score =
+        whole.estimate_us * (is_step_width(whole.block_n) && !step_asked ? kStepGain : 1.0);
+    if (requested_split_k == 1) return {whole, whole_score};
     GemmPlan split;  // the best split at any allowed width
     for (int block_n : {256, 192, 128, 64}) {
       if (!allowed(block_n)) continue;
@@ -208,11 +258,10 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
         if (requested_split_k > 1) break;  // the most pieces that fit, at this width
       }
     }
-    if (split.block_n == 0) return {whole, whole.estimate_us};
+    if (split.block_n == 0) return {whole, whole_score};
     if (requested_split_k > 1) return {split, split.estimate_us};
     const double split_score = split.estimate_us * kSplitGain;
-    return split_score <= whole.estimate_us ? Choice{split, split_score}
-                                            : Choice{whole, whole.estimate_us};
+    return split_score <= whole_score ? Choice{split, split_score} : Choice{whole, whole_score};
   };
   // The tile height: as asked; else 64 rows (one consumer warpgroup) for M <= 64 - no tensor
   // work on rows outside C, and half the A bytes of a stage, so more of B (the weights) in
@@ -222,6 +271,7 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, int sms, int re
   // sixth, 192 x 2048 x 7168: 128 x 64 tiles in 2 pieces, 18.1 us against 20.6-21.8 at 192 rows,
   // 2026-12-03); elsewhere 128, whose padding is no larger and whose widths reach 256.
   if (requested_block_m != 0) return best_at(requested_block_m).plan;
+  if (step_asked) return best_at(128).plan;
   if (m <= 64) return best_at(64).plan;
   const bool tall_fits =
       requested_block_n == 0 || requested_block_n == 64 || requested_block_n == 128;

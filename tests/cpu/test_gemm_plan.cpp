@@ -58,8 +58,8 @@ TEST(GemmPlan, HeuristicMatchesTheSweep) {
 }
 
 GemmPlan plan(int64_t m, int64_t n, int64_t k, int block_n = 0, int split_k = 0, int sms = kSms,
-              int block_m = 0) {
-  return gemm_engine::plan_gemm(m, n, k, sms, block_m, block_n, split_k, "test_op",
+              int block_m = 0, BLayout layout = BLayout::kNK) {
+  return gemm_engine::plan_gemm(m, n, k, layout, sms, block_m, block_n, split_k, "test_op",
                                 gemm_engine::even_clusters(sms));
 }
 
@@ -71,6 +71,9 @@ void expect_consistent(const GemmPlan& p, int64_t m, int64_t n, int64_t k, int s
   EXPECT_TRUE(p.block_m == 64 || p.block_m == 128 || p.block_m == 192);
   if (p.block_m == 192) {
     EXPECT_TRUE(p.block_n == 64 || p.block_n == 128);
+  } else if (gemm_engine::is_step_width(p.block_n)) {  // B [N, K], 128 rows, K whole
+    EXPECT_EQ(p.block_m, 128);
+    EXPECT_EQ(p.split_k, 1);
   } else {
     EXPECT_TRUE(p.block_n == 64 || p.block_n == 128 || p.block_n == 192 || p.block_n == 256);
   }
@@ -129,7 +132,8 @@ TEST(GemmPlan, RequestedSplitIsTheMostPiecesThatFit) {
 // CTA, 2026-12-02): the plan keeps every split inside what fits and falls back to fewer pieces.
 TEST(GemmPlan, UnevenClusterCapacity) {
   const auto with = [&](int64_t m, int64_t n, int64_t k, int block_n, int split_k) {
-    return gemm_engine::plan_gemm(m, n, k, kSms, 0, block_n, split_k, "test_op", kH200Clusters);
+    return gemm_engine::plan_gemm(m, n, k, BLayout::kNK, kSms, 0, block_n, split_k, "test_op",
+                                  kH200Clusters);
   };
   // 16 tiles of 128 x 128: 8 pieces need 128 CTAs in clusters of 8 (120 fit), 7 need 112 (105
   // fit), 6 need 96 (102 fit).
@@ -153,7 +157,9 @@ TEST(GemmPlan, UnevenClusterCapacity) {
 // plan of 84 shapes, M 1-2048 on the sweep's six (N, K), timed side by side;
 // bench/data/gemm_candidates-h200.csv, scripts/fit_gemm_plan.py). Where the constants before
 // chose 3-20% slower than the fastest option measured, the plan now takes that option (us, the
-// first sample of 2026-12-03: the plan before, then now).
+// first sample of 2026-12-03: the plan before, then now). Planned for B [K, N], where the plan
+// has the four widths only: the data (measured with B [N, K], before the step widths, when a
+// plan did not depend on B's layout) has no step-width plans yet.
 TEST(GemmPlan, RefitChoosesTheMeasuredBest) {
   struct Case {
     int64_t m, n, k;
@@ -167,8 +173,8 @@ TEST(GemmPlan, RefitChoosesTheMeasuredBest) {
            Case{256, 2048, 7168, 128, 64, 2},   // 128 x 192 in 5 22.8, 19.0
            Case{256, 28672, 8192, 128, 128, 2}  // 128 x 256 whole 210.3, 203.1
        }) {
-    const GemmPlan p =
-        gemm_engine::plan_gemm(c.m, c.n, c.k, kSms, 0, 0, 0, "test_op", kH200Clusters);
+    const GemmPlan p = gemm_engine::plan_gemm(c.m, c.n, c.k, BLayout::kKN, kSms, 0, 0, 0, "test_op",
+                                              kH200Clusters);
     expect_consistent(p, c.m, c.n, c.k, kSms);
     EXPECT_EQ(p.block_m, c.block_m) << p.describe();
     EXPECT_EQ(p.block_n, c.block_n) << p.describe();
@@ -180,7 +186,9 @@ TEST(GemmPlan, RefitChoosesTheMeasuredBest) {
 // plan of 84 shapes timed side by side on the H200, 2026-12-03): each plan it makes is one of
 // them, and it loses little against the fastest - 0.5% geomean when the constants were fitted
 // (scripts/fit_gemm_plan.py), at most 5.4% on a shape. A change to the model that chooses worse
-// on measured data fails here.
+// on measured data fails here. Planned for B [K, N], as the test above: the data has no
+// step-width plans yet (docs/design/gemm_decode.md: measure them with --candidates, refit, and
+// plan B [N, K] here again).
 TEST(GemmPlan, LosesLittleAgainstTheMeasuredCandidates) {
   std::ifstream csv(std::string(MKERNEL_SOURCE_DIR) + "/bench/data/gemm_candidates-h200.csv");
   ASSERT_TRUE(csv.good()) << "bench/data/gemm_candidates-h200.csv";
@@ -204,7 +212,8 @@ TEST(GemmPlan, LosesLittleAgainstTheMeasuredCandidates) {
   double log_loss = 0, worst = 1;
   for (const auto& [shape, candidates] : shapes) {
     const auto [m, n, k] = shape;
-    const GemmPlan p = gemm_engine::plan_gemm(m, n, k, kSms, 0, 0, 0, "test_op", kH200Clusters);
+    const GemmPlan p =
+        gemm_engine::plan_gemm(m, n, k, BLayout::kKN, kSms, 0, 0, 0, "test_op", kH200Clusters);
     double best = 1e30, chosen = 0;
     for (const Candidate& c : candidates) {
       best = std::min(best, c.us);
@@ -289,10 +298,63 @@ TEST(GemmPlan, RandomShapesPlanConsistently) {
                         : block_m == 192 ? 64 * (1 + static_cast<int>(gen() % 2))
                                          : 64 * (1 + static_cast<int>(gen() % 4));
     const int split_k = gen() % 3 ? 0 : static_cast<int>(gen() % 9);
-    const GemmPlan p = plan(m, n, k, block_n, split_k, sms, block_m);
+    const BLayout layout = gen() % 2 ? BLayout::kKN : BLayout::kNK;
+    const GemmPlan p = plan(m, n, k, block_n, split_k, sms, block_m, layout);
     expect_consistent(p, m, n, k, sms);
     if (block_m != 0) EXPECT_EQ(p.block_m, block_m);
+    if (layout == BLayout::kKN) EXPECT_EQ(p.block_n % 64, 0) << p.describe();
+    if (block_n != 0) EXPECT_EQ(p.block_n, block_n);
   }
+}
+
+// The widths between the multiples of 64 (gemm_engine::kStepWidths): kept when asked for with B
+// [N, K] at 128 rows and K whole, rejected with anything else (naming what), and the model's
+// choice where the four widths' last wave would leave many SMs idle - the mid-M points of
+// issue 28's sweep (docs/design/gemm_decode.md), one wave of tiles where 64 / 128 / 192 / 256
+// leave 0.61-0.85 of the slots used.
+TEST(GemmPlan, StepWidths) {
+  for (int w : gemm_engine::kStepWidths) {
+    const GemmPlan p = plan(1000, 4096, 4096, w);
+    expect_consistent(p, 1000, 4096, 4096, kSms);
+    EXPECT_EQ(p.block_n, w);
+    EXPECT_EQ(p.block_m, 128);
+    EXPECT_EQ(plan(8, 4096, 4096, w).block_m, 128);  // the height they need, for any M
+    EXPECT_EQ(plan(1000, 4096, 4096, w, 1).block_n, w);
+  }
+  for (const auto& [block_n, split_k, block_m, layout, what] :
+       {std::tuple{96, 0, 0, BLayout::kKN, "test_op: block_n = 96 takes B [N, K]"},
+        {80, 2, 0, BLayout::kNK, "asked with split_k = 2"},
+        {80, 0, 64, BLayout::kNK, "asked with block_m = 64"},
+        {80, 0, 192, BLayout::kNK, "test_op: block_m = 192 with block_n = 80"},
+        {100, 0, 0, BLayout::kNK, "test_op: block_n = 100; expected 0"},
+        {48, 0, 0, BLayout::kNK, "test_op: block_n = 48; expected 0"}}) {
+    try {
+      plan(1024, 1024, 1024, block_n, split_k, kSms, block_m, layout);
+      FAIL() << "expected an error for " << what;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  }
+  struct Case {
+    int64_t m, n, k;
+  };
+  for (const Case& c : {Case{640, 2048, 7168}, Case{768, 2048, 7168}, Case{384, 4096, 14336},
+                        Case{640, 4096, 14336}, Case{256, 14336, 4096}, Case{512, 7168, 2048}}) {
+    const GemmPlan nk = plan(c.m, c.n, c.k);
+    expect_consistent(nk, c.m, c.n, c.k, kSms);
+    EXPECT_TRUE(gemm_engine::is_step_width(nk.block_n)) << nk.describe();
+    EXPECT_LE(nk.tiles, kSms) << nk.describe();  // one wave
+    const GemmPlan kn = plan(c.m, c.n, c.k, 0, 0, kSms, 0, BLayout::kKN);
+    EXPECT_EQ(kn.block_n % 64, 0) << kn.describe();
+    EXPECT_LT(nk.estimate_us, kn.estimate_us) << nk.describe() << " / " << kn.describe();
+  }
+  // M 129..192: a step width must beat the 192-row tiles by kStepGain too (192 x 7168 x 2048:
+  // 128 x 112 at 13.0 us against 192 x 64 at 13.3 keeps 192 rows).
+  EXPECT_EQ(plan(192, 7168, 2048).block_m, 192);
+  // Whole waves of the four widths: they stay.
+  EXPECT_EQ(plan(8192, 8192, 8192).block_n % 64, 0);
+  EXPECT_EQ(plan(4096, 4096, 4096).block_n % 64, 0);
 }
 
 }  // namespace

@@ -28,7 +28,7 @@ void expect_gemm_matches(const Shape& s, uint64_t seed, GemmConfig config = {},
                std::to_string(config.block_n) + " split_k " + std::to_string(config.split_k) +
                " sms " + std::to_string(config.sms) +
                (layout == BLayout::kKN ? " B [K, N]" : " B [N, K]") + ": " +
-               gemm_plan(s.m, s.n, s.k, config).describe());
+               gemm_plan(s.m, s.n, s.k, config, layout).describe());
   const bool kn = layout == BLayout::kKN;
   cudaStream_t stream;
   MKT_CUDA(cudaStreamCreate(&stream));
@@ -91,6 +91,28 @@ TEST(Gemm, EdgeShapesBothTileWidths) {
     config.sms = 7;
     expect_gemm_matches({1000, 2056, 520}, fresh_seed(), config);
   }
+}
+
+// The widths between the multiples of 64 (B [N, K], 128-row tiles, K whole): the whole 64-column
+// chunks through TMA, the last 16-48 columns stored by the threads - at the N edge (a partial
+// tail, or none of it inside C), partial tile-rows, few CTAs with many tiles each.
+TEST(Gemm, StepWidths) {
+  MKT_REQUIRE_GPU();
+  // (N 232: a partial tail at 80 wide; 440: at 224; 264 and 520 at the others.)
+  const std::vector<Shape> shapes = {{1, 8, 8},        {7, 24, 40},        {129, 264, 72},
+                                     {255, 520, 1000}, {1000, 1000, 1000}, {333, 4104, 8},
+                                     {200, 232, 136},  {300, 440, 200},    {640, 2048, 7168}};
+  for (int block_n : {80, 96, 112, 144, 160, 224}) {
+    GemmConfig config;
+    config.block_n = block_n;
+    for (const Shape& s : shapes) expect_gemm_matches(s, fresh_seed(), config);
+    config.sms = 7;
+    expect_gemm_matches({1000, 2056, 520}, fresh_seed(), config);
+  }
+  // The library's own choice where the model takes one (the plan says so).
+  const GemmPlan p = gemm_plan(640, 2048, 7168);
+  EXPECT_NE(p.block_n % 64, 0) << p.describe();
+  expect_gemm_matches({640, 2048, 7168}, fresh_seed());
 }
 
 // B as [K, N] (N-major tiles, transposed wgmma operand).
@@ -262,9 +284,12 @@ TEST(Gemm, RejectsBadArgumentsBeforeLaunch) {
   expect([&] { gemm(q, b, q + 64, 8, 8, 8, BLayout::kNK, nullptr); }, ErrorCode::kInvalidArgument,
          "C overlaps A");
   GemmConfig bad;
-  bad.block_n = 96;
+  bad.block_n = 100;
   expect([&] { gemm(q, b, c, 8, 8, 8, BLayout::kNK, nullptr, bad); }, ErrorCode::kInvalidArgument,
-         "block_n = 96");
+         "block_n = 100");
+  bad.block_n = 96;  // a step width: B [N, K] only
+  expect([&] { gemm(q, b, c, 8, 8, 8, BLayout::kKN, nullptr, bad); }, ErrorCode::kInvalidArgument,
+         "block_n = 96 takes B [N, K]");
   cudaFree(p);
 }
 
@@ -274,9 +299,9 @@ TEST(Gemm, KernelsDoNotSpill) {
   MKT_REQUIRE_GPU();
   const std::vector<GemmKernelResources> kernels = detail::gemm_kernel_resources();
   // plain, split K and grouped, 4 widths x 2 B layouts; plain and split K at 192 rows, 2 widths
-  // x 2 layouts, and at 64 rows, 4 widths x 2 layouts (the MoE kernels on the engine:
-  // detail::moe_kernel_resources, test_moe.cpp)
-  ASSERT_EQ(kernels.size(), 48u);
+  // x 2 layouts, and at 64 rows, 4 widths x 2 layouts; plain at the 6 step widths, B [N, K]
+  // (the MoE kernels on the engine: detail::moe_kernel_resources, test_moe.cpp)
+  ASSERT_EQ(kernels.size(), 54u);
   for (const GemmKernelResources& k : kernels) {
     SCOPED_TRACE(k.name);
     EXPECT_EQ(k.local_bytes, 0) << "local memory (register spills or a stack frame)";
@@ -291,6 +316,9 @@ TEST(Gemm, KernelsDoNotSpill) {
 TEST(SanitizeGemm, Small) {
   MKT_REQUIRE_GPU();
   expect_gemm_matches({200, 264, 136}, fresh_seed());
+  GemmConfig step;  // a step width: the tail columns' plain stores, at the M and N edges
+  step.block_n = 80;
+  expect_gemm_matches({150, 200, 136}, fresh_seed(), step);
   GemmConfig config;
   config.block_n = 192;
   expect_gemm_matches({130, 392, 72}, fresh_seed(), config, BLayout::kKN);
