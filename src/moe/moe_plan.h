@@ -125,7 +125,12 @@ constexpr int64_t route_smem_bytes(int experts, int world, int nodes, int expert
 constexpr int64_t kRouteSmemMax =
     route_smem_bytes(kMoeMaxExperts, 1, kMoeMaxNodeRanks, kMoeMaxExperts);
 
-constexpr int64_t kMinChunkTokens = 64;  // tokens per route chunk, at least
+// Route chunks: one CTA each, whose one warp walks the chunk's (token, slot) pairs 32 at a time
+// (route_scan_kernel: the positions in order), so a chunk's walk is a chain of
+// chunk_tokens x top_k / 32 steps. 16 tokens keep it at 4 steps with top-8, and the CTA's
+// prefix over the earlier chunks' counts (at most kMaxChunks - 1 loads a key, 16 in flight)
+// short.
+constexpr int64_t kMinChunkTokens = 16;  // tokens per route chunk, at least
 constexpr int kMaxChunks = 128;          // route chunks (CTAs), at most
 
 struct Plan {

@@ -129,7 +129,9 @@ TEST(MoePlan, RouteChunks) {
   const Plan small = plan_moe(2, 66, deepseek(100), {}, "moe_dispatch");
   EXPECT_EQ(small.chunk_tokens, kMinChunkTokens);
   EXPECT_EQ(small.chunks(0), 1);  // the last chunk writes the totals, also of no tokens
-  EXPECT_EQ(small.chunks(100), 2);
+  EXPECT_EQ(small.chunks(100), (100 + kMinChunkTokens - 1) / kMinChunkTokens);
+  EXPECT_EQ(small.chunks(kMinChunkTokens), 1);
+  EXPECT_EQ(small.chunks(kMinChunkTokens + 1), 2);
   const Plan big = plan_moe(2, 66, deepseek(65536), {}, "moe_dispatch");
   EXPECT_EQ(big.chunks(65536), kMaxChunks);
   EXPECT_LE(big.chunks(65535), kMaxChunks);
