@@ -50,6 +50,21 @@ enum class DeviceErrorCode : int32_t {
   kBadHandle = 5,  // a combine's handle row pointing outside its problem (another dispatch's)
 };
 
+// The launches whose entry barriers compare signatures (dev::entry_signature: the op in the top
+// byte, a hash of the sizes every rank must share below; Launch::channel_barrier_agreeing,
+// announce / agrees): a peer must be in the same one, with the same sizes.
+enum class EntryOp : uint32_t {
+  kMoeDispatch = 1,
+  kMoeCombine = 2,
+  kMoeDispatchGemm = 3,
+  kMoeLayer = 4,
+  kRingAttention = 5,
+};
+// The op a signature names (0: none - a step, which entry barriers without one signal).
+constexpr uint32_t entry_op_of(uint64_t signature) {
+  return static_cast<uint32_t>(signature >> 24) & 0xffu;
+}
+
 // Written by the first wait that times out (DeviceComm::error), or by the first data error of a
 // launch (DeviceComm::data_error); host-mapped memory, read by Communicator::check().
 // Data errors use the fields as: kCapacity - peer = the local expert, expected = the rows its

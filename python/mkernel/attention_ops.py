@@ -223,7 +223,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, caus
     [B, H, S_local] fp32 with return_lse=True). Any world size; key / value chunks travel
     between the GPUs while the attention engine works on the one that has arrived (across
     nodes: a launch a node, the chunks moving node to node between them).
-    Every rank calls it (same shapes, same order). torch.ops.mkernel.ring_attention: current
+    Every rank calls it (same shapes, same order: ranks on a node that differ in B, S_local, H,
+    H_kv, D or causal get MkernelError(code='invalid_argument') from comm.synchronize() naming
+    both ranks, and no key or value moves). torch.ops.mkernel.ring_attention: current
     stream, torch.compile, CUDA graphs (make one call with the shape before capturing: the
     first allocates the communicator's workspace, collectively).
     """

@@ -244,6 +244,11 @@ void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor
   policy.world = topo.world_size;
   policy.carry_first = nl.carry_first;
   policy.carry_last = nl.carry_last;
+  // Everything that lays out the slots and counts or sets a count a peer waits for: ranks that
+  // disagree stop at the entry with an error naming them (Launch::agrees).
+  policy.signature = dev::entry_signature(
+      EntryOp::kRingAttention,
+      {p.batch, p.seq_q, p.seq_kv, p.heads, p.kv_heads, p.head_dim, p.causal ? 1 : 0});
   // The counters start at zero (a memset node in a captured graph).
   MK_CUDA_CHECK(cudaMemsetAsync(base + l.counters, 0, l.counters_bytes(), stream));
   auto kernel = attention_host::prepared<C, Policy<kHeadDim, kOneRound>>();

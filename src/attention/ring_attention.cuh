@@ -145,6 +145,9 @@ struct RingAttention {
   int world;
   bool carry_first;
   bool carry_last;
+  // What every local rank's launch must share (dev::entry_signature of the problem's sizes),
+  // compared at the entry.
+  uint32_t signature;
 
   __device__ uint8_t* at(int local_rank, uint64_t field) const {
     return peers[local_rank] + offset + field;
@@ -372,18 +375,16 @@ struct RingAttention {
     if (c >= kCopyShares) return;  // no share: nothing to copy, nothing to count
     // Entry: this rank has entered, on the channel of each of its shares (every peer's owner of
     // that share waits for it); then every local peer has entered this launch - so its last
-    // launch, which read its slots, is over - seen on this CTA's first share.
+    // launch, which read its slots, is over - seen on this CTA's first share. The signal is the
+    // launch's signature: a peer with other sizes (its slots and counts laid out otherwise) or
+    // in another op is found here, before any share moves (a failure: seen at the barrier).
     for (int share = c; share < kCopyShares; share += g) {
       for (int t = thread; t < comm.local_size; t += threads) {
-        if (t == comm.local_rank) continue;
-        dev::fence_acq_rel_sys();
-        launch.signal(t, dev::signal_index(SignalId::kEntry, share), 1);
+        if (t != comm.local_rank) launch.announce(t, SignalId::kEntry, share, signature);
       }
     }
     for (int t = thread; t < comm.local_size; t += threads) {
-      if (t != comm.local_rank) {  // a failure: seen at the barrier (failed())
-        launch.wait(comm.node_ranks[t], dev::signal_index(SignalId::kEntry, c), 1);
-      }
+      if (t != comm.local_rank) launch.agrees(t, SignalId::kEntry, c, signature);
     }
     // Once a wait has failed the side warps stop working but still meet at every barrier below
     // (the same count on every thread: uniform loops), so no thread waits at one that the others

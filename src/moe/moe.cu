@@ -47,19 +47,14 @@ void launch_check(const char* op) {
   }
 }
 
-// The MoE launches whose entry barriers compare signatures (Dims::signature): a peer must be in
-// the same one, with the same sizes.
-enum class EntryOp : uint32_t { kDispatch = 1, kCombine = 2, kDispatchGemm = 3, kLayer = 4 };
-
 // What every rank's launch must share: the workspace's offsets (max_tokens, hidden, top_k, E, the
 // layout and its room) and the channels (the CTAs), and what the op adds (`extra`: moe_layer's
 // down width, by which the sums count their column blocks) - not the tokens, which each rank
 // has its own of.
 uint32_t signature_of(const MoeProblem& p, const moe::Plan& plan, EntryOp op, int64_t extra) {
   return dev::entry_signature(
-      static_cast<uint32_t>(op),
-      {p.max_tokens, p.hidden, p.top_k, p.num_experts, static_cast<int64_t>(p.layout),
-       plan.plan.capacity, plan.plan.ctas, extra});
+      op, {p.max_tokens, p.hidden, p.top_k, p.num_experts, static_cast<int64_t>(p.layout),
+           plan.plan.capacity, plan.plan.ctas, extra});
 }
 
 moe::Dims dims_of(const Communicator& comm, const MoeProblem& p, const moe::Plan& plan,
@@ -268,7 +263,7 @@ template <class Idx>
 void launch_dispatch(Communicator& comm, const MoeProblem& problem, const moe::Plan& plan,
                      const SymmetricRange& range, const void* x, const void* topk_idx, void* recv_x,
                      int32_t* expert_rows, int32_t* handle, cudaStream_t stream) {
-  const moe::Dims d = dims_of(comm, problem, plan, EntryOp::kDispatch);
+  const moe::Dims d = dims_of(comm, problem, plan, EntryOp::kMoeDispatch);
   const moe::Workspace ws = workspace_of(range, plan.offsets);
   const moe::NodeMap nm = node_map_of(comm);
   const moe::NodeXfer xf = node_xfer_of(comm, plan, range);
@@ -290,7 +285,7 @@ void launch_combine(Communicator& comm, const MoeProblem& problem, const moe::Pl
   const moe::NodeMap nm = node_map_of(comm);
   const moe::NodeXfer xf = node_xfer_of(comm, plan, range);
   moe::combine_kernel<<<plan.plan.ctas, moe::kThreads, 0, stream>>>(
-      comm.device_comm(), dims_of(comm, problem, plan, EntryOp::kCombine), nm, xf,
+      comm.device_comm(), dims_of(comm, problem, plan, EntryOp::kMoeCombine), nm, xf,
       static_cast<const __nv_bfloat16*>(y), topk_weights, handle, workspace_of(range, plan.offsets),
       static_cast<__nv_bfloat16*>(out));
   launch_check(op);
@@ -382,7 +377,7 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
         masked ? GroupedLayout::kMasked : GroupedLayout::kPadded, tables + lt.row_start);
     return;
   }
-  moe::Dims d = dims_of(comm, problem, c.plan, EntryOp::kDispatchGemm);
+  moe::Dims d = dims_of(comm, problem, c.plan, EntryOp::kMoeDispatchGemm);
   d.local_list = true;
   const moe::Workspace ws = workspace_of(c.workspace, c.plan.offsets);
   const DeviceComm dc = comm.device_comm();
@@ -434,7 +429,7 @@ void moe::launch_layer(Communicator& comm, const MoeProblem& problem, int64_t in
                           workspace, {}, {});
   const MoePlan& plan = c.plan.plan;
   print(comm, op, problem, plan);
-  moe::Dims d = dims_of(comm, problem, c.plan, EntryOp::kLayer);
+  moe::Dims d = dims_of(comm, problem, c.plan, EntryOp::kMoeLayer);
   d.local_list = true;
   const moe::Workspace ws = workspace_of(c.workspace, c.plan.offsets);
   const DeviceComm dc = comm.device_comm();
@@ -443,7 +438,7 @@ void moe::launch_layer(Communicator& comm, const MoeProblem& problem, int64_t in
   // communicator's SM budget, or fewer on request.
   const int width = gemm_engine::swiglu_down_width(config.block_n, total_rows, d.experts_local,
                                                    intermediate, plan.ctas, op);
-  d.signature = signature_of(problem, c.plan, EntryOp::kLayer, width);
+  d.signature = signature_of(problem, c.plan, EntryOp::kMoeLayer, width);
   const int stride = moe::comb_count_stride(problem.hidden);
   // The launches before the fused one (after every host step that can throw: the policy's tensor
   // maps are encoded first, so a refusal leaves no peer waiting for this rank's counts).

@@ -345,25 +345,65 @@ detail::InterNode& Communicator::inter_node() {
 
 namespace {
 
+// The op an entry signature names (dev::entry_signature), for an error.
+std::string entry_op_name(uint64_t signature) {
+  switch (static_cast<EntryOp>(entry_op_of(signature))) {
+    case EntryOp::kMoeDispatch:
+      return "moe_dispatch";
+    case EntryOp::kMoeCombine:
+      return "moe_combine";
+    case EntryOp::kMoeDispatchGemm:
+      return "moe_dispatch_gemm";
+    case EntryOp::kMoeLayer:
+      return "moe_layer";
+    case EntryOp::kRingAttention:
+      return "ring_attention";
+  }
+  return "";
+}
+
+// A kMismatch record: which ops the two ranks were in, and what they must share.
+std::string mismatch_message(const volatile DeviceErrorRecord& rec, const std::string& where) {
+  const std::string here = entry_op_name(rec.expected);
+  const std::string there = rec.observed != 0 ? entry_op_name(rec.observed) : "";
+  std::ostringstream msg;
+  msg << "rank " << rec.rank << " and rank " << rec.peer
+      << " entered the same launch with different operations or sizes: ";
+  if (rec.observed == 0) {
+    msg << "rank " << rec.rank << " in " << here << ", rank " << rec.peer
+        << " saw the difference first";
+  } else if (there.empty()) {
+    msg << "rank " << rec.rank << " in " << here << ", rank " << rec.peer
+        << " in another operation (one without sizes to compare: a GEMM with a collective, a "
+           "collective)";
+  } else if (there != here) {
+    msg << "rank " << rec.rank << " in " << here << ", rank " << rec.peer << " in " << there;
+  } else {
+    msg << "both in " << here << ", with different sizes";
+  }
+  msg << " (at the " << where << ": signature " << std::hex << rec.expected << " here";
+  if (rec.observed != 0) msg << ", " << rec.observed << " there";
+  msg << std::dec
+      << "). Every rank must issue the same operations in the same order, with the "
+         "sizes they share equal - ";
+  if (here == "ring_attention") {
+    msg << "for ring_attention B, S_local, H, H_kv, D and causal";
+  } else {
+    msg << "for the MoE ops max_tokens, hidden, top_k, num_experts, the layout, the capacity, "
+           "the SMs and moe_layer's block_n (the token counts may differ; pass max_tokens, the "
+           "largest, on every rank)";
+  }
+  msg << ". The communicator is broken: create a new one";
+  return msg.str();
+}
+
 // The fatal error a kernel recorded: a time-out (who waited how long for whom on what), or a
 // mismatch (a peer entered the same launch with another op signature).
 std::string recorded_error(const detail::CommState& s) {
   const volatile DeviceErrorRecord* rec = s.error_host;
   std::ostringstream msg;
   if (rec->code == static_cast<int32_t>(DeviceErrorCode::kMismatch)) {
-    msg << "rank " << rec->rank << " and rank " << rec->peer
-        << " entered the same launch with different operations or sizes (at the "
-        << describe_signal(rec->signal) << ": signature " << std::hex << rec->expected << " here, ";
-    if (rec->observed != 0) {
-      msg << rec->observed << std::dec << " there)";
-    } else {
-      msg << std::dec << "rank " << rec->peer << " saw the difference first)";
-    }
-    msg << ". Every rank must issue the same operations in the same order, with the sizes they "
-           "share equal - for the MoE ops max_tokens, hidden, top_k, num_experts, the layout, the "
-           "capacity, the SMs and moe_layer's block_n (the token counts may differ; pass "
-           "max_tokens, the largest, on every rank). The communicator is broken: create a new "
-           "one";
+    msg << mismatch_message(*rec, describe_signal(rec->signal));
     return msg.str();
   }
   msg << "rank " << rec->rank << " waited " << static_cast<double>(rec->waited_ns) * 1e-9

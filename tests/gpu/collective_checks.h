@@ -54,6 +54,33 @@ inline void expect_missing_rank_times_out(Communicator& comm, cudaStream_t strea
   comm.bootstrap().barrier();
 }
 
+// Ranks 0 and 1 entered one launch with different operations or sizes (`launch` enqueued this
+// rank's part on `stream`): synchronize() must raise kInvalidArgument naming this rank and the
+// other, and `op` (when given), well inside the communicator's time limit - found at the entry,
+// not by a time-out. `label` goes into the failures.
+inline void expect_ranks_disagree(Communicator& comm, cudaStream_t stream,
+                                  const std::function<void()>& launch, const std::string& op,
+                                  const std::string& label) {
+  const int me = comm.rank(), peer = 1 - me;
+  const auto start = std::chrono::steady_clock::now();
+  launch();
+  try {
+    comm.synchronize(stream);
+    ADD_FAILURE() << label << ", rank " << me << ": no error although the ranks disagree";
+  } catch (const Error& e) {
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const std::string msg = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << label << ": " << msg;
+    EXPECT_NE(msg.find("rank " + std::to_string(me) + " and rank " + std::to_string(peer) +
+                       " entered the same launch with different operations or sizes"),
+              std::string::npos)
+        << label << ": " << msg;
+    if (!op.empty()) EXPECT_NE(msg.find(op), std::string::npos) << label << ": " << msg;
+    EXPECT_LT(seconds, comm.timeout_seconds() / 2) << label << ": the mismatch took a time-out";
+  }
+}
+
 struct Case {
   std::size_t count;
   DType dtype;

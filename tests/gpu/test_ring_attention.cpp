@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "attention_reference.h"
@@ -380,6 +381,57 @@ TEST(InProcessRingAttention, MissingRankTimesOut) {
         cudaStreamDestroy(s);
       },
       options);
+}
+
+// Ranks that disagree on what every rank must share - S_local (each rank's own T in a caller
+// that shards unevenly), causal, H: the entry finds it before any share moves; each rank raises
+// kInvalidArgument naming itself, the peer and ring_attention, well inside the time limit (no
+// time-out), and nothing reached the slot the peer writes at world 2 (the workspace was zeroed).
+TEST(InProcessRingAttention, RanksThatDisagreeFailNamingIt) {
+  MKT_REQUIRE_GPU();
+  CommOptions options;
+  options.timeout_seconds = 20.0;
+  for (int variant = 0; variant < 3; ++variant) {
+    run_in_process(
+        2,
+        [variant](Communicator& comm) {
+          const int me = comm.rank();
+          RingCase c{1, 256, 4, 2, 128, false};
+          RingCase other = c;
+          if (variant == 0) other.seq_local = 512;
+          if (variant == 1) other.causal = true;
+          if (variant == 2) other.heads = 2;
+          const RingCase mine_case = me == 0 ? c : other;
+          cudaStream_t s;
+          MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+          {
+            Local mine(mine_case);
+            fill_random_bf16_scaled(mine.q, mine.q_count, 1.0f, 1, s);
+            fill_random_bf16_scaled(mine.k, mine.kv_count, 1.0f, 2, s);
+            fill_random_bf16_scaled(mine.v, mine.kv_count, 1.0f, 3, s);
+            // The same symmetric buffer on every rank (collective), zeroed: room for either.
+            SymmetricBuffer ws =
+                comm.alloc(std::max(ring_attention_workspace_bytes(comm, local_problem(c)),
+                                    ring_attention_workspace_bytes(comm, local_problem(other))));
+            MKT_CUDA(cudaMemsetAsync(ws.data(), 0, ws.size(), s));
+            ready(comm, s);
+            expect_ranks_disagree(
+                comm, s, [&] { mine.run(comm, mine_case, ws.data(), s); }, "ring_attention",
+                "variant " + std::to_string(variant));
+            // At world 2 the peer writes its K and V into slot 0: the workspace's first bytes.
+            const int64_t chunk =
+                std::min(c.batch * c.seq_local * c.kv_heads * c.head_dim,
+                         other.batch * other.seq_local * other.kv_heads * other.head_dim) *
+                2;
+            std::vector<uint8_t> host(2 * chunk);
+            MKT_CUDA(cudaMemcpy(host.data(), ws.data(), host.size(), cudaMemcpyDeviceToHost));
+            EXPECT_TRUE(std::all_of(host.begin(), host.end(), [](uint8_t b) { return b == 0; }))
+                << "variant " << variant << ": a peer's share reached rank " << me;
+          }
+          cudaStreamDestroy(s);
+        },
+        options);
+  }
 }
 
 TEST(InProcessRingAttention, RejectsBadArgumentsBeforeLaunch) {

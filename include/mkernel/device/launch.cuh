@@ -27,17 +27,16 @@ __host__ __device__ constexpr uint64_t signal_value(uint64_t epoch, uint32_t ste
   return (epoch << 32) | step;
 }
 
-// An op's signature for Launch::channel_barrier_agreeing (host code): FNV-1a over its kind
-// (any number the op picks) and the sizes every rank must call it with; never 0, which a
-// signal step must not be there.
-inline uint32_t entry_signature(uint32_t op, std::initializer_list<int64_t> sizes) {
+// An op's signature for the entry barriers that compare them (EntryOp; host code): the op in the
+// top byte (so that an error can name what each rank was in), FNV-1a over the sizes every rank must
+// call it with in the other 24 bits. Never 0 or a small step: the top byte is not 0.
+inline uint32_t entry_signature(EntryOp op, std::initializer_list<int64_t> sizes) {
   uint32_t h = 2166136261u;
   const auto mix = [&h](uint64_t v) {
     for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ static_cast<uint32_t>(v & 0xff)) * 16777619u;
   };
-  mix(op);
   for (const int64_t v : sizes) mix(static_cast<uint64_t>(v));
-  return h != 0 ? h : 1;
+  return (static_cast<uint32_t>(op) << 24) | (h & 0xffffffu);
 }
 
 __device__ __forceinline__ bool reached(uint64_t value, uint64_t expected) {
@@ -146,62 +145,66 @@ struct Launch {
   // local_size signals local rank t and waits for it. Orders all prior writes of the CTA (to any
   // GPU) before the peers' subsequent reads. Returns false (on every thread) if any wait failed.
   __device__ bool channel_barrier(SignalId id, int channel, uint32_t step) const {
-    const uint32_t sig = signal_index(id, channel);
     __syncthreads();
+    for (int t = threadIdx.x; t < comm.local_size; t += blockDim.x) {
+      if (t != comm.local_rank) announce(t, id, channel, step);
+    }
     bool ok = true;
     for (int t = threadIdx.x; t < comm.local_size; t += blockDim.x) {
-      if (t == comm.local_rank) continue;
-      fence_acq_rel_sys();
-      signal(t, sig, step);
-    }
-    for (int t = threadIdx.x; t < comm.local_size; t += blockDim.x) {
-      if (t == comm.local_rank) continue;
-      ok = wait(comm.node_ranks[t], sig, step) && ok;
+      if (t != comm.local_rank)
+        ok = wait(comm.node_ranks[t], signal_index(id, channel), step) && ok;
     }
     return __syncthreads_and(ok) != 0;
   }
 
   // channel_barrier whose signal carries this rank's `signature` of the op (nonzero: what its
-  // kind and the sizes every rank must share hash to, entry_signature above) instead of a step.
-  // A peer that entered the same launch with another value - other sizes, another op at this
-  // point of its stream (whose buffers this rank would read and write at other offsets), or an
-  // op whose entry barrier signals 0 - is recorded as DeviceErrorCode::kMismatch, which aborts
-  // this rank's waits as a time-out does; false on every thread then, as on a failed wait. A
-  // peer already past this launch (its next value in the slot) compared this rank's signature
-  // itself, and left its verdict in kVerdict before it went on. False too once this rank's
-  // launch has failed elsewhere (a sibling CTA found a difference first).
+  // kind and the sizes every rank must share hash to, entry_signature above) instead of a step:
+  // announce() to every local peer, then agrees() with each. False on every thread when a peer
+  // disagrees or a wait failed, and once this rank's launch has failed elsewhere (a sibling CTA
+  // found a difference first).
   __device__ bool channel_barrier_agreeing(SignalId id, int channel, uint32_t signature) const {
-    const uint32_t sig = signal_index(id, channel);
-    const uint32_t verdict = signal_index(SignalId::kVerdict, channel);
     __syncthreads();
+    for (int t = threadIdx.x; t < comm.local_size; t += blockDim.x) {
+      if (t != comm.local_rank) announce(t, id, channel, signature);
+    }
     bool ok = true;
     for (int t = threadIdx.x; t < comm.local_size; t += blockDim.x) {
-      if (t == comm.local_rank) continue;
-      fence_acq_rel_sys();
-      signal(t, sig, signature);
-    }
-    for (int t = threadIdx.x; t < comm.local_size; t += blockDim.x) {
-      if (t == comm.local_rank) continue;
-      const int src = comm.node_ranks[t];
-      if (!wait(src, sig, 0)) {
-        ok = false;
-        continue;
-      }
-      const uint64_t seen = ld_acquire_sys(word(sig, src));
-      uint32_t theirs = static_cast<uint32_t>(seen);
-      bool differs = theirs != signature;
-      if (static_cast<uint32_t>(seen >> 32) != static_cast<uint32_t>(epoch)) {  // past it
-        theirs = 0;  // (unknown here: its slot holds its next launch's)
-        differs = static_cast<uint32_t>(ld_acquire_sys(word(verdict, src)) >> 32) ==
-                  static_cast<uint32_t>(epoch);
-      }
-      if (differs) {
-        record_fatal(DeviceErrorCode::kMismatch, src, sig, signature, theirs, 0);
-        signal(t, verdict, 1);  // for the peer, should it find this rank past the launch
-        ok = false;
-      }
+      if (t != comm.local_rank) ok = agrees(t, id, channel, signature) && ok;
     }
     return __syncthreads_and(ok) != 0 && !failed();
+  }
+
+  // `value` (a barrier's step, or an entry signature: agrees() on the other side) in signal
+  // (id, channel) of local rank t, after every prior write of this thread.
+  __device__ void announce(int t, SignalId id, int channel, uint32_t value) const {
+    fence_acq_rel_sys();
+    signal(t, signal_index(id, channel), value);
+  }
+
+  // Waits for local rank t's announce() of this launch on (id, channel) and compares its
+  // signature with this rank's. A peer that entered the same launch with another value - other
+  // sizes, another op at this point of its stream (whose buffers this rank would read and write
+  // at other offsets), or an op whose entry barrier signals a step - is recorded as
+  // DeviceErrorCode::kMismatch, which aborts this rank's waits as a time-out does. A peer already
+  // past this launch (its next value in the slot) compared this rank's signature itself, and
+  // left its verdict in kVerdict before it went on. False on a difference or a failed wait.
+  __device__ bool agrees(int t, SignalId id, int channel, uint32_t signature) const {
+    const uint32_t sig = signal_index(id, channel);
+    const uint32_t verdict = signal_index(SignalId::kVerdict, channel);
+    const int src = comm.node_ranks[t];
+    if (!wait(src, sig, 0)) return false;
+    const uint64_t seen = ld_acquire_sys(word(sig, src));
+    uint32_t theirs = static_cast<uint32_t>(seen);
+    bool differs = theirs != signature;
+    if (static_cast<uint32_t>(seen >> 32) != static_cast<uint32_t>(epoch)) {  // past it
+      theirs = 0;  // (unknown here: its slot holds its next launch's)
+      differs = static_cast<uint32_t>(ld_acquire_sys(word(verdict, src)) >> 32) ==
+                static_cast<uint32_t>(epoch);
+    }
+    if (!differs) return true;
+    record_fatal(DeviceErrorCode::kMismatch, src, sig, signature, theirs, 0);
+    signal(t, verdict, 1);  // for the peer, should it find this rank past the launch
+    return false;
   }
 
   // Every CTA calls this last (all threads). The last CTA to arrive publishes epoch + 1.
