@@ -86,6 +86,10 @@ struct AttentionConfig {
   // every shape measured), or each consumer between the block's Q K^T and its softmax (D 128,
   // the plain engine and the ring: slower with the hand-over; journal, 2026-12-05).
   static constexpr bool kProducerMasks = kHeadDim == 64;
+  // Whether the consumers keep a block's softmax ahead of the wait for the block before's P V
+  // (pin_before_wait) and write O's zeros before they wait for Q: D 128 faster with both, D 64
+  // slower, for a reason not yet found (journal, 2026-12-06).
+  static constexpr bool kSoftmaxUnderPv = kHeadDim == 128;
   // Barriers: q_full, q_empty, k_full[S], k_empty[S], v_full[S], v_empty[S]; then the blocks'
   // masks (kv_len, diag), 2S slots by block number (kProducerMasks).
   static constexpr int kMaskSlots = 2 * kStages;
@@ -278,6 +282,19 @@ __device__ __forceinline__ void apply_mask(float (&s)[kSRegs], const BlockMask& 
       }
     }
   }
+}
+
+// Keeps the softmax that produced x before the wgmma wait that follows it, under the P V in
+// flight: a shared-memory store of x that never executes (x, a row sum of exponentials, is never
+// negative). ptxas keeps memory operations in order with wgmma.wait_group; without one, it
+// moved the wait to the top of the softmax (after its first two max instructions), so a
+// warpgroup's exponentials never overlapped its own P V - only the other warpgroup's.
+__device__ __forceinline__ void pin_before_wait(float x, void* smem) {
+  const auto a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile(
+      "{\n .reg .pred p;\n setp.lt.f32 p, %0, 0f00000000;\n @p st.shared.f32 [%1], %0;\n}" ::"f"(x),
+      "r"(a)
+      : "memory");
 }
 
 // P (fp32 probabilities in the S accumulator layout) -> bf16 A fragments, one per 16 keys.
@@ -588,6 +605,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
           for (int i = 0; i < Cfg::kORegs; ++i) o[i] = 0.f;
         }
+        // O's registers are written here, while Q and K are awaited. Without the fence a policy
+        // whose O always starts at zero (RingAttention's one-round kernel) had its zeroing
+        // deferred past block 0's softmax, and a zero-O special case computed there for every
+        // item, in the gap before block 1's Q K^T.
+        if constexpr (Cfg::kSoftmaxUnderPv) dev::wgmma_fence_operands(o);
         if (w.blocks > 0) {
           dev::mbarrier_wait(q_full, tiles & 1);
           ++tiles;
@@ -631,6 +653,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             mask = consumer_mask(w, it, i);
             if (mask.active) apply_mask(s, mask, consumer);
             softmax.step(s, scale_log2, rescale);
+            if constexpr (Cfg::kSoftmaxUnderPv) {
+              pin_before_wait(fminf(softmax.l[0], softmax.l[1]), scratch);  // (never stores)
+            }
             dev::wgmma_wait<0>();  // P V is done: O and P may change
             dev::wgmma_fence_operands(o);
 #pragma unroll
