@@ -202,8 +202,7 @@ int main(int argc, char** argv) {
                    "  --block-m: the tile height of every op timed (default: the plan's)\n"
                    "  --candidates: also time every distinct plan gemm_plan makes for the shape\n"
                    "  (heights, widths - the step widths K whole -, 1-8 pieces), each with the\n"
-                   "  plan model's estimate: the\n"
-                   "  data to refit src/gemm/plan.cpp against\n",
+                   "  plan model's estimate: the data to refit src/gemm/plan.cpp against\n",
                    argv[0]);
       return 2;
     }

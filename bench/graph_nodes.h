@@ -71,12 +71,17 @@ inline std::vector<cudaGraphNode_t> nodes_in_order(cudaGraph_t g) {
   CK(cudaGraphGetNodes(g, nodes.data(), &count));
   std::map<cudaGraphNode_t, std::size_t> waiting;  // unplaced dependencies
   std::map<cudaGraphNode_t, std::vector<cudaGraphNode_t>> dependents;
-  // (CUDA 13 added the edges' data to the call. A programmatic edge - moe_dispatch_gemm's
-  // kernels - has data, and asking for its node without the data is refused as lossy.)
+  // (A programmatic edge - cuBLAS's graphs at some shapes, moe_dispatch_gemm's kernels with
+  // programmatic launches - carries data, and asking for its node without the data is refused
+  // as lossy. CUDA 12.3 added the call with the data; 13 made it the only one.)
   const auto dependencies = [](cudaGraphNode_t n, cudaGraphNode_t* from, std::size_t* deps) {
-#if CUDART_VERSION >= 13000
+#if CUDART_VERSION >= 12030
     std::vector<cudaGraphEdgeData> edges(from != nullptr ? *deps : 0);
+#if CUDART_VERSION >= 13000
     return cudaGraphNodeGetDependencies(n, from, from != nullptr ? edges.data() : nullptr, deps);
+#else
+    return cudaGraphNodeGetDependencies_v2(n, from, from != nullptr ? edges.data() : nullptr, deps);
+#endif
 #else
     return cudaGraphNodeGetDependencies(n, from, deps);
 #endif

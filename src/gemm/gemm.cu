@@ -132,7 +132,11 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
 // Calls fn.template operator()<kBlockN>() for a width of kStepWidths.
 template <class Fn>
 void dispatch_step_width(int block_n, Fn&& fn) {
-  static_assert(sizeof(gemm_engine::kStepWidths) / sizeof(int) == 6);
+  static_assert(sizeof(gemm_engine::kStepWidths) / sizeof(int) == 6 &&
+                    gemm_engine::kStepWidths[0] == 80 && gemm_engine::kStepWidths[1] == 96 &&
+                    gemm_engine::kStepWidths[2] == 112 && gemm_engine::kStepWidths[3] == 144 &&
+                    gemm_engine::kStepWidths[4] == 160 && gemm_engine::kStepWidths[5] == 224,
+                "the cases below are kStepWidths");
   switch (block_n) {
     case 80:
       return fn.template operator()<80>();

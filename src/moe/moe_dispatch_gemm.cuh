@@ -357,7 +357,7 @@ struct MoeDispatchGemm {
   // 1. Channel c's share of the rows for each other rank, chunk by chunk. The consumers copy
   //    them (consumer_prologue: they would only wait for the first tile's rows, which the walk
   //    places after every peer's rows have landed, and they have the registers for 8 KB of a row
-  //    in flight a warp - the side warps' 88 keep four vectors a lane); side thread 0 signals
+  //    in flight a warp - the side warps keep four or eight vectors a lane); side thread 0 signals
   //    each chunk once every consumer warp has counted it copied (signal_sends).
   __device__ void send_share(int dst, int64_t& lo, int64_t& hi) const {
     share(ws.at<int32_t>(d.rank, ws.totals)[d.experts + dst], blockIdx.x, gridDim.x, lo, hi);

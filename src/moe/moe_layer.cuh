@@ -39,8 +39,8 @@ namespace mk::moe {
 
 template <int kBlockN>
 struct MoeLayerFused {
-  // The side warps place rows (88 registers, as moe_dispatch_gemm's); the consumers hold the
-  // widest tile's accumulators in the rest.
+  // The side warps place rows (moe_dispatch_gemm's register split: 88 at 256-wide tiles, 120
+  // below); the consumers hold the tile's accumulators in the rest.
   static constexpr gemm_engine::FusionTraits kTraits{
       .init_shared = true,
       .load_b = true,
@@ -244,7 +244,8 @@ struct MoeLayerFused {
   }
 
   __device__ void side_task(int thread, int threads) const { dispatch.side_task(thread, threads); }
-  // The consumers copy the sends first, as moe_dispatch_gemm's (MoeDispatchGemm::consumer_prologue).
+  // The consumers copy the sends first, as moe_dispatch_gemm's
+  // (MoeDispatchGemm::consumer_prologue).
   __device__ void consumer_prologue(int thread, int threads) const {
     dispatch.consumer_prologue(thread, threads);
   }
