@@ -152,12 +152,18 @@ def evaluate(p, shapes, verbose=False):
     steps, counted = has_steps(shapes), 0
     for (m, n, k), s in shapes.items():
         chosen = plan(p, m, n, k, steps)
-        if chosen not in s["measured"]:  # (data measured before a kind of plan existed)
+        best = min(s["measured"].values())
+        if chosen in s["measured"]:
+            t = s["measured"][chosen]
+        elif steps:  # a plan the data could have timed: counted as the slowest candidate, so
+            t = max(s["measured"].values())  # that a fit gains nothing by choosing untimed plans
+            if verbose:
+                print(f"  {m}x{n}x{k}: plan {chosen[:3]} not measured: taken as the slowest")
+        else:  # (data measured before a kind of plan existed)
             if verbose:
                 print(f"  {m}x{n}x{k}: plan {chosen[:3]} is not among the candidates measured")
             continue
         counted += 1
-        t, best = s["measured"][chosen], min(s["measured"].values())
         loss += math.log(t / best)
         vs_cublas += math.log(s["cublas"] / t)
         if verbose and t > 1.03 * best:
