@@ -386,7 +386,7 @@ std::string mismatch_message(const volatile DeviceErrorRecord& rec, const std::s
   msg << std::dec
       << "). Every rank must issue the same operations in the same order, with the "
          "sizes they share equal - ";
-  if (here == "ring_attention") {
+  if (entry_op_of(rec.expected) == static_cast<uint32_t>(EntryOp::kRingAttention)) {
     msg << "for ring_attention B, S_local, H, H_kv, D and causal";
   } else {
     msg << "for the MoE ops max_tokens, hidden, top_k, num_experts, the layout, the capacity, "

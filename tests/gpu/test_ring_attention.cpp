@@ -110,6 +110,12 @@ struct Local {
     cudaFree(o);
     cudaFree(lse);
   }
+  // q, k and v random at scale 1, the same on every rank (seeds 1, 2, 3).
+  void fill(cudaStream_t s) const {
+    fill_random_bf16_scaled(q, q_count, 1.0f, 1, s);
+    fill_random_bf16_scaled(k, kv_count, 1.0f, 2, s);
+    fill_random_bf16_scaled(v, kv_count, 1.0f, 3, s);
+  }
   void run(Communicator& comm, const RingCase& c, void* ws, cudaStream_t s) const {
     AttentionConfig config;
     config.sms = c.sms + comm.rank() * c.sms_step;
@@ -371,9 +377,7 @@ TEST(InProcessRingAttention, MissingRankTimesOut) {
         MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
         {
           Local mine(c);
-          fill_random_bf16_scaled(mine.q, mine.q_count, 1.0f, 1, s);
-          fill_random_bf16_scaled(mine.k, mine.kv_count, 1.0f, 2, s);
-          fill_random_bf16_scaled(mine.v, mine.kv_count, 1.0f, 3, s);
+          mine.fill(s);
           SymmetricBuffer ws = comm.alloc(ring_attention_workspace_bytes(comm, local_problem(c)));
           ready(comm, s);
           expect_missing_rank_times_out(comm, s, [&] { mine.run(comm, c, ws.data(), s); });
@@ -406,9 +410,7 @@ TEST(InProcessRingAttention, RanksThatDisagreeFailNamingIt) {
           MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
           {
             Local mine(mine_case);
-            fill_random_bf16_scaled(mine.q, mine.q_count, 1.0f, 1, s);
-            fill_random_bf16_scaled(mine.k, mine.kv_count, 1.0f, 2, s);
-            fill_random_bf16_scaled(mine.v, mine.kv_count, 1.0f, 3, s);
+            mine.fill(s);
             // The same symmetric buffer on every rank (collective), zeroed: room for either.
             SymmetricBuffer ws =
                 comm.alloc(std::max(ring_attention_workspace_bytes(comm, local_problem(c)),
