@@ -64,6 +64,13 @@ for t in "$@"; do
   [[ -n "$exe" ]] || { echo "prebuild.sh: no executable $t in $src/build" >&2; exit 1; }
   strip -o "$out/$t" "$exe" && xz -T0 -f "$out/$t"
   [[ "$t" == mkrun ]] && echo "$exe" >"$out/MKRUN_PATH"
+  # The GPU suites as ctest knows them (ctest -L gpu on the GPU machine, BUILD=prebuilt-NAME/build
+  # for device_run.sh's test step): its test file names the executables by their paths here,
+  # which unpack_prebuilt.sh links to the carried ones.
+  if [[ "$t" == mkernel_gpu_tests ]]; then
+    cp "$src/build/tests/CTestTestfile.cmake" "$out/CTestTestfile.cmake"
+    echo "$exe" >"$out/TESTS_PATH"
+  fi
 done
 git -C "$src" rev-parse --short HEAD >"$out/COMMIT"
 echo "prebuild.sh: $(du -sh "$out" | cut -f1) in $out (HEAD $(cat "$out/COMMIT"), patches: $patches)"

@@ -14,10 +14,16 @@ for name in "$@"; do
   dir="$PWD/prebuilt-$name"
   [[ -d "$dir" ]] || { echo "unpack_prebuilt.sh: no $dir (carry it)" >&2; exit 1; }
   for f in "$dir"/*.xz; do [[ -e "$f" ]] && xz -d -f -T0 "$f"; done
-  find "$dir" -maxdepth 1 -type f ! -name '*.*' ! -name COMMIT ! -name MKRUN_PATH -exec chmod +x {} +
+  find "$dir" -maxdepth 1 -type f ! -name '*.*' ! -name COMMIT ! -name MKRUN_PATH \
+    ! -name TESTS_PATH -exec chmod +x {} +
   if [[ -f "$dir/MKRUN_PATH" && -x "$dir/mkrun" ]]; then
     path="$(cat "$dir/MKRUN_PATH")"
     mkdir -p "$(dirname "$path")" && ln -sf "$dir/mkrun" "$path"
+  fi
+  # The test file's paths (prebuild.sh): `ctest --test-dir prebuilt-NAME/build -L gpu`.
+  if [[ -f "$dir/TESTS_PATH" && -x "$dir/mkernel_gpu_tests" ]]; then
+    path="$(cat "$dir/TESTS_PATH")"
+    mkdir -p "$(dirname "$path")" && ln -sf "$dir/mkernel_gpu_tests" "$path"
   fi
   # A build tree's layout of links (build/bench/bench_*, build/tests/mkernel_gpu_tests, the
   # module in build/), so that the steps that take BUILD run on them as they are:
@@ -28,7 +34,7 @@ for name in "$@"; do
     case "$(basename "$f")" in
       bench_*) ln -sf "$f" "$dir/build/bench/" ;;
       mkernel_gpu_tests) ln -sf "$f" "$dir/build/tests/" ;;
-      _C*.so) ln -sf "$f" "$dir/build/" ;;
+      _C*.so | CTestTestfile.cmake) ln -sf "$f" "$dir/build/" ;;
     esac
   done
   echo "unpack_prebuilt.sh: $dir ($(cat "$dir/COMMIT" 2>/dev/null || echo '?'))"
