@@ -63,6 +63,16 @@ dry_run="${MKERNEL_DRY_RUN:-0}"
 run() {
   if [[ "$dry_run" == 1 ]]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
+# The GPU's short name in the results files' names: the first word of its name with a digit in
+# it, lower case ("NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200). A dry run names the
+# GPU it pretends to have, an H200.
+gpu_name() {
+  local name=""
+  [[ "$dry_run" == 1 ]] ||
+    name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 |
+           awk '{for (i = 1; i <= NF; i++) if ($i ~ /[0-9]/) { print tolower($i); exit }}')
+  echo "${name:-h200}"
+}
 # Before a torchrun of the Python benchmarks: the package importable (or exit 2); $gpu, the GPU's
 # short name for the results files; MKERNEL_COMMIT, the commit they record.
 torchrun_setup() {
@@ -70,9 +80,7 @@ torchrun_setup() {
     echo "bench/run.sh: the mkernel Python package is not importable: run 'pip install .' first" >&2
     exit 2
   }
-  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 |
-        awk '{print tolower($NF)}' || true)
-  gpu="${gpu:-h200}"
+  gpu=$(gpu_name)
   export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 }
 
@@ -84,8 +92,8 @@ case "$kernel" in moe_dispatch_gemm | moe_layer | ring_attention) dist_kernel=1 
 [[ "${MKERNEL_RANKS:-1}" =~ ^[1-9][0-9]*$ ]] ||
   { echo "bench/run.sh: MKERNEL_RANKS '${MKERNEL_RANKS}' is not a positive number" >&2; exit 2; }
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-if [[ "$gpus" -eq 0 && "$dry_run" == 1 ]] && ((nodes > 1 || dist_kernel)); then
-  gpus="${GPUS_PER_NODE:-2}"  # what a dry run pretends this machine has
+if [[ "$dry_run" == 1 ]] && ((nodes > 1 || dist_kernel)); then
+  gpus="${GPUS_PER_NODE:-2}"  # what a dry run pretends this machine has, whatever it has
 fi
 
 if [[ "$nodes" -gt 1 ]]; then
@@ -204,7 +212,7 @@ if [[ "$kernel" == ring_attention ]]; then
   [[ -x "$build/bench/bench_ring_attention" ]] || { echo "bench/run.sh: run 'make' first" >&2; exit 2; }
   ring_args=(--ranks "${MKERNEL_RANKS:-2}")
   if [[ "$mode" == bench ]]; then
-    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
+    gpu=$(gpu_name)
     mkdir -p bench/results
     ring_args+=(--json "bench/results/ring_attention-${gpu}-w1.json")
   fi
@@ -233,7 +241,7 @@ if [[ "$kernel" == grouped_gemm || "$kernel" == moe_dispatch_gemm || "$kernel" =
     echo "bench/run.sh: $kernel runs on one node only" >&2
     exit 2
   fi
-  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
+  gpu=$(gpu_name)
   export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
   python3 -c 'import mkernel' 2>/dev/null || {
     echo "bench/run.sh: the mkernel Python package is not importable: run 'pip install .' first" >&2
@@ -298,7 +306,7 @@ if [[ "$kernel" == all ]]; then
   exit "$status"
 fi
 
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | awk '{print tolower($NF)}')
+gpu=$(gpu_name)
 export MKERNEL_COMMIT="${MKERNEL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 
 if [[ "$kernel" == ag_gemm || "$kernel" == gemm_rs || "$kernel" == gemm_ar ]]; then

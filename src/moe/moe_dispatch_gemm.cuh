@@ -19,8 +19,9 @@
 //                  received ones from their staging (recv_order) - in units of kChunkRows taken
 //                  by the CTAs in turn: the first experts' blocks fill first, whatever the
 //                  world size (a block's rows come from several sources); a warp's rows of a
-//                  unit looked up side by side (a lane each), their bytes asked of L2 ahead of
-//                  the copy (prefetch), one fence before their counts
+//                  unit looked up side by side (a lane each), copied one by one, one fence
+//                  before their counts (no L2 prefetch ahead of the copy: it ran 6% slower
+//                  with one - docs/design/moe.md)
 //       4. the handle's unused rows set to -1
 //       every placed row counts itself into its 128-row block's arrival counter
 //     producer: before a tile's first load, waits until its block counter reaches the tile's
@@ -53,8 +54,6 @@ namespace mk::moe {
 
 constexpr int kChunkRows = 16;  // rows per signalled chunk (remote) or unit (local)
 static_assert(kChunkRows <= 32, "a warp's rows of a unit: one lane each");
-// The walk's rows a warp has asked L2 for ahead of its copy (each 2 * hidden bytes).
-constexpr int kPrefetchRows = 3;
 
 // One CTA of kThreads: the layout of this rank's receive side (moe_plan.h, LayoutTables).
 __global__ void __launch_bounds__(kThreads, 1)
@@ -465,13 +464,12 @@ struct MoeDispatchGemm {
     //    past its expert's room (the capacity error notify recorded) is not placed: moe_layer
     //    counts it done at its source.
     //    A warp takes its rows of a unit (q = unit + warp + j * warps) together: lane j looks
-    //    row j up (expert, layout row, source), writes its handle and asks L2 for its bytes
-    //    kPrefetchRows rows ahead of the warp's copy; the warp copies the rows one by one (both
-    //    kinds through L2: a staged row may have landed during the launch; x's rows as well, one
-    //    copy loop), then after one fence each lane counts its row into its block.
+    //    row j up (expert, layout row, source) and writes its handle; the warp copies the rows
+    //    one by one (both kinds through L2: a staged row may have landed during the launch; x's
+    //    rows as well, one copy loop), then after one fence each lane counts its row into its
+    //    block.
     const int32_t* before = tables + lt.before;
     const int bound = before[el_n];
-    const auto row_bytes = static_cast<uint32_t>(n16) * 16;
     int4* recv16 = reinterpret_cast<int4*>(recv);
     auto* counters = reinterpret_cast<unsigned long long*>(ws.at<uint64_t>(me, ws.counters));
     for (int unit = c * kChunkRows; unit < bound; unit += channels * kChunkRows) {
@@ -491,13 +489,11 @@ struct MoeDispatchGemm {
           h[0] = from.src;
           h[1] = from.token;
           h[2] = from.slot;
-          if (lane < kPrefetchRows) dev::prefetch_l2(from_row, row_bytes);
         } else {
           dropped(from.src, from.token);
         }
       }
       for (int j = 0; j < rows; ++j) {
-        if (lane == j + kPrefetchRows && e >= 0) dev::prefetch_l2(from_row, row_bytes);
         const auto* s = reinterpret_cast<const int4*>(
             __shfl_sync(~0u, reinterpret_cast<unsigned long long>(from_row), j));
         const int r = __shfl_sync(~0u, row, j);

@@ -166,7 +166,9 @@ def test_sdpa_local_causal_backends(backend):
         q = torch.cat([q_full[:, c * half:(c + 1) * half] for c in chunks], 1)
         positions = torch.cat([torch.arange(c * half, (c + 1) * half) for c in chunks]).cuda()
         try:
-            out = base.sdpa_local(q, k_full, v_full, True, rank, world, SDPBackend[backend])
+            # (getattr: SDPBackend is a plain enum type in some torch builds, not subscriptable)
+            chosen = getattr(SDPBackend, backend)
+            out = base.sdpa_local(q, k_full, v_full, True, rank, world, chosen)
         except RuntimeError as e:  # (best_sdpa_backend skips a backend that does not run)
             pytest.skip(f"{backend} does not run here: {e}")
         qt = q.float().transpose(1, 2)

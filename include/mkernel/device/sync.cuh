@@ -67,12 +67,6 @@ __device__ __forceinline__ uint32_t ld_acquire_cta(const uint32_t* shared) {
   return v;
 }
 
-// Asks L2 for `bytes` from p (16-byte aligned, a multiple of 16) without waiting or registers
-// (cp.async.bulk.prefetch.L2): a copy's later loads of them hit L2.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
 // 16 bytes from L2 (ld.global.cg): coherent, for memory written while the kernel runs (by
 // other SMs or other GPUs).
 __device__ __forceinline__ uint4 load_l2(const void* p) {
