@@ -16,15 +16,15 @@ for name in "$@"; do
   for f in "$dir"/*.xz; do [[ -e "$f" ]] && xz -d -f -T0 "$f"; done
   find "$dir" -maxdepth 1 -type f ! -name '*.*' ! -name COMMIT ! -name MKRUN_PATH \
     ! -name TESTS_PATH -exec chmod +x {} +
-  if [[ -f "$dir/MKRUN_PATH" && -x "$dir/mkrun" ]]; then
-    path="$(cat "$dir/MKRUN_PATH")"
-    mkdir -p "$(dirname "$path")" && ln -sf "$dir/mkrun" "$path"
-  fi
-  # The test file's paths (prebuild.sh): `ctest --test-dir prebuilt-NAME/build -L gpu`.
-  if [[ -f "$dir/TESTS_PATH" && -x "$dir/mkernel_gpu_tests" ]]; then
-    path="$(cat "$dir/TESTS_PATH")"
-    mkdir -p "$(dirname "$path")" && ln -sf "$dir/mkernel_gpu_tests" "$path"
-  fi
+  # The paths the build here named (prebuild.sh): mkrun, which the tests start, and the tests,
+  # which the ctest file names (`ctest --test-dir prebuilt-NAME/build -L gpu`).
+  for link in MKRUN_PATH:mkrun TESTS_PATH:mkernel_gpu_tests; do
+    record="$dir/${link%%:*}" exe="$dir/${link#*:}"
+    if [[ -f "$record" && -x "$exe" ]]; then
+      path="$(cat "$record")"
+      mkdir -p "$(dirname "$path")" && ln -sf "$exe" "$path"
+    fi
+  done
   # A build tree's layout of links (build/bench/bench_*, build/tests/mkernel_gpu_tests, the
   # module in build/), so that the steps that take BUILD run on them as they are:
   #   BUILD=$PWD/prebuilt-NAME/build BENCH_KERNELS="gemm ring_attention" bash scripts/device_run.sh python bench
