@@ -5,7 +5,7 @@
 // this GPU's memory: NVLink is not measured here.
 //   bench_moe_ranks [--op moe_layer|moe_dispatch_gemm] [--ranks 2] [--iters 5] [--json FILE]
 //                   [--commit SHA] [--torch MODEL:TOKENS:MS,...] [--trace MODEL:TOKENS]
-//                   [--points MODEL:TOKENS,...] [--prefix MODEL:TOKENS,...]
+//                   [--points MODEL:TOKENS,...] [--prefix MODEL:TOKENS,...] [--recv-x keep|skip]
 // --points: those points only (TOKENS a rank; an A/B's few points, scripts/ab_variants.sh).
 // --prefix: those points only, and after the timed rounds the world-1 op's kernels, each timed as
 // what it adds to the call (graph_nodes.h, time_prefixes: the call's graph cut after each node),
@@ -74,6 +74,10 @@ constexpr int kRounds = 7;
 
 // One rank's op over its share of the inputs (rank r: tokens [r T, (r + 1) T), experts
 // [r E_local, (r + 1) E_local)).
+// --recv-x keep: moe_dispatch_gemm's timed calls ask for the dispatched rows too (recv_x: the
+// walk copies every row into the layout as well), to time that path beside the default.
+bool timed_recv_x = false;
+
 struct RankOp {
   Op op = Op::kLayer;
   std::shared_ptr<Communicator> comm;
@@ -82,7 +86,10 @@ struct RankOp {
   const void *x = nullptr, *topk = nullptr, *w13 = nullptr, *w2 = nullptr;
   const float* weights = nullptr;
   void* out = nullptr;  // moe_layer: [T, H]
-  // moe_dispatch_gemm: w13 is its w [E_local, N, H]; its outputs in the dispatch layout.
+  // moe_dispatch_gemm: w13 is its w [E_local, N, H]; its outputs in the dispatch layout. The
+  // timed calls pass no recv_x (what a caller that does not keep the dispatched rows passes -
+  // Python's default) unless --recv-x keep; recv holds the rows of a call that asked for them
+  // (keep_rows: --prefix's grouped GEMM alone on them).
   int64_t rows = 0;
   void *y = nullptr, *recv = nullptr;
   int32_t *expert_rows = nullptr, *handle = nullptr;
@@ -90,13 +97,14 @@ struct RankOp {
   void* scratch = nullptr;
   cudaStream_t s = nullptr;
 
-  void call() {
+  void call(bool keep_rows = false) {
     if (op == Op::kLayer) {
       moe_layer(*comm, p, inter, x, topk, IndexType::kInt32, weights, w13, w2, out, ws.data(),
                 scratch, s);
     } else {
-      moe_dispatch_gemm(*comm, p, x, topk, IndexType::kInt32, w13, BLayout::kNK, inter, y, recv,
-                        expert_rows, handle, ws.data(), s);
+      moe_dispatch_gemm(*comm, p, x, topk, IndexType::kInt32, w13, BLayout::kNK, inter, y,
+                        keep_rows || timed_recv_x ? recv : nullptr, expert_rows, handle, ws.data(),
+                        s);
     }
   }
   void release() {
@@ -319,6 +327,7 @@ void print_prefixes(RankOp& one, const Point& pt) {
   cudaEvent_t start, stop;
   CK(cudaEventCreate(&start));
   CK(cudaEventCreate(&stop));
+  one.call(/*keep_rows=*/true);  // the rows placed in recv (the timed calls copy none)
   const auto gemm = [&] {
     grouped_gemm(one.recv, one.w13, one.y, one.expert_rows, pt.experts, one.rows, pt.inter,
                  pt.hidden, BLayout::kNK, one.s, {}, GroupedLayout::kPadded);
@@ -552,12 +561,17 @@ int main(int argc, char** argv) {
     }
     if (key == "--points") return parse_points(value, only);
     if (key == "--prefix") return parse_points(value, prefixed);
+    if (key == "--recv-x" && (value == "keep" || value == "skip")) {
+      timed_recv_x = value == "keep";
+      return true;
+    }
     return key == "--torch" && parse_torch(value, torch_ms);
   };
   if (!mk::bench::parse_inprocess_args(argc, argv, args, extra,
                                        " [--op moe_layer|moe_dispatch_gemm] "
                                        "[--torch MODEL:TOKENS:MS,...] [--trace MODEL:TOKENS] "
-                                       "[--points MODEL:TOKENS,...] [--prefix MODEL:TOKENS,...]")) {
+                                       "[--points MODEL:TOKENS,...] [--prefix MODEL:TOKENS,...] "
+                                       "[--recv-x keep|skip]")) {
     return 2;
   }
   const bool trace = !traced.empty();     // (--trace: that point only)

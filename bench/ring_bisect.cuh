@@ -123,6 +123,7 @@ struct RingVariant : attention_engine::RingAttention<kHeadDim> {
         w.carry_in = round > 0 || this->carry_first;
         w.carry_out = round < this->rounds - 1 || this->carry_last;
       }
+      w.mask_hint = this->diagonal_block(w);
       return w;
     }
   }

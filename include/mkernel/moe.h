@@ -108,8 +108,11 @@ void moe_dispatch(Communicator& comm, const MoeProblem& problem, const void* x,
 // have landed (docs/design/moe.md). w: [E_local, N, H] (BLayout::kNK, nn.Linear's layout) or
 // [E_local, H, N] (kKN) bf16, N a multiple of 8; y: [rows, N] bf16 in the dispatch layout (rows
 // without a (source, token, slot) are not written); recv_x: [rows, H] bf16, the dispatched rows
-// (the GEMM reads them from here: the caller's buffer, which it may keep); expert_rows, handle:
-// as moe_dispatch's. The same workspace as moe_dispatch's (moe_workspace_bytes).
+// in the layout as moe_dispatch writes them, or null on one node: not written (the GEMM reads each
+// row from where it lies - x, or the staging it landed in - not from recv_x; asking for them
+// costs their copies; across nodes the rows pass through recv_x, which must be given);
+// expert_rows, handle: as moe_dispatch's. The same workspace as moe_dispatch's
+// (moe_workspace_bytes).
 void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void* x,
                        const void* topk_idx, IndexType index_type, const void* w, BLayout w_layout,
                        int64_t n, void* y, void* recv_x, int32_t* expert_rows, int32_t* handle,

@@ -170,17 +170,22 @@ def _dispatch_gemm_impl(x, topk_idx, w, comm, num_experts, b_layout, layout, cap
                        sms)
     _require_local_experts(w, plan)
     x2, idx2, w2 = x.contiguous(), topk_idx.contiguous(), w.contiguous()
-    recv = torch.empty(_out_shape(plan, hidden, layout), dtype=torch.bfloat16, device=x.device)
+    recv_shape = _out_shape(plan, hidden, layout)
+    # Without return_received the rows are not copied anywhere on one node: the GEMM reads them
+    # where they lie. Across nodes the op runs as the dispatch, then the grouped GEMM on its rows:
+    # they need the buffer.
+    keep = return_received or c._impl.num_nodes > 1
+    recv = torch.empty(recv_shape if keep else (0,) + tuple(recv_shape[1:]),
+                       dtype=torch.bfloat16, device=x.device)
     y = torch.empty(_out_shape(plan, n, layout), dtype=torch.bfloat16, device=x.device)
     expert_rows = torch.empty((plan[2],), dtype=torch.int32, device=x.device)
     handle = torch.empty((plan[0], 3), dtype=torch.int32, device=x.device)
     ws = c._workspace(plan[4], "moe_dispatch_gemm", "moe")
     _C.moe_dispatch_gemm(c._impl, tokens, max_tokens, hidden, top_k, num_experts, layout,
                          capacity, x2.data_ptr(), idx2.data_ptr(), idx2.dtype == torch.int64,
-                         w2.data_ptr(), b_layout, n, y.data_ptr(), recv.data_ptr(),
+                         w2.data_ptr(), b_layout, n, y.data_ptr(), recv.data_ptr() if keep else 0,
                          expert_rows.data_ptr(), handle.data_ptr(), ws.data_ptr(), c._stream(),
                          sms, block_n)
-    # (Without return_received the rows stay internal: freed after the launch in stream order.)
     kept = recv if return_received else recv.new_empty((0,) + tuple(recv.shape[1:]))
     return y, expert_rows, handle, kept
 

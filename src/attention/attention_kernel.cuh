@@ -127,6 +127,9 @@ struct WorkItem {
   int blocks;
   bool carry_in;
   bool carry_out;
+  // A policy's per-item note for its mask() (ring attention: the item's one masked block, worked
+  // out once an item so the consumers' block loop reloads no kernel parameters for it).
+  int mask_hint;
 };
 
 // Which keys of a KV block each query row of the tile sees: key column c (0..127 in the block)

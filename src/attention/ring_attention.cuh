@@ -219,6 +219,7 @@ struct RingAttention {
     // through.
     w.carry_in = !kOneRound && (round > 0 || carry_first);
     w.carry_out = !kOneRound && (round < num_steps() - 1 || carry_last);
+    w.mask_hint = diagonal_block(w);
     return w;
   }
   // Block i of an item: its step, key part and block (each part's from the last down), and
@@ -286,11 +287,19 @@ struct RingAttention {
   // without tail blocks (parts of whole 128-row blocks) the only masked block is causal's
   // diagonal, the first block of step 0's own-chunk run - block 0 for part 0, block
   // blocks_per_part for part 1 (after the whole chunk r) - found without walking the steps.
+  // diagonal_block(w): that block's index in item w (-1: none), worked out once an item by item()
+  // into w.mask_hint; kSlowMask where the parts are not whole blocks. (Read from the kernel's
+  // parameters in the block loop instead, it cost 2-3 dependent constant loads a block between
+  // the Q K^T wait and the softmax.)
+  static constexpr int kSlowMask = -2;
+  __device__ int diagonal_block(const WorkItem& w) const {
+    if (part_len % 128 != 0) return kSlowMask;
+    // (Only the node's own chunks, launch 0, have a diagonal: step 0's is this rank's own.)
+    return causal && !carries_in() && w.step == 0 ? (w.part == 0 ? 0 : blocks_per_part) : -1;
+  }
   __device__ BlockMask mask(const WorkItem& w, int i) const {
-    if (part_len % 128 == 0) {
-      // (Only the node's own chunks, launch 0, have a diagonal: step 0's is this rank's own.)
-      const bool diagonal =
-          causal && !carries_in() && w.step == 0 && i == (w.part == 0 ? 0 : blocks_per_part);
+    if (w.mask_hint != kSlowMask) {
+      const bool diagonal = i == w.mask_hint;
       return {diagonal, 128, diagonal ? 0 : (1 << 30)};
     }
     const Block blk = block_of(w, i);

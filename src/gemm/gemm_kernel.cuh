@@ -6,16 +6,18 @@
 //
 // One CTA per SM. Warpgroup 0 is the producer (one thread issues TMA loads of A and B tiles into
 // a ring of kStages shared-memory stages; its other three warps are free for a fused kernel's side
-// task, e.g. pushing this rank's rows to its peers); warpgroups 1..kConsumers are consumers, each
-// owning 64 rows of the kBlockM-row tile (128; the plain GEMM also 64 and 192) and issuing wgmma
-// on them.
+// task, e.g. pushing this rank's rows to its peers - with gather_a all four warps copy A's rows,
+// the three others once their side task is done: produce_gathered); warpgroups 1..kConsumers are
+// consumers, each owning 64 rows of the kBlockM-row tile (128; the plain GEMM also 64 and 192)
+// and issuing wgmma on them.
 //
 // The kernel is the mainloop; a Fusion policy supplies everything else, so that the plain GEMM and
 // the fused kernels share it (see PlainGemm below for the trivial one). Every policy has
 //   num_tiles(), tile(t)          scheduler: which output tile the t-th work item is (and
 //                                 which of its k-blocks: Tile::kb_begin, kb_end)
 //   wait_operands(tile)           producer, before the tile's first load (fused: "rows arrived")
-//   load_a(dst, bar, tile, k0)    TMA of the tile's A box (the policy knows where A lives)
+//   load_a(dst, bar, tile, k0)    TMA of the tile's A box (the policy knows where A lives);
+//                                 not with gather_a (below), whose A comes from a_row
 //   store(acc, tile, consumer, scratch, state)   epilogue: where a consumer's 64 x kBlockN slice
 //                                 goes (state: the policy's ConsumerState, kept across tiles)
 //   consumer_done(state)          each consumer warpgroup, after its last tile
@@ -38,6 +40,10 @@
 //   consumer_prologue(thread, threads)  every consumer thread (128 x kConsumers), before its
 //                                 first tile: work for warps that would only wait for the first
 //                                 tile's operands (moe_dispatch_gemm: the sends to its peers)
+//   a_row(tile, r)                gather_a: where row r of the tile's A starts (K contiguous,
+//                                 16-byte aligned), or null for a row with nothing to load; A is
+//                                 then gathered row by row (produce_gathered, below), not loaded
+//                                 with load_a
 // with its batched B and register split. check_fusion<Cfg, Fusion>() holds the declaration
 // against the members: a misspelt or missing hook, or one present but not declared, fails to
 // compile (each policy static_asserts it for its widths; the kernel once more).
@@ -45,6 +51,9 @@
 //   smem:     [ stage 0 | ... | stage S-1 | epilogue buffers | full[S] | empty[S] | tile ring ]
 //   stage s:  [ A tile (kBlockM x 64) | B tile (kBlockN x 64) ]   both 128-byte swizzled
 //   producer: wait empty[s] -> arm full[s] with the stage's bytes -> TMA A, TMA B
+//             (gather_a: the warpgroup's four warps, the side warps once their side task is
+//             done - warp 0's lane 0 arms full[s] with B's bytes, TMA B; every thread copies its
+//             pieces of A's rows and arrives on full[s] once they land)
 //   consumer: wait full[s] -> 4 x wgmma k16 -> commit; once the previous stage's group retired,
 //             arrive empty[prev]
 // Partial tiles: TMA reads out-of-bounds elements as zero (K, M and N tails), and the epilogue's
@@ -60,7 +69,9 @@
 #include <concepts>
 #include <cstdint>
 
+#include "gemm/gather_layout.h"
 #include "mkernel/device/cluster.cuh"
+#include "mkernel/device/cp_async.cuh"
 #include "mkernel/device/mbarrier.cuh"
 #include "mkernel/device/tma.cuh"
 #include "mkernel/device/wgmma.cuh"
@@ -211,26 +222,32 @@ struct FusionTraits {
   // split K, gemm_rs).
   bool dynamic_tiles = false;
   bool consumer_prologue = false;
+  // A's rows from a_row(tile, r), copied by the producer warpgroup's four warps (warps 1..3
+  // after side_task; produce_gathered). Needs dynamic_tiles.
+  bool gather_a = false;
   int producer_regs = 40;
   int consumer_regs = 232;
 };
 
 // The hooks every policy has, with their signatures (kRegs: a consumer's accumulator registers).
 template <class F, int kRegs>
-concept FusionBase = requires(const F f, const Tile& tile, int i, void* dst, uint64_t* bar,
-                              float (&acc)[kRegs], uint8_t* scratch,
-                              typename F::ConsumerState& state) {
+concept FusionBase = requires(const F f, const Tile& tile, int i, float (&acc)[kRegs],
+                              uint8_t* scratch, typename F::ConsumerState& state) {
   { F::kTraits } -> std::convertible_to<FusionTraits>;
   { f.num_tiles() } -> std::same_as<int>;
   { f.tile(i) } -> std::same_as<Tile>;
   { f.wait_operands(tile) } -> std::same_as<void>;
-  { f.load_a(dst, bar, tile, i) } -> std::same_as<void>;
   { f.consumer_done(state) } -> std::same_as<void>;
   { f.side_task(i, i) } -> std::same_as<void>;
   { f.finish() } -> std::same_as<void>;
 };
 
-// Whether F provides each optional hook, as the engine calls it.
+// Whether F provides each optional hook, as the engine calls it. (load_a: every policy whose A
+// is not gathered.)
+template <class F>
+concept HasLoadA = requires(const F f, void* dst, uint64_t* bar, const Tile& tile, int k0) {
+  { f.load_a(dst, bar, tile, k0) } -> std::same_as<void>;
+};
 template <class F>
 concept HasARows = requires(const F f, const Tile& tile) {
   { f.a_rows(tile) } -> std::same_as<int>;
@@ -238,6 +255,10 @@ concept HasARows = requires(const F f, const Tile& tile) {
 template <class F>
 concept HasLoadB = requires(const F f, void* dst, uint64_t* bar, const Tile& tile, int k0) {
   { f.load_b(dst, bar, tile, k0) } -> std::same_as<void>;
+};
+template <class F>
+concept HasARow = requires(const F f, const Tile& tile, int r) {
+  { f.a_row(tile, r) } -> std::same_as<const __nv_bfloat16*>;
 };
 template <class F>
 concept HasInitShared = requires(const F f) {
@@ -292,7 +313,9 @@ constexpr bool fusion_matches() {
                0 &&
            t.consumer_regs % 8 == 0 &&
            t.producer_regs + Cfg::kConsumers * t.consumer_regs <=
-               (1 + Cfg::kConsumers) * Cfg::kRegsPerThread;
+               (1 + Cfg::kConsumers) * Cfg::kRegsPerThread &&
+           t.gather_a == HasARow<F> && t.gather_a != HasLoadA<F> &&
+           !(t.gather_a && (t.a_rows || t.epilogue_loads || !t.dynamic_tiles));
   }
 }
 
@@ -302,7 +325,7 @@ template <class Cfg, class F>
 constexpr bool check_fusion() {
   constexpr int kRegs = Cfg::kAccRegs;
   static_assert(FusionBase<F, kRegs>,
-                "a Fusion policy needs kTraits, num_tiles, tile, wait_operands, load_a, "
+                "a Fusion policy needs kTraits, num_tiles, tile, wait_operands, "
                 "consumer_done, side_task and finish with the engine's signatures");
   constexpr FusionTraits traits = F::kTraits;
   static_assert(traits.a_rows == HasARows<F>, "kTraits.a_rows does not match an a_rows(tile)");
@@ -327,6 +350,15 @@ constexpr bool check_fusion() {
                     traits.producer_regs + Cfg::kConsumers * traits.consumer_regs <=
                         (1 + Cfg::kConsumers) * Cfg::kRegsPerThread,
                 "setmaxnreg split beyond the CTA's registers");
+  static_assert(traits.gather_a == HasARow<F>,
+                "kTraits.gather_a does not match an a_row(tile, r) returning const __nv_bfloat16*");
+  static_assert(traits.gather_a != HasLoadA<F>,
+                "load_a(dst, bar, tile, k0): every policy but a gathering one (gather_a) has one");
+  static_assert(!(traits.gather_a && (traits.a_rows || traits.epilogue_loads)),
+                "a gathered A has no TMA box to shorten (a_rows), and its stages' full barriers "
+                "count the gathering lanes (no epilogue loads through them)");
+  static_assert(!traits.gather_a || traits.dynamic_tiles,
+                "a gathered A's side warps take the tiles from the tile ring (dynamic_tiles)");
   static_assert(fusion_matches<Cfg, F>());
   return true;
 }
@@ -641,6 +673,134 @@ static_assert(check_short_widths<ShortGemm>() && check_short_widths<ShortSplitGe
 // B box of an N-major stage: 64 K rows x 64 N values (128 bytes a row).
 constexpr int kMnBoxBytes = 64 * 128;
 
+// One stage's B for a tile's k-block at k0: the policy's load_b, or the engine's boxes of tma_b
+// (B [N, K], K-major; with kTransB [K, N]: kBlockN / 64 boxes of 64 K rows x 64 N values;
+// batched: one more coordinate, the tile's shard). Completes on `bar`.
+template <class Cfg, bool kTransB, class Fusion>
+__device__ __forceinline__ void load_b_stage(const Fusion& fusion, const CUtensorMap* tma_b,
+                                             uint8_t* dst, uint64_t* bar, const Tile& tile,
+                                             int k0) {
+  constexpr FusionTraits kTraits = Fusion::kTraits;
+  const int n0 = tile.n * Cfg::kBlockN;
+  if constexpr (kTraits.load_b) {
+    fusion.load_b(dst, bar, tile, k0);
+  } else if constexpr (kTraits.batched_b) {  // B [batches][...]: 3-D boxes, batch = shard
+    if constexpr (kTransB) {
+#pragma unroll
+      for (int j = 0; j < Cfg::kBlockN / 64; ++j) {
+        dev::tma_load_3d(dst + j * kMnBoxBytes, tma_b, bar, n0 + j * 64, k0, tile.shard);
+      }
+    } else {
+      dev::tma_load_3d(dst, tma_b, bar, k0, n0, tile.shard);
+    }
+  } else if constexpr (kTransB) {
+#pragma unroll
+    for (int j = 0; j < Cfg::kBlockN / 64; ++j) {
+      dev::tma_load_2d(dst + j * kMnBoxBytes, tma_b, bar, n0 + j * 64, k0);
+    }
+  } else {
+    dev::tma_load_2d(dst, tma_b, bar, k0, n0);
+  }
+}
+
+// A gathered stage (kTraits.gather_a): this thread's share of the kBlockM rows x 64 K values
+// of A at column k0, each row from its own address, into the stage at shared address `stage` in
+// the layout a TMA box with the 128-byte swizzle leaves (row r's 16-byte piece c at
+// r * 128 + (c ^ r % 8) * 16). Lane l of gathering warp w copies piece l % 8 of rows
+// 16 i + 4 w + l / 8 (gather_layout.h) - rows[i], looked up once per tile: each instruction of
+// a warp moves four whole 128-byte rows, and no address crosses lanes. Pieces past K are zero
+// (B's are: the TMA's fill); null rows are left as they are (their output rows are not stored).
+// The copies complete on the stage's full barrier (cp_async_arrive_noinc, by the caller).
+template <class Cfg>
+__device__ __forceinline__ void gather_a_stage(
+    const __nv_bfloat16* const (&rows)[Cfg::kBlockM / kGatherRowsPerStep], uint32_t stage, int k0,
+    int k) {
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % kGatherWarps;
+  const int col = k0 + 8 * (lane % 8);
+  const uint32_t bytes = col < k ? 16 : 0;  // K is a multiple of 8: a piece is in or out
+  const int src_col = bytes != 0 ? col : 0;
+  const uint32_t at = stage + gather_base(warp, lane);  // + 2048 i: an immediate
+#pragma unroll
+  for (int i = 0; i < Cfg::kBlockM / kGatherRowsPerStep; ++i) {
+    if (rows[i] == nullptr) continue;
+    dev::cp_async_16(at + kGatherRowsPerStep * 128 * i, rows[i] + src_col, bytes);
+  }
+}
+
+// The producer of a gather_a policy: the producer warpgroup's kGatherWarps warps, 32 lanes
+// each. Warp 0 runs from the start: its lane 0 takes the work items, waits for each tile's
+// operands (wait_operands), then hands the tile to the consumers and to the other gathering
+// warps through the tile ring and asks the counter for the next (dynamic tiles, required), and
+// loads B's boxes. Warps 1..3 join once the policy's side task is done (the kernel calls this
+// after side_task): they take the tiles from the ring as the consumers do - its arrival orders
+// lane 0's acquire of the operands before their look-ups - from the first item on, so every
+// gathering thread walks the same stages. Each thread looks its tile's rows up once (a_row) and,
+// stage by stage, copies its pieces of A (gather_a_stage). A stage's full barrier completes on
+// lane 0's arrival with B's bytes and the 32 x kGatherWarps copy arrivals (it was initialised
+// for 1 + 32 x kGatherWarps); until the side warps join, the stages wait for them.
+template <class Cfg, bool kTransB, class Fusion>
+__device__ __forceinline__ void produce_gathered(const Fusion& fusion, const CUtensorMap* tma_b,
+                                                 int k, uint8_t* smem, uint64_t* full,
+                                                 uint64_t* empty, uint64_t* tile_full,
+                                                 uint64_t* tile_empty, int* tile_items) {
+  constexpr FusionTraits kTraits = Fusion::kTraits;
+  static_assert(kTraits.dynamic_tiles,
+                "a gathered A's side warps learn each tile from the tile ring (dynamic tiles)");
+  static_assert(Cfg::kBlockM % kGatherRowsPerStep == 0, "whole steps of the gathering warps");
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int k_iters = (k + Cfg::kBlockK - 1) / Cfg::kBlockK;
+  int it = 0;  // k-iterations issued by this CTA, across tiles: position in the stage ring
+  int t = blockIdx.x, next = 0;
+  for (int item = 0;; ++item) {
+    const int r = item % Cfg::kTileSlots;
+    const uint32_t lap = (item / Cfg::kTileSlots) & 1;
+    if (warp == 0) {  // (t: the same on every lane)
+      const bool past = t >= fusion.num_tiles();
+      if (lane == 0) {
+        // The operands before the hand-over: the tile ring's release and the side warps'
+        // acquire carry this acquire to their look-ups (and the consumers' wait for the stage
+        // covers them anyway).
+        if (!past) fusion.wait_operands(fusion.tile(t));
+        dev::mbarrier_wait(&tile_empty[r], lap ^ 1);
+        tile_items[r] = past ? -1 : t;
+        dev::mbarrier_arrive(&tile_full[r]);
+        // The next item, asked for now: the counter's latency hides behind this tile's loads.
+        if (!past) next = static_cast<int>(gridDim.x) + atomicAdd(fusion.tile_counter(), 1);
+      }
+      __syncwarp();  // lane 0's acquire before its lanes' look-ups (a barrier orders memory)
+      if (past) break;
+    } else {  // a side warp: the item warp 0 handed over (-1: no more)
+      dev::mbarrier_wait(&tile_full[r], lap);
+      t = tile_items[r];
+      dev::mbarrier_arrive(&tile_empty[r]);
+      if (t < 0) break;
+    }
+    const Tile tile = fusion.tile(t);
+    const __nv_bfloat16* rows[Cfg::kBlockM / kGatherRowsPerStep];
+#pragma unroll
+    for (int i = 0; i < Cfg::kBlockM / kGatherRowsPerStep; ++i) {
+      rows[i] = fusion.a_row(tile, gather_row(warp, lane, i));
+    }
+    const int kb_begin = kTraits.split_k ? tile.kb_begin : 0;
+    const int kb_end = kTraits.split_k && tile.kb_end >= 0 ? tile.kb_end : k_iters;
+    for (int kb = kb_begin; kb < kb_end; ++kb, ++it) {
+      const int s = it % Cfg::kStages;
+      const uint32_t phase = (it / Cfg::kStages) & 1;
+      uint8_t* stage = smem + s * Cfg::kStageBytes;
+      dev::mbarrier_wait(&empty[s], phase ^ 1);  // (every thread: its copies overwrite the stage)
+      if (warp == 0 && lane == 0) {
+        dev::mbarrier_arrive_expect_tx(&full[s], Cfg::kBBytes);
+        load_b_stage<Cfg, kTransB>(fusion, tma_b, stage + Cfg::kABytes, &full[s], tile,
+                                   kb * Cfg::kBlockK);
+      }
+      gather_a_stage<Cfg>(rows, dev::smem_addr(stage), kb * Cfg::kBlockK, k);
+      dev::cp_async_arrive_noinc(&full[s]);
+    }
+    if (warp == 0) t = __shfl_sync(~0u, next, 0);  // (lane 0's, asked for above)
+  }
+  dev::cp_async_wait_all();
+}
+
 template <class Cfg, bool kTransB, class Fusion>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tma_b, int k,
@@ -659,13 +819,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
-      dev::mbarrier_init(&full[s], 1);
+      // (A gathered: the arrival with B's bytes and the gathering threads' copies.)
+      dev::mbarrier_init(&full[s], kTraits.gather_a ? 1 + 32 * kGatherWarps : 1);
       dev::mbarrier_init(&empty[s], Cfg::kConsumers);
     }
     if constexpr (kTraits.dynamic_tiles) {
       for (int r = 0; r < Cfg::kTileSlots; ++r) {
         dev::mbarrier_init(&tile_full[r], 1);
-        dev::mbarrier_init(&tile_empty[r], Cfg::kConsumers * 128);  // every consumer thread
+        // Every consumer thread (and with a gathered A the side warps' threads, which take
+        // the tiles from the ring as well).
+        constexpr int kSideReaders = kTraits.gather_a ? 32 * (kGatherWarps - 1) : 0;
+        dev::mbarrier_init(&tile_empty[r], Cfg::kConsumers * 128 + kSideReaders);
       }
     }
     if constexpr (kTraits.init_shared) fusion.init_shared();
@@ -679,7 +843,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (warpgroup == 0) {
     // ---- producer ----
     dev::warpgroup_reg_dealloc<kTraits.producer_regs>();
-    if (threadIdx.x == 0) {
+    if constexpr (kTraits.gather_a) {  // warps 1..3: their side task, then they gather too
+      if (threadIdx.x == 0) dev::tma_prefetch_descriptor(&tma_b);
+      if (threadIdx.x >= 32) fusion.side_task(threadIdx.x - 32, 96);
+      produce_gathered<Cfg, kTransB>(fusion, &tma_b, k, smem, full, empty, tile_full, tile_empty,
+                                     tile_items);
+    } else if (threadIdx.x == 0) {
       dev::tma_prefetch_descriptor(&tma_b);
       int it = 0;  // k-iterations issued by this CTA, across tiles: position in the stage ring
       int next = 0;
@@ -701,7 +870,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         } else {
           next = t + static_cast<int>(gridDim.x);
         }
-        const int tn = tile.n;
         const int stage_bytes = a_stage_bytes<Cfg>(fusion, tile) + Cfg::kBBytes;
         const int kb_begin = kTraits.split_k ? tile.kb_begin : 0;
         const int kb_end = kTraits.split_k && tile.kb_end >= 0 ? tile.kb_end : k_iters;
@@ -711,28 +879,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           dev::mbarrier_wait(&empty[s], phase ^ 1);  // first lap passes at once
           dev::mbarrier_arrive_expect_tx(&full[s], stage_bytes);
           fusion.load_a(stage_a(s), &full[s], tile, kb * Cfg::kBlockK);
-          if constexpr (kTraits.load_b) {
-            fusion.load_b(stage_b(s), &full[s], tile, kb * Cfg::kBlockK);
-          } else if constexpr (kTraits.batched_b) {  // B [batches][...]: 3-D boxes, batch = shard
-            if constexpr (kTransB) {
-#pragma unroll
-              for (int j = 0; j < Cfg::kBlockN / 64; ++j) {
-                dev::tma_load_3d(stage_b(s) + j * kMnBoxBytes, &tma_b, &full[s],
-                                 tn * Cfg::kBlockN + j * 64, kb * Cfg::kBlockK, tile.shard);
-              }
-            } else {
-              dev::tma_load_3d(stage_b(s), &tma_b, &full[s], kb * Cfg::kBlockK, tn * Cfg::kBlockN,
-                               tile.shard);
-            }
-          } else if constexpr (kTransB) {
-#pragma unroll
-            for (int j = 0; j < Cfg::kBlockN / 64; ++j) {
-              dev::tma_load_2d(stage_b(s) + j * kMnBoxBytes, &tma_b, &full[s],
-                               tn * Cfg::kBlockN + j * 64, kb * Cfg::kBlockK);
-            }
-          } else {
-            dev::tma_load_2d(stage_b(s), &tma_b, &full[s], kb * Cfg::kBlockK, tn * Cfg::kBlockN);
-          }
+          load_b_stage<Cfg, kTransB>(fusion, &tma_b, stage_b(s), &full[s], tile, kb * Cfg::kBlockK);
         }
         if constexpr (kTraits.epilogue_loads) {  // the policy's stages behind the k-blocks
           const int count = fusion.epilogue_loads(tile);
@@ -775,6 +922,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const int s = it % Cfg::kStages;
         const uint32_t phase = (it / Cfg::kStages) & 1;
         dev::mbarrier_wait(&full[s], phase);
+        // A gathered: its rows came by cp.async, which writes through the generic proxy - the
+        // PTX ISA asks for a proxy fence before wgmma (the async proxy) reads them.
+        if constexpr (kTraits.gather_a) dev::fence_proxy_async_shared();
         dev::wgmma_fence_operands(acc);
         dev::wgmma_fence();
 #pragma unroll

@@ -98,6 +98,7 @@ moe::Workspace workspace_of(const SymmetricRange& range, const moe::Offsets& o) 
   w.recv_order = o.recv_order;
   w.layout = o.layout;
   w.counters = o.counters;
+  w.row_src = o.row_src;
   w.comb_count = o.comb_count;
   w.chunk_ncnt = o.chunk_ncnt;
   w.cross_list = o.cross_list;
@@ -184,14 +185,14 @@ Checked check_common(Communicator& comm, const MoeProblem& problem, const MoeCon
 }
 
 // What moe_dispatch and moe_dispatch_gemm check of the routing side: the index type, x and
-// topk_idx (when there are tokens), recv_x, expert_rows and handle - device memory, aligned -
-// and that nothing written overlaps anything else (w and y too: moe_dispatch_gemm's, checked
-// there; or absent).
+// topk_idx (when there are tokens), recv_x (unless recv_optional and null), expert_rows and
+// handle - device memory, aligned - and that nothing written overlaps anything else (w and y too:
+// moe_dispatch_gemm's, checked there; or absent).
 void check_dispatch_operands(const Communicator& comm, const MoeProblem& problem, const Checked& c,
                              const char* op, const void* x, const void* topk_idx,
                              IndexType index_type, const void* recv_x, const int32_t* expert_rows,
                              const int32_t* handle, const void* workspace, const detail::Region& w,
-                             const detail::Region& y) {
+                             const detail::Region& y, bool recv_optional = false) {
   if (index_type != IndexType::kInt32 && index_type != IndexType::kInt64) {
     throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": index_type " +
                                                  std::to_string(static_cast<int>(index_type)) +
@@ -207,7 +208,9 @@ void check_dispatch_operands(const Communicator& comm, const MoeProblem& problem
     detail::require_device_pointer(comm, x, 16, op, "x");
     detail::require_device_pointer(comm, topk_idx, idx_size, op, "topk_idx");
   }
-  detail::require_device_pointer(comm, recv_x, 16, op, "recv_x");
+  if (recv_x != nullptr || !recv_optional) {
+    detail::require_device_pointer(comm, recv_x, 16, op, "recv_x");
+  }
   detail::require_device_pointer(comm, expert_rows, 4, op, "expert_rows");
   detail::require_device_pointer(comm, handle, 4, op, "handle");
   detail::require_disjoint(
@@ -347,9 +350,15 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
   const auto width = static_cast<std::size_t>(n);
   detail::require_device_pointer(comm, w, 16, kDispatchGemm, "w");
   detail::require_device_pointer(comm, y, 16, kDispatchGemm, "y");
+  // (recv_x may be null on one node; across nodes the rows pass through it.)
+  if (recv_x == nullptr && comm.topology().num_nodes > 1) {
+    invalid(
+        "recv_x is null; across nodes the op passes the dispatched rows through it (expected "
+        "a [rows, H] buffer, moe_plan().rows)");
+  }
   check_dispatch_operands(comm, problem, c, kDispatchGemm, x, topk_idx, index_type, recv_x,
                           expert_rows, handle, workspace, {"w", w, e_local * width * h * 2, false},
-                          {"y", y, rows * width * 2, true});
+                          {"y", y, rows * width * 2, true}, /*recv_optional=*/true);
   // The tile width as the grouped GEMM picks it for these rows (gemm/grouped_gemm.cu): at least
   // a tile-row per expert.
   const int block_n = gemm_engine::pick_block_n(
@@ -387,7 +396,6 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
   uint64_t* const trace = fused::trace_arm(comm, plan.ctas, stream);
   gemm_engine::dispatch(block_n, w_layout == BLayout::kKN, [&]<int kBlockN, bool kTransB>() {
     moe::MoeDispatchGemm<kBlockN> f{};
-    f.grouped.a = gemm_engine::make_map(recv_x, plan.rows, problem.hidden, 128);
     f.grouped.c = gemm_engine::make_map(y, plan.rows, n, 64);
     f.grouped.c_ptr = static_cast<__nv_bfloat16*>(y);
     f.grouped.row_start = tables + lt.row_start;
@@ -403,6 +411,8 @@ void moe_dispatch_gemm(Communicator& comm, const MoeProblem& problem, const void
     f.topk_int64 = index_type == IndexType::kInt64;
     f.x = static_cast<const __nv_bfloat16*>(x);
     f.recv = static_cast<__nv_bfloat16*>(recv_x);
+    f.row_src =
+        reinterpret_cast<int32_t*>(static_cast<uint8_t*>(workspace) + c.plan.offsets.row_src);
     f.handle = handle;
     f.trace = trace;
     const CUtensorMap map_b =

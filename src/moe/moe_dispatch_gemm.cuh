@@ -15,22 +15,31 @@
 //                  signals kOp + c with step = chunks so far once every consumer warp has
 //                  counted the chunk copied
 //       2. wait    until every other rank's channels have signalled all their chunks
-//       3. place   every row bound here in layout order - this rank's own from x (by_local),
-//                  received ones from their staging (recv_order) - in units of kChunkRows taken
+//       3. place   every row bound here in layout order - this rank's own in x (by_local),
+//                  received ones in their staging (recv_order) - in units of kChunkRows taken
 //                  by the CTAs in turn: the first experts' blocks fill first, whatever the
 //                  world size (a block's rows come from several sources); a warp's rows of a
-//                  unit looked up side by side (a lane each), copied one by one, one fence
+//                  unit looked up side by side (a lane each). Placing a row is writing its
+//                  handle and where it is (row_src: x's token, or the staging row), and - only
+//                  when the caller asked for recv_x - copying it there, one by one; one fence
 //                  before their counts (no L2 prefetch ahead of the copy: it ran 6% slower
 //                  with one - docs/design/moe.md)
-//       4. the handle's unused rows set to -1
+//       4. the handle's unused rows set to -1 (done between 1 and 2: notify's tables are all
+//          it needs)
 //       every placed row counts itself into its 128-row block's arrival counter
-//     producer: before a tile's first load, waits until its block counter reaches the tile's
-//               rows, then orders that acquire before its TMA reads (proxy fence); a CTA's
-//               tiles after its first come from a counter (the engine's dynamic tiles: the
-//               tiles running side by side stay neighbours, whenever each CTA's rows came in)
+//     producer (gather_a: the warpgroup's four warps - the side warps once steps 1-4 are done):
+//               before a tile's first load warp 0's lane 0 waits until its block counter
+//               reaches the tile's rows and hands the tile to the other warps through the tile
+//               ring; then each thread looks up row_src for its rows of the tile and copies their
+//               pieces straight from x or the staging into the stages (cp.async), while lane 0
+//               loads the weights' boxes (TMA); a CTA's tiles after its first come from a counter
+//               (the engine's dynamic tiles: the tiles running side by side stay neighbours,
+//               whenever each CTA's rows came in)
 //     consumers: first the sends' copies (the engine's consumer_prologue: until the walk
 //               places the first tile's rows, which needs every peer's rows, they would only
 //               wait), then the grouped GEMM's tiles (y in the dispatch layout)
+//   No row is copied into a layout buffer for the GEMM: a row bound for several of this rank's
+//   experts is read from where it is by each of their tiles.
 //
 //   block of a layout row:  padded - row / 128 (experts start on multiples of 128);
 //                           masked - e x ceil(capacity / 128) + (row - e x capacity) / 128
@@ -200,31 +209,37 @@ __device__ __forceinline__ void copy_row_wide(const int4* src, int4* dst, int n1
 
 template <int kBlockN>
 struct MoeDispatchGemm {
-  // The side warps copy rows and keep the layout's bookkeeping; the walk copies each row with
-  // kWalkInFlight vectors a lane in flight, as many as their registers allow: below 256-wide
-  // tiles the consumers (96 accumulators at most) give 16 registers a thread to the producer
-  // warpgroup, and the walk keeps twice the vectors in flight; 256-wide tiles' consumers need
-  // 208 for their 128 accumulators, which leaves the side warps 88 (72 spilled) and four vectors.
+  // The side warps keep the layout's bookkeeping (and copy rows, when the caller asked for
+  // recv_x); the walk copies each row with kWalkInFlight vectors a lane in flight, as many as
+  // their registers allow: below 256-wide tiles the consumers (96 accumulators at most) give 16
+  // registers a thread to the producer warpgroup, and the walk keeps twice the vectors in flight;
+  // 256-wide tiles' consumers need 208 for their 128 accumulators, which leaves the side warps 88
+  // (72 spilled) and four vectors. The producer warpgroup's four warps gather the tiles' A rows
+  // (gather_a; the side warps after their side task) on the same registers.
   static constexpr bool kWideTile = kBlockN >= 256;
   static constexpr int kWalkInFlight = kWideTile ? 4 : 8;
   static constexpr gemm_engine::FusionTraits kTraits{.init_shared = true,
                                                      .batched_b = true,
                                                      .dynamic_tiles = true,
                                                      .consumer_prologue = true,
+                                                     .gather_a = true,
                                                      .producer_regs = kWideTile ? 88 : 120,
                                                      .consumer_regs = kWideTile ? 208 : 192};
   static constexpr int kSideBarrier = 3;  // named barrier of the 96 side threads
   // The sends (consumer_prologue): the consumers copy, up to 8 KB of a row in flight a warp.
   static constexpr int kSendInFlight = 16;
 
-  gemm_engine::GroupedGemm<kBlockN> grouped;  // A = recv [rows, H], C = y, the layout's tables
+  gemm_engine::GroupedGemm<kBlockN> grouped;  // C = y, the layout's tables (its A unused)
   DeviceComm comm;
   Dims d;
   Workspace ws;
   const void* topk;  // [T, k] int32 or int64 (topk_int64)
   bool topk_int64;
   const __nv_bfloat16* x;     // [T, H]
-  __nv_bfloat16* recv;        // [rows, H]: the layout's rows, the GEMM's A
+  __nv_bfloat16* recv;        // [rows, H]: the layout's rows, copied there - or null: not asked
+                              // for (moe_layer: its gate / up tiles' A)
+  int32_t* row_src;           // [rows]: where each placed row is (source_code), or null (the
+                              // GEMM does not gather: moe_layer)
   int32_t* handle;            // [rows][3]
   int drop_blocks = 0;        // moe_layer: column blocks a dropped row counts in at its source
   int drop_stride = 0;        // (its combine counters per token; 0 blocks: moe_dispatch_gemm)
@@ -283,8 +298,21 @@ struct MoeDispatchGemm {
     return count;
   }
 
-  __device__ void load_a(void* dst, uint64_t* bar, const gemm_engine::Tile& tile, int k0) const {
-    grouped.load_a(dst, bar, tile, k0);
+  // Where row r of the tile starts: its row_src entry (placed: the tile's block counter, which
+  // lane 0 of the producer acquired), decoded. The row and its entry are checked against the
+  // layout, x's tokens and the staging's rows, so that a launch whose notify or placement failed
+  // (a peer missing: stale tables and entries) copies from inside them, not from anywhere.
+  __device__ const __nv_bfloat16* a_row(const gemm_engine::Tile& tile, int r) const {
+    const int64_t row = static_cast<int64_t>(tile.row) + r;
+    if (r >= tile.rows || row < 0 || row >= d.rows) return nullptr;
+    const int v = __ldcg(row_src + row);
+    if (v < 0) {
+      const int64_t token = -1 - static_cast<int64_t>(v);
+      return token < d.tokens ? x + token * d.hidden : nullptr;
+    }
+    return v < d.world * d.max_tokens
+               ? ws.at<__nv_bfloat16>(d.rank, ws.recv_x) + static_cast<int64_t>(v) * d.hidden
+               : nullptr;
   }
 
   template <int kRegs>
@@ -335,6 +363,13 @@ struct MoeDispatchGemm {
     const int staged = v / k;
     return {src, __ldcg(ws.at<int32_t>(d.rank, ws.recv_meta) + (region + staged) * d.meta_ints),
             v % k, staged};
+  }
+
+  // row_src's entry for the row `from` names: -1 - token for this rank's token in x, else its
+  // index in the staging ([world][max_tokens] rows, below 2^31: moe_plan checks).
+  __device__ static int source_code(const RowSource& from, int64_t max_tokens) {
+    return from.staged < 0 ? -1 - from.token
+                           : static_cast<int>(from.src * max_tokens + from.staged);
   }
 
   // The row `from` names: this rank's token in x, or a received row in its source's staging.
@@ -440,8 +475,24 @@ struct MoeDispatchGemm {
     // thread reads the same flag: no barrier below is met by some of them only.)
     if (sends_off()) return;
 
-    // 1. The sends (the consumers copy, thread 0 signals; the other side threads go on to 2).
+    // 1. The sends (the consumers copy, thread 0 signals; the other side threads go on).
     if (thread == 0) signal_sends((static_cast<int>(blockDim.x) - 128) / 32);
+
+    // 4. The handle's rows that no (source, token, slot) lands in - done here, before the wait
+    //    for the peers' rows: it needs only notify's tables, and with a gathered A the side
+    //    warps' task is what this CTA's first stages wait for (they gather once it is done).
+    for (int e = c; e < el_n; e += channels) {
+      const int64_t start = tables[lt.start + e];
+      const int64_t end =
+          d.masked ? start + d.capacity : min64(d.capacity, tables[lt.start + e + 1]);
+      unused_rows(start + tables[lt.row_count + e], end, thread, threads);
+    }
+    if (!d.masked) {
+      int64_t lo, hi;
+      const int64_t used = min64(d.capacity, tables[lt.start + el_n]);
+      share(d.capacity - used, c, channels, lo, hi);
+      unused_rows(used + lo, used + hi, thread, threads);
+    }
 
     // 2. Every other rank's rows have landed (all its channels' chunks): the walk below takes
     //    them in layout order, not in the order they were sent.
@@ -464,10 +515,10 @@ struct MoeDispatchGemm {
     //    past its expert's room (the capacity error notify recorded) is not placed: moe_layer
     //    counts it done at its source.
     //    A warp takes its rows of a unit (q = unit + warp + j * warps) together: lane j looks
-    //    row j up (expert, layout row, source) and writes its handle; the warp copies the rows
-    //    one by one (both kinds through L2: a staged row may have landed during the launch; x's
-    //    rows as well, one copy loop), then after one fence each lane counts its row into its
-    //    block.
+    //    row j up (expert, layout row, source) and writes its handle and row_src entry; if the
+    //    rows are copied (recv), the warp copies them one by one (both kinds through L2: a staged
+    //    row may have landed during the launch; x's rows as well, one copy loop); then after one
+    //    fence each lane counts its row into its block.
     const int32_t* before = tables + lt.before;
     const int bound = before[el_n];
     int4* recv16 = reinterpret_cast<int4*>(recv);
@@ -489,11 +540,12 @@ struct MoeDispatchGemm {
           h[0] = from.src;
           h[1] = from.token;
           h[2] = from.slot;
+          if (row_src != nullptr) row_src[row] = source_code(from, d.max_tokens);
         } else {
           dropped(from.src, from.token);
         }
       }
-      for (int j = 0; j < rows; ++j) {
+      for (int j = 0; recv != nullptr && j < rows; ++j) {
         const auto* s = reinterpret_cast<const int4*>(
             __shfl_sync(~0u, reinterpret_cast<unsigned long long>(from_row), j));
         const int r = __shfl_sync(~0u, row, j);
@@ -507,19 +559,6 @@ struct MoeDispatchGemm {
     }
     if (thread == 0) fused::trace_mark(trace, fused::kTraceSide, fused::kTracePlaced);
 
-    // 4. The handle's rows that no (source, token, slot) landed in.
-    for (int e = c; e < el_n; e += channels) {
-      const int64_t start = tables[lt.start + e];
-      const int64_t end =
-          d.masked ? start + d.capacity : min64(d.capacity, tables[lt.start + e + 1]);
-      unused_rows(start + tables[lt.row_count + e], end, thread, threads);
-    }
-    if (!d.masked) {
-      int64_t lo, hi;
-      const int64_t used = min64(d.capacity, tables[lt.start + el_n]);
-      share(d.capacity - used, c, channels, lo, hi);
-      unused_rows(used + lo, used + hi, thread, threads);
-    }
     if (thread == 0) fused::trace_mark(trace, fused::kTraceSide, fused::kTraceSideEnd);
   }
 };

@@ -130,6 +130,7 @@ Plan plan_moe(int world, int sm_budget, const MoeProblem& p, const MoeConfig& co
     plan.blocks = (out.rows + kMoeRowBlock - 1) / kMoeRowBlock;
   }
   take(o.counters, static_cast<uint64_t>(plan.blocks) * 8);
+  take(o.row_src, static_cast<uint64_t>(out.rows) * 4);
   take(o.comb_count, t * static_cast<uint64_t>(comb_count_stride(p.hidden)) * 8);
   const uint64_t n = static_cast<uint64_t>(nodes);
   take(o.chunk_ncnt, chunks * n * 4);

@@ -32,6 +32,8 @@ struct Offsets {
                             // source writes them; the side warps place rows in that order)
   uint64_t layout = 0;      // int32 LayoutTables (the receive side's layout, the notify kernel's)
   uint64_t counters = 0;    // uint64 [blocks]: rows placed in each 128-row block of the layout
+  uint64_t row_src = 0;     // int32 [rows]: where each placed row is, for the GEMM's gather
+                            // (-1 - token: this rank's x; else its staging row in recv_x)
   // moe_layer only (laid out for every plan):
   uint64_t comb_count = 0;  // uint64 [max_tokens][ceil(hidden / 128)]: slots of each (token,
                             // column block) summed-ready at the source

@@ -80,6 +80,10 @@ TEST(MoePlan, WorkspaceLaidOutWithoutOverlap) {
     end = f.at + f.bytes;
   }
   EXPECT_GE(o.bytes, end);
+  // moe_dispatch_gemm's gather table: an int per layout row, after the arrival counters.
+  EXPECT_GE(o.row_src, o.counters + static_cast<uint64_t>(plan.blocks) * 8);
+  EXPECT_GE(o.comb_count, o.row_src + static_cast<uint64_t>(plan.plan.rows) * 4);
+  EXPECT_EQ(o.row_src % 256, 0u);
   EXPECT_EQ(plan.plan.workspace_bytes, o.bytes);
   EXPECT_EQ(plan.meta_ints, 1 + 2 * 6);
 }

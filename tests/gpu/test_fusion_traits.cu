@@ -11,16 +11,23 @@ namespace {
 
 using Cfg = TileConfig<128>;
 
-// The required hooks and store(), without a declaration: each policy below adds its kTraits.
-struct Required {
+// The required hooks and store(), without a declaration or A's loads: each policy below adds
+// its kTraits (and load_a, or a_row).
+struct RequiredNoA {
   struct ConsumerState {};
   __device__ int num_tiles() const { return 0; }
   __device__ Tile tile(int) const { return {}; }
   __device__ void wait_operands(const Tile&) const {}
-  __device__ void load_a(void*, uint64_t*, const Tile&, int) const {}
   __device__ void consumer_done(ConsumerState&) const {}
   __device__ void side_task(int, int) const {}
   __device__ void finish() const {}
+};
+struct Required : RequiredNoA {
+  __device__ void load_a(void*, uint64_t*, const Tile&, int) const {}
+};
+struct PlainNoA : RequiredNoA {
+  template <int kRegs>
+  __device__ void store(const float (&)[kRegs], const Tile&, int, uint8_t*, ConsumerState&) const {}
 };
 struct Plain : Required {
   template <int kRegs>
@@ -94,6 +101,36 @@ struct ConsumerPrologueWrongSignature : Plain {
   static constexpr FusionTraits kTraits{.consumer_prologue = true};
   __device__ void consumer_prologue(int) const {}
 };
+// A gathered A: a_row declared and provided, without load_a, with dynamic tiles (the side warps
+// take the tiles from the ring); declared with a load_a too; not declared; neither (no way to
+// load A); with a_rows (no box to shorten); without dynamic tiles.
+struct GatherA : PlainNoA {
+  static constexpr FusionTraits kTraits{.dynamic_tiles = true, .gather_a = true};
+  __device__ const __nv_bfloat16* a_row(const Tile&, int) const { return nullptr; }
+  __device__ int* tile_counter() const { return nullptr; }
+};
+struct GatherAStaticTiles : PlainNoA {
+  static constexpr FusionTraits kTraits{.gather_a = true};
+  __device__ const __nv_bfloat16* a_row(const Tile&, int) const { return nullptr; }
+};
+struct GatherAWithLoadA : Plain {
+  static constexpr FusionTraits kTraits{.dynamic_tiles = true, .gather_a = true};
+  __device__ const __nv_bfloat16* a_row(const Tile&, int) const { return nullptr; }
+  __device__ int* tile_counter() const { return nullptr; }
+};
+struct GatherAUndeclared : PlainNoA {
+  static constexpr FusionTraits kTraits{};
+  __device__ const __nv_bfloat16* a_row(const Tile&, int) const { return nullptr; }
+};
+struct NoLoadA : PlainNoA {
+  static constexpr FusionTraits kTraits{};
+};
+struct GatherAWithARows : PlainNoA {
+  static constexpr FusionTraits kTraits{.a_rows = true, .dynamic_tiles = true, .gather_a = true};
+  __device__ const __nv_bfloat16* a_row(const Tile&, int) const { return nullptr; }
+  __device__ int a_rows(const Tile&) const { return 128; }
+  __device__ int* tile_counter() const { return nullptr; }
+};
 // A register split the CTA cannot give.
 struct TooManyRegisters : Plain {
   static constexpr FusionTraits kTraits{.producer_regs = 64, .consumer_regs = 232};
@@ -114,6 +151,12 @@ static_assert(!fusion_matches<Cfg, RingWithoutRingStore>());
 static_assert(fusion_matches<Cfg, LoadB>());
 static_assert(!fusion_matches<Cfg, LoadBMissing>());
 static_assert(!fusion_matches<Cfg, LoadBUndeclared>());
+static_assert(fusion_matches<Cfg, GatherA>());
+static_assert(!fusion_matches<Cfg, GatherAWithLoadA>());
+static_assert(!fusion_matches<Cfg, GatherAStaticTiles>());
+static_assert(!fusion_matches<Cfg, GatherAUndeclared>());
+static_assert(!fusion_matches<Cfg, NoLoadA>());
+static_assert(!fusion_matches<Cfg, GatherAWithARows>());
 static_assert(!fusion_matches<Cfg, TooManyRegisters>());
 static_assert(fusion_matches<Cfg, DynamicTiles>());
 static_assert(!fusion_matches<Cfg, DynamicTilesNoCounter>());

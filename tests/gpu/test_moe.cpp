@@ -210,8 +210,9 @@ MoeProblem problem_of(const World& w, int rank) {
 }
 
 // The dispatch's outputs against the reference, bit for bit.
-void check_dispatch(const World& w, int rank, const MoePlan& plan, const Buffers& b,
-                    cudaStream_t s) {
+// (placed_rows false: the call was not asked for recv_x - the counts and the handle only.)
+void check_dispatch(const World& w, int rank, const MoePlan& plan, const Buffers& b, cudaStream_t s,
+                    bool placed_rows = true) {
   const MoeReceived& want = w.ref.received[rank];
   std::vector<int32_t> rows(plan.experts_local), handle(plan.rows * 3);
   std::vector<uint16_t> recv(plan.rows * w.c.hidden);
@@ -233,7 +234,7 @@ void check_dispatch(const World& w, int rank, const MoePlan& plan, const Buffers
       }
       continue;
     }
-    if (ref.src < 0) continue;
+    if (ref.src < 0 || !placed_rows) continue;
     const uint16_t* sent = &w.x[ref.src][static_cast<size_t>(ref.token * w.c.hidden)];
     if (std::memcmp(sent, &recv[r * w.c.hidden], w.c.hidden * 2) != 0 && bad_rows++ < 5) {
       ADD_FAILURE() << "row " << r << " differs from rank " << ref.src << "'s token " << ref.token;
@@ -767,7 +768,9 @@ struct FusedCase {
 };
 
 // moe_dispatch then grouped_gemm (the reference path) against moe_dispatch_gemm, on the same
-// inputs: layout, counts and handle equal, every placed row and its y row bitwise equal.
+// inputs: layout, counts and handle equal, every placed row and its y row bitwise equal. Every
+// other call does not ask for recv_x: the GEMM's rows come from where they landed all the same,
+// and recv_x is left alone.
 void expect_fused(Communicator& comm, const FusedCase& f, uint64_t seed, int calls = 2) {
   const MoeCase& c = f.moe;
   const int world = comm.world_size(), rank = comm.rank();
@@ -804,6 +807,17 @@ void expect_fused(Communicator& comm, const FusedCase& f, uint64_t seed, int cal
   gemm_config.sms = plan.ctas;
   for (int call = 0; call < calls; ++call) {
     SCOPED_TRACE("call " + std::to_string(call));
+    // (Across nodes the rows pass through recv_x: a null one is refused before any launch.)
+    const bool across = comm.topology().num_nodes > 1;
+    const bool copy_rows = call % 2 == 0 || across;
+    if (across && call == 1) {
+      expect_error(
+          [&] {
+            moe_dispatch_gemm(comm, p, got.x, got.topk, c.index, weights, f.w_layout, f.n, y_got,
+                              nullptr, got.rows, got.handle, ws.data(), s, config);
+          },
+          ErrorCode::kInvalidArgument, "recv_x is null");
+    }
     MKT_CUDA(cudaMemsetAsync(got.recv, 0xff, got.recv_bytes, s));
     MKT_CUDA(cudaMemsetAsync(got.handle, 0x5a, got.handle_bytes, s));
     MKT_CUDA(cudaMemsetAsync(y_got, 0xff, plan.rows * f.n * 2, s));
@@ -812,15 +826,21 @@ void expect_fused(Communicator& comm, const FusedCase& f, uint64_t seed, int cal
     grouped_gemm(ref.recv, weights, y_ref, ref.rows, static_cast<int>(e_local), plan.capacity, f.n,
                  c.hidden, f.w_layout, s, gemm_config,
                  c.layout == MoeLayout::kMasked ? GroupedLayout::kMasked : GroupedLayout::kPadded);
-    moe_dispatch_gemm(comm, p, got.x, got.topk, c.index, weights, f.w_layout, f.n, y_got, got.recv,
-                      got.rows, got.handle, ws.data(), s, config);
+    moe_dispatch_gemm(comm, p, got.x, got.topk, c.index, weights, f.w_layout, f.n, y_got,
+                      copy_rows ? got.recv : nullptr, got.rows, got.handle, ws.data(), s, config);
     try {
       comm.synchronize(s);
     } catch (const Error& e) {  // overflow cases: the same data error from both calls
       EXPECT_EQ(e.code(), ErrorCode::kOutOfMemory) << e.what();
     }
     EXPECT_NO_THROW(comm.check());
-    ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, got, s));
+    ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, got, s, copy_rows));
+    if (!copy_rows) {
+      std::vector<unsigned char> recv(got.recv_bytes);
+      MKT_CUDA(cudaMemcpy(recv.data(), got.recv, recv.size(), cudaMemcpyDeviceToHost));
+      EXPECT_TRUE(std::all_of(recv.begin(), recv.end(), [](unsigned char v) { return v == 0xff; }))
+          << "recv_x written by a call that did not ask for it";
+    }
     std::vector<int32_t> handle(plan.rows * 3);
     MKT_CUDA(cudaMemcpy(handle.data(), got.handle, handle.size() * 4, cudaMemcpyDeviceToHost));
     std::vector<uint16_t> a(plan.rows * f.n), b(plan.rows * f.n);
@@ -902,6 +922,9 @@ const std::vector<FusedCase> kFusedCases = {
      256,
      BLayout::kNK,
      128},  // overflow: the rows that fit
+    // H not a multiple of 64: the last k-block's pieces past H zero-filled (the gather's own,
+    // where TMA's box fill did it)
+    {{16, 4, 200, 150}, 136, BLayout::kNK, 128},
 };
 
 TEST(InProcessMoeDispatchGemm, World1) {
@@ -945,8 +968,9 @@ TEST(InProcessMoeDispatchGemm, GraphReplaysWithNewRouting) {
     fill_random_bf16(weights, plan.experts_local * n * c.hidden, 99 + rank, s);
     upload_inputs(first, rank, b, s);
     ready(comm, s);
+    // (Without recv_x: the replays gather every row from where it landed.)
     auto fused = [&] {
-      moe_dispatch_gemm(comm, p, b.x, b.topk, c.index, weights, BLayout::kNK, n, y, b.recv, b.rows,
+      moe_dispatch_gemm(comm, p, b.x, b.topk, c.index, weights, BLayout::kNK, n, y, nullptr, b.rows,
                         b.handle, ws.data(), s, config);
     };
     fused();
@@ -968,10 +992,13 @@ TEST(InProcessMoeDispatchGemm, GraphReplaysWithNewRouting) {
       ready(comm, s);
       MKT_CUDA(cudaGraphLaunch(exec, s));
       comm.synchronize(s);
-      ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, b, s));
-      // The reference: the same rows through the grouped GEMM.
-      grouped_gemm(b.recv, weights, y_ref, b.rows, plan.experts_local, plan.capacity, n, c.hidden,
-                   BLayout::kNK, s, gemm_config, GroupedLayout::kPadded);
+      ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, b, s, /*placed_rows=*/false));
+      // The reference: moe_dispatch's rows through the grouped GEMM.
+      moe_dispatch(comm, p, ref.x, ref.topk, c.index, ref.recv, ref.rows, ref.handle, ws.data(), s);
+      comm.synchronize(s);
+      ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, ref, s));
+      grouped_gemm(ref.recv, weights, y_ref, ref.rows, plan.experts_local, plan.capacity, n,
+                   c.hidden, BLayout::kNK, s, gemm_config, GroupedLayout::kPadded);
       MKT_CUDA(cudaStreamSynchronize(s));
       std::vector<int32_t> handle(plan.rows * 3);
       std::vector<uint16_t> got(plan.rows * n), want(plan.rows * n);
@@ -1013,7 +1040,9 @@ TEST(InProcessMoeDispatchGemm, MissingRankTimesOut) {
         upload_inputs(w, comm.rank(), b, s);
         ready(comm, s);
         expect_missing_rank_times_out(comm, s, [&] {
-          moe_dispatch_gemm(comm, p, b.x, b.topk, c.index, weights, BLayout::kNK, 128, y, b.recv,
+          // (No recv_x: the gather reads where row_src says, never landed - its entries are
+          // checked before any copy.)
+          moe_dispatch_gemm(comm, p, b.x, b.topk, c.index, weights, BLayout::kNK, 128, y, nullptr,
                             b.rows, b.handle, ws.data(), s);
         });
         cudaFree(weights);

@@ -161,6 +161,14 @@ def _moe(rank, world, seed, use_nccl):
         comm.synchronize()
         err_f = (out_f.cpu().double() - exact).abs().max().item()
         assert err_f <= 2 * err_torch + 1e-3, f"{what}: fused error {err_f}, torch {err_torch}"
+        # Without return_received the rows are not copied anywhere: the same y, bit for bit.
+        y_g, rows_g, handle_g = mkernel.moe_dispatch_gemm(
+            x, idx, w_all[rank].to(dev), comm, experts, layout=layout, capacity=capacity)
+        comm.synchronize()
+        assert torch.equal(rows_g, expert_rows), f"{what}: fused counts, no recv_x"
+        assert torch.equal(handle_g.rows, handle.rows), f"{what}: fused handle, no recv_x"
+        _assert_bitwise(y_g.reshape(-1, y.shape[-1])[placed], yf_rows,
+                        f"{what}: fused y without recv_x")
     dist.barrier()
 
     # A CUDA graph of the layer, replayed with new routing, tokens and weights.
