@@ -518,13 +518,19 @@ struct MoeDispatchGemm {
     //    row j up (expert, layout row, source) and writes its handle and row_src entry; if the
     //    rows are copied (recv), the warp copies them one by one (both kinds through L2: a staged
     //    row may have landed during the launch; x's rows as well, one copy loop); then after one
-    //    fence each lane counts its row into its block.
+    //    fence the lanes count their rows into their blocks (one add per block and warp).
+    //    A unit is kChunkRows rows when they are copied (a tile's rows, copied by several CTAs at
+    //    once, are in sooner) and a row for every side lane when not (only look-ups: 16-row
+    //    units left 27 of a warp's 32 lanes idle, and a CTA walked 6x as many units, each a
+    //    chain of dependent loads and a fence - 90 us at 65536 rows, during which the tiles
+    //    waited for these warps to gather).
     const int32_t* before = tables + lt.before;
     const int bound = before[el_n];
     int4* recv16 = reinterpret_cast<int4*>(recv);
     auto* counters = reinterpret_cast<unsigned long long*>(ws.at<uint64_t>(me, ws.counters));
-    for (int unit = c * kChunkRows; unit < bound; unit += channels * kChunkRows) {
-      const int end = min(bound, unit + kChunkRows);
+    const int unit_rows = recv != nullptr ? kChunkRows : 32 * warps;
+    for (int unit = c * unit_rows; unit < bound; unit += channels * unit_rows) {
+      const int end = min(bound, unit + unit_rows);
       const int q = unit + warp + lane * warps,
                 rows = max(0, end - unit - warp + warps - 1) / warps;
       int e = -1, row = 0;  // e < 0: no row to place on this lane
@@ -555,7 +561,11 @@ struct MoeDispatchGemm {
       }
       __syncwarp();     // every lane's stores of every row, then
       __threadfence();  // before the counts
-      if (e >= 0) atomicAdd(counters + block_of(e, row), 1ull);
+      const int64_t block = e >= 0 ? block_of(e, row) : -1;
+      const unsigned same = __match_any_sync(~0u, block);
+      if (e >= 0 && lane == __ffs(same) - 1) {
+        atomicAdd(counters + block, static_cast<unsigned long long>(__popc(same)));
+      }
     }
     if (thread == 0) fused::trace_mark(trace, fused::kTraceSide, fused::kTracePlaced);
 
