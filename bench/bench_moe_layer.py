@@ -91,10 +91,12 @@ def run_point(comm, model, tokens, gen, mode, kernels=False):
     idx = torch.rand(tokens, experts, device=dev, generator=gen).topk(top_k, dim=1).indices
     weights = torch.rand(tokens, top_k, device=dev, generator=gen)
     weights = weights / weights.sum(dim=1, keepdim=True)
-    w13 = (torch.randn(experts, 2 * inter, hidden, device=dev, generator=gen) *
-           hidden ** -0.5).to(torch.bfloat16)
-    w2 = (torch.randn(experts, hidden, inter, device=dev, generator=gen) *
-          inter ** -0.5).to(torch.bfloat16)
+    # Drawn in bf16 and scaled in place: DeepSeek-V3's w13 is 14 GiB, and drawing it in fp32 and
+    # scaling a copy (two 28 GiB temporaries) did not fit an 80 GB H100.
+    w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=torch.bfloat16,
+                      generator=gen).mul_(hidden ** -0.5)
+    w2 = torch.randn(experts, hidden, inter, device=dev, dtype=torch.bfloat16,
+                     generator=gen).mul_(inter ** -0.5)
     w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
 
     def ours():
