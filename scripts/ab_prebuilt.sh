@@ -14,6 +14,9 @@
 #         and 8192): the route kernels', notify's and the fused launch's shares
 #   gemm  bench_gemm --layouts nk,kn at AB_GEMM_SHAPES (the mid-M points below 0.95 of cuBLAS)
 #   ring  bench_ring_attention --ranks 2 (its eight shapes)
+#   attention  bench/bench_attention.py --mode bench (against SDPA) on the variant's module
+#         (_C*.so: prebuild.sh's mkernel_python), installed once a variant into /tmp/ab-site-<i>
+#         (scripts/python_gpu_test.sh); not in the default runs
 # AB_TESTS: a gtest filter each variant's mkernel_gpu_tests runs after the benchmarks (e.g.
 # '*Moe*:*RingAttention*'), AB_TESTS_TIMEOUT (200 s) a variant. AB_DEADLINE: seconds from the
 # start after which nothing new starts (default 540: a call's 600 s less a margin).
@@ -75,7 +78,17 @@ for ((r = 1; r <= rounds; ++r)); do
           [[ -x "$dir/bench_ring_attention" ]] || continue
           run "$i" "$r" ring_attention-ab-w1.json "$dir/bench_ring_attention" --ranks 2 \
             --commit "${names[$i]}" ;;
-        *) echo "ab_prebuilt: unknown run '$what' (moe, gemm, ring)"; exit 2 ;;
+        attention)
+          compgen -G "$dir/_C*.so" >/dev/null || continue
+          site="/tmp/ab-site-$i"
+          if [[ ! -d "$site/mkernel" ]]; then
+            SITE="$site" PREBUILT_DIR="$PWD/$dir/build" PYTHON_TESTS=0 OUT="$results/install-v$i" \
+              bash scripts/python_gpu_test.sh >/dev/null 2>&1 ||
+              { echo "ab_prebuilt: ${names[$i]}: its module did not install"; continue; }
+          fi
+          run "$i" "$r" attention-ab-w1.json env PYTHONPATH="$site" python3 \
+            bench/bench_attention.py --mode bench ;;
+        *) echo "ab_prebuilt: unknown run '$what' (moe, gemm, ring, attention)"; exit 2 ;;
       esac
     done
   done

@@ -79,3 +79,11 @@ def test_past_the_deadline_nothing_new_starts(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert not calls.exists() or calls.read_text() == ""
     assert "past the deadline" in r.stdout
+
+
+def test_attention_runs_only_where_the_variant_has_its_module(tmp_path):
+    tree, calls = make_tree(tmp_path, {"a": (2.0, 0)})
+    r, out = run(tree, tmp_path, "1", "a", AB_RUNS="attention ring")
+    assert r.returncode == 0, r.stdout + r.stderr
+    # no _C*.so in prebuilt-a: the attention run is skipped, the ring run is not
+    assert [line.split()[0] for line in calls.read_text().splitlines()] == ["bench_ring_attention"]
