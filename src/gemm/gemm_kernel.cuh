@@ -743,9 +743,7 @@ __device__ __forceinline__ void produce_gathered(const Fusion& fusion, const CUt
                                                  int k, uint8_t* smem, uint64_t* full,
                                                  uint64_t* empty, uint64_t* tile_full,
                                                  uint64_t* tile_empty, int* tile_items) {
-  constexpr FusionTraits kTraits = Fusion::kTraits;
-  static_assert(kTraits.dynamic_tiles,
-                "a gathered A's side warps learn each tile from the tile ring (dynamic tiles)");
+  constexpr FusionTraits kTraits = Fusion::kTraits;  // (check_fusion: gather_a has dynamic tiles)
   static_assert(Cfg::kBlockM % kGatherRowsPerStep == 0, "whole steps of the gathering warps");
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int k_iters = (k + Cfg::kBlockK - 1) / Cfg::kBlockK;

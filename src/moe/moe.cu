@@ -98,7 +98,6 @@ moe::Workspace workspace_of(const SymmetricRange& range, const moe::Offsets& o) 
   w.recv_order = o.recv_order;
   w.layout = o.layout;
   w.counters = o.counters;
-  w.row_src = o.row_src;
   w.comb_count = o.comb_count;
   w.chunk_ncnt = o.chunk_ncnt;
   w.cross_list = o.cross_list;

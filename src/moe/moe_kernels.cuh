@@ -103,7 +103,6 @@ struct Workspace {
   uint64_t recv_order;    // int32 [world][max_tokens * top_k]       (receiver; moe_dispatch_gemm)
   uint64_t layout;        // int32 LayoutTables                      (local; moe_dispatch_gemm)
   uint64_t counters;      // uint64 [blocks]                         (local; moe_dispatch_gemm)
-  uint64_t row_src;       // int32 [rows]                            (local; moe_dispatch_gemm)
   uint64_t comb_count;    // uint64 [max_tokens][ceil(hidden / 128)] (at the source; moe_layer)
   // Across nodes (moe_nodes.cuh; laid out for every plan, small on one node):
   uint64_t chunk_ncnt;  // int32 [chunks][nodes]                (local)

@@ -29,9 +29,8 @@ struct PlainNoA : RequiredNoA {
   template <int kRegs>
   __device__ void store(const float (&)[kRegs], const Tile&, int, uint8_t*, ConsumerState&) const {}
 };
-struct Plain : Required {
-  template <int kRegs>
-  __device__ void store(const float (&)[kRegs], const Tile&, int, uint8_t*, ConsumerState&) const {}
+struct Plain : PlainNoA {
+  __device__ void load_a(void*, uint64_t*, const Tile&, int) const {}
 };
 
 struct Minimal : Plain {
