@@ -822,7 +822,8 @@ void expect_fused(Communicator& comm, const FusedCase& f, uint64_t seed, int cal
     MKT_CUDA(cudaMemsetAsync(got.handle, 0x5a, got.handle_bytes, s));
     MKT_CUDA(cudaMemsetAsync(y_got, 0xff, plan.rows * f.n * 2, s));
     MKT_CUDA(cudaMemsetAsync(y_ref, 0xff, plan.rows * f.n * 2, s));
-    moe_dispatch(comm, p, ref.x, ref.topk, c.index, ref.recv, ref.rows, ref.handle, ws.data(), s);
+    moe_dispatch(comm, p, ref.x, ref.topk, c.index, ref.recv, ref.rows, ref.handle, ws.data(), s,
+                 config);
     grouped_gemm(ref.recv, weights, y_ref, ref.rows, static_cast<int>(e_local), plan.capacity, f.n,
                  c.hidden, f.w_layout, s, gemm_config,
                  c.layout == MoeLayout::kMasked ? GroupedLayout::kMasked : GroupedLayout::kPadded);
@@ -862,8 +863,8 @@ void expect_fused(Communicator& comm, const FusedCase& f, uint64_t seed, int cal
       // fused launch's chunk signals for its own would sum rows that have not arrived).
       MKT_CUDA(cudaMemsetAsync(got.out, 0xff, got.out_bytes, s));
       MKT_CUDA(cudaMemsetAsync(ref.out, 0xff, ref.out_bytes, s));
-      moe_combine(comm, p, y_got, got.weights, got.handle, got.out, ws.data(), s);
-      moe_combine(comm, p, y_ref, ref.weights, ref.handle, ref.out, ws.data(), s);
+      moe_combine(comm, p, y_got, got.weights, got.handle, got.out, ws.data(), s, config);
+      moe_combine(comm, p, y_ref, ref.weights, ref.handle, ref.out, ws.data(), s, config);
       comm.synchronize(s);
       EXPECT_EQ(count_different_bytes16(got.out, ref.out, got.out_bytes, s), 0u)
           << "combine after the fused launch";
@@ -1076,8 +1077,11 @@ TEST(InProcessMoe, KernelsDoNotSpill) {
 
 TEST(SanitizeMoe, DispatchGemm) {
   MKT_REQUIRE_GPU();
-  // Four CTAs a rank: under the sanitizer every spinning wait is slow (the default 66 CTAs a
-  // rank ran past a 90 s limit at 88f6019).
+  // Four CTAs a rank, in every launch of the case (the reference dispatch and the combines too):
+  // under the sanitizer every spinning wait is slow, and two ranks' grids of the default 66 CTAs
+  // fill the GPU's 132 SMs exactly, so that one CTA held back waits for the time limit (the
+  // fused launch ran past a 90 s limit at 88f6019; at 16f9503 the combine after it, whose grid
+  // was still 66, timed out under memcheck when SanitizeGroupedGemm ran before it in the process).
   run_fused(2, {{{8, 2, 128, 40}, 128, BLayout::kNK, 128, 4}}, 111);
 }
 
