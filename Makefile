@@ -3,6 +3,7 @@
 #   make setup                                          install build dependencies (Debian 12)
 #   make [BACKEND=socket|cx7|efa] [PYTHON=python3] all   configure (when needed) and build
 #   make test | test-cpu | test-gpu                     build, then run ctest (test: + pytest)
+#   make test-asan                                      the CPU suite under ASan + UBSan (build-asan)
 #   make python                                         pip-install the Python package
 #   make bench | check | plots                          bench/run.sh and bench/plot.py
 #   make format | format-check | clean | distclean | help
@@ -49,8 +50,8 @@ CACHE  := $(BUILD_DIR)/CMakeCache.txt
 # Installs what a fresh Debian 12 machine needs (scripts/setup.sh says what).
 setup:
 	bash scripts/setup.sh
-.PHONY: setup all configure python test test-cpu test-gpu bench check plots format format-check clean distclean \
-        help FORCE
+.PHONY: setup all configure python test test-cpu test-gpu test-asan bench check plots format \
+        format-check clean distclean help FORCE
 
 all: $(CACHE)
 	$(CMAKE) --build $(BUILD_DIR) -j $(JOBS)
@@ -89,6 +90,10 @@ test-cpu: all
 
 test-gpu: all
 	$(CTEST) --test-dir $(BUILD_DIR) --output-on-failure -L gpu $(CTEST_ARGS)
+
+# The CPU suite built with AddressSanitizer and UndefinedBehaviorSanitizer (scripts/asan_cpu_tests.sh).
+test-asan:
+	CUDA_HOME=$(CUDA_HOME) JOBS=$(JOBS) bash scripts/asan_cpu_tests.sh
 
 bench: all python
 	@test -f bench/run.sh || { echo "error: bench/run.sh does not exist yet" >&2; exit 1; }
