@@ -541,9 +541,14 @@ TEST(InProcessMoeLayer, RejectsBadArgumentsBeforeLaunch) {
   });
 }
 
+// World 1 first, as test_moe.cpp's SanitizeMoe cases (see there): every kernel of the case
+// launched once where no launch waits for a peer, before the two-rank run.
 TEST(SanitizeMoe, Layer) {
   MKT_REQUIRE_GPU();
-  run_layer_cases(2, {{8, 2, 64, 64, 40, MoeLayout::kPadded, false, 4}}, 801);  // 4 CTAs a rank
+  // 4 CTAs a rank
+  const std::vector<LayerCase> cases = {{8, 2, 64, 64, 40, MoeLayout::kPadded, false, 4}};
+  run_layer_cases(1, cases, 801);
+  run_layer_cases(2, cases, 801);
 }
 
 }  // namespace
