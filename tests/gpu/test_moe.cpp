@@ -1077,12 +1077,12 @@ TEST(InProcessMoe, KernelsDoNotSpill) {
 
 // The SanitizeMoe cases run at world 1 first, then at world 2. Under compute-sanitizer the first
 // two-rank launches of the MoE kernels in a process could hang until the time limit (racecheck,
-// about half the runs; docs/PERFORMANCE.md, 2026-12-06): one rank's next launch never began while
-// its peer's kernel waited for it, and the MoE cases after it in the same process passed. The
-// likely cause is the sanitizer's work at a kernel's first launch in the process, which can wait
-// for the GPU - held by the peer's waiting kernel. At world 1 no launch waits for a peer, and the
-// kernels are the same (they do not depend on the world size), so the world-2 run starts with all
-// of them launched once.
+// about half the runs; docs/PERFORMANCE.md, 2026-12-06): a rank's launch did not wholly start
+// while its peer's kernel waited for it, and the MoE cases after it in the same process passed.
+// The likely cause is the sanitizer's work at a kernel's first launch in the process, which can
+// wait for the GPU - held by the peer's waiting kernel. At world 1 no launch waits for a peer, and
+// the kernels are the same (they do not depend on the world size), so the world-2 run starts with
+// all of them launched once.
 TEST(SanitizeMoe, DispatchGemm) {
   MKT_REQUIRE_GPU();
   // Four CTAs a rank, in every launch of the case (the reference dispatch and the combines too):
