@@ -64,15 +64,42 @@ __global__ void max_diff_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, 
   atomicMax(&out[1], __float_as_uint(mag));
 }
 
-// Elements where |a - b| > 4 bf16 steps at |b|, plus 1e-4 (a rounding's worth near 0).
+// Whether |x - y| > 4 bf16 steps at `scale`, plus 1e-4 (a rounding's worth near 0).
+__device__ inline bool is_far(float x, float y, float scale) {
+  const float step = scale == 0.f ? 0.f : ldexpf(1.f, ilogbf(fabsf(scale)) - 7);
+  return !(fabsf(x - y) <= 4.f * step + 1e-4f);
+}
+
+// Elements where |a - b| is far at |b|.
 __global__ void far_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, std::size_t n,
                            unsigned long long* far) {
   unsigned long long mine = 0;
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const float x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
-    const float step = y == 0.f ? 0.f : ldexpf(1.f, ilogbf(fabsf(y)) - 7);
-    if (!(fabsf(x - y) <= 4.f * step + 1e-4f)) ++mine;
+    const float y = __bfloat162float(b[i]);
+    mine += is_far(__bfloat162float(a[i]), y, y);
+  }
+  if (mine != 0) atomicAdd(far, mine);
+}
+
+// The same bound at the row's largest |b| instead of each element's own: one warp a row of
+// `row_len` values. (Two computations of the same precision in another order differ by roundings
+// that scale with the row's values: an element small by cancellation may differ by more than
+// 4 steps of itself.)
+__global__ void far_rows_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, std::size_t rows,
+                                int row_len, unsigned long long* far) {
+  const int lane = threadIdx.x % 32;
+  const std::size_t warps = static_cast<std::size_t>(gridDim.x) * (blockDim.x / 32);
+  unsigned long long mine = 0;
+  for (std::size_t r = (blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x) / 32;
+       r < rows; r += warps) {
+    const __nv_bfloat16 *ar = a + r * row_len, *br = b + r * row_len;
+    float row_max = 0.f;
+    for (int i = lane; i < row_len; i += 32)
+      row_max = fmaxf(row_max, fabsf(__bfloat162float(br[i])));
+    for (int o = 16; o > 0; o /= 2) row_max = fmaxf(row_max, __shfl_xor_sync(~0u, row_max, o));
+    for (int i = lane; i < row_len; i += 32)
+      mine += is_far(__bfloat162float(ar[i]), __bfloat162float(br[i]), row_max);
   }
   if (mine != 0) atomicAdd(far, mine);
 }
@@ -85,16 +112,32 @@ void launch_count_far(const void* a, const void* b, std::size_t n, unsigned long
                                  static_cast<const __nv_bfloat16*>(b), n, far);
 }
 
-unsigned long long count_far(const void* a, const void* b, std::size_t n, cudaStream_t s) {
+namespace {
+// Zeroes a device counter, runs `count(counter)` on `s` and returns the counter's value.
+template <class Count>
+unsigned long long read_count(cudaStream_t s, Count&& count) {
   unsigned long long* far;
   CK(cudaMalloc(reinterpret_cast<void**>(&far), sizeof(*far)));
   CK(cudaMemsetAsync(far, 0, sizeof(*far), s));
-  launch_count_far(a, b, n, far, s);
-  unsigned long long count = 0;
-  CK(cudaMemcpyAsync(&count, far, sizeof(count), cudaMemcpyDeviceToHost, s));
+  count(far);
+  unsigned long long value = 0;
+  CK(cudaMemcpyAsync(&value, far, sizeof(value), cudaMemcpyDeviceToHost, s));
   CK(cudaStreamSynchronize(s));
   CK(cudaFree(far));
-  return count;
+  return value;
+}
+}  // namespace
+
+unsigned long long count_far(const void* a, const void* b, std::size_t n, cudaStream_t s) {
+  return read_count(s, [&](unsigned long long* far) { launch_count_far(a, b, n, far, s); });
+}
+
+unsigned long long count_far_rows(const void* a, const void* b, std::size_t rows, int row_len,
+                                  cudaStream_t s) {
+  return read_count(s, [&](unsigned long long* far) {
+    far_rows_kernel<<<264, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(a),
+                                        static_cast<const __nv_bfloat16*>(b), rows, row_len, far);
+  });
 }
 
 void launch_max_diff_bf16(const void* a, const void* b, std::size_t n, unsigned int* out,

@@ -31,6 +31,12 @@ void launch_count_far(const void* a, const void* b, std::size_t n, unsigned long
                       cudaStream_t s);
 // The same, synchronously on `s`: the count.
 unsigned long long count_far(const void* a, const void* b, std::size_t n, cudaStream_t s);
+// The elements of `rows` rows of `row_len` bf16 values where |a - b| > 4 bf16 steps at the row's
+// largest |b|, + 1e-4, synchronously on `s`: for outputs whose rows are computed apart (an
+// attention's rows of D values), where an element small by cancellation carries its row's
+// roundings; one row's scale never sets another's.
+unsigned long long count_far_rows(const void* a, const void* b, std::size_t rows, int row_len,
+                                  cudaStream_t s);
 
 // The same, synchronously on the default stream: {max |a - b|, max |b|}.
 struct MaxDiff {
