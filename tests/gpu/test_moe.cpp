@@ -1079,14 +1079,14 @@ TEST(InProcessMoe, KernelsDoNotSpill) {
   }
 }
 
-// The SanitizeMoe cases run at world 1 first, then at world 2. Under compute-sanitizer the first
-// two-rank launches of the MoE kernels in a process could hang until the time limit (racecheck,
-// about half the runs; docs/PERFORMANCE.md, 2026-12-06): a rank's launch did not wholly start
-// while its peer's kernel waited for it, and the MoE cases after it in the same process passed.
-// The likely cause is the sanitizer's work at a kernel's first launch in the process, which can
-// wait for the GPU - held by the peer's waiting kernel. At world 1 no launch waits for a peer, and
-// the kernels are the same (they do not depend on the world size), so the world-2 run starts with
-// all of them launched once.
+// The SanitizeMoe cases run at world 1 first, then at world 2: at world 1 no launch waits for a
+// peer, so the sanitizer checks every kernel of the case (they do not depend on the world size)
+// even in a run whose world-2 part hangs. Under racecheck and memcheck the world-2 part hangs in
+// some runs (about one in three of SanitizeMoe*, on an H100): one rank's launch waits at its
+// entry barrier for a peer's CTA that never announced, while that peer's other CTAs wait for it.
+// The world-1 run first did not stop that, nor did eager module loading or one CTA a rank; it
+// has never happened without a sanitizer (docs/design/moe.md, "The two-rank hang under
+// compute-sanitizer").
 TEST(SanitizeMoe, DispatchGemm) {
   MKT_REQUIRE_GPU();
   // Four CTAs a rank, in every launch of the case (the reference dispatch and the combines too):
@@ -1103,10 +1103,9 @@ TEST(SanitizeMoe, Small) {
   MKT_REQUIRE_GPU();
   std::vector<MoeCase> cases = {{8, 2, 64, 40},
                                 {8, 4, 64, 33, MoeLayout::kMasked, 9, IndexType::kInt64}};
-  // Four CTAs a rank, as above: with the budget's 66 a rank, memcheck on main (8309c82, an H100)
-  // held the world-2 run's twelfth launch until the time limit - rank 0 in its entry barrier
-  // waiting for a CTA of rank 1's launch that had not started, rank 1's other CTAs waiting for
-  // rank 0.
+  // Four CTAs a rank, as above (the cases' every launch). Not a cure for the sanitizer's hang:
+  // under racecheck and memcheck the world-2 run still hangs in some runs at 1, 4 or 66 CTAs a
+  // rank (docs/design/moe.md, "The two-rank hang under compute-sanitizer").
   for (MoeCase& c : cases) c.sms = 4;
   run_cases(1, cases, 61);
   run_cases(2, cases, 61);
