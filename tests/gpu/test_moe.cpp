@@ -43,6 +43,12 @@ struct MoeCase {
   Routing routing = Routing::kRandom;
   int empty_rank = -1;
   int sms = 0;  // MoeConfig::sms of every launch (few CTAs: see SanitizeMoe.DispatchGemm)
+  // Every launch after host-side work comes after a meeting (ready()): the SanitizeMoe cases.
+  // Without it, the last part of expect_moe launches while peers may still be in the last op -
+  // what the kernels must allow - but under compute-sanitizer a rank's copies and memsets can wait
+  // for the whole GPU, where a peer's launch already waits for this rank's next one
+  // (mkernel/communicator.h: ranks sharing a GPU in one process).
+  bool meet = false;
 };
 
 std::string describe(const MoeCase& c, int world) {
@@ -405,10 +411,12 @@ void expect_moe(Communicator& comm, const MoeCase& c, uint64_t seed) {
   MKT_CUDA(cudaMemsetAsync(b.recv, 0xff, b.recv_bytes, s));
   MKT_CUDA(cudaMemsetAsync(b.handle, 0x5a, b.handle_bytes, s));
   MKT_CUDA(cudaMemsetAsync(b.out, 0xff, b.out_bytes, s));
+  if (c.meet) ready(comm, s);
   moe_dispatch(comm, p, b.x, b.topk, c.index, b.recv, b.rows, b.handle, ws.data(), s, config);
   ASSERT_NO_FATAL_FAILURE(expect_data_errors(comm, w2, rank, s));
   ASSERT_NO_FATAL_FAILURE(check_dispatch(w2, rank, plan, b, s));
   ASSERT_NO_FATAL_FAILURE(make_y(w2, rank, plan, b, s));
+  if (c.meet) ready(comm, s);
   moe_combine(comm, p, b.y, b.weights, b.handle, b.out, ws.data(), s, config);
   comm.synchronize(s);
   ASSERT_NO_FATAL_FAILURE(check_combine(w2, rank, b, s, /*identity=*/false));
@@ -867,6 +875,8 @@ void expect_fused(Communicator& comm, const FusedCase& f, uint64_t seed, int cal
       // fused launch's chunk signals for its own would sum rows that have not arrived).
       MKT_CUDA(cudaMemsetAsync(got.out, 0xff, got.out_bytes, s));
       MKT_CUDA(cudaMemsetAsync(ref.out, 0xff, ref.out_bytes, s));
+      // Every rank done with its checks' copies first (as ready() says why).
+      ready(comm, s);
       moe_combine(comm, p, y_got, got.weights, got.handle, got.out, ws.data(), s, config);
       moe_combine(comm, p, y_ref, ref.weights, ref.handle, ref.out, ws.data(), s, config);
       comm.synchronize(s);
@@ -1081,12 +1091,12 @@ TEST(InProcessMoe, KernelsDoNotSpill) {
 
 // The SanitizeMoe cases run at world 1 first, then at world 2: at world 1 no launch waits for a
 // peer, so the sanitizer checks every kernel of the case (they do not depend on the world size)
-// even in a run whose world-2 part hangs. Under racecheck and memcheck the world-2 part hangs in
-// some runs (about one in three of SanitizeMoe*, on an H100): one rank's launch waits at its
-// entry barrier for a peer's CTA that never announced, while that peer's other CTAs wait for it.
-// The world-1 run first did not stop that, nor did eager module loading or one CTA a rank; it
-// has never happened without a sanitizer (docs/design/moe.md, "The two-rank hang under
-// compute-sanitizer").
+// even in a run whose world-2 part fails. At world 2 every launch after host-side work comes after
+// a meeting (MoeCase::meet; expect_fused's combines always do): under racecheck and memcheck the
+// world-2 part hung in some runs without it - two time limits back to back, the first rank's
+// launch waiting for its peer's, which started only once that one had given up - the signature
+// of a rank's host call that waits for the whole GPU while a peer's kernel waits for this rank
+// (docs/design/moe.md, "The two-rank hang under compute-sanitizer").
 TEST(SanitizeMoe, DispatchGemm) {
   MKT_REQUIRE_GPU();
   // Four CTAs a rank, in every launch of the case (the reference dispatch and the combines too):
@@ -1103,10 +1113,11 @@ TEST(SanitizeMoe, Small) {
   MKT_REQUIRE_GPU();
   std::vector<MoeCase> cases = {{8, 2, 64, 40},
                                 {8, 4, 64, 33, MoeLayout::kMasked, 9, IndexType::kInt64}};
-  // Four CTAs a rank, as above (the cases' every launch). Not a cure for the sanitizer's hang:
-  // under racecheck and memcheck the world-2 run still hangs in some runs at 1, 4 or 66 CTAs a
-  // rank (docs/design/moe.md, "The two-rank hang under compute-sanitizer").
-  for (MoeCase& c : cases) c.sms = 4;
+  // Four CTAs a rank, as above (the cases' every launch), and a meeting before each launch.
+  for (MoeCase& c : cases) {
+    c.sms = 4;
+    c.meet = true;
+  }
   run_cases(1, cases, 61);
   run_cases(2, cases, 61);
 }
