@@ -403,9 +403,9 @@ void expect_moe(Communicator& comm, const MoeCase& c, uint64_t seed) {
   }
   ASSERT_NO_FATAL_FAILURE(check_dispatch(w, rank, plan, b, s));
   ASSERT_NO_FATAL_FAILURE(check_combine(w, rank, b, s, /*identity=*/false));
-  // And with new tokens and routing, without a meeting first: peers may still be in the last
-  // combine while this rank's dispatch starts (the kernels' entry barriers order the reuse of
-  // the workspace - across nodes also the staging and inbound regions).
+  // And with new tokens and routing, without a meeting first (but where c.meet): peers may still
+  // be in the last combine while this rank's dispatch starts (the kernels' entry barriers order
+  // the reuse of the workspace - across nodes also the staging and inbound regions).
   const World w2(c, world, seed + 1000, probe_plan.capacity);
   upload_inputs(w2, rank, b, s);
   MKT_CUDA(cudaMemsetAsync(b.recv, 0xff, b.recv_bytes, s));
