@@ -1100,10 +1100,8 @@ TEST(InProcessMoe, KernelsDoNotSpill) {
 TEST(SanitizeMoe, DispatchGemm) {
   MKT_REQUIRE_GPU();
   // Four CTAs a rank, in every launch of the case (the reference dispatch and the combines too):
-  // under the sanitizer every spinning wait is slow, and two ranks' grids of the default 66 CTAs
-  // fill the GPU's 132 SMs exactly, so that one CTA held back waits for the time limit (the
-  // fused launch ran past a 90 s limit at 88f6019; at 16f9503 the combine after it, whose grid
-  // was still 66, timed out under memcheck when SanitizeGroupedGemm ran before it in the process).
+  // under the sanitizer every spinning wait is slow, and few CTAs spin fewer of them. (Not what
+  // stopped the hangs above: one CTA a rank hung as often.)
   const std::vector<FusedCase> cases = {{{8, 2, 128, 40}, 128, BLayout::kNK, 128, 4}};
   run_fused(1, cases, 111);
   run_fused(2, cases, 111);

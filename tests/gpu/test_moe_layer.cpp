@@ -541,8 +541,8 @@ TEST(InProcessMoeLayer, RejectsBadArgumentsBeforeLaunch) {
   });
 }
 
-// World 1 first, as test_moe.cpp's SanitizeMoe cases (see there): every kernel of the case
-// launched once where no launch waits for a peer, before the two-rank run.
+// World 1 first, as test_moe.cpp's SanitizeMoe cases (see there): the sanitizer checks every
+// kernel of the case where no launch waits for a peer. run_layer_cases meets before each launch.
 TEST(SanitizeMoe, Layer) {
   MKT_REQUIRE_GPU();
   // 4 CTAs a rank
