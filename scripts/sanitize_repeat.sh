@@ -11,8 +11,10 @@
 #
 # RUNS: 3; TOOLS: "racecheck memcheck synccheck"; HANG_S (40): the seconds after which a run is
 # hung. One line a run ("<tool> #<i>: PASS | FAIL (rc) | HUNG") on stdout; each run's output in
-# $OUT/sanitize-<tool>-<i>.log, the hung runs' stacks appended to it. Exits 1 if any run failed
-# or hung.
+# $OUT/sanitize-<tool>-<i>.log, the hung runs' stacks appended to it, with the GPU's utilisation
+# (busy: a kernel that never ends; idle: the host threads wait on each other or in the tool).
+# The in-process ranks' meetings outside a time-limited step (the tests' barriers) give up
+# after MKERNEL_BOOTSTRAP_TIMEOUT_S, 20 s here unless set. Exits 1 if any run failed or hung.
 set -uo pipefail
 tests="${1:?usage: sanitize_repeat.sh TESTS_BINARY FILTER [RUNS] [TOOLS]}"
 filter="${2:?usage: sanitize_repeat.sh TESTS_BINARY FILTER [RUNS] [TOOLS]}"
@@ -20,6 +22,7 @@ runs="${3:-3}"
 tools="${4:-racecheck memcheck synccheck}"
 hang_s="${HANG_S:-40}"
 OUT="${OUT:-$PWD/out}"
+export MKERNEL_BOOTSTRAP_TIMEOUT_S="${MKERNEL_BOOTSTRAP_TIMEOUT_S:-20}"
 mkdir -p "$OUT"
 sanitizer="$(command -v compute-sanitizer ||
   ls "${CUDA_HOME:-/usr/local/cuda}"/compute-sanitizer/compute-sanitizer 2>/dev/null)" ||
@@ -54,7 +57,12 @@ for tool in $tools; do
     start=$SECONDS
     while kill -0 "$pid" 2>/dev/null && ((SECONDS - start < hang_s)); do sleep 1; done
     if kill -0 "$pid" 2>/dev/null; then
-      { echo "==== sanitize_repeat: still running after $hang_s s; host stacks:"; stacks "$pid"; } >>"$log"
+      {
+        echo "==== sanitize_repeat: still running after $hang_s s; the GPU:"
+        nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>&1
+        echo "==== host stacks:"
+        stacks "$pid"
+      } >>"$log"
       pkill -KILL -P "$pid" 2>/dev/null
       kill -KILL "$pid" 2>/dev/null
       wait "$pid" 2>/dev/null

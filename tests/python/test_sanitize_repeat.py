@@ -59,7 +59,7 @@ def test_a_hung_run_is_named_with_its_stacks_and_the_next_runs_go_on(tmp_path):
     assert lines[2].startswith("racecheck #3: PASS")
     log = (out / "sanitize-racecheck-2.log").read_text()
     assert "[ RUN      ] Fake.Case2" in log
-    assert "still running after 2 s; host stacks:" in log
+    assert "still running after 2 s; the GPU:" in log and "==== host stacks:" in log
     assert "---- process" in log
 
 
