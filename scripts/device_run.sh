@@ -24,7 +24,8 @@
 # Environment knobs: BUILD (build: the CMake build directory), BUILD_TARGETS (build: only these
 # targets), JOBS (build: parallel jobs; nproc), BACKEND (socket), BUILD_TYPE (Release), CMAKE_ARGS,
 # CTEST_ARGS
-# (--timeout 300), SANITIZE_TIMEOUT (300 s per tool), SANITIZE_FILTER (gtest filter of the
+# (--timeout 300), SANITIZE_TIMEOUT (300 s a run: then it is hung), SANITIZE_RUNS (1: runs a
+# tool), SANITIZE_FILTER (gtest filter of the
 # sanitized tests: Sanitize*), SITE (/tmp/site), BENCH_KERNELS ("all
 # transport": bench/run.sh kernels; all = collectives, gemm and the fused kernels),
 # PATCHES (a comma list of patches applied to this copy first: queued experiments; `queue`: all of
@@ -203,32 +204,26 @@ step_test() {
 SKIP=3  # a step's return code for "nothing to do"
 
 step_sanitize() {
-  local sanitizer
   [[ -x "$GPU_TESTS" ]] || { log "no $GPU_TESTS"; return "$SKIP"; }
-  sanitizer="$(command -v compute-sanitizer ||
-    ls "$CUDA_HOME"/compute-sanitizer/compute-sanitizer 2>/dev/null)" ||
-    { log "no compute-sanitizer"; return 1; }
   local filter="${SANITIZE_FILTER:-Sanitize*}"
   if ! "$GPU_TESTS" --gtest_list_tests --gtest_filter="$filter" | grep -q '^  '; then
     log "no Sanitize* tests in $GPU_TESTS"
     return "$SKIP"
   fi
+  # Each tool SANITIZE_RUNS times (scripts/sanitize_repeat.sh: a run past SANITIZE_TIMEOUT is
+  # hung, and its log gets the host threads' stacks); the runs' logs end up in sanitize.log.
+  local logs=/tmp/device_run-sanitize rc
+  rm -rf "$logs"
   {
-    local tool rc failed=0
-    for tool in memcheck racecheck synccheck; do
-      log "compute-sanitizer --tool $tool"
-      limited "$SANITIZE_TIMEOUT" "$sanitizer" --tool "$tool" --error-exitcode 99 \
-        --print-limit 100 "$GPU_TESTS" --gtest_filter="$filter"
-      rc=$?
-      if ((rc == 0)); then
-        log "sanitize $tool: PASS"
-      else
-        log "sanitize $tool: FAIL (rc $rc)"
-        failed=1
-      fi
+    HANG_S="$SANITIZE_TIMEOUT" OUT="$logs" bash "$REPO/scripts/sanitize_repeat.sh" "$GPU_TESTS" \
+      "$filter" "${SANITIZE_RUNS:-1}" "memcheck racecheck synccheck"
+    rc=$?
+    for f in "$logs"/sanitize-*.log; do
+      if [[ -e "$f" ]]; then echo "==== ${f##*/}"; cat "$f"; fi
     done
-    ((failed == 0))
+    ((rc == 0))
   } 2>&1 | tee "$OUT/sanitize.log"
+  return "${PIPESTATUS[0]}"
 }
 
 # ---- python ---------------------------------------------------------------------------------
