@@ -5,7 +5,8 @@
     python3 scripts/fit_gemm_plan.py --fit [--generations 60]   # refit them (needs scipy)
 
 The data: bench/data/gemm_candidates-h200.csv, from `bench_gemm --candidates --layouts nk`
-(every distinct plan of each shape timed side by side, cuBLAS in the same run). For each shape
+(every distinct plan of each shape timed side by side, cuBLAS in the same run; its output
+becomes the CSV through scripts/candidates_csv.py). For each shape
 the script plans as plan.cpp does - the height rule (64 rows for M <= 64; 192 or 128 by the
 model for M 129..192; else 128), K whole at pick_block_n's width (the model's at 192 rows), a
 step width (80-224, B [N, K], 128 rows, K whole) where the model finds it STEP_GAIN faster - once
