@@ -52,7 +52,8 @@ for tool in $tools; do
   for ((i = 1; i <= runs; ++i)); do
     log="$OUT/sanitize-$tool-$i.log"
     : >"$log"  # (appended to by both the run and the stacks below)
-    "$sanitizer" --tool "$tool" --error-exitcode 99 "$tests" --gtest_filter="$filter" >>"$log" 2>&1 &
+    "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 100 "$tests" \
+      --gtest_filter="$filter" >>"$log" 2>&1 &
     pid=$!
     start=$SECONDS
     while kill -0 "$pid" 2>/dev/null && ((SECONDS - start < hang_s)); do sleep 1; done
