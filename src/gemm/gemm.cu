@@ -88,7 +88,7 @@ static_assert(gemm_engine::kMaxSplit == gemm_engine::SplitSchedule::kMaxPieces);
 // tile shape: true while each of them holds an SM alone (more than half its shared memory).
 template <int kBlockN, int kBlockM>
 constexpr bool holds_an_sm() {
-  using Cfg = gemm_engine::EngineTileConfig<kBlockN, kBlockM>;
+  using Cfg = typename gemm_engine::PlainGemm<kBlockN, true, kBlockM>::Cfg;
   return Cfg::kSmemBytes > Cfg::kSmemLimit / 2;
 }
 static_assert(holds_an_sm<64, 64>() && holds_an_sm<128, 64>() && holds_an_sm<192, 64>() &&

@@ -82,7 +82,7 @@ namespace mk::gemm_engine {
 // stage is worth; the library's is EngineTileConfig's, below). kBlockM: 128 rows (two consumer
 // warpgroups), or for the plain GEMM 64 (one: decode batches, M <= 64 - half the A bytes of a
 // stage, so more of B in flight) or 192 (three: M 129..192 in one tile-row instead of two).
-template <int kBlockN_, int kMaxStages = 8, int kBlockM_ = 128>
+template <int kBlockN_, int kMaxStages = 8, int kBlockM_ = 128, int kEpilogueBuffers_ = 2>
 struct TileConfig {
   static constexpr int kBlockM = kBlockM_;  // 64 rows per consumer warpgroup
   static constexpr int kBlockN = kBlockN_;  // 64, 128, 192 or 256 (the plain GEMM: kStepWidths)
@@ -95,8 +95,10 @@ struct TileConfig {
   static constexpr int kABytes = kBlockM * kBlockK * 2;
   static constexpr int kBBytes = kBlockN * kBlockK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  // Epilogue staging: per consumer, two 64 x 64 bf16 buffers (one filling while one is stored).
-  static constexpr int kEpilogueBytes = kConsumers * 2 * 64 * 64 * 2;
+  // Epilogue staging: per consumer, two 64 x 64 bf16 buffers (one filling while one is stored),
+  // or one (store_slice packs a chunk once the last one's store has read it).
+  static constexpr int kEpilogueBuffers = kEpilogueBuffers_;
+  static constexpr int kEpilogueBytes = kConsumers * kEpilogueBuffers * 64 * 64 * 2;
   // As many stages as fit (at most kMaxStages) next to the epilogue buffers, the barriers and
   // the 1024 bytes spent aligning everything to the swizzle atom.
   static constexpr int kSmemLimit = 227 * 1024;
@@ -117,12 +119,34 @@ struct TileConfig {
                 "tile widths of wgmma_ops.cuh");
   static_assert(kBlockM == 64 || kBlockM == 128 || kBlockM == 192,
                 "one, two or three consumer warpgroups");
+  static_assert(kEpilogueBuffers == 1 || kEpilogueBuffers == 2, "one or two epilogue buffers");
 };
 
+// The lean epilogue: one buffer a consumer where the second one's bytes would buy the ring a
+// stage and the tile is narrow (at most 80 columns: 80 at 128 rows, 64 at 192), else two. A
+// stage more keeps more of the operands in flight where a stage is small; one buffer costs a
+// wait a chunk past the first, once a tile. Of the wider tiles that would gain a stage, 96 and
+// 192 at 128 rows measured slower with it, 144 at 128 rows and 128 at 192 no faster, and 128 at
+// 64 rows was not measured (docs/design/gemm_decode.md, "The lean epilogue").
+template <int kBlockN, int kMaxStages, int kBlockM>
+constexpr int lean_epilogue_buffers() {
+  return kBlockN <= 80 && TileConfig<kBlockN, kMaxStages, kBlockM, 1>::kStages >
+                              TileConfig<kBlockN, kMaxStages, kBlockM, 2>::kStages
+             ? 1
+             : 2;
+}
+
 // The tile configurations the library launches: at most 8 stages, or at 64 rows as many as fit
-// up to 16 (their stages are small; a CTA streaming weights wants its bytes in flight).
-template <int kBlockN, int kBlockM = 128>
-using EngineTileConfig = TileConfig<kBlockN, kBlockM == 64 ? 16 : 8, kBlockM>;
+// up to 16 (their stages are small; a CTA streaming weights wants its bytes in flight); the lean
+// epilogue's buffers where asked (FusionTraits::lean_epilogue).
+template <int kBlockN, int kBlockM = 128, bool kLeanEpilogue = false>
+using EngineTileConfig =
+    TileConfig<kBlockN, kBlockM == 64 ? 16 : 8, kBlockM,
+               kLeanEpilogue ? lean_epilogue_buffers<kBlockN, kBlockM == 64 ? 16 : 8, kBlockM>()
+                             : 2>;
+// A policy's configuration at a width and height: its traits say whether the epilogue is lean.
+template <int kBlockN, class Fusion, int kBlockM = 128>
+using FusionTileConfig = EngineTileConfig<kBlockN, kBlockM, Fusion::kTraits.lean_epilogue>;
 
 // The stage ring's start: the dynamic shared memory, aligned to the 1024 bytes of the 128-byte
 // swizzle's atom.
@@ -225,6 +249,9 @@ struct FusionTraits {
   // A's rows from a_row(tile, r), copied by the producer warpgroup's four warps (warps 1..3
   // after side_task; produce_gathered). Needs dynamic_tiles.
   bool gather_a = false;
+  // The lean epilogue (EngineTileConfig): for a policy whose stores all go through
+  // store_slice<Cfg::kEpilogueBuffers>, the only user of the epilogue's shared memory.
+  bool lean_epilogue = false;
   int producer_regs = 40;
   int consumer_regs = 232;
 };
@@ -350,6 +377,9 @@ constexpr bool check_fusion() {
                     traits.producer_regs + Cfg::kConsumers * traits.consumer_regs <=
                         (1 + Cfg::kConsumers) * Cfg::kRegsPerThread,
                 "setmaxnreg split beyond the CTA's registers");
+  static_assert(Cfg::kEpilogueBuffers == 2 || traits.lean_epilogue,
+                "one epilogue buffer a consumer for a policy whose stores expect two "
+                "(FusionTraits::lean_epilogue)");
   static_assert(traits.gather_a == HasARow<F>,
                 "kTraits.gather_a does not match an a_row(tile, r) returning const __nv_bfloat16*");
   static_assert(traits.gather_a != HasLoadA<F>,
@@ -390,9 +420,11 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // The epilogue's data path: a consumer's 64 x (2 kRegs) accumulator slice goes out as bf16 in
 // 64-column chunks. Each chunk is packed into a 128-byte-swizzled 64 x 64 buffer (conflict-free
 // 4-byte stores), then thread 0 of the warpgroup calls issue(buf, j) - a TMA store (or reduce)
-// of chunk j wherever the policy wants it - and the warpgroup moves on. Two buffers alternate,
-// so packing chunk j overlaps the store of chunk j - 1 and the last stores overlap the next
-// tile's mainloop. Chunks at column >= n are skipped. All 128 threads of the warpgroup call.
+// of chunk j wherever the policy wants it - and the warpgroup moves on. kBuffers = 2 (the
+// scratch of the engine's default): two buffers alternate, so packing chunk j overlaps the store
+// of chunk j - 1; 1 (the lean epilogue's scratch): chunk j waits for chunk j - 1's store to have
+// read the buffer. Either way the last stores overlap the next tile's mainloop. Chunks at column
+// >= n are skipped. All 128 threads of the warpgroup call.
 // The kernel waits for the last stores before it exits.
 struct NoEach {
   __device__ void operator()(const uint8_t*, int) const {}
@@ -400,7 +432,7 @@ struct NoEach {
 
 // `each(buf, j)`, if given, runs on all 128 threads once chunk j is packed (e.g. to push it to
 // other GPUs with ordinary stores); buf stays valid until the warpgroup's next barrier.
-template <int kRegs, class Issue, class Each = NoEach>
+template <int kBuffers = 2, int kRegs, class Issue, class Each = NoEach>
 __device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0, int n,
                                             int consumer, uint8_t* scratch, Issue&& issue,
                                             Each&& each = {}) {
@@ -413,12 +445,12 @@ __device__ __forceinline__ void store_slice(const float (&acc)[kRegs], int col0,
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
     if (col0 + 64 * j >= n) break;  // the same on every thread of the warpgroup
-    uint8_t* buf = scratch + (j % 2) * kChunkBytes;
-    // The store that last read `buf` is done: chunk j - 2's, or for chunk 0 any of the previous
-    // call's (whose last chunk may have used either buffer: a tile at the N edge has one chunk,
-    // and the ping-pong schedule stores its two halves back to back).
+    uint8_t* buf = scratch + (j % kBuffers) * kChunkBytes;
+    // The store that last read `buf` is done: chunk j - 2's (one buffer: chunk j - 1's), or for
+    // chunk 0 any of the previous call's (whose last chunk may have used either buffer: a tile at
+    // the N edge has one chunk, and the ping-pong schedule stores its two halves back to back).
     if (t == 0) {
-      if (j == 0) {
+      if (j == 0 || kBuffers == 1) {
         dev::bulk_wait_group_read<0>();
       } else {
         dev::bulk_wait_group_read<1>();
@@ -569,11 +601,13 @@ struct SplitSchedule {
 // launches run exactly the kernel they ran before split K existed.
 template <int kBlockN, bool kSplitK = false, int kBlockM = 128>
 struct PlainGemm {
-  using Cfg = EngineTileConfig<kBlockN, kBlockM>;
   // Three consumer warpgroups share 512 threads' registers: 152 each (accumulators of at most
   // 128 columns) beside the producer's 40.
-  static constexpr FusionTraits kTraits{
-      .a_rows = true, .split_k = kSplitK, .consumer_regs = kBlockM == 192 ? 152 : 232};
+  static constexpr FusionTraits kTraits{.a_rows = true,
+                                        .split_k = kSplitK,
+                                        .lean_epilogue = true,
+                                        .consumer_regs = kBlockM == 192 ? 152 : 232};
+  using Cfg = EngineTileConfig<kBlockN, kBlockM, kTraits.lean_epilogue>;
   static_assert((kBlockM + SplitSchedule::kMaxPieces) * SplitSchedule::kRowFloats<kBlockN> * 4 <=
                     Cfg::kStages * Cfg::kStageBytes,
                 "a split tile's sums fit in the stage ring");
@@ -617,9 +651,9 @@ struct PlainGemm {
         return;
       }
     }
-    store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
-      dev::tma_store_2d(&c, buf, col0 + 64 * j, row0);
-    });
+    store_slice<Cfg::kEpilogueBuffers>(
+        acc, col0, n, consumer, scratch,
+        [&](const uint8_t* buf, int j) { dev::tma_store_2d(&c, buf, col0 + 64 * j, row0); });
     if constexpr (kBlockN % 64 != 0) {  // a step width: its last 16-48 columns
       store_slice_tail(acc, split.out, row0, col0 + kBlockN / 64 * 64, m, n);
     }

@@ -62,7 +62,8 @@ __device__ __forceinline__ void store_rows_masked(const float (&acc)[kRegs], __n
 template <int kBlockN>
 struct GroupedGemm {
   // B [G][...]: a tile's group is its third coordinate.
-  static constexpr FusionTraits kTraits{.batched_b = true, .dynamic_tiles = true};
+  static constexpr FusionTraits kTraits{
+      .batched_b = true, .dynamic_tiles = true, .lean_epilogue = true};
   CUtensorMap a;             // A [rows, K] (all groups' rows), boxes of 128 rows x 64
   CUtensorMap c;             // C [rows, N], boxes of 64 rows x 64 columns
   __nv_bfloat16* c_ptr;      // C, for the masked stores at a group's end
@@ -98,13 +99,16 @@ struct GroupedGemm {
     dev::tma_load_2d(dst, &a, bar, k0, tile.row);
   }
 
-  template <int kRegs>
+  // kBuffers: the epilogue buffers a consumer of the kernel it runs in - its own lean
+  // configuration's, or 2 where a policy without the lean epilogue stores through it
+  // (MoeDispatchGemm).
+  template <int kBuffers = EngineTileConfig<kBlockN, 128, true>::kEpilogueBuffers, int kRegs>
   __device__ void store(const float (&acc)[kRegs], const Tile& tile, int consumer, uint8_t* scratch,
                         ConsumerState&) const {
     const int row0 = tile.row + consumer * 64, col0 = tile.n * kBlockN;
     const int rows = tile.rows - consumer * 64;  // of this slice inside the group
     if (rows >= 64) {
-      store_slice(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
+      store_slice<kBuffers>(acc, col0, n, consumer, scratch, [&](const uint8_t* buf, int j) {
         dev::tma_store_2d(&c, buf, col0 + 64 * j, row0);
       });
     } else if (rows > 0) {

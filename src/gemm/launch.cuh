@@ -42,7 +42,7 @@ void dispatch(int block_n, bool trans_b, Fn&& fn) {
 // the kernel now). kBlockM: 128-row tiles, or the plain GEMM's 64- and 192-row ones.
 template <int kBlockN, bool kTransB, class Fusion, int kBlockM = 128>
 auto prepared_kernel() {
-  using Cfg = EngineTileConfig<kBlockN, kBlockM>;
+  using Cfg = FusionTileConfig<kBlockN, Fusion, kBlockM>;
   constexpr auto kernel = gemm_kernel<Cfg, kTransB, Fusion>;
   detail::allow_dynamic_smem<kernel>(Cfg::kSmemBytes);
   return kernel;
@@ -88,7 +88,7 @@ struct LaunchShape {
 template <int kBlockN, bool kTransB, class Fusion, int kBlockM = 128>
 void launch(const Fusion& fusion, const CUtensorMap& map_b, int64_t k, int grid,
             cudaStream_t stream, const char* op, int cluster = 1) {
-  using Cfg = EngineTileConfig<kBlockN, kBlockM>;
+  using Cfg = FusionTileConfig<kBlockN, Fusion, kBlockM>;
   auto kernel = prepared_kernel<kBlockN, kTransB, Fusion, kBlockM>();
   cudaError_t err = cudaSuccess;
   if (cluster > 1) {
@@ -107,7 +107,7 @@ void launch(const Fusion& fusion, const CUtensorMap& map_b, int64_t k, int grid,
 // (clusters x cluster; a cluster's CTAs share a GPC, whose SMs need not divide evenly).
 template <int kBlockN, bool kTransB, class Fusion>
 int cluster_ctas(int cluster) {
-  using Cfg = EngineTileConfig<kBlockN>;
+  using Cfg = FusionTileConfig<kBlockN, Fusion>;
   auto kernel = prepared_kernel<kBlockN, kTransB, Fusion>();
   LaunchShape<Cfg> shape(cluster, cluster, nullptr);
   int clusters = 0;

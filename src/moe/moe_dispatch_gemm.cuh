@@ -322,7 +322,7 @@ struct MoeDispatchGemm {
     if (leader)
       fused::trace_mark(trace, fused::kTraceConsumer0 + consumer, fused::kTraceStoreBegin);
     typename gemm_engine::GroupedGemm<kBlockN>::ConsumerState state{};
-    grouped.store(acc, tile, consumer, scratch, state);
+    grouped.template store<2>(acc, tile, consumer, scratch, state);  // (two buffers: not lean)
     if (leader) fused::trace_mark(trace, fused::kTraceConsumer0 + consumer, fused::kTraceStoreEnd);
   }
 
