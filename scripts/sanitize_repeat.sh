@@ -28,10 +28,17 @@ sanitizer="$(command -v compute-sanitizer ||
   ls "${CUDA_HOME:-/usr/local/cuda}"/compute-sanitizer/compute-sanitizer 2>/dev/null)" ||
   { echo "sanitize_repeat: no compute-sanitizer" >&2; exit 1; }
 
-# The host threads of process $1 and its children: gdb's backtraces, or /proc's wait channels.
+# Process $1 and every process below it (the sanitizer starts the tests two levels down).
+descendants() {
+  local child
+  echo "$1"
+  for child in $(pgrep -P "$1"); do descendants "$child"; done
+}
+
+# The host threads of process $1 and its descendants: gdb's backtraces, or /proc's wait channels.
 stacks() {
   local pid
-  for pid in "$1" $(pgrep -P "$1"); do
+  for pid in $(descendants "$1"); do
     echo "---- process $pid: $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-200)"
     if command -v gdb >/dev/null; then
       timeout 60 gdb -p "$pid" -batch -ex 'thread apply all bt 25' 2>&1 |
@@ -64,8 +71,9 @@ for tool in $tools; do
         echo "==== host stacks:"
         stacks "$pid"
       } >>"$log"
-      pkill -KILL -P "$pid" 2>/dev/null
-      kill -KILL "$pid" 2>/dev/null
+      # Every process of the run: the tests run two levels below the sanitizer, and one left
+      # running would hold the GPU under the next runs.
+      kill -KILL $(descendants "$pid") 2>/dev/null
       wait "$pid" 2>/dev/null
       echo "$tool #$i: HUNG (last test: $(grep -E '^\[ RUN' "$log" | tail -1 | cut -c14-))"
       failed=1

@@ -15,12 +15,14 @@ echo "$n" > "{dir}/count"
 echo "$@" >> "{dir}/calls"
 echo "[ RUN      ] Fake.Case$n"
 [[ -e "{dir}/hang-$n" ]] && exec sleep 60
+# A hang two levels down, as compute-sanitizer's launcher holds the tests.
+[[ -e "{dir}/deep-$n" ]] && {{ bash "{dir}/level1.sh" & wait; }}
 [[ -e "{dir}/fail-$n" ]] && exit 99
 echo "[  PASSED  ] 1 test."
 """
 
 
-def run(tmp_path, runs, tools, hang=(), fail=()):
+def run(tmp_path, runs, tools, hang=(), fail=(), deep=()):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     fake = bindir / "compute-sanitizer"
@@ -30,6 +32,10 @@ def run(tmp_path, runs, tools, hang=(), fail=()):
         (tmp_path / f"hang-{i}").touch()
     for i in fail:
         (tmp_path / f"fail-{i}").touch()
+    for i in deep:
+        (tmp_path / f"deep-{i}").touch()
+    (tmp_path / "level1.sh").write_text(f'bash "{tmp_path}/level2.sh"; true\n')
+    (tmp_path / "level2.sh").write_text("exec sleep 61\n")
     out = tmp_path / "out"
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", HANG_S="2", OUT=str(out))
     p = subprocess.run(["bash", str(REPO / "scripts/sanitize_repeat.sh"), "/bin/true", "Sanitize*",
@@ -68,3 +74,13 @@ def test_a_failing_run_fails_the_script(tmp_path):
     assert p.returncode == 1
     assert p.stdout.splitlines()[0].startswith("synccheck #1: FAIL (rc 99")
     assert p.stdout.splitlines()[1].startswith("synccheck #2: PASS")
+
+
+def test_the_stacks_reach_the_processes_below_the_children(tmp_path):
+    p, out = run(tmp_path, 1, "racecheck", deep=(1,))
+    assert p.returncode == 1
+    assert p.stdout.splitlines()[0] == "racecheck #1: HUNG (last test: Fake.Case1)"
+    log = (out / "sanitize-racecheck-1.log").read_text()
+    assert "sleep 61" in log  # level2.sh exec-ed, two levels below the stand-in
+    left = subprocess.run(["pgrep", "-f", "sleep 61"], capture_output=True, text=True).stdout
+    assert left == "", "a hung run's processes outlive it"
