@@ -139,10 +139,11 @@ constexpr int lean_epilogue_buffers() {
 // The tile configurations the library launches: at most 8 stages, or at 64 rows as many as fit
 // up to 16 (their stages are small; a CTA streaming weights wants its bytes in flight); the lean
 // epilogue's buffers where asked (FusionTraits::lean_epilogue).
+constexpr int engine_max_stages(int block_m) { return block_m == 64 ? 16 : 8; }
 template <int kBlockN, int kBlockM = 128, bool kLeanEpilogue = false>
 using EngineTileConfig =
-    TileConfig<kBlockN, kBlockM == 64 ? 16 : 8, kBlockM,
-               kLeanEpilogue ? lean_epilogue_buffers<kBlockN, kBlockM == 64 ? 16 : 8, kBlockM>()
+    TileConfig<kBlockN, engine_max_stages(kBlockM), kBlockM,
+               kLeanEpilogue ? lean_epilogue_buffers<kBlockN, engine_max_stages(kBlockM), kBlockM>()
                              : 2>;
 // A policy's configuration at a width and height: its traits say whether the epilogue is lean.
 template <int kBlockN, class Fusion, int kBlockM = 128>
@@ -684,23 +685,24 @@ template <int kBlockN>
 using ShortSplitGemm = PlainGemm<kBlockN, true, 64>;
 static_assert(check_fusion_widths<PlainGemm>());
 static_assert(check_fusion_widths<SplitGemm>());
+// The configurations launched (FusionTileConfig: the lean epilogue's where it applies).
 // The step widths (gemm_internal.h's kStepWidths: B [N, K], 128 rows, K whole).
-static_assert(check_fusion<EngineTileConfig<80>, PlainGemm<80>>() &&
-              check_fusion<EngineTileConfig<96>, PlainGemm<96>>() &&
-              check_fusion<EngineTileConfig<112>, PlainGemm<112>>() &&
-              check_fusion<EngineTileConfig<144>, PlainGemm<144>>() &&
-              check_fusion<EngineTileConfig<160>, PlainGemm<160>>() &&
-              check_fusion<EngineTileConfig<224>, PlainGemm<224>>());
-static_assert(check_fusion<EngineTileConfig<64, 192>, TallGemm<64>>() &&
-              check_fusion<EngineTileConfig<128, 192>, TallGemm<128>>() &&
-              check_fusion<EngineTileConfig<64, 192>, TallSplitGemm<64>>() &&
-              check_fusion<EngineTileConfig<128, 192>, TallSplitGemm<128>>());
+static_assert(check_fusion<FusionTileConfig<80, PlainGemm<80>>, PlainGemm<80>>() &&
+              check_fusion<FusionTileConfig<96, PlainGemm<96>>, PlainGemm<96>>() &&
+              check_fusion<FusionTileConfig<112, PlainGemm<112>>, PlainGemm<112>>() &&
+              check_fusion<FusionTileConfig<144, PlainGemm<144>>, PlainGemm<144>>() &&
+              check_fusion<FusionTileConfig<160, PlainGemm<160>>, PlainGemm<160>>() &&
+              check_fusion<FusionTileConfig<224, PlainGemm<224>>, PlainGemm<224>>());
+static_assert(check_fusion<FusionTileConfig<64, TallGemm<64>, 192>, TallGemm<64>>() &&
+              check_fusion<FusionTileConfig<128, TallGemm<128>, 192>, TallGemm<128>>() &&
+              check_fusion<FusionTileConfig<64, TallSplitGemm<64>, 192>, TallSplitGemm<64>>() &&
+              check_fusion<FusionTileConfig<128, TallSplitGemm<128>, 192>, TallSplitGemm<128>>());
 template <template <int> class Policy>
 constexpr bool check_short_widths() {
-  return check_fusion<EngineTileConfig<64, 64>, Policy<64>>() &&
-         check_fusion<EngineTileConfig<128, 64>, Policy<128>>() &&
-         check_fusion<EngineTileConfig<192, 64>, Policy<192>>() &&
-         check_fusion<EngineTileConfig<256, 64>, Policy<256>>();
+  return check_fusion<FusionTileConfig<64, Policy<64>, 64>, Policy<64>>() &&
+         check_fusion<FusionTileConfig<128, Policy<128>, 64>, Policy<128>>() &&
+         check_fusion<FusionTileConfig<192, Policy<192>, 64>, Policy<192>>() &&
+         check_fusion<FusionTileConfig<256, Policy<256>, 64>, Policy<256>>();
 }
 static_assert(check_short_widths<ShortGemm>() && check_short_widths<ShortSplitGemm>());
 
