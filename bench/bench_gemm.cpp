@@ -345,14 +345,17 @@ int main(int argc, char** argv) {
         std::vector<mk::GemmConfig> configs;
         std::vector<mk::GemmPlan> plans;
         for (int height : {64, 128, 192}) {
-          // (64-row tiles up to M 256: cuBLAS runs 64 x 64 tiles at 192 / 256 x 2048 x 7168,
-          // where our best candidate reaches 0.80 / 0.89 of it on the H100.)
-          if ((height == 64 && sh.m > 256) || (height == 192 && sh.m > 384)) continue;
+          // 64-row tiles up to M 1024: cuBLAS runs 64 x 64 tiles at 192 / 256 x 2048 x 7168,
+          // where our best candidate reaches 0.80 / 0.89 of it on the H100, and 64 x 128 ones
+          // (its 128x64 kernels, its M being our N) in pairs at 512 x 2048 x 7168 and 128 x 8192
+          // x 8192. Past M 256 K whole only: one consumer warpgroup a tile, more tile-rows.
+          if ((height == 64 && sh.m > 1024) || (height == 192 && sh.m > 384)) continue;
           for (int width : {64, 80, 96, 112, 128, 144, 160, 192, 224, 256}) {
             if (height == 192 && width > 128) continue;
             const bool step = width % 64 != 0;  // B [N, K], 128 rows, K whole only
             if (step && (kn || height != 128)) continue;
-            for (int pieces = 1; pieces <= (step ? 1 : 8); ++pieces) {
+            for (int pieces = 1; pieces <= (step || (height == 64 && sh.m > 256) ? 1 : 8);
+                 ++pieces) {
               mk::GemmConfig config;
               config.block_m = height;
               config.block_n = width;
