@@ -473,7 +473,10 @@ step_profile() {
   # PROFILE_METRICS (ncu metric names, comma-separated) instead of the sections, e.g.
   # dram__bytes_read.sum,lts__t_sector_hit_rate.pct: how often tiles share their operands.
   [[ -n "${PROFILE_METRICS:-}" ]] && what=(--metrics "$PROFILE_METRICS")
-  limited "${PROFILE_TIMEOUT:-400}" "$ncu" --target-processes all \
+  # --clock-control none: the kernels at the clocks they run at in the benchmarks. ncu's default
+  # locks the SMs at base clock (1.33 GHz on these cards), which moves the balance between the
+  # tensor pipe and memory that a profile is taken to show (attention.md's stall samples were).
+  limited "${PROFILE_TIMEOUT:-400}" "$ncu" --target-processes all --clock-control none \
     --kernel-name "${PROFILE_KERNELS:-regex:.}" --launch-count "${PROFILE_COUNT:-4}" \
     "${what[@]}" "${cmd[@]}" >"$OUT/profile.txt" 2>&1
   local rc=$?
