@@ -99,10 +99,10 @@ struct GroupedGemm {
     dev::tma_load_2d(dst, &a, bar, k0, tile.row);
   }
 
-  // kBuffers: the epilogue buffers a consumer of the kernel it runs in - its own lean
-  // configuration's, or 2 where a policy without the lean epilogue stores through it
-  // (MoeDispatchGemm).
-  template <int kBuffers = EngineTileConfig<kBlockN, 128, true>::kEpilogueBuffers, int kRegs>
+  // kBuffers: the epilogue buffers a consumer of the kernel it runs in - its own configuration's
+  // by default, or the configuration's of a policy that stores through it (MoeDispatchGemm).
+  template <int kBuffers = EngineTileConfig<kBlockN, 128, kTraits.lean_epilogue>::kEpilogueBuffers,
+            int kRegs>
   __device__ void store(const float (&acc)[kRegs], const Tile& tile, int consumer, uint8_t* scratch,
                         ConsumerState&) const {
     const int row0 = tile.row + consumer * 64, col0 = tile.n * kBlockN;

@@ -322,7 +322,9 @@ struct MoeDispatchGemm {
     if (leader)
       fused::trace_mark(trace, fused::kTraceConsumer0 + consumer, fused::kTraceStoreBegin);
     typename gemm_engine::GroupedGemm<kBlockN>::ConsumerState state{};
-    grouped.template store<2>(acc, tile, consumer, scratch, state);  // (two buffers: not lean)
+    grouped
+        .template store<gemm_engine::FusionTileConfig<kBlockN, MoeDispatchGemm>::kEpilogueBuffers>(
+            acc, tile, consumer, scratch, state);
     if (leader) fused::trace_mark(trace, fused::kTraceConsumer0 + consumer, fused::kTraceStoreEnd);
   }
 
