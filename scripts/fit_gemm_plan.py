@@ -3,17 +3,20 @@
 
     python3 scripts/fit_gemm_plan.py                 # how the constants of plan.cpp choose
     python3 scripts/fit_gemm_plan.py --fit [--generations 60]   # refit them (needs scipy)
+    python3 scripts/fit_gemm_plan.py --data bench/data/gemm_candidates-h200.csv,bench/data/gemm_candidates-h100.csv
 
-The data: bench/data/gemm_candidates-h200.csv, from `bench_gemm --candidates --layouts nk`
-(every distinct plan of each shape timed side by side, cuBLAS in the same run; its output
-becomes the CSV through scripts/candidates_csv.py). For each shape
-the script plans as plan.cpp does - the height rule (64 rows for M <= 64; 192 or 128 by the
-model for M 129..192; else 128), K whole at pick_block_n's width (the model's at 192 rows), a
-step width (80-224, B [N, K], 128 rows, K whole) where the model finds it STEP_GAIN faster - once
-the data has step-width candidates -, the library's splits - and reports the plan's measured time against the fastest candidate measured
-and against cuBLAS. The model here mirrors plan.cpp line for line; a change there belongs here.
-The refit minimises the plans' loss against the fastest candidate (geomean) plus a weak pull
-toward predicting the measured times (0.02 x rms of log(model / measured)).
+The data: bench/data/gemm_candidates-<card>.csv (default the H200's; several comma-separated,
+weighed alike by a refit), from `bench_gemm --candidates --layouts nk` (every distinct plan of
+each shape timed side by side, cuBLAS in the same run; its output becomes the CSV through
+scripts/candidates_csv.py). For each shape the script plans as plan.cpp does - the height rule
+(64 rows for M <= 64; past it the model's lowest of 192 rows for M 129..192, 128, and 64 rows
+with K whole up to MAX_M_64), K whole at pick_block_n's width (the model's at 192 rows), a step
+width (80-224, B [N, K], 128 rows, K whole) where the model finds it STEP_GAIN faster - once the
+data has step-width candidates -, the library's splits - and reports the plan's measured time
+against the fastest candidate measured and against cuBLAS. The model here mirrors plan.cpp line
+for line; a change there belongs here. The refit minimises the plans' loss against the fastest
+candidate (geomean) plus a weak pull toward predicting the measured times (0.02 x rms of
+log(model / measured)).
 """
 import argparse
 import collections
@@ -29,11 +32,12 @@ STEP_WIDTHS = (80, 96, 112, 144, 160, 224)  # gemm_internal.h's kStepWidths
 # plan.cpp's constants.
 PLAN_CPP = dict(wgmma=5.5e12, l2=15e12, l2_cta=110e9, hbm=3.75e12, hbm_cta_64=35e9,
                 hbm_cta=72e9, cluster_s=2.8e-6, peer_bytes=26e9, launch_s=1.4e-6,
-                eff_64=0.77, eff_128=0.95, eff_192=0.97)
+                eff_64=0.77, eff_128=0.95, eff_192=0.97, rows64=0.85)
 BOUNDS = dict(wgmma=(3e12, 8e12), l2=(5e12, 20e12), l2_cta=(40e9, 300e9), hbm=(2.5e12, 4.8e12),
               hbm_cta_64=(10e9, 80e9), hbm_cta=(10e9, 80e9), cluster_s=(0, 5e-6),
               peer_bytes=(5e9, 200e9), launch_s=(0, 6e-6), eff_64=(0.5, 1.05),
-              eff_128=(0.7, 1.05), eff_192=(0.8, 1.05))
+              eff_128=(0.7, 1.05), eff_192=(0.8, 1.05), rows64=(0.6, 1.1))
+MAX_M_64 = 512  # the height rule: 64-row tiles weighed against the others up to this M
 
 
 def tiles(m, n, bm, bn):
@@ -55,7 +59,7 @@ def efficiency(p, bn):
 def estimate(p, m, n, k, bm, bn, ctas, whole, pieces):
     """plan.cpp's estimate_seconds."""
     t, kb, a_rows = tiles(m, n, bm, bn), -(-k // 64), min(m, bm)
-    eff = efficiency(p, bn)
+    eff = efficiency(p, bn) * (p.get("rows64", 1.0) if bm == 64 else 1.0)
 
     def k_block(active):
         rate = min(p["l2_cta"], p["l2"] / active)
@@ -83,9 +87,9 @@ def pick_block_n(m, n, bm):
     return width
 
 
-def best_at(p, m, n, k, bm, steps):
-    """plan.cpp's best_at (B [N, K]; `steps`: the step widths considered): (score, block_m,
-    block_n, pieces, ctas)."""
+def best_at(p, m, n, k, bm, steps, whole_only=False):
+    """plan.cpp's best_at (B [N, K]; `steps`: the step widths considered; `whole_only`: K whole):
+    (score, block_m, block_n, pieces, ctas)."""
     kb = -(-k // 64)
     widths = (128, 64) if bm == 192 else (256, 192, 128, 64)  # plan.cpp's order (ties)
     whole = None
@@ -104,7 +108,7 @@ def best_at(p, m, n, k, bm, steps):
         if step[0] * STEP_GAIN < whole[0]:  # its 5% carried into every later comparison
             whole = (step[0] * STEP_GAIN,) + step[1:]
     split = None
-    for bn in widths:
+    for bn in () if whole_only else widths:
         t = tiles(m, n, bm, bn)
         for pieces in range(8, 1, -1):
             cap = CLUSTERS[pieces]
@@ -125,10 +129,16 @@ def best_at(p, m, n, k, bm, steps):
 def plan(p, m, n, k, steps):
     if m <= 64:
         return best_at(p, m, n, k, 64, steps)[1:]
-    if 128 < m <= 192:
-        tall, square = best_at(p, m, n, k, 192, steps), best_at(p, m, n, k, 128, steps)
-        return (square if square[0] < tall[0] else tall)[1:]
-    return best_at(p, m, n, k, 128, steps)[1:]
+    # 192 rows (M 129..192), 128, then 64 rows K whole (M up to MAX_M_64); ties to the earlier
+    choices = ([best_at(p, m, n, k, 192, steps)] if 128 < m <= 192 else [])
+    choices.append(best_at(p, m, n, k, 128, steps))
+    if m <= MAX_M_64:
+        choices.append(best_at(p, m, n, k, 64, steps, whole_only=True))
+    best = choices[0]
+    for c in choices[1:]:
+        if c[0] < best[0]:
+            best = c
+    return best[1:]
 
 
 def load(path):
@@ -188,34 +198,41 @@ def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=os.path.join(here, "..", "bench", "data",
-                                                   "gemm_candidates-h200.csv"))
+                                                   "gemm_candidates-h200.csv"),
+                    help="the candidates' CSV, or several, comma-separated (fitted together)")
     ap.add_argument("--fit", action="store_true", help="refit the constants (scipy)")
     ap.add_argument("--generations", type=int, default=60)
+    ap.add_argument("--max-m-64", type=int, default=MAX_M_64,
+                    help="weigh 64-row tiles against the others up to this M")
     args = ap.parse_args()
-    shapes = load(args.data)
-    if not has_steps(shapes):
-        print("(no step-width candidates in the data: planned with the four widths, as for "
-              "B [K, N])")
-    loss, vs = evaluate(PLAN_CPP, shapes, verbose=True)
-    print(f"plan.cpp: {len(shapes)} shapes, plans {100 * (loss - 1):.2f}% over the fastest "
-          f"measured (geomean), {vs:.4f} of cuBLAS; rms model error "
-          f"{100 * rms_log_error(PLAN_CPP, shapes):.1f}%")
+    globals()["MAX_M_64"] = args.max_m_64
+    sets = {os.path.basename(path): load(path) for path in args.data.split(",")}
+    for name, shapes in sets.items():
+        if not has_steps(shapes):
+            print(f"({name}: no step-width candidates in the data: planned with the four widths, "
+                  "as for B [K, N])")
+        loss, vs = evaluate(PLAN_CPP, shapes, verbose=True)
+        print(f"plan.cpp on {name}: {len(shapes)} shapes, plans {100 * (loss - 1):.2f}% over the "
+              f"fastest measured (geomean), {vs:.4f} of cuBLAS; rms model error "
+              f"{100 * rms_log_error(PLAN_CPP, shapes):.1f}%")
     if not args.fit:
         return
     from scipy.optimize import differential_evolution  # a development tool's dependency
     keys = list(BOUNDS)
 
-    def objective(x):
+    def objective(x):  # every data set alike
         p = dict(zip(keys, x))
-        return math.log(evaluate(p, shapes)[0]) + 0.02 * rms_log_error(p, shapes)
+        return sum(math.log(evaluate(p, shapes)[0]) + 0.02 * rms_log_error(p, shapes)
+                   for shapes in sets.values())
 
     r = differential_evolution(objective, [BOUNDS[k] for k in keys], maxiter=args.generations,
                                seed=4, polish=False, tol=1e-9,
                                x0=[PLAN_CPP[k] for k in keys])
     p = dict(zip(keys, r.x))
-    loss, vs = evaluate(p, shapes, verbose=True)
-    print(f"refit: plans {100 * (loss - 1):.2f}% over the fastest, {vs:.4f} of cuBLAS; "
-          f"rms {100 * rms_log_error(p, shapes):.1f}%")
+    for name, shapes in sets.items():
+        loss, vs = evaluate(p, shapes, verbose=True)
+        print(f"refit on {name}: plans {100 * (loss - 1):.2f}% over the fastest, {vs:.4f} of "
+              f"cuBLAS; rms {100 * rms_log_error(p, shapes):.1f}%")
     print({k: float(f"{v:.3g}") for k, v in p.items()})
 
 

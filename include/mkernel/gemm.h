@@ -25,8 +25,9 @@ constexpr int kGroupedRowBlock = 128;
 
 struct GemmConfig {
   int block_m = 0;  // gemm: tile height 64 (one consumer warpgroup), 128, or 192 (three;
-                    // widths 64 and 128); 0 = the library's choice (64 for M <= 64, 192 for
-                    // M 129..192 unless the width asked for is 192 or 256, else 128).
+                    // widths 64 and 128); 0 = the library's choice (64 for M <= 64; past
+                    // it the cost model's of 192 for M 129..192 - unless the width asked for
+                    // is 192 or 256 -, 128, and 64 with K whole for M <= 512).
                     // grouped_gemm: 0 or 128.
   int block_n = 0;  // tile width 64, 128, 192 or 256 - gemm with B [N, K], 128-row tiles and
                     // K whole also 80, 96, 112, 144, 160 or 224; 0 = the library's choice (or

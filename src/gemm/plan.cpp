@@ -22,6 +22,15 @@
 // The widths in steps of 16 (kStepWidths; B [N, K], 128-row tiles, K whole) are weighed by the
 // same model, their wgmma rate interpolated; one replaces the four widths' K-whole plan only
 // where the model finds it kStepGain faster.
+// 64-row tiles past M 64 (K whole, up to kShortTilesMaxM) are weighed against the 128- and
+// 192-row plans, their wgmma rate kShortTileRate of the taller tiles' (one consumer warpgroup):
+// chosen 2026-12-07 on the H100's candidates (bench/data/gemm_candidates-h100.csv, 74 shapes with
+// 64-row tiles timed up to M 1024) - one constant, the others kept. (A refit of all of them on
+// both cards' data lost 0.5% there instead of 0.9%, but moved most constants far - a CTA's L2
+// rate 110 -> 166 GB/s, the split's peer bytes 26 -> 12 GB/s, 192 wide above 256's rate - on
+// H200 data with no 64-row tiles past M 128 to check them against: not taken.) The plans lose
+// 0.9% against the fastest candidate there (1.8% before); the 14 sweep points (both layouts)
+// whose plan changed ran 3-14% faster on the H100 (docs/PERFORMANCE.md, 2026-12-07).
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -51,6 +60,10 @@ constexpr int kMinKBlocks = 8;
 constexpr int64_t kMaxWavesBeforeSplit = 3;
 constexpr double kSplitGain = 1.05;
 constexpr double kStepGain = 1.05;
+// 64-row tiles (one consumer warpgroup): their wgmma rate against the taller tiles' at the same
+// width, and the M up to which they are weighed against them past M 64 (K whole).
+constexpr double kShortTileRate = 0.85;
+constexpr int64_t kShortTilesMaxM = 512;
 
 // HBM bytes per second one CTA pulls with its ring of stages: the 64-wide tile's stages hold
 // half the bytes of the wider ones'. (The step widths below 128, between the two: interpolated.)
@@ -106,7 +119,8 @@ double estimate_seconds(int64_t m, int64_t n, int64_t k, int block_m, int block_
     const double rate = std::min(kL2BytesPerCta, kL2Bytes / static_cast<double>(active));
     const double loads = (a_rows + block_n) * 128 / rate;
     const double wgmma = static_cast<double>(block_m) * block_n * 64 * 2 /
-                         (kWgmmaFlopsPerSm * wgmma_efficiency(block_n));
+                         (kWgmmaFlopsPerSm * wgmma_efficiency(block_n) *
+                          (block_m == 64 ? kShortTileRate : 1.0));
     return std::max(loads, wgmma);
   };
   const int64_t rounds = shape.whole / shape.ctas;  // whole tiles: all K, a round at a time
@@ -203,7 +217,7 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, BLayout b_layou
     GemmPlan plan;
     double score;
   };
-  const auto best_at = [&](int block_m) -> Choice {
+  const auto best_at = [&](int block_m, bool whole_only = false) -> Choice {
     const bool tall = block_m == 192;
     // The widths allowed: any at 64 and 128 rows, 64 and 128 at 192.
     const auto allowed = [&](int block_n) {
@@ -236,7 +250,7 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, BLayout b_layou
     }
     const double whole_score =
         whole.estimate_us * (is_step_width(whole.block_n) && !step_asked ? kStepGain : 1.0);
-    if (requested_split_k == 1) return {whole, whole_score};
+    if (requested_split_k == 1 || whole_only) return {whole, whole_score};
     GemmPlan split;  // the best split at any allowed width
     for (int block_n : {256, 192, 128, 64}) {
       if (!allowed(block_n)) continue;
@@ -273,17 +287,24 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, BLayout b_layou
   if (requested_block_m != 0) return best_at(requested_block_m).plan;
   if (step_asked) return best_at(128).plan;
   if (m <= 64) return best_at(64).plan;
+  // Past M 64 the heights weighed: 192 (M 129..192, a width of 64 or 128), 128, and 64 rows with
+  // K whole up to kShortTilesMaxM; the lowest score wins, ties to the earlier.
   const bool tall_fits =
       requested_block_n == 0 || requested_block_n == 64 || requested_block_n == 128;
-  if (m > 128 && m <= 192 && tall_fits) {
-    const Choice tall = best_at(192), square = best_at(128);
-    // A split asked for: the height that splits, where only one does.
-    if (requested_split_k > 1 && (tall.plan.split_k > 1) != (square.plan.split_k > 1)) {
-      return tall.plan.split_k > 1 ? tall.plan : square.plan;
-    }
-    return square.score < tall.score ? square.plan : tall.plan;
+  Choice choices[3];
+  int count = 0;
+  if (m > 128 && m <= 192 && tall_fits) choices[count++] = best_at(192);
+  choices[count++] = best_at(128);
+  if (m <= kShortTilesMaxM && requested_split_k <= 1) choices[count++] = best_at(64, true);
+  // A split asked for: the heights that split, where some do.
+  const bool any_split = std::any_of(choices, choices + count,
+                                     [](const Choice& c) { return c.plan.split_k > 1; });
+  const Choice* best = nullptr;
+  for (int i = 0; i < count; ++i) {
+    if (requested_split_k > 1 && any_split && choices[i].plan.split_k == 1) continue;
+    if (best == nullptr || choices[i].score < best->score) best = &choices[i];
   }
-  return best_at(128).plan;
+  return best->plan;
 }
 
 std::string GemmPlan::describe() const {

@@ -169,8 +169,10 @@ TEST(GemmPlan, RefitChoosesTheMeasuredBest) {
            Case{64, 2048, 7168, 64, 128, 4},    // 6 pieces 14.2, 4 pieces 13.2
            Case{32, 2048, 7168, 64, 128, 4},    // 12.6, 12.0
            Case{128, 2048, 7168, 128, 64, 3},   // 128 x 128 in 6 17.1, 15.0
-           Case{192, 2048, 7168, 128, 64, 2},   // 192 x 64 in 3 20.6, 18.1
-           Case{256, 2048, 7168, 128, 64, 2},   // 128 x 192 in 5 22.8, 19.0
+           // 64-row tiles past M 64 (H100, 2026-12-07: 128 x 64 in 2 21.0 us, 64 x 64 whole
+           // 19.6; 22.5, 19.6; gemm_candidates-h100.csv)
+           Case{192, 2048, 7168, 64, 64, 1},
+           Case{256, 2048, 7168, 64, 64, 1},
            Case{256, 28672, 8192, 128, 128, 2}  // 128 x 256 whole 210.3, 203.1
        }) {
     const GemmPlan p = gemm_engine::plan_gemm(c.m, c.n, c.k, BLayout::kKN, kSms, 0, 0, 0, "test_op",
@@ -182,16 +184,20 @@ TEST(GemmPlan, RefitChoosesTheMeasuredBest) {
   }
 }
 
-// The plan against the candidates measured (bench/data/gemm_candidates-h200.csv: every distinct
-// plan of 84 shapes timed side by side on the H200, 2026-12-03): each plan it makes is one of
-// them, and it loses little against the fastest - 0.5% geomean when the constants were fitted
-// (scripts/fit_gemm_plan.py), at most 5.4% on a shape. A change to the model that chooses worse
-// on measured data fails here. Planned for B [K, N], as the test above: the data has no
-// step-width plans yet (docs/design/gemm_decode.md: measure them with --candidates, refit, and
-// plan B [N, K] here again).
-TEST(GemmPlan, LosesLittleAgainstTheMeasuredCandidates) {
-  std::ifstream csv(std::string(MKERNEL_SOURCE_DIR) + "/bench/data/gemm_candidates-h200.csv");
-  ASSERT_TRUE(csv.good()) << "bench/data/gemm_candidates-h200.csv";
+// The plan against candidates measured (bench/data/gemm_candidates-*.csv: every distinct plan
+// of a shape timed side by side, cuBLAS beside, by bench_gemm --candidates): the geomean over the
+// shapes of the plan's time over the fastest candidate's, the worst shape's, and how many plans
+// were not judged (64-row tiles past M 128 in data timed before bench_gemm timed them there).
+struct Judged {
+  double loss = 1, worst = 1;
+  int untimed = 0;
+};
+
+Judged judge(const std::string& file, std::size_t shapes_expected, BLayout layout,
+             bool short_tiles_timed) {
+  Judged out;
+  std::ifstream csv(std::string(MKERNEL_SOURCE_DIR) + "/bench/data/" + file);
+  EXPECT_TRUE(csv.good()) << file;
   struct Candidate {
     int block_m, block_n, split_k, ctas;
     double us;
@@ -203,17 +209,19 @@ TEST(GemmPlan, LosesLittleAgainstTheMeasuredCandidates) {
     std::istringstream in(line);
     std::vector<double> f;
     for (std::string cell; std::getline(in, cell, ',');) f.push_back(std::stod(cell));
-    ASSERT_EQ(f.size(), 10u) << line;
+    EXPECT_EQ(f.size(), 10u) << line;
+    if (f.size() != 10u) return out;
     shapes[{static_cast<int64_t>(f[0]), static_cast<int64_t>(f[1]), static_cast<int64_t>(f[2])}]
         .push_back({static_cast<int>(f[3]), static_cast<int>(f[4]), static_cast<int>(f[5]),
                     static_cast<int>(f[6]), f[8]});
   }
-  ASSERT_EQ(shapes.size(), 84u);
-  double log_loss = 0, worst = 1;
+  EXPECT_EQ(shapes.size(), shapes_expected) << file;
+  double log_loss = 0;
+  int judged = 0;
   for (const auto& [shape, candidates] : shapes) {
     const auto [m, n, k] = shape;
-    const GemmPlan p =
-        gemm_engine::plan_gemm(m, n, k, BLayout::kKN, kSms, 0, 0, 0, "test_op", kH200Clusters);
+    const GemmPlan p = gemm_engine::plan_gemm(m, n, k, layout, kSms, 0, 0, 0, "test_op",
+                                              kH200Clusters);
     double best = 1e30, chosen = 0;
     for (const Candidate& c : candidates) {
       best = std::min(best, c.us);
@@ -222,13 +230,43 @@ TEST(GemmPlan, LosesLittleAgainstTheMeasuredCandidates) {
         chosen = c.us;
       }
     }
-    ASSERT_GT(chosen, 0) << m << "x" << n << "x" << k << ": not a candidate: " << p.describe();
+    if (chosen == 0 && !short_tiles_timed && p.block_m == 64 && m > 128) {
+      ++out.untimed;
+      continue;
+    }
+    EXPECT_GT(chosen, 0) << file << " " << m << "x" << n << "x" << k
+                         << ": not a candidate: " << p.describe();
+    if (chosen == 0) continue;
+    ++judged;
     log_loss += std::log(chosen / best);
-    worst = std::max(worst, chosen / best);
+    out.worst = std::max(out.worst, chosen / best);
   }
-  const double loss = std::exp(log_loss / static_cast<double>(shapes.size()));
-  EXPECT_LE(loss, 1.006) << "geomean of the plans' times over the fastest measured";
-  EXPECT_LE(worst, 1.06) << "the worst shape's plan over its fastest measured";
+  out.loss = std::exp(log_loss / std::max(judged, 1));
+  return out;
+}
+
+// The H200's candidates of 2026-12-03 (84 shapes, M 1-2048), to which the constants were fitted
+// (scripts/fit_gemm_plan.py): 0.5% geomean over the fastest then, at most 5.4% on a shape. A
+// change to the model that chooses worse on measured data fails here. Planned for B [K, N]: the
+// data has no step-width plans. It has no 64-row tiles past M 128 either: the six shapes where
+// the plan now takes them (M 192-512 at N 2048, 7168 and 8192; measured faster on the H100, the
+// test below) are not judged.
+TEST(GemmPlan, LosesLittleAgainstTheH200Candidates) {
+  const Judged j = judge("gemm_candidates-h200.csv", 84, BLayout::kKN, false);
+  EXPECT_LE(j.loss, 1.006) << "geomean of the plans' times over the fastest measured";
+  EXPECT_LE(j.worst, 1.06) << "the worst shape's plan over its fastest measured";
+  EXPECT_LE(j.untimed, 6);
+}
+
+// The H100's candidates (74 shapes: M 1-2048 of 2026-12-06, M 128-2048 with 64-row tiles up to
+// M 1024 and the step widths of 2026-12-07), B [N, K]: every plan is a candidate; 0.9% geomean
+// over the fastest (1.8% before 64-row tiles were weighed past M 64), at most 21% on a shape
+// (256 x 4096 x 14336: the model's split of 128 x 128 against 64 x 128 whole).
+TEST(GemmPlan, LosesLittleAgainstTheH100Candidates) {
+  const Judged j = judge("gemm_candidates-h100.csv", 74, BLayout::kNK, true);
+  EXPECT_LE(j.loss, 1.010) << "geomean of the plans' times over the fastest measured";
+  EXPECT_LE(j.worst, 1.21) << "the worst shape's plan over its fastest measured";
+  EXPECT_EQ(j.untimed, 0);
 }
 
 TEST(GemmPlan, BadSplitNamesOpAndValue) {
@@ -246,16 +284,27 @@ TEST(GemmPlan, BadSplitNamesOpAndValue) {
 }
 
 TEST(GemmPlan, TallTiles) {
-  // The library's height: for M 129..192 192 rows (one tile-row, not two) where the model finds
-  // them faster - at 8192 x 8192 it does; 192 x 2048 x 7168 is RefitChoosesTheMeasuredBest's -
-  // else 128; a width 192-row tiles do not have keeps 128 rows.
-  for (int64_t m : {129, 150, 192}) EXPECT_EQ(plan(m, 8192, 8192).block_m, 192) << m;
+  // The library's height: 64 rows up to M 64; past it the model weighs 192 rows (M 129..192:
+  // one tile-row, not two), 128, and 64 rows with K whole (up to kShortTilesMaxM). Measured
+  // bests on the H100 (gemm_candidates-h100.csv): 192 x 128 at 192 x 14336 x 4096, 64 x 192 at
+  // 192 x 8192 x 8192 (51.1 us; 192 x 128 in 2 58.6, 128 x 128 54.9), 128 rows at 256-384 x
+  // 8192 x 8192. A width 192-row tiles do not have keeps the others.
+  for (int64_t m : {129, 150, 192}) EXPECT_EQ(plan(m, 14336, 4096).block_m, 192) << m;
+  for (int64_t m : {129, 150, 192}) EXPECT_EQ(plan(m, 8192, 8192).block_m, 64) << m;
   for (int64_t m : {65, 128, 193, 256, 384, 8192}) EXPECT_EQ(plan(m, 8192, 8192).block_m, 128) << m;
   for (int64_t m : {1, 8, 64}) EXPECT_EQ(plan(m, 8192, 8192).block_m, 64) << m;
   EXPECT_EQ(plan(8, 2048, 7168, 256, 4).block_m, 64);  // every width, split too
   EXPECT_EQ(plan(8, 2048, 7168, 256, 4).split_k, 4);
-  EXPECT_EQ(plan(192, 8192, 8192, 256).block_m, 128);
+  EXPECT_NE(plan(192, 8192, 8192, 256).block_m, 192);
   EXPECT_EQ(plan(192, 8192, 8192, 0, 0, kSms, 128).block_m, 128);
+  // Past M 64, 64-row tiles keep K whole, and a split asked for keeps them out.
+  for (int64_t m : {65, 192, 256, 512}) {
+    const GemmPlan p = plan(m, 2048, 7168);
+    if (p.block_m == 64) EXPECT_EQ(p.split_k, 1) << p.describe();
+    EXPECT_NE(plan(m, 2048, 7168, 0, 2).block_m, 64) << m;
+  }
+  EXPECT_EQ(plan(512, 2048, 7168).block_m, 64);  // 64 x 128: 24.0 us against 128 x 64's 26.6
+  EXPECT_EQ(plan(1024, 2048, 7168).block_m, 128);  // past kShortTilesMaxM
   // A split asked for at M 129..192 splits, at whichever height does.
   for (int64_t m : {129, 160, 192}) EXPECT_EQ(plan(m, 7168, 2048, 128, 2).split_k, 2) << m;
   // 192 rows when asked: one tile-row at M = 192, the model's width of 64 or 128.
@@ -349,9 +398,11 @@ TEST(GemmPlan, StepWidths) {
     EXPECT_EQ(kn.block_n % 64, 0) << kn.describe();
     EXPECT_LT(nk.estimate_us, kn.estimate_us) << nk.describe() << " / " << kn.describe();
   }
-  // M 129..192: a step width must beat the 192-row tiles by kStepGain too (192 x 7168 x 2048:
-  // 128 x 112 at 13.0 us against 192 x 64 at 13.3 keeps 192 rows).
-  EXPECT_EQ(plan(192, 7168, 2048).block_m, 192);
+  // M 129..192: a step width must beat the other heights by kStepGain too (192 x 7168 x 2048:
+  // 128 x 112 at 13.0 us against 192 x 64 at 13.3 on the H200; 64 x 192, K whole, measured
+  // faster than either on the H100: 14.6 us against 15.1 and 15.3).
+  EXPECT_EQ(plan(192, 7168, 2048).block_m, 64);
+  EXPECT_EQ(plan(192, 7168, 2048).block_n, 192);
   // Whole waves of the four widths: they stay.
   EXPECT_EQ(plan(8192, 8192, 8192).block_n % 64, 0);
   EXPECT_EQ(plan(4096, 4096, 4096).block_n % 64, 0);
