@@ -194,9 +194,9 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--json FILE] [--iters N] [--check] [--sweep] [--shapes MxNxK,...] "
                    "[--layouts nk,kn] [--splits 1,2,4,...] [--block-m 64|128|192] [--candidates]\n"
-                   "  --sweep: also time every tile width (64, 128, 192, 256; with B [N, K] at\n"
-                   "  128 rows also 80, 96, 112, 144, 160, 224) per shape (K whole where the plan\n"
-                   "  does not split it), and the plan's width with K whole\n"
+                   "  --sweep: also time every tile width (64, 128, 192, 256; at 128 rows also\n"
+                   "  80, 96, 112, 144, 160, 224 - B [K, N] not 80, 112) per shape (K whole\n"
+                   "  where the plan does not split it), and the plan's width with K whole\n"
                    "  --splits: also time the plan's width with the last wave in each of these\n"
                    "  numbers of pieces of K (1: K whole)\n"
                    "  --block-m: the tile height of every op timed (default: the plan's)\n"
@@ -286,12 +286,12 @@ int main(int argc, char** argv) {
       if (sweep && !check_only) {
         std::vector<std::function<void(int)>> widths;
         std::vector<int> w;  // the widths of the height timed
-        // The step widths (between the multiples of 64): B [N, K] and 128-row tiles only - timed
-        // where the four widths run at 128 rows too.
-        const bool steps = !kn && mk::gemm_plan(sh.m, sh.n, sh.k, base, layout).block_m == 128;
+        // The step widths (between the multiples of 64): 128-row tiles only (B [K, N]: not 80, 112)
+        // - timed where the four widths run at 128 rows too.
+        const bool steps = mk::gemm_plan(sh.m, sh.n, sh.k, base, layout).block_m == 128;
         for (int width : {64, 80, 96, 112, 128, 144, 160, 192, 224, 256}) {
           if (base.block_m == 192 && width > 128) continue;
-          if (width % 64 != 0 && !steps) continue;
+          if (width % 64 != 0 && (!steps || (kn && (width == 80 || width == 112)))) continue;
           w.push_back(width);
           widths.push_back([&, width](int i) {
             mk::GemmConfig config = base;
@@ -352,8 +352,10 @@ int main(int argc, char** argv) {
           if ((height == 64 && sh.m > 1024) || (height == 192 && sh.m > 384)) continue;
           for (int width : {64, 80, 96, 112, 128, 144, 160, 192, 224, 256}) {
             if (height == 192 && width > 128) continue;
-            const bool step = width % 64 != 0;  // B [N, K], 128 rows, K whole only
-            if (step && (kn || height != 128)) continue;
+            // 128 rows, K whole only; B [K, N] not at 80 or 112 (gemm_internal.h's
+            // kKnStepWidths)
+            const bool step = width % 64 != 0;
+            if (step && ((kn && (width == 80 || width == 112)) || height != 128)) continue;
             for (int pieces = 1; pieces <= (step || (height == 64 && sh.m > 256) ? 1 : 8);
                  ++pieces) {
               mk::GemmConfig config;

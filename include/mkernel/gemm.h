@@ -29,9 +29,9 @@ struct GemmConfig {
                     // it the cost model's of 192 for M 129..192 - unless the width asked for
                     // is 192 or 256 -, 128, and 64 with K whole for M <= 512).
                     // grouped_gemm: 0 or 128.
-  int block_n = 0;  // tile width 64, 128, 192 or 256 - gemm with B [N, K], 128-row tiles and
-                    // K whole also 80, 96, 112, 144, 160 or 224; 0 = the library's choice (or
-                    // MKERNEL_GEMM_BLOCK_N, when set)
+  int block_n = 0;  // tile width 64, 128, 192 or 256 - gemm with 128-row tiles and K whole
+                    // also 80 or 112 (B [N, K] only), 96, 144, 160 or 224; 0 = the library's
+                    // choice (or MKERNEL_GEMM_BLOCK_N, when set)
   int sms = 0;      // persistent CTAs; 0 = every SM of the device
   int split_k = 0;  // gemm: at most this many pieces of K for the tiles of the last, partial
                     // wave (1..8; 1: none; fewer where that many would not fit in one round of

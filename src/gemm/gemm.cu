@@ -34,12 +34,12 @@ constexpr const char* kOp = "gemm";
 
 CUtensorMap gemm_engine::encode_map(const void* base, int rank, const cuuint64_t* dims,
                                     const cuuint64_t* strides, const cuuint32_t* box,
-                                    CUtensorMapDataType type) {
+                                    CUtensorMapDataType type, CUtensorMapSwizzle swizzle) {
   CUtensorMap map{};
   const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
   MK_CU_CHECK(detail::driver().TensorMapEncodeTiled(
       &map, type, rank, const_cast<void*>(base), dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
   return map;
 }
@@ -83,6 +83,14 @@ CUtensorMap gemm_engine::make_b_map(const void* b, int64_t n, int64_t k, int blo
   return k_major_rows ? make_map(b, k, n, 64) : make_map(b, n, k, block_n);
 }
 
+CUtensorMap gemm_engine::make_b_tail_map(const void* b, int64_t n, int64_t k, int cols) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(n), static_cast<cuuint64_t>(k)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(n) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(cols), 64};
+  return encode_map(b, 2, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                    cols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B);
+}
+
 static_assert(gemm_engine::kMaxSplit == gemm_engine::SplitSchedule::kMaxPieces);
 // device_clusters measures the cluster capacity once, with the 128-row split kernel, for every
 // tile shape: true while each of them holds an SM alone (more than half its shared memory).
@@ -123,7 +131,11 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
                       make_map(a, m, k, last_rows),
                       last_rows,
                       static_cast<int>(m),
-                      split};
+                      split,
+                      // B [K, N] at a step width: its last 16 or 32 columns
+                      kTransB && kBlockN % 64 != 0
+                          ? gemm_engine::make_b_tail_map(b, n, k, kBlockN % 64)
+                          : CUtensorMap{}};
   gemm_engine::launch<kBlockN, kTransB, Fusion, kBlockM>(
       fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, plan.ctas, stream, kOp,
       kSplitK ? plan.split_k : 1);
@@ -159,12 +171,15 @@ void dispatch_step_width(int block_n, Fn&& fn) {
 void launch_plan(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t k,
                  bool trans_b, const GemmPlan& plan, cudaStream_t stream) {
   const bool split = plan.split_k > 1 && plan.whole_tiles < plan.tiles;
-  if (gemm_engine::is_step_width(plan.block_n)) {  // B [N, K], 128 rows, K whole (the plan's)
-    if (trans_b || split || plan.block_m != 128) {
+  if (gemm_engine::is_step_width(plan.block_n)) {  // 128 rows, K whole (the plan's)
+    if ((trans_b && !gemm_engine::is_kn_step_width(plan.block_n)) || split || plan.block_m != 128) {
       throw Error(ErrorCode::kInternal, "gemm: a plan the kernels cannot run: " + plan.describe());
     }
     dispatch_step_width(plan.block_n, [&]<int kBlockN>() {
-      launch<128, kBlockN, false, false>(a, b, c, m, n, k, plan, stream);
+      if (!trans_b) return launch<128, kBlockN, false, false>(a, b, c, m, n, k, plan, stream);
+      if constexpr (gemm_engine::is_kn_step_width(kBlockN)) {
+        launch<128, kBlockN, true, false>(a, b, c, m, n, k, plan, stream);
+      }
     });
     return;
   }
@@ -363,7 +378,10 @@ std::vector<GemmKernelResources> detail::gemm_kernel_resources() {
     add_resources<kBlockN, kTransB, gemm_engine::ShortSplitGemm, 64>(out, "split");
   });
   for (int block_n : gemm_engine::kStepWidths) {
-    dispatch_step_width(block_n, [&]<int kBlockN>() { add_resources<kBlockN, false>(out); });
+    dispatch_step_width(block_n, [&]<int kBlockN>() {
+      add_resources<kBlockN, false>(out);
+      if constexpr (gemm_engine::is_kn_step_width(kBlockN)) add_resources<kBlockN, true>(out);
+    });
   }
   add_resources<64, false, gemm_engine::GroupedGemm>(out, "grouped");
   add_resources<128, false, gemm_engine::GroupedGemm>(out, "grouped");

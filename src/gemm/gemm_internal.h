@@ -18,10 +18,12 @@ namespace mk {
 
 namespace gemm_engine {
 // Tensor map of `rank` (<= 5) dimensions, innermost first (strides: of dimensions 1.., in bytes),
-// 128-byte swizzle (boxes 128 bytes wide); out-of-bounds reads as zero, writes are dropped.
+// 128-byte swizzle (boxes 128 bytes wide; `swizzle` another, boxes as wide as it); out-of-bounds
+// reads as zero, writes are dropped.
 CUtensorMap encode_map(const void* base, int rank, const cuuint64_t* dims,
                        const cuuint64_t* strides, const cuuint32_t* box,
-                       CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16);
+                       CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                       CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B);
 // 2-D tensor map over a row-major [rows, cols] bf16 matrix, boxes of [box_rows, 64 cols] with
 // 128-byte swizzling; out-of-bounds reads as zero, out-of-bounds writes are dropped.
 CUtensorMap make_map(const void* base, int64_t rows, int64_t cols, int box_rows);
@@ -36,6 +38,9 @@ CUtensorMap make_map_3d(const void* base, int64_t batches, int64_t rows, int64_t
                         int box_rows);
 // B's map: [N, K] row-major (k_major_rows false) or [K, N] row-major (true).
 CUtensorMap make_b_map(const void* b, int64_t n, int64_t k, int block_n, bool k_major_rows);
+// B [K, N]'s last `cols` (16 or 32) columns of a step-width tile: boxes of 64 K rows x `cols`,
+// swizzled at their width (32 or 64 bytes), as wgmma_desc_mn_tail reads them.
+CUtensorMap make_b_tail_map(const void* b, int64_t n, int64_t k, int cols);
 // `p` is device memory of `device` (aligned to `alignment` bytes), else mk::Error naming `op`
 // and `name`.
 void require_device_pointer(const void* p, const char* op, const char* name, int device,
@@ -67,14 +72,27 @@ constexpr bool is_step_width(int block_n) {
   }
   return false;
 }
+// Those that B [K, N] takes too: past its 64-column boxes a last 16 or 32 columns, one box of
+// their own with the swizzle of their width (make_b_tail_map) and a wgmma of their own. Not 112
+// (its 48 would take two) nor 80: its 16-column wgmma is a fifth of the tile, and 128 x 80 ran
+// 1.17x the four widths' plan at 640 x 2048 x 7168 (H100, 2026-12-07; 144's 16 are a ninth).
+inline constexpr int kKnStepWidths[] = {96, 144, 160, 224};
+constexpr bool is_kn_step_width(int block_n) {
+  for (int w : kKnStepWidths) {
+    if (w == block_n) return true;
+  }
+  return false;
+}
 
 // gemm()'s plan on `sms` CTAs (`clusters`: how many of them run in clusters of p) for B in
 // `b_layout`: the requested height (0: the library's), width (0: any) and split (0: any, 1:
 // none; else at most this many pieces) or the cost model's best (src/gemm/plan.cpp). Throws
 // (naming `op`) on a bad height, width or split.
+// step_widths false: the four widths only (the plan tests' judge of candidates measured before
+// the step widths existed).
 GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, BLayout b_layout, int sms,
                    int requested_block_m, int requested_block_n, int requested_split_k,
-                   const char* op, const ClusterCtas& clusters);
+                   const char* op, const ClusterCtas& clusters, bool step_widths = true);
 }  // namespace gemm_engine
 
 namespace gemm_engine {

@@ -284,6 +284,12 @@ template <class F>
 concept HasLoadB = requires(const F f, void* dst, uint64_t* bar, const Tile& tile, int k0) {
   { f.load_b(dst, bar, tile, k0) } -> std::same_as<void>;
 };
+// load_b_tail(dst, bar, tile, k0): B [K, N]'s last 16 or 32 columns of a step-width tile (the
+// plain GEMM's; the engine loads the 64-wide boxes before them).
+template <class F>
+concept HasLoadBTail = requires(const F f, void* dst, uint64_t* bar, const Tile& tile, int k0) {
+  { f.load_b_tail(dst, bar, tile, k0) } -> std::same_as<void>;
+};
 template <class F>
 concept HasARow = requires(const F f, const Tile& tile, int r) {
   { f.a_row(tile, r) } -> std::same_as<const __nv_bfloat16*>;
@@ -620,9 +626,14 @@ struct PlainGemm {
   int last_rows;        // rows of the last tile-row (1..kBlockM)
   int m;                // C's rows
   SplitSchedule split;  // split K; its `out` is C, where a step width's last columns go too
+  CUtensorMap b_tail;   // B [K, N] at a step width: boxes of 64 K rows x its last 16 or 32
+                        // columns (make_b_tail_map); unused otherwise
 
   __device__ int num_tiles() const {
     return kSplitK ? split.items(raster.num_tiles()) : raster.num_tiles();
+  }
+  __device__ void load_b_tail(void* dst, uint64_t* bar, const Tile& tile, int k0) const {
+    dev::tma_load_2d(dst, &b_tail, bar, tile.n * kBlockN + kBlockN / 64 * 64, k0);
   }
   __device__ Tile tile(int t) const {
     Tile tile{0, 0, 0};
@@ -710,8 +721,9 @@ static_assert(check_short_widths<ShortGemm>() && check_short_widths<ShortSplitGe
 constexpr int kMnBoxBytes = 64 * 128;
 
 // One stage's B for a tile's k-block at k0: the policy's load_b, or the engine's boxes of tma_b
-// (B [N, K], K-major; with kTransB [K, N]: kBlockN / 64 boxes of 64 K rows x 64 N values;
-// batched: one more coordinate, the tile's shard). Completes on `bar`.
+// (B [N, K], K-major; with kTransB [K, N]: kBlockN / 64 boxes of 64 K rows x 64 N values, and
+// at a step width the policy's box of the last 16 or 32; batched: one more coordinate, the
+// tile's shard). Completes on `bar`.
 template <class Cfg, bool kTransB, class Fusion>
 __device__ __forceinline__ void load_b_stage(const Fusion& fusion, const CUtensorMap* tma_b,
                                              uint8_t* dst, uint64_t* bar, const Tile& tile,
@@ -733,6 +745,10 @@ __device__ __forceinline__ void load_b_stage(const Fusion& fusion, const CUtenso
 #pragma unroll
     for (int j = 0; j < Cfg::kBlockN / 64; ++j) {
       dev::tma_load_2d(dst + j * kMnBoxBytes, tma_b, bar, n0 + j * 64, k0);
+    }
+    if constexpr (Cfg::kBlockN % 64 != 0) {  // a step width: its last 16 or 32 columns
+      static_assert(HasLoadBTail<Fusion>, "B [K, N] at a step width: the policy loads the tail");
+      fusion.load_b_tail(dst + Cfg::kBlockN / 64 * kMnBoxBytes, bar, tile, k0);
     }
   } else {
     dev::tma_load_2d(dst, tma_b, bar, k0, n0);
@@ -964,10 +980,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < Cfg::kBlockK / 16; ++kk) {
           const uint64_t da = dev::wgmma_desc_sw128(stage_a(s) + consumer * 64 * 128 + kk * 32);
-          const uint64_t db =
-              kTransB ? dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes)
-                      : dev::wgmma_desc_sw128(stage_b(s) + kk * 32);
-          dev::wgmma_bf16<Cfg::kBlockN, kTransB>(acc, da, db, kb > kb_begin || kk > 0);
+          const bool accumulate = kb > kb_begin || kk > 0;
+          if constexpr (kTransB && Cfg::kBlockN % 64 != 0) {
+            // B [K, N] at a step width: the 64-wide chunks, then the last 16 or 32 columns
+            // (their own swizzle) into the accumulators that follow - the fragment of an
+            // N-wide wgmma is its 8-column blocks in order, so the two are one tile's.
+            constexpr int kMain = Cfg::kBlockN / 64 * 64, kTail = Cfg::kBlockN - kMain;
+            const uint64_t db = dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes);
+            const uint64_t dt = dev::wgmma_desc_mn_tail(
+                stage_b(s) + kMain / 64 * kMnBoxBytes + kk * 16 * (2 * kTail), 2 * kTail);
+            dev::wgmma_bf16<kMain, true>(*reinterpret_cast<float(*)[kMain / 2]>(&acc[0]), da, db,
+                                         accumulate);
+            dev::wgmma_bf16<kTail, true>(*reinterpret_cast<float(*)[kTail / 2]>(&acc[kMain / 2]),
+                                         da, dt, accumulate);
+          } else {
+            const uint64_t db =
+                kTransB ? dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes)
+                        : dev::wgmma_desc_sw128(stage_b(s) + kk * 32);
+            dev::wgmma_bf16<Cfg::kBlockN, kTransB>(acc, da, db, accumulate);
+          }
         }
         dev::wgmma_commit();
         dev::wgmma_fence_operands(acc);

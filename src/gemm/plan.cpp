@@ -19,9 +19,9 @@
 // error 26% -> 12.5%).
 // Where the estimates of two splits of one width tie (both at the HBM rate), fewer pieces win:
 // measured faster (64 x 2048 x 7168: 4 pieces 13.2 us, 6 pieces 14.2).
-// The widths in steps of 16 (kStepWidths; B [N, K], 128-row tiles, K whole) are weighed by the
-// same model, their wgmma rate interpolated; one replaces the four widths' K-whole plan only
-// where the model finds it kStepGain faster.
+// The widths in steps of 16 (kStepWidths; 128-row tiles, K whole; B [K, N] kKnStepWidths) are
+// weighed by the same model, their wgmma rate interpolated; one replaces the four widths'
+// K-whole plan only where the model finds it kStepGain faster.
 // 64-row tiles past M 64 (K whole, up to kShortTilesMaxM) are weighed against the 128- and
 // 192-row plans, their wgmma rate kShortTileRate of the taller tiles' (one consumer warpgroup):
 // chosen 2026-12-07 on the H100's candidates (bench/data/gemm_candidates-h100.csv, 74 shapes with
@@ -118,9 +118,9 @@ double estimate_seconds(int64_t m, int64_t n, int64_t k, int block_m, int block_
   const auto k_block_seconds = [&](int64_t active) {
     const double rate = std::min(kL2BytesPerCta, kL2Bytes / static_cast<double>(active));
     const double loads = (a_rows + block_n) * 128 / rate;
-    const double wgmma = static_cast<double>(block_m) * block_n * 64 * 2 /
-                         (kWgmmaFlopsPerSm * wgmma_efficiency(block_n) *
-                          (block_m == 64 ? kShortTileRate : 1.0));
+    const double wgmma =
+        static_cast<double>(block_m) * block_n * 64 * 2 /
+        (kWgmmaFlopsPerSm * wgmma_efficiency(block_n) * (block_m == 64 ? kShortTileRate : 1.0));
     return std::max(loads, wgmma);
   };
   const int64_t rounds = shape.whole / shape.ctas;  // whole tiles: all K, a round at a time
@@ -150,7 +150,7 @@ ClusterCtas gemm_engine::even_clusters(int sms) {
 
 GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, BLayout b_layout, int sms,
                                 int requested_block_m, int requested_block_n, int requested_split_k,
-                                const char* op, const ClusterCtas& clusters) {
+                                const char* op, const ClusterCtas& clusters, bool step_widths) {
   if (requested_block_m != 0 && requested_block_m != 64 && requested_block_m != 128 &&
       requested_block_m != 192) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -169,19 +169,19 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, BLayout b_layou
   if (requested_block_n != 0 && !step_asked && requested_block_n % 64 != 0) {
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(op) + ": block_n = " + std::to_string(requested_block_n) +
-                    "; expected 0 (the library's choice), 64, 128, 192 or 256, or with B [N, K] "
-                    "and 128-row tiles 80, 96, 112, 144, 160 or 224");
+                    "; expected 0 (the library's choice), 64, 128, 192 or 256, or with "
+                    "128-row tiles 80, 96, 112, 144, 160 or 224 (B [K, N]: 96, 144, 160, 224)");
   }
-  if (step_asked &&
-      (b_layout != BLayout::kNK || (requested_block_m != 0 && requested_block_m != 128) ||
-       requested_split_k > 1)) {
+  const bool step_layout_ok = b_layout == BLayout::kNK || is_kn_step_width(requested_block_n);
+  if (step_asked && (!step_layout_ok || (requested_block_m != 0 && requested_block_m != 128) ||
+                     requested_split_k > 1)) {
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(op) + ": block_n = " + std::to_string(requested_block_n) +
-                    " takes B [N, K], 128-row tiles and K whole (the widths between 64, 128, 192 "
-                    "and 256 in steps of 16); asked with " +
-                    (b_layout != BLayout::kNK ? std::string("B [K, N]")
-                     : requested_split_k > 1  ? "split_k = " + std::to_string(requested_split_k)
-                                              : "block_m = " + std::to_string(requested_block_m)));
+                    " takes 128-row tiles and K whole, and B [N, K] where it is 80 or 112 (the "
+                    "widths between 64, 128, 192 and 256 in steps of 16); asked with " +
+                    (!step_layout_ok         ? std::string("B [K, N]")
+                     : requested_split_k > 1 ? "split_k = " + std::to_string(requested_split_k)
+                                             : "block_m = " + std::to_string(requested_block_m)));
   }
   if (requested_split_k < 0 || requested_split_k > kMaxSplit) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -238,10 +238,10 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, BLayout b_layou
       whole = k_whole(block_m, requested_block_n);
     } else {
       whole = k_whole(block_m, pick_block_n(requested_block_n, m, n, sms, op, block_m));
-      if (block_m == 128 && b_layout == BLayout::kNK && requested_block_n == 0 &&
-          requested_split_k <= 1) {
+      if (block_m == 128 && step_widths && requested_block_n == 0 && requested_split_k <= 1) {
         GemmPlan step;  // the best step width, taken where it is clearly better
         for (int block_n : kStepWidths) {
+          if (b_layout == BLayout::kKN && !is_kn_step_width(block_n)) continue;
           const GemmPlan p = k_whole(block_m, block_n);
           if (step.block_n == 0 || p.estimate_us < step.estimate_us) step = p;
         }
@@ -297,8 +297,8 @@ GemmPlan gemm_engine::plan_gemm(int64_t m, int64_t n, int64_t k, BLayout b_layou
   choices[count++] = best_at(128);
   if (m <= kShortTilesMaxM && requested_split_k <= 1) choices[count++] = best_at(64, true);
   // A split asked for: the heights that split, where some do.
-  const bool any_split = std::any_of(choices, choices + count,
-                                     [](const Choice& c) { return c.plan.split_k > 1; });
+  const bool any_split =
+      std::any_of(choices, choices + count, [](const Choice& c) { return c.plan.split_k > 1; });
   const Choice* best = nullptr;
   for (int i = 0; i < count; ++i) {
     if (requested_split_k > 1 && any_split && choices[i].plan.split_k == 1) continue;

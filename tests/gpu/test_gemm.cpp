@@ -93,9 +93,10 @@ TEST(Gemm, EdgeShapesBothTileWidths) {
   }
 }
 
-// The widths between the multiples of 64 (B [N, K], 128-row tiles, K whole): the whole 64-column
-// chunks through TMA, the last 16-48 columns stored by the threads - at the N edge (a partial
-// tail, or none of it inside C), partial tile-rows, few CTAs with many tiles each.
+// The widths between the multiples of 64 (128-row tiles, K whole): the whole 64-column chunks
+// through TMA, the last 16-48 columns stored by the threads - at the N edge (a partial tail, or
+// none of it inside C), partial tile-rows, few CTAs with many tiles each. B [K, N] too (96, 144,
+// 160, 224): its last 16 or 32 columns a box and a wgmma of their own, swizzled at their width.
 TEST(Gemm, StepWidths) {
   MKT_REQUIRE_GPU();
   // (N 232: a partial tail at 80 wide; 440: at 224; 264 and 520 at the others.)
@@ -103,16 +104,24 @@ TEST(Gemm, StepWidths) {
                                      {255, 520, 1000}, {1000, 1000, 1000}, {333, 4104, 8},
                                      {200, 232, 136},  {300, 440, 200},    {640, 2048, 7168}};
   for (int block_n : {80, 96, 112, 144, 160, 224}) {
-    GemmConfig config;
-    config.block_n = block_n;
-    for (const Shape& s : shapes) expect_gemm_matches(s, fresh_seed(), config);
-    config.sms = 7;
-    expect_gemm_matches({1000, 2056, 520}, fresh_seed(), config);
+    for (const BLayout layout : {BLayout::kNK, BLayout::kKN}) {
+      if (layout == BLayout::kKN && (block_n == 80 || block_n == 112)) continue;
+      SCOPED_TRACE(std::to_string(block_n) + (layout == BLayout::kKN ? " B [K, N]" : " B [N, K]"));
+      GemmConfig config;
+      config.block_n = block_n;
+      for (const Shape& s : shapes) expect_gemm_matches(s, fresh_seed(), config, layout);
+      config.sms = 7;
+      expect_gemm_matches({1000, 2056, 520}, fresh_seed(), config, layout);
+    }
   }
-  // The library's own choice where the model takes one (the plan says so).
-  const GemmPlan p = gemm_plan(640, 2048, 7168);
-  EXPECT_NE(p.block_n % 64, 0) << p.describe();
-  expect_gemm_matches({640, 2048, 7168}, fresh_seed());
+  // The library's own choice where the model takes one (the plan says so): 80 wide at 640 x 2048
+  // x 7168 with B [N, K], 96 at 768 x 2048 x 7168 with B [K, N].
+  for (const auto& [s, layout] : {std::pair{Shape{640, 2048, 7168}, BLayout::kNK},
+                                  std::pair{Shape{768, 2048, 7168}, BLayout::kKN}}) {
+    const GemmPlan p = gemm_plan(s.m, s.n, s.k, {}, layout);
+    EXPECT_NE(p.block_n % 64, 0) << p.describe();
+    expect_gemm_matches(s, fresh_seed(), {}, layout);
+  }
 }
 
 // B as [K, N] (N-major tiles, transposed wgmma operand).
@@ -287,9 +296,9 @@ TEST(Gemm, RejectsBadArgumentsBeforeLaunch) {
   bad.block_n = 100;
   expect([&] { gemm(q, b, c, 8, 8, 8, BLayout::kNK, nullptr, bad); }, ErrorCode::kInvalidArgument,
          "block_n = 100");
-  bad.block_n = 96;  // a step width: B [N, K] only
+  bad.block_n = 112;  // a step width B [K, N] does not take (its last 48 columns)
   expect([&] { gemm(q, b, c, 8, 8, 8, BLayout::kKN, nullptr, bad); }, ErrorCode::kInvalidArgument,
-         "block_n = 96 takes B [N, K]");
+         "block_n = 112 takes 128-row tiles and K whole, and B [N, K] where it is 80 or 112");
   cudaFree(p);
 }
 
@@ -299,9 +308,10 @@ TEST(Gemm, KernelsDoNotSpill) {
   MKT_REQUIRE_GPU();
   const std::vector<GemmKernelResources> kernels = detail::gemm_kernel_resources();
   // plain, split K and grouped, 4 widths x 2 B layouts; plain and split K at 192 rows, 2 widths
-  // x 2 layouts, and at 64 rows, 4 widths x 2 layouts; plain at the 6 step widths, B [N, K]
-  // (the MoE kernels on the engine: detail::moe_kernel_resources, test_moe.cpp)
-  ASSERT_EQ(kernels.size(), 54u);
+  // x 2 layouts, and at 64 rows, 4 widths x 2 layouts; plain at the 6 step widths, B [N, K],
+  // and 4 of them B [K, N] (the MoE kernels on the engine: detail::moe_kernel_resources,
+  // test_moe.cpp)
+  ASSERT_EQ(kernels.size(), 58u);
   for (const GemmKernelResources& k : kernels) {
     SCOPED_TRACE(k.name);
     EXPECT_EQ(k.local_bytes, 0) << "local memory (register spills or a stack frame)";
@@ -319,6 +329,8 @@ TEST(SanitizeGemm, Small) {
   GemmConfig step;  // a step width: the tail columns' plain stores, at the M and N edges
   step.block_n = 80;
   expect_gemm_matches({150, 200, 136}, fresh_seed(), step);
+  step.block_n = 160;  // B [K, N]: the last 32 columns' own box and wgmma
+  expect_gemm_matches({150, 200, 136}, fresh_seed(), step, BLayout::kKN);
   GemmConfig config;
   config.block_n = 192;
   expect_gemm_matches({130, 392, 72}, fresh_seed(), config, BLayout::kKN);

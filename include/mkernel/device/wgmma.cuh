@@ -37,6 +37,17 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128_mn(const void* smem, uint32
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
 
+// N-major B's last 16 or 32 columns (a step width's past its 64-wide chunks): one swizzle atom
+// wide - `row_bytes` 32 or 64, the 32- or 64-byte swizzle - its K rows back to back. Stride-
+// dimension offset: 8 K rows; leading-dimension offset unused (one atom along N). A k16 slice
+// starts 16 rows further.
+__device__ __forceinline__ uint64_t wgmma_desc_mn_tail(const void* smem, uint32_t row_bytes) {
+  const uint64_t addr = smem_addr(smem);
+  const uint64_t mode = row_bytes == 64 ? 2 : 3;  // 64- or 32-byte swizzle
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t{(64 * row_bytes) >> 4} << 16) |
+         (uint64_t{(8 * row_bytes) >> 4} << 32) | (mode << 62);
+}
+
 // Orders register accesses before the next wgmma reads or writes accumulators.
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -57,8 +68,9 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[kRegs]) {
   for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// The same for register operands (A fragments of wgmma_bf16_rs): kept in their registers, unchanged,
-// until this point - place it after the wgmma_wait that retires the instructions reading them.
+// The same for register operands (A fragments of wgmma_bf16_rs): kept in their registers,
+// unchanged, until this point - place it after the wgmma_wait that retires the instructions reading
+// them.
 template <int kRegs>
 __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[kRegs]) {
 #pragma unroll
