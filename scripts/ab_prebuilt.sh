@@ -12,7 +12,8 @@
 #         (MODEL:TOKENS a rank; default Qwen3 512 / 2048 / 4096, DeepSeek-V3 2048, Mixtral 2048),
 #         then world 1 cut after each node of the call (--prefix) at AB_PREFIX_POINTS (Qwen3 1024
 #         and 8192): the route kernels', notify's and the fused launch's shares
-#   gemm  bench_gemm --layouts nk,kn at AB_GEMM_SHAPES (the mid-M points below 0.95 of cuBLAS)
+#   gemm  bench_gemm --layouts nk,kn at AB_GEMM_SHAPES (the mid-M points below 0.95 of cuBLAS;
+#         "sweep": bench_gemm's own sweep, issue 28's 192 points, ~25 s a variant on an H100)
 #   ring  bench_ring_attention --ranks 2 (its eight shapes)
 #   attention  bench/bench_attention.py --mode bench (against SDPA) on the variant's module
 #         (_C*.so: prebuild.sh's mkernel_python), installed once a variant into /tmp/ab-site-<i>
@@ -73,7 +74,11 @@ for ((r = 1; r <= rounds; ++r)); do
             --op moe_dispatch_gemm --ranks 1 --prefix "$prefix_points" --commit "${names[$i]}" ;;
         gemm)
           [[ -x "$dir/bench_gemm" ]] || continue
-          run "$i" "$r" gemm-ab-w1.json "$dir/bench_gemm" --layouts nk,kn --shapes "$gemm_shapes" ;;
+          if [[ "$gemm_shapes" == sweep ]]; then
+            run "$i" "$r" gemm-ab-w1.json "$dir/bench_gemm" --layouts nk,kn
+          else
+            run "$i" "$r" gemm-ab-w1.json "$dir/bench_gemm" --layouts nk,kn --shapes "$gemm_shapes"
+          fi ;;
         ring)
           [[ -x "$dir/bench_ring_attention" ]] || continue
           run "$i" "$r" ring_attention-ab-w1.json "$dir/bench_ring_attention" --ranks 2 \

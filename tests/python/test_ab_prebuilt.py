@@ -11,11 +11,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-# A stand-in for a benchmark or the test binary: logs its call, writes one row with --json.
+# A stand-in for a benchmark or the test binary: logs its call and arguments, writes one row with
+# --json.
 FAKE = """#!/usr/bin/env bash
-json=""
+json="" args="$*"
 while [[ $# -gt 0 ]]; do [[ "$1" == --json ]] && json="$2"; shift; done
-echo "$(basename "$0") {variant}" >> "{calls}"
+echo "$(basename "$0") {variant} $args" >> "{calls}"
 if [[ -n "$json" ]]; then
   echo '{{"rows": [{{"shape": {{"M": 1}}, "ms": {{"mkernel": {ms}}}, "correct": true}}]}}' > "$json"
 fi
@@ -87,3 +88,13 @@ def test_attention_runs_only_where_the_variant_has_its_module(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     # no _C*.so in prebuilt-a: the attention run is skipped, the ring run is not
     assert [line.split()[0] for line in calls.read_text().splitlines()] == ["bench_ring_attention"]
+
+
+def test_gemm_sweep_runs_bench_gemms_own_points(tmp_path):
+    tree, calls = make_tree(tmp_path, {"a": (2.0, 0)})
+    r, _ = run(tree, tmp_path, "1", "a", AB_RUNS="gemm", AB_GEMM_SHAPES="sweep")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (line,) = calls.read_text().splitlines()
+    assert "--layouts nk,kn" in line and "--shapes" not in line
+    r, _ = run(tree, tmp_path, "1", "a", AB_RUNS="gemm", AB_GEMM_SHAPES="8x8x8")
+    assert "--shapes 8x8x8" in calls.read_text().splitlines()[-1]
