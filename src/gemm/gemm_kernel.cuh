@@ -730,6 +730,10 @@ __device__ __forceinline__ void load_b_stage(const Fusion& fusion, const CUtenso
                                              int k0) {
   constexpr FusionTraits kTraits = Fusion::kTraits;
   const int n0 = tile.n * Cfg::kBlockN;
+  // (The tail of a step width with B [K, N] - the mainloop's second wgmma - only the plain
+  // path below loads.)
+  static_assert(!(kTransB && Cfg::kBlockN % 64 != 0 && (kTraits.load_b || kTraits.batched_b)),
+                "B [K, N] at a step width: a policy's own B or batched B has no tail load");
   if constexpr (kTraits.load_b) {
     fusion.load_b(dst, bar, tile, k0);
   } else if constexpr (kTraits.batched_b) {  // B [batches][...]: 3-D boxes, batch = shard
@@ -986,9 +990,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             // (their own swizzle) into the accumulators that follow - the fragment of an
             // N-wide wgmma is its 8-column blocks in order, so the two are one tile's.
             constexpr int kMain = Cfg::kBlockN / 64 * 64, kTail = Cfg::kBlockN - kMain;
+            static_assert(kTail == 16 || kTail == 32, "B [K, N]: a 16- or 32-column tail");
             const uint64_t db = dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes);
-            const uint64_t dt = dev::wgmma_desc_mn_tail(
-                stage_b(s) + kMain / 64 * kMnBoxBytes + kk * 16 * (2 * kTail), 2 * kTail);
+            const uint64_t dt = dev::wgmma_desc_mn_tail<2 * kTail>(
+                stage_b(s) + kMain / 64 * kMnBoxBytes + kk * 16 * (2 * kTail));
             dev::wgmma_bf16<kMain, true>(*reinterpret_cast<float(*)[kMain / 2]>(&acc[0]), da, db,
                                          accumulate);
             dev::wgmma_bf16<kTail, true>(*reinterpret_cast<float(*)[kTail / 2]>(&acc[kMain / 2]),

@@ -60,8 +60,9 @@ constexpr int kMinKBlocks = 8;
 constexpr int64_t kMaxWavesBeforeSplit = 3;
 constexpr double kSplitGain = 1.05;
 constexpr double kStepGain = 1.05;
-// 64-row tiles (one consumer warpgroup): their wgmma rate against the taller tiles' at the same
-// width, and the M up to which they are weighed against them past M 64 (K whole).
+// 64-row tiles (one consumer warpgroup) past M 64: their wgmma rate against the taller tiles' at
+// the same width (at M <= 64, where only 64-row plans are weighed, the rates fitted there stand),
+// and the M up to which they are weighed against them (K whole).
 constexpr double kShortTileRate = 0.85;
 constexpr int64_t kShortTilesMaxM = 512;
 
@@ -118,9 +119,9 @@ double estimate_seconds(int64_t m, int64_t n, int64_t k, int block_m, int block_
   const auto k_block_seconds = [&](int64_t active) {
     const double rate = std::min(kL2BytesPerCta, kL2Bytes / static_cast<double>(active));
     const double loads = (a_rows + block_n) * 128 / rate;
-    const double wgmma =
-        static_cast<double>(block_m) * block_n * 64 * 2 /
-        (kWgmmaFlopsPerSm * wgmma_efficiency(block_n) * (block_m == 64 ? kShortTileRate : 1.0));
+    const double wgmma = static_cast<double>(block_m) * block_n * 64 * 2 /
+                         (kWgmmaFlopsPerSm * wgmma_efficiency(block_n) *
+                          (block_m == 64 && m > 64 ? kShortTileRate : 1.0));
     return std::max(loads, wgmma);
   };
   const int64_t rounds = shape.whole / shape.ctas;  // whole tiles: all K, a round at a time

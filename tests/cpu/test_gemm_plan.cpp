@@ -375,6 +375,11 @@ TEST(GemmPlan, StepWidths) {
                    "test_op: block_n = 112 takes 128-row tiles and K "
                    "whole, and B [N, K] where it is 80 or 112"},
         {80, 0, 0, BLayout::kKN, "test_op: block_n = 80 takes"},
+        {96, 2, 0, BLayout::kKN,
+         "test_op: block_n = 96 takes 128-row tiles and K whole, and B "
+         "[N, K] where it is 80 or 112 (the widths between 64, 128, 192 "
+         "and 256 in steps of 16); asked with split_k = 2"},
+        {160, 0, 64, BLayout::kKN, "asked with block_m = 64"},
         {80, 2, 0, BLayout::kNK, "asked with split_k = 2"},
         {80, 0, 64, BLayout::kNK, "asked with block_m = 64"},
         {80, 0, 192, BLayout::kNK, "test_op: block_m = 192 with block_n = 80"},

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <random>
+#include <tuple>
 
 #include "gemm/gemm_internal.h"
 #include "gemm_reference.h"
@@ -114,13 +115,15 @@ TEST(Gemm, StepWidths) {
       expect_gemm_matches({1000, 2056, 520}, fresh_seed(), config, layout);
     }
   }
-  // The library's own choice where the model takes one (the plan says so): 80 wide at 640 x 2048
-  // x 7168 with B [N, K], 96 at 768 x 2048 x 7168 with B [K, N].
-  for (const auto& [s, layout] : {std::pair{Shape{640, 2048, 7168}, BLayout::kNK},
-                                  std::pair{Shape{768, 2048, 7168}, BLayout::kKN}}) {
-    const GemmPlan p = gemm_plan(s.m, s.n, s.k, {}, layout);
-    EXPECT_NE(p.block_n % 64, 0) << p.describe();
-    expect_gemm_matches(s, fresh_seed(), {}, layout);
+  // The library's own choice where the model takes one (the plan says so), on 132 SMs: 80 wide
+  // at 640 x 2048 x 7168 with B [N, K], 96 at 768 x 2048 x 7168 with B [K, N].
+  GemmConfig sms132;
+  sms132.sms = 132;
+  for (const auto& [s, layout, width] : {std::tuple{Shape{640, 2048, 7168}, BLayout::kNK, 80},
+                                         std::tuple{Shape{768, 2048, 7168}, BLayout::kKN, 96}}) {
+    const GemmPlan p = gemm_plan(s.m, s.n, s.k, sms132, layout);
+    EXPECT_EQ(p.block_n, width) << p.describe();
+    expect_gemm_matches(s, fresh_seed(), sms132, layout);
   }
 }
 
@@ -329,7 +332,9 @@ TEST(SanitizeGemm, Small) {
   GemmConfig step;  // a step width: the tail columns' plain stores, at the M and N edges
   step.block_n = 80;
   expect_gemm_matches({150, 200, 136}, fresh_seed(), step);
-  step.block_n = 160;  // B [K, N]: the last 32 columns' own box and wgmma
+  step.block_n = 160;  // B [K, N]: the last 32 columns' own box and wgmma (64-byte swizzle)
+  expect_gemm_matches({150, 200, 136}, fresh_seed(), step, BLayout::kKN);
+  step.block_n = 144;  // and the last 16 (32-byte swizzle)
   expect_gemm_matches({150, 200, 136}, fresh_seed(), step, BLayout::kKN);
   GemmConfig config;
   config.block_n = 192;

@@ -6,7 +6,7 @@
 //   bits  0-13  start address >> 4
 //   bits 16-29  leading-dimension byte offset >> 4 (unused for swizzled K-major; 16 by convention)
 //   bits 32-45  stride-dimension byte offset >> 4 = 1024 B: 8 rows x 128 B between core matrices
-//   bits 62-63  swizzle mode: 1 = 128 B
+//   bits 62-63  swizzle mode: 1 = 128 B (2 = 64 B, 3 = 32 B: wgmma_desc_mn_tail)
 // Successive K slices of 16 elements start 32 bytes further; the hardware applies the swizzle.
 //
 // Accumulator layout per thread (warp w of the warpgroup, lane l), for column block j (8 cols):
@@ -38,14 +38,17 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128_mn(const void* smem, uint32
 }
 
 // N-major B's last 16 or 32 columns (a step width's past its 64-wide chunks): one swizzle atom
-// wide - `row_bytes` 32 or 64, the 32- or 64-byte swizzle - its K rows back to back. Stride-
-// dimension offset: 8 K rows; leading-dimension offset unused (one atom along N). A k16 slice
-// starts 16 rows further.
-__device__ __forceinline__ uint64_t wgmma_desc_mn_tail(const void* smem, uint32_t row_bytes) {
+// wide - kRowBytes 32 or 64, the 32- or 64-byte swizzle (modes 3 and 2) - its K rows back to
+// back. Stride-dimension offset: 8 K rows. Leading-dimension offset: the stride between atoms
+// along N, which one atom never takes (set to the tail's 64 K rows). A k16 slice starts 16 rows
+// further.
+template <int kRowBytes>
+__device__ __forceinline__ uint64_t wgmma_desc_mn_tail(const void* smem) {
+  static_assert(kRowBytes == 32 || kRowBytes == 64, "a 16- or 32-column tail");
   const uint64_t addr = smem_addr(smem);
-  const uint64_t mode = row_bytes == 64 ? 2 : 3;  // 64- or 32-byte swizzle
-  return ((addr & 0x3FFFF) >> 4) | (uint64_t{(64 * row_bytes) >> 4} << 16) |
-         (uint64_t{(8 * row_bytes) >> 4} << 32) | (mode << 62);
+  constexpr uint64_t kMode = kRowBytes == 64 ? 2 : 3;
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t{(64 * kRowBytes) >> 4} << 16) |
+         (uint64_t{(8 * kRowBytes) >> 4} << 32) | (kMode << 62);
 }
 
 // Orders register accesses before the next wgmma reads or writes accumulators.
