@@ -50,6 +50,10 @@ struct Shape {
 // (bench_launch and bench_host.py time that side). The ops' replays run interleaved
 // (a b c a b c ...), so that clock and temperature drift during the run hits them alike.
 constexpr int kCalls = 10;
+
+// The widths between the multiples of 64 that B [K, N] takes too (gemm_internal.h's
+// kKnStepWidths: not 80 or 112).
+constexpr bool kn_step_width(int width) { return width % 64 != 0 && width != 80 && width != 112; }
 std::vector<double> median_ms(int iters, cudaStream_t s,
                               const std::vector<std::function<void(int)>>& ops) {
   const std::size_t n = ops.size();
@@ -291,7 +295,7 @@ int main(int argc, char** argv) {
         const bool steps = mk::gemm_plan(sh.m, sh.n, sh.k, base, layout).block_m == 128;
         for (int width : {64, 80, 96, 112, 128, 144, 160, 192, 224, 256}) {
           if (base.block_m == 192 && width > 128) continue;
-          if (width % 64 != 0 && (!steps || (kn && (width == 80 || width == 112)))) continue;
+          if (width % 64 != 0 && (!steps || (kn && !kn_step_width(width)))) continue;
           w.push_back(width);
           widths.push_back([&, width](int i) {
             mk::GemmConfig config = base;
@@ -352,10 +356,8 @@ int main(int argc, char** argv) {
           if ((height == 64 && sh.m > 1024) || (height == 192 && sh.m > 384)) continue;
           for (int width : {64, 80, 96, 112, 128, 144, 160, 192, 224, 256}) {
             if (height == 192 && width > 128) continue;
-            // 128 rows, K whole only; B [K, N] not at 80 or 112 (gemm_internal.h's
-            // kKnStepWidths)
-            const bool step = width % 64 != 0;
-            if (step && ((kn && (width == 80 || width == 112)) || height != 128)) continue;
+            const bool step = width % 64 != 0;  // 128 rows, K whole only
+            if (step && ((kn && !kn_step_width(width)) || height != 128)) continue;
             for (int pieces = 1; pieces <= (step || (height == 64 && sh.m > 256) ? 1 : 8);
                  ++pieces) {
               mk::GemmConfig config;

@@ -44,11 +44,15 @@ CUtensorMap gemm_engine::encode_map(const void* base, int rank, const cuuint64_t
   return map;
 }
 
-CUtensorMap gemm_engine::make_map(const void* base, int64_t rows, int64_t cols, int box_rows) {
+CUtensorMap gemm_engine::make_map(const void* base, int64_t rows, int64_t cols, int box_rows,
+                                  int box_cols) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
-  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
-  return encode_map(base, 2, dims, strides, box);
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  const CUtensorMapSwizzle swizzle = box_cols == 64   ? CU_TENSOR_MAP_SWIZZLE_128B
+                                     : box_cols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                      : CU_TENSOR_MAP_SWIZZLE_32B;
+  return encode_map(base, 2, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, swizzle);
 }
 
 CUtensorMap gemm_engine::make_map_fp32(void* base, int64_t rows, int64_t cols, int box_rows) {
@@ -83,14 +87,6 @@ CUtensorMap gemm_engine::make_b_map(const void* b, int64_t n, int64_t k, int blo
   return k_major_rows ? make_map(b, k, n, 64) : make_map(b, n, k, block_n);
 }
 
-CUtensorMap gemm_engine::make_b_tail_map(const void* b, int64_t n, int64_t k, int cols) {
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(n), static_cast<cuuint64_t>(k)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(n) * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(cols), 64};
-  return encode_map(b, 2, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                    cols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B);
-}
-
 static_assert(gemm_engine::kMaxSplit == gemm_engine::SplitSchedule::kMaxPieces);
 // device_clusters measures the cluster capacity once, with the 128-row split kernel, for every
 // tile shape: true while each of them holds an SM alone (more than half its shared memory).
@@ -123,19 +119,18 @@ void launch(const void* a, const void* b, void* c, int64_t m, int64_t n, int64_t
     throw Error(ErrorCode::kInternal,
                 "gemm: a split plan the kernel cannot run: " + plan.describe());
   }
-  const Fusion fusion{make_map(a, m, k, kBlockM),
-                      make_map(c, m, n, 64),
-                      {static_cast<int>((m + kBlockM - 1) / kBlockM),
-                       static_cast<int>((n + kBlockN - 1) / kBlockN)},
-                      static_cast<int>(n),
-                      make_map(a, m, k, last_rows),
-                      last_rows,
-                      static_cast<int>(m),
-                      split,
-                      // B [K, N] at a step width: its last 16 or 32 columns
-                      kTransB && kBlockN % 64 != 0
-                          ? gemm_engine::make_b_tail_map(b, n, k, kBlockN % 64)
-                          : CUtensorMap{}};
+  const Fusion fusion{
+      make_map(a, m, k, kBlockM),
+      make_map(c, m, n, 64),
+      {static_cast<int>((m + kBlockM - 1) / kBlockM),
+       static_cast<int>((n + kBlockN - 1) / kBlockN)},
+      static_cast<int>(n),
+      make_map(a, m, k, last_rows),
+      last_rows,
+      static_cast<int>(m),
+      split,
+      // B [K, N] at a step width: its last 16 or 32 columns
+      kTransB && kBlockN % 64 != 0 ? make_map(b, k, n, 64, kBlockN % 64) : CUtensorMap{}};
   gemm_engine::launch<kBlockN, kTransB, Fusion, kBlockM>(
       fusion, gemm_engine::make_b_map(b, n, k, kBlockN, kTransB), k, plan.ctas, stream, kOp,
       kSplitK ? plan.split_k : 1);

@@ -24,9 +24,10 @@ CUtensorMap encode_map(const void* base, int rank, const cuuint64_t* dims,
                        const cuuint64_t* strides, const cuuint32_t* box,
                        CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                        CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B);
-// 2-D tensor map over a row-major [rows, cols] bf16 matrix, boxes of [box_rows, 64 cols] with
-// 128-byte swizzling; out-of-bounds reads as zero, out-of-bounds writes are dropped.
-CUtensorMap make_map(const void* base, int64_t rows, int64_t cols, int box_rows);
+// 2-D tensor map over a row-major [rows, cols] bf16 matrix, boxes of [box_rows, box_cols] swizzled
+// at their width: 64 cols 128 bytes; 32 or 16 (B [K, N]'s last columns at a step width, as
+// wgmma_desc_mn_tail reads them) 64 or 32 bytes. Out-of-bounds reads as zero, writes are dropped.
+CUtensorMap make_map(const void* base, int64_t rows, int64_t cols, int box_rows, int box_cols = 64);
 // fp32 [rows, cols] row-major, boxes of [box_rows, 32 cols] (128 bytes), 128-byte swizzle.
 CUtensorMap make_map_fp32(void* base, int64_t rows, int64_t cols, int box_rows);
 // A bf16 [rows, cols] row-major matrix (cols a multiple of 8) seen as fp32 row pairs: row pair p,
@@ -38,9 +39,6 @@ CUtensorMap make_map_3d(const void* base, int64_t batches, int64_t rows, int64_t
                         int box_rows);
 // B's map: [N, K] row-major (k_major_rows false) or [K, N] row-major (true).
 CUtensorMap make_b_map(const void* b, int64_t n, int64_t k, int block_n, bool k_major_rows);
-// B [K, N]'s last `cols` (16 or 32) columns of a step-width tile: boxes of 64 K rows x `cols`,
-// swizzled at their width (32 or 64 bytes), as wgmma_desc_mn_tail reads them.
-CUtensorMap make_b_tail_map(const void* b, int64_t n, int64_t k, int cols);
 // `p` is device memory of `device` (aligned to `alignment` bytes), else mk::Error naming `op`
 // and `name`.
 void require_device_pointer(const void* p, const char* op, const char* name, int device,
@@ -66,23 +64,20 @@ ClusterCtas even_clusters(int sms);
 // 128-row tiles and K whole, where the last wave of a multiple of 64 would leave SMs idle (e.g.
 // 640 x 2048: 130 tiles 80 wide, one wave, against 80 128 wide on 132 SMs).
 inline constexpr int kStepWidths[] = {80, 96, 112, 144, 160, 224};
-constexpr bool is_step_width(int block_n) {
-  for (int w : kStepWidths) {
+template <std::size_t kCount>
+constexpr bool is_one_of(const int (&widths)[kCount], int block_n) {
+  for (int w : widths) {
     if (w == block_n) return true;
   }
   return false;
 }
+constexpr bool is_step_width(int block_n) { return is_one_of(kStepWidths, block_n); }
 // Those that B [K, N] takes too: past its 64-column boxes a last 16 or 32 columns, one box of
-// their own with the swizzle of their width (make_b_tail_map) and a wgmma of their own. Not 112
+// their own with the swizzle of their width (make_map's box_cols) and a wgmma of their own. Not 112
 // (its 48 would take two) nor 80: its 16-column wgmma is a fifth of the tile, and 128 x 80 ran
 // 1.17x the four widths' plan at 640 x 2048 x 7168 (H100, 2026-12-07; 144's 16 are a ninth).
 inline constexpr int kKnStepWidths[] = {96, 144, 160, 224};
-constexpr bool is_kn_step_width(int block_n) {
-  for (int w : kKnStepWidths) {
-    if (w == block_n) return true;
-  }
-  return false;
-}
+constexpr bool is_kn_step_width(int block_n) { return is_one_of(kKnStepWidths, block_n); }
 
 // gemm()'s plan on `sms` CTAs (`clusters`: how many of them run in clusters of p) for B in
 // `b_layout`: the requested height (0: the library's), width (0: any) and split (0: any, 1:

@@ -627,7 +627,7 @@ struct PlainGemm {
   int m;                // C's rows
   SplitSchedule split;  // split K; its `out` is C, where a step width's last columns go too
   CUtensorMap b_tail;   // B [K, N] at a step width: boxes of 64 K rows x its last 16 or 32
-                        // columns (make_b_tail_map); unused otherwise
+                        // columns (make_map with box_cols 16 or 32); unused otherwise
 
   __device__ int num_tiles() const {
     return kSplitK ? split.items(raster.num_tiles()) : raster.num_tiles();
