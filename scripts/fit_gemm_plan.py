@@ -32,7 +32,7 @@ STEP_WIDTHS = (80, 96, 112, 144, 160, 224)  # gemm_internal.h's kStepWidths
 # plan.cpp's constants.
 PLAN_CPP = dict(wgmma=5.5e12, l2=15e12, l2_cta=110e9, hbm=3.75e12, hbm_cta_64=35e9,
                 hbm_cta=72e9, cluster_s=2.8e-6, peer_bytes=26e9, launch_s=1.4e-6,
-                eff_64=0.77, eff_128=0.95, eff_192=0.97, rows64=0.85)
+                eff_64=0.77, eff_128=0.95, eff_192=0.97, rows64=0.86)
 BOUNDS = dict(wgmma=(3e12, 8e12), l2=(5e12, 20e12), l2_cta=(40e9, 300e9), hbm=(2.5e12, 4.8e12),
               hbm_cta_64=(10e9, 80e9), hbm_cta=(10e9, 80e9), cluster_s=(0, 5e-6),
               peer_bytes=(5e9, 200e9), launch_s=(0, 6e-6), eff_64=(0.5, 1.05),

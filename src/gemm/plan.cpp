@@ -29,8 +29,10 @@
 // both cards' data lost 0.5% there instead of 0.9%, but moved most constants far - a CTA's L2
 // rate 110 -> 166 GB/s, the split's peer bytes 26 -> 12 GB/s, 192 wide above 256's rate - on
 // H200 data with no 64-row tiles past M 128 to check them against: not taken.) The plans lose
-// 0.9% against the fastest candidate there (1.8% before); the 14 sweep points (both layouts)
-// whose plan changed ran 3-14% faster on the H100 (docs/PERFORMANCE.md, 2026-12-07).
+// 0.7% against the fastest candidate there (1.8% before); the 14 sweep points (both layouts)
+// whose plan changed at 0.85 ran 3-14% faster on the H100 (docs/PERFORMANCE.md, 2026-12-07), and
+// 0.86 (the scores of 256 x 4096 x 14336 were a near-tie: 54.29 against 54.26) moved that shape
+// alone, of the sweep's and both cards' candidates', to 64 x 128 whole: 0.81-0.85x its time.
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -63,7 +65,7 @@ constexpr double kStepGain = 1.05;
 // 64-row tiles (one consumer warpgroup) past M 64: their wgmma rate against the taller tiles' at
 // the same width (at M <= 64, where only 64-row plans are weighed, the rates fitted there stand),
 // and the M up to which they are weighed against them (K whole).
-constexpr double kShortTileRate = 0.85;
+constexpr double kShortTileRate = 0.86;
 constexpr int64_t kShortTilesMaxM = 512;
 
 // HBM bytes per second one CTA pulls with its ring of stages: the 64-wide tile's stages hold

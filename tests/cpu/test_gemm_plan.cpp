@@ -247,23 +247,23 @@ Judged judge(const std::string& file, std::size_t shapes_expected, bool step_wid
 // (scripts/fit_gemm_plan.py): 0.5% geomean over the fastest then, at most 5.4% on a shape. A
 // change to the model that chooses worse on measured data fails here. Planned with the four
 // widths only: the data has no step-width plans. It has no 64-row tiles past M 128 either: the
-// six shapes where the plan now takes them (M 192-512 at N 2048, 7168 and 8192; measured faster
-// on the H100, the test below) are not judged.
+// seven shapes where the plan now takes them (M 192-512 at N 2048, 7168 and 8192, and 256 x 4096
+// x 14336; measured faster on the H100, the test below) are not judged.
 TEST(GemmPlan, LosesLittleAgainstTheH200Candidates) {
   const Judged j = judge("gemm_candidates-h200.csv", 84, false, false);
   EXPECT_LE(j.loss, 1.006) << "geomean of the plans' times over the fastest measured";
   EXPECT_LE(j.worst, 1.06) << "the worst shape's plan over its fastest measured";
-  EXPECT_LE(j.untimed, 6);
+  EXPECT_LE(j.untimed, 7);
 }
 
 // The H100's candidates (74 shapes: M 1-2048 of 2026-12-06, M 128-2048 with 64-row tiles up to
-// M 1024 and the step widths of 2026-12-07), B [N, K]: every plan is a candidate; 0.9% geomean
-// over the fastest (1.8% before 64-row tiles were weighed past M 64), at most 21% on a shape
-// (256 x 4096 x 14336: the model's split of 128 x 128 against 64 x 128 whole).
+// M 1024 and the step widths of 2026-12-07), B [N, K]: every plan is a candidate; 0.7% geomean
+// over the fastest (1.8% before 64-row tiles were weighed past M 64), at most 6.5% on a shape
+// (1536 x 28672 x 8192: 128 x 192 against 128 x 128, at the power limit).
 TEST(GemmPlan, LosesLittleAgainstTheH100Candidates) {
   const Judged j = judge("gemm_candidates-h100.csv", 74, true, true);
-  EXPECT_LE(j.loss, 1.010) << "geomean of the plans' times over the fastest measured";
-  EXPECT_LE(j.worst, 1.21) << "the worst shape's plan over its fastest measured";
+  EXPECT_LE(j.loss, 1.007) << "geomean of the plans' times over the fastest measured";
+  EXPECT_LE(j.worst, 1.07) << "the worst shape's plan over its fastest measured";
   EXPECT_EQ(j.untimed, 0);
 }
 
