@@ -24,21 +24,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <vector>
 
+#include "bench_check.h"
+#include "gemm/gemm_internal.h"
 #include "mkernel/device/cluster.cuh"
 #include "mkernel/device/mbarrier.cuh"
 #include "mkernel/device/tma.cuh"
-
-#define CK(call)                                                                         \
-  do {                                                                                   \
-    cudaError_t err_ = (call);                                                           \
-    if (err_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 namespace {
 
@@ -158,39 +150,6 @@ __global__ void __launch_bounds__(64)
   if (p.cluster > 1) mk::dev::cluster_sync();  // no CTA leaves while a peer may still write to it
 }
 
-using EncodeTiled = decltype(&cuTensorMapEncodeTiled);
-
-EncodeTiled encode_fn() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult status;
-  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                      &status));
-  if (status != cudaDriverEntryPointSuccess || fn == nullptr) {
-    std::fprintf(stderr, "no cuTensorMapEncodeTiled\n");
-    std::exit(1);
-  }
-  return reinterpret_cast<EncodeTiled>(fn);
-}
-
-// [rows, cols] bf16, row-major with rows `stride` elements apart; boxes of box_rows x 64 with the
-// 128-byte swizzle (the engine's).
-CUtensorMap make_map(void* ptr, int64_t rows, int64_t cols, int64_t stride, int box_rows) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
-  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t elem[2] = {1, 1};
-  const CUresult r =
-      encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, ptr, dims, strides, box, elem,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    std::fprintf(stderr, "cuTensorMapEncodeTiled failed (%d)\n", static_cast<int>(r));
-    std::exit(1);
-  }
-  return map;
-}
-
 struct Config {
   int64_t m, n, k;
   int bm, bn, cluster, stages, delay;
@@ -215,8 +174,8 @@ void run(const Config& c, int iters, uint16_t* a, uint16_t* b, unsigned* mismatc
   const int ctas = tiles_m * tiles_n;
   const int stage_bytes = (c.bm + c.bn) * kRowBytes;
   const int smem = c.stages * stage_bytes + 2 * c.stages * 8 + 1024;
-  const CUtensorMap map_a = make_map(a, c.m, c.k, c.k, c.bm / c.cluster);
-  const CUtensorMap map_b = make_map(b, c.n, c.k, c.k, c.bn);
+  const CUtensorMap map_a = mk::gemm_engine::make_map(a, c.m, c.k, c.bm / c.cluster);
+  const CUtensorMap map_b = mk::gemm_engine::make_map(b, c.n, c.k, c.bn);
   const Params p{c.bm,    c.bn,    c.cluster, c.stages,   static_cast<int>(c.k / 64),
                  tiles_n, c.delay, c.flags,   mismatches, mismatches_clocks(mismatches)};
   CK(cudaFuncSetAttribute(ingest_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));

@@ -985,13 +985,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int kk = 0; kk < Cfg::kBlockK / 16; ++kk) {
           const uint64_t da = dev::wgmma_desc_sw128(stage_a(s) + consumer * 64 * 128 + kk * 32);
           const bool accumulate = kb > kb_begin || kk > 0;
+          const uint64_t db =
+              kTransB ? dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes)
+                      : dev::wgmma_desc_sw128(stage_b(s) + kk * 32);
           if constexpr (kTransB && Cfg::kBlockN % 64 != 0) {
             // B [K, N] at a step width: the 64-wide chunks, then the last 16 or 32 columns
             // (their own swizzle) into the accumulators that follow - the fragment of an
             // N-wide wgmma is its 8-column blocks in order, so the two are one tile's.
             constexpr int kMain = Cfg::kBlockN / 64 * 64, kTail = Cfg::kBlockN - kMain;
             static_assert(kTail == 16 || kTail == 32, "B [K, N]: a 16- or 32-column tail");
-            const uint64_t db = dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes);
             const uint64_t dt = dev::wgmma_desc_mn_tail<2 * kTail>(
                 stage_b(s) + kMain / 64 * kMnBoxBytes + kk * 16 * (2 * kTail));
             dev::wgmma_bf16<kMain, true>(*reinterpret_cast<float(*)[kMain / 2]>(&acc[0]), da, db,
@@ -999,9 +1001,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             dev::wgmma_bf16<kTail, true>(*reinterpret_cast<float(*)[kTail / 2]>(&acc[kMain / 2]),
                                          da, dt, accumulate);
           } else {
-            const uint64_t db =
-                kTransB ? dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes)
-                        : dev::wgmma_desc_sw128(stage_b(s) + kk * 32);
             dev::wgmma_bf16<Cfg::kBlockN, kTransB>(acc, da, db, accumulate);
           }
         }
