@@ -15,7 +15,9 @@
 // it prints the median's us per launch, GB/s landed in each SM's shared memory, TB/s read from
 // L2 (A's bytes once per cluster), CTA 0's SM clock, and whether every stage held its tile's
 // rows. Flags: the consumer reading nothing of the stage (1), polling test_wait instead of
-// sleeping in try_wait (2) - its own share of a k-block's time.
+// sleeping in try_wait (2) - its own share of a k-block's time - and the consumer's release
+// spread over its warp, lane r arriving on CTA r's barrier, as CUTLASS's clustered pipelines
+// release (4), instead of one thread arriving on each CTA in turn.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -35,11 +37,12 @@
 namespace {
 
 constexpr int kRowBytes = 128;  // a k-block row: 64 bf16
-constexpr int kNoCheck = 1, kSpin = 2;
+constexpr int kNoCheck = 1, kSpin = 2, kSpread = 4;
 
 struct Params {
   int bm, bn, cluster, stages, k_blocks, tiles_n, delay;
-  int flags;  // kNoCheck: the consumer reads nothing; kSpin: it polls test_wait, not try_wait
+  int flags;  // kNoCheck: the consumer reads nothing; kSpin: it polls test_wait, not try_wait;
+              // kSpread: the consumer's warp releases, a lane a CTA
   unsigned* mismatches;
   unsigned long long* clocks;  // CTA 0's last launch: SM cycles and nanoseconds, start to end
 };
@@ -111,37 +114,49 @@ __global__ void __launch_bounds__(64)
       }
       mk::dev::tma_load_2d(a + a_bytes, &map_b, &full[s], kb * 64, n * p.bn);
     }
-  } else if (threadIdx.x == 32) {  // consumer
+  } else if (threadIdx.x == 32 || (threadIdx.x > 32 && (p.flags & kSpread))) {  // consumer
+    const int lane = threadIdx.x - 32;  // lane 0 waits, reads and spins; kSpread: all release
     unsigned bad = 0;
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       const int s = kb % p.stages;
-      if (p.flags & kSpin) {
-        while (!mk::dev::mbarrier_test(&full[s], (kb / p.stages) & 1)) {
+      if (lane == 0) {
+        if (p.flags & kSpin) {
+          while (!mk::dev::mbarrier_test(&full[s], (kb / p.stages) & 1)) {
+          }
+        } else {
+          mk::dev::mbarrier_wait(&full[s], (kb / p.stages) & 1);
         }
-      } else {
-        mk::dev::mbarrier_wait(&full[s], (kb / p.stages) & 1);
       }
       // The first 16 bytes of each part's first row (row 0 of a 128-byte swizzle atom is not
       // permuted): A's columns kb * 64 .. + 7 of that row.
       const uint8_t* a = smem + s * stage_bytes;
-      for (int r = 0; r < p.cluster && !(p.flags & kNoCheck); ++r) {
+      for (int r = 0; r < p.cluster && lane == 0 && !(p.flags & kNoCheck); ++r) {
         const uint16_t* got = reinterpret_cast<const uint16_t*>(a + r * part_rows * kRowBytes);
         const int64_t row = static_cast<int64_t>(m) * p.bm + r * part_rows;
         for (int j = 0; j < 8; ++j) bad += got[j] != a_value(row, kb * 64 + j);
       }
-      if (p.delay > 0) {
+      if (p.delay > 0 && lane == 0) {
         const long long until = clock64() + p.delay;
         while (clock64() < until) {
         }
       }
-      if (p.cluster == 1) {
+      if (p.flags & kSpread) {
+        __syncwarp();  // lane 0's reads of the stage come before every lane's release
+        if (lane < p.cluster) {
+          if (p.cluster == 1) {
+            mk::dev::mbarrier_arrive(&empty[s]);
+          } else {
+            arrive_remote(mk::dev::peer_smem_addr(&empty[s], lane));
+          }
+        }
+      } else if (p.cluster == 1) {
         mk::dev::mbarrier_arrive(&empty[s]);
       } else {
         for (int r = 0; r < p.cluster; ++r) arrive_remote(mk::dev::peer_smem_addr(&empty[s], r));
       }
     }
     if (bad) atomicAdd(p.mismatches, bad);
-    if (blockIdx.x == 0) {
+    if (blockIdx.x == 0 && lane == 0) {
       p.clocks[0] = clock64() - clock0;
       p.clocks[1] = globaltimer() - time0;
     }
@@ -269,6 +284,12 @@ int main(int argc, char** argv) {
   for (int flags : {kNoCheck, kNoCheck | kSpin}) {
     for (int cl : {1, 4}) configs.push_back({192, 2048, 7168, 64, 64, cl, fill(64, 64), 0, flags});
   }
+  // The release spread over the consumer's warp (CUTLASS's), at the cases above that lost most.
+  for (int cl : {2, 4}) {
+    configs.push_back({192, 2048, 7168, 64, 64, cl, fill(64, 64), 0, kSpread});
+    configs.push_back({192, 2048, 7168, 64, 64, cl, fill(64, 64), 0, kNoCheck | kSpin | kSpread});
+  }
+  configs.push_back({512, 2048, 7168, 128, 64, 2, fill(128, 64), 256, kSpread});
   for (const Config& c : configs) run(c, iters, a, b, mismatches);
   CK(cudaFree(a));
   CK(cudaFree(b));
