@@ -17,7 +17,10 @@
 // rows. Flags: the consumer reading nothing of the stage (1), polling test_wait instead of
 // sleeping in try_wait (2) - its own share of a k-block's time - and the consumer's release
 // spread over its warp, lane r arriving on CTA r's barrier, as CUTLASS's clustered pipelines
-// release (4), instead of one thread arriving on each CTA in turn.
+// release (4), instead of one thread arriving on each CTA in turn. Two more take the cluster
+// apart: each CTA loads all of its A itself while its stages still wait for every CTA's release
+// (8: the coupling without the multicast), or with local releases only (16: the cluster's
+// launch alone).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -37,12 +40,13 @@
 namespace {
 
 constexpr int kRowBytes = 128;  // a k-block row: 64 bf16
-constexpr int kNoCheck = 1, kSpin = 2, kSpread = 4;
+constexpr int kNoCheck = 1, kSpin = 2, kSpread = 4, kOwnA = 8, kUncoupled = 16;
 
 struct Params {
   int bm, bn, cluster, stages, k_blocks, tiles_n, delay;
   int flags;  // kNoCheck: the consumer reads nothing; kSpin: it polls test_wait, not try_wait;
-              // kSpread: the consumer's warp releases, a lane a CTA
+              // kSpread: the consumer's warp releases, a lane a CTA; kOwnA: no multicast, each
+              // CTA loads its A; kUncoupled: kOwnA and each CTA releases only its own stage
   unsigned* mismatches;
   unsigned long long* clocks;  // CTA 0's last launch: SM cycles and nanoseconds, start to end
 };
@@ -86,13 +90,15 @@ __global__ void __launch_bounds__(64)
   const uint32_t rank = p.cluster > 1 ? mk::dev::cluster_rank() : 0;
   const int tile = blockIdx.x, m = tile / p.tiles_n, n = tile % p.tiles_n;
   const int part_rows = p.bm / p.cluster;
+  const bool own_a = p.cluster == 1 || (p.flags & (kOwnA | kUncoupled));
+  const bool coupled = p.cluster > 1 && !(p.flags & kUncoupled);
   const long long clock0 = clock64();
   const unsigned long long time0 = globaltimer();
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mk::dev::mbarrier_init(&full[s], 1);
-      mk::dev::mbarrier_init(&empty[s], p.cluster);  // one release from each CTA's consumer
+      mk::dev::mbarrier_init(&empty[s], coupled ? p.cluster : 1);  // each CTA's release
     }
     mk::dev::mbarrier_init_fence();
   }
@@ -105,8 +111,11 @@ __global__ void __launch_bounds__(64)
       if (kb >= p.stages) mk::dev::mbarrier_wait(&empty[s], ((kb / p.stages) - 1) & 1);
       uint8_t* a = smem + s * stage_bytes;
       mk::dev::mbarrier_arrive_expect_tx(&full[s], stage_bytes);
-      if (p.cluster == 1) {
-        mk::dev::tma_load_2d(a, &map_a, &full[s], kb * 64, m * p.bm);
+      if (own_a) {  // A's box is a part's rows: all c parts, into this CTA only
+        for (int r = 0; r < p.cluster; ++r) {
+          mk::dev::tma_load_2d(a + r * part_rows * kRowBytes, &map_a, &full[s], kb * 64,
+                               m * p.bm + r * part_rows);
+        }
       } else {
         tma_load_2d_multicast(a + rank * part_rows * kRowBytes, &map_a, &full[s], kb * 64,
                               m * p.bm + rank * part_rows,
@@ -142,14 +151,14 @@ __global__ void __launch_bounds__(64)
       }
       if (p.flags & kSpread) {
         __syncwarp();  // lane 0's reads of the stage come before every lane's release
-        if (lane < p.cluster) {
-          if (p.cluster == 1) {
+        if (lane < (coupled ? p.cluster : 1)) {
+          if (!coupled) {
             mk::dev::mbarrier_arrive(&empty[s]);
           } else {
             arrive_remote(mk::dev::peer_smem_addr(&empty[s], lane));
           }
         }
-      } else if (p.cluster == 1) {
+      } else if (!coupled) {
         mk::dev::mbarrier_arrive(&empty[s]);
       } else {
         for (int r = 0; r < p.cluster; ++r) arrive_remote(mk::dev::peer_smem_addr(&empty[s], r));
@@ -228,8 +237,9 @@ void run(const Config& c, int iters, uint16_t* a, uint16_t* b, unsigned* mismatc
   unsigned bad = 0;
   CK(cudaMemcpy(&bad, mismatches, sizeof bad, cudaMemcpyDeviceToHost));
   const double landed = static_cast<double>(c.k / 64) * stage_bytes;  // a CTA's
+  const bool multicast = c.cluster > 1 && !(c.flags & (kOwnA | kUncoupled));
   const double l2 = static_cast<double>(ctas) * (c.k / 64) *
-                    (static_cast<double>(c.bm) / c.cluster + c.bn) * kRowBytes;
+                    (static_cast<double>(c.bm) / (multicast ? c.cluster : 1) + c.bn) * kRowBytes;
   std::printf(
       "%5lldx%5lldx%5lld  tile %3dx%3d  cluster %d  stages %2d  delay %4d  flags %d  ctas %3d: "
       "%7.1f us  %6.1f GB/s an SM  %5.2f TB/s from L2  SM %4.0f MHz  %s\n",
@@ -290,6 +300,12 @@ int main(int argc, char** argv) {
     configs.push_back({192, 2048, 7168, 64, 64, cl, fill(64, 64), 0, kNoCheck | kSpin | kSpread});
   }
   configs.push_back({512, 2048, 7168, 128, 64, 2, fill(128, 64), 256, kSpread});
+  // The cluster taken apart: its launch alone, then the coupling without the multicast.
+  for (int cl : {2, 4}) {
+    for (int flags : {kUncoupled, kOwnA}) {
+      configs.push_back({192, 2048, 7168, 64, 64, cl, fill(64, 64), 0, flags});
+    }
+  }
   for (const Config& c : configs) run(c, iters, a, b, mismatches);
   CK(cudaFree(a));
   CK(cudaFree(b));
