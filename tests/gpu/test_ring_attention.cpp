@@ -342,9 +342,12 @@ void replay_with_new_inputs(int world, const CommOptions& options) {
               cudaMemcpyAsync(eager.v, mine.v, mine.kv_count * 2, cudaMemcpyDeviceToDevice, s);
               eager.run(comm, c, ws.data(), s);
               comm.synchronize(s);
+              // Read back on this rank's stream, not the legacy one: a peer may already have
+              // queued its next replay, whose kernels wait for this rank (communicator.h).
               std::vector<char> a(mine.q_count * 2), b(a.size());
-              MKT_CUDA(cudaMemcpy(a.data(), mine.o, a.size(), cudaMemcpyDeviceToHost));
-              MKT_CUDA(cudaMemcpy(b.data(), eager.o, b.size(), cudaMemcpyDeviceToHost));
+              MKT_CUDA(cudaMemcpyAsync(a.data(), mine.o, a.size(), cudaMemcpyDeviceToHost, s));
+              MKT_CUDA(cudaMemcpyAsync(b.data(), eager.o, b.size(), cudaMemcpyDeviceToHost, s));
+              MKT_CUDA(cudaStreamSynchronize(s));
               mismatches += a != b;
             }
           }
