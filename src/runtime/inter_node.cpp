@@ -1,6 +1,7 @@
 #include "runtime/inter_node.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <utility>
 
 #include "runtime/text_util.h"
@@ -54,11 +55,13 @@ InterNode::InterNode(Bootstrap& bootstrap, const Topology& topo, InterNodeConfig
 
 InterNode::~InterNode() {
   // What was pushed still goes out (a peer may be waiting for it); a failed path or a full
-  // time-out ends the wait - destructors report nothing.
+  // time-out ends the wait. Destructors throw nothing, but a time-out here has held the caller
+  // for the whole limit, so it is said on stderr (what was left, on which ring).
   if (proxy_) {
     try {
       if (!failed()) proxy_->drain(config_.timeout_seconds);
-    } catch (const Error&) {
+    } catch (const Error& e) {
+      std::fprintf(stderr, "[mkernel] inter-node teardown gave up: %s\n", e.what());
     }
     proxy_->stop();
   }
