@@ -72,6 +72,11 @@ __device__ __forceinline__ void arrive_remote(uint32_t cluster_addr) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
 }
 
+// Whether the cluster's CTAs share A by multicast (else each loads all of its A itself).
+__host__ __device__ constexpr bool multicasts(int cluster, int flags) {
+  return cluster > 1 && !(flags & (kOwnA | kUncoupled));
+}
+
 // The value the host wrote at (row, col) of A (raw 16-bit patterns; nothing is multiplied).
 __host__ __device__ inline uint16_t a_value(int64_t row, int64_t col) {
   return static_cast<uint16_t>((row * 131 + col * 7) & 0x7fff);
@@ -90,15 +95,16 @@ __global__ void __launch_bounds__(64)
   const uint32_t rank = p.cluster > 1 ? mk::dev::cluster_rank() : 0;
   const int tile = blockIdx.x, m = tile / p.tiles_n, n = tile % p.tiles_n;
   const int part_rows = p.bm / p.cluster;
-  const bool own_a = p.cluster == 1 || (p.flags & (kOwnA | kUncoupled));
+  // A stage is refilled once `releases` consumers released it: every CTA's when coupled.
   const bool coupled = p.cluster > 1 && !(p.flags & kUncoupled);
+  const int releases = coupled ? p.cluster : 1;
   const long long clock0 = clock64();
   const unsigned long long time0 = globaltimer();
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mk::dev::mbarrier_init(&full[s], 1);
-      mk::dev::mbarrier_init(&empty[s], coupled ? p.cluster : 1);  // each CTA's release
+      mk::dev::mbarrier_init(&empty[s], releases);
     }
     mk::dev::mbarrier_init_fence();
   }
@@ -111,7 +117,8 @@ __global__ void __launch_bounds__(64)
       if (kb >= p.stages) mk::dev::mbarrier_wait(&empty[s], ((kb / p.stages) - 1) & 1);
       uint8_t* a = smem + s * stage_bytes;
       mk::dev::mbarrier_arrive_expect_tx(&full[s], stage_bytes);
-      if (own_a) {  // A's box is a part's rows: all c parts, into this CTA only
+      // A's box is a part's rows: without multicast all c parts, into this CTA only.
+      if (!multicasts(p.cluster, p.flags)) {
         for (int r = 0; r < p.cluster; ++r) {
           mk::dev::tma_load_2d(a + r * part_rows * kRowBytes, &map_a, &full[s], kb * 64,
                                m * p.bm + r * part_rows);
@@ -149,19 +156,18 @@ __global__ void __launch_bounds__(64)
         while (clock64() < until) {
         }
       }
+      const auto release = [&](int r) {  // stage s of CTA r (this CTA's when not coupled)
+        if (coupled) {
+          arrive_remote(mk::dev::peer_smem_addr(&empty[s], r));
+        } else {
+          mk::dev::mbarrier_arrive(&empty[s]);
+        }
+      };
       if (p.flags & kSpread) {
         __syncwarp();  // lane 0's reads of the stage come before every lane's release
-        if (lane < (coupled ? p.cluster : 1)) {
-          if (!coupled) {
-            mk::dev::mbarrier_arrive(&empty[s]);
-          } else {
-            arrive_remote(mk::dev::peer_smem_addr(&empty[s], lane));
-          }
-        }
-      } else if (!coupled) {
-        mk::dev::mbarrier_arrive(&empty[s]);
+        if (lane < releases) release(lane);
       } else {
-        for (int r = 0; r < p.cluster; ++r) arrive_remote(mk::dev::peer_smem_addr(&empty[s], r));
+        for (int r = 0; r < releases; ++r) release(r);
       }
     }
     if (bad) atomicAdd(p.mismatches, bad);
@@ -237,9 +243,10 @@ void run(const Config& c, int iters, uint16_t* a, uint16_t* b, unsigned* mismatc
   unsigned bad = 0;
   CK(cudaMemcpy(&bad, mismatches, sizeof bad, cudaMemcpyDeviceToHost));
   const double landed = static_cast<double>(c.k / 64) * stage_bytes;  // a CTA's
-  const bool multicast = c.cluster > 1 && !(c.flags & (kOwnA | kUncoupled));
-  const double l2 = static_cast<double>(ctas) * (c.k / 64) *
-                    (static_cast<double>(c.bm) / (multicast ? c.cluster : 1) + c.bn) * kRowBytes;
+  const double l2 =
+      static_cast<double>(ctas) * (c.k / 64) *
+      (static_cast<double>(c.bm) / (multicasts(c.cluster, c.flags) ? c.cluster : 1) + c.bn) *
+      kRowBytes;
   std::printf(
       "%5lldx%5lldx%5lld  tile %3dx%3d  cluster %d  stages %2d  delay %4d  flags %d  ctas %3d: "
       "%7.1f us  %6.1f GB/s an SM  %5.2f TB/s from L2  SM %4.0f MHz  %s\n",
