@@ -181,7 +181,7 @@ template <int kHeadDim, bool kOneRound>
 void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor& q,
             const attention_host::Strides& sq, const NodeLaunch& nl, void* o, float* lse,
             void* workspace, const SymmetricRange& ws, const Layout& l, int ctas,
-            cudaStream_t stream) {
+            cudaStream_t stream, bool zero_counters = true) {
   if (kOneRound && (l.rounds != 1 || nl.carry_first || nl.carry_last)) {
     throw Error(ErrorCode::kInternal, std::string(kOp) + ": a one-round kernel for " +
                                           std::to_string(l.rounds) + " rounds or a carried state");
@@ -249,8 +249,11 @@ void launch(Communicator& comm, const AttentionProblem& p, const AttentionTensor
   policy.signature = dev::entry_signature(
       EntryOp::kRingAttention,
       {p.batch, p.seq_q, p.seq_kv, p.heads, p.kv_heads, p.head_dim, p.causal ? 1 : 0});
-  // The counters start at zero (a memset node in a captured graph).
-  MK_CUDA_CHECK(cudaMemsetAsync(base + l.counters, 0, l.counters_bytes(), stream));
+  // The counters start at zero (a memset node in a captured graph; across nodes the caller's
+  // copy_chunk_kernel zeroes them instead).
+  if (zero_counters) {
+    MK_CUDA_CHECK(cudaMemsetAsync(base + l.counters, 0, l.counters_bytes(), stream));
+  }
   auto kernel = attention_host::prepared<C, Policy<kHeadDim, kOneRound>>();
   kernel<<<ctas, C::kThreads, C::kSmemBytes, stream>>>(policy, attention_host::scale_log2(p));
   const cudaError_t err = cudaGetLastError();
@@ -307,6 +310,20 @@ void launch_nodes(Communicator& comm, const AttentionProblem& p, const Attention
   // The held chunk's strides: contiguous [B, S, H_kv, D].
   const attention_host::Strides sh{p.seq_kv * p.kv_heads * p.head_dim, p.kv_heads * p.head_dim,
                                    p.head_dim};
+  // The copies and the counters' zeroing as kernels on the stream (ring_nodes.cuh's header: a
+  // stream copy or memset can queue behind a peer's that waits for this rank).
+  auto* counters =
+      reinterpret_cast<unsigned long long*>(static_cast<uint8_t*>(workspace) + l.counters);
+  const int64_t words = static_cast<int64_t>(l.counters_bytes() / 8);
+  const auto copy = [&](void* dst, const void* src, uint64_t n, bool zero) {
+    const int64_t vectors = static_cast<int64_t>(n / 16);
+    const int64_t work = std::max<int64_t>(vectors, zero ? words : 0);
+    const int blocks = static_cast<int>(std::clamp<int64_t>((work + 255) / 256, 1, 1024));
+    attention_engine::copy_chunk_kernel<<<blocks, 256, 0, stream>>>(
+        static_cast<uint4*>(dst), static_cast<const uint4*>(src), vectors,
+        zero ? counters : nullptr, zero ? words : 0);
+    launch_check();
+  };
   for (int i = 0; i < nodes; ++i) {
     NodeLaunch nl{k.data, v.data, sk, (node + nodes - i) % nodes, i > 0, i < nodes - 1};
     if (i > 0) {
@@ -322,16 +339,18 @@ void launch_nodes(Communicator& comm, const AttentionProblem& p, const Attention
             reinterpret_cast<uint4*>(a));
         launch_check();
       } else {  // the chunk the last launch held
-        MK_CUDA_CHECK(cudaMemcpyAsync(a, held, bytes, cudaMemcpyDefault, stream));
+        copy(a, held, bytes, false);
       }
       attention_engine::ring_xchg_data_kernel<<<1, 32, 0, stream>>>(dc, x, i == nodes - 1);
       launch_check();
-      MK_CUDA_CHECK(cudaMemcpyAsync(held, b, bytes, cudaMemcpyDefault, stream));
+      copy(held, b, bytes, true);
       nl.k = held;
       nl.v = held + l.chunk;
       nl.sk = sh;
+    } else {
+      copy(nullptr, nullptr, 0, true);  // the counters alone
     }
-    launch<kHeadDim, false>(comm, p, q, sq, nl, o, lse, workspace, ws, l, ctas, stream);
+    launch<kHeadDim, false>(comm, p, q, sq, nl, o, lse, workspace, ws, l, ctas, stream, false);
   }
 }
 
@@ -419,6 +438,7 @@ const bool kPreloadRegistered = register_kernel_preload([](bool across_nodes) {
   cudaFuncGetAttributes(&attributes, attention_engine::ring_xchg_ready_kernel);
   cudaFuncGetAttributes(&attributes, attention_engine::ring_xchg_data_kernel);
   cudaFuncGetAttributes(&attributes, attention_engine::gather_chunk_kernel);
+  cudaFuncGetAttributes(&attributes, attention_engine::copy_chunk_kernel);
 });
 
 }  // namespace

@@ -14,15 +14,21 @@
 //           copied B's last chunk out), then wait for the same word from the rail peer on node
 //           n + 1 - its B is free, and it has passed the last data launch, so the last put out of
 //           this rank's A has landed
-//   (stream) the chunk to send into A: the user's k, v at i = 1 (gather_chunk_kernel), else the
-//           one held at launch i - 1
+//   (kernel) the chunk to send into A: the user's k, v at i = 1 (gather_chunk_kernel), else the
+//           one held at launch i - 1 (copy_chunk_kernel)
 //   data    A put into node n + 1's rail peer's B with a signal; wait for node n - 1's into B;
 //           after the last launch's exchange also "landed" both ways (no put out of A in flight
 //           once the call ends)
 // The call's first "ready" goes to and comes from every rail peer: the ops before the call may
 // have put out of, or into, the bytes of the shared staging that A and B now occupy.
-//   (stream) B copied to the launch's local chunk (device memory, contiguous [B, S, H_kv, D]:
-//           K, then V)
+//   (kernel) B copied to the launch's local chunk (device memory, contiguous [B, S, H_kv, D]:
+//           K, then V), the ring's counters zeroed in the same kernel (copy_chunk_kernel)
+// Everything the call puts on the stream is a kernel (no stream copy, no memset): ranks that are
+// threads of one process share the GPU's queues, and a copy or memset queued behind a peer's
+// copy that waits for the peer's waiting exchange kernel does not start. At 3+ nodes that closes
+// a cycle (the exchange before launch i >= 2 waits for every node's launch i - 1, which waits for
+// the copy before it). RingNodes.LateRankDoesNotDeadlock/3x2 hung with stream copies and a memset
+// here and passes with the kernels (2026-12-07, an H100).
 // A and B sit in the workspace (device staging) or in the inter-node path's pinned host staging.
 #pragma once
 
@@ -118,6 +124,17 @@ __global__ void gather_chunk_kernel(const __nv_bfloat16* k, const __nv_bfloat16*
     out[b * per_batch + i] = *reinterpret_cast<const uint4*>(
         src + b * stride_batch + s * stride_seq + h * stride_head + 8 * c);
   }
+}
+
+// dst <- src (`vectors` 16-byte vectors; either side may be mapped pinned host memory), then
+// `words` 8-byte words at `zero` set to 0 (the ring's counters before its launch; null: none).
+// The exchange's copies as a kernel on the rank's stream (see the header).
+__global__ void copy_chunk_kernel(uint4* dst, const uint4* src, int64_t vectors,
+                                  unsigned long long* zero, int64_t words) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = first; i < vectors; i += stride) dst[i] = src[i];
+  for (int64_t i = first; i < words; i += stride) zero[i] = 0;
 }
 
 }  // namespace mk::attention_engine

@@ -7,10 +7,12 @@
 // 100 graph replays with new inputs written into the captured buffers, checked against eager
 // calls bit for bit; a missing rank (time limit); refusals before launch.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "attention_reference.h"
@@ -27,8 +29,10 @@ uint64_t fresh_seed() { return (uint64_t{std::random_device{}()} << 32) | std::r
 struct RingCase {
   int64_t batch, seq_local, heads, kv_heads, head_dim;
   bool causal;
-  int sms = 0;       // AttentionConfig::sms (few CTAs: long rounds, copies racing the compute)
-  int sms_step = 0;  // rank r runs with sms + r * sms_step CTAs (ranks with different grids)
+  int sms = 0;         // AttentionConfig::sms (few CTAs: long rounds, copies racing the compute)
+  int sms_step = 0;    // rank r runs with sms + r * sms_step CTAs (ranks with different grids)
+  int late_rank = -1;  // this rank enqueues each call 50 ms after the others (its stream's work
+                       // queued behind everything theirs holds)
 };
 
 std::string describe(const RingCase& c, int world) {
@@ -36,7 +40,8 @@ std::string describe(const RingCase& c, int world) {
          std::to_string(c.seq_local) + " H" + std::to_string(c.heads) + "/" +
          std::to_string(c.kv_heads) + " D" + std::to_string(c.head_dim) +
          (c.causal ? " causal (zigzag)" : "") + (c.sms ? " sms " + std::to_string(c.sms) : "") +
-         (c.sms_step ? " + " + std::to_string(c.sms_step) + " x rank" : "");
+         (c.sms_step ? " + " + std::to_string(c.sms_step) + " x rank" : "") +
+         (c.late_rank >= 0 ? ", rank " + std::to_string(c.late_rank) + " late" : "");
 }
 
 AttentionProblem local_problem(const RingCase& c) {
@@ -117,6 +122,7 @@ struct Local {
     fill_random_bf16_scaled(v, kv_count, 1.0f, 3, s);
   }
   void run(Communicator& comm, const RingCase& c, void* ws, cudaStream_t s) const {
+    if (comm.rank() == c.late_rank) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     AttentionConfig config;
     config.sms = c.sms + comm.rank() * c.sms_step;
     ring_attention(comm, local_problem(c), {q}, {k}, {v}, o, lse, ws, s, config);
@@ -279,6 +285,18 @@ TEST_P(RingNodes, MatchesFullSequenceAttention) {
   // Ranks with different CTA counts (3, 7, 11, ... as the budget allows), within a node and
   // across: each node's launch and the exchanges between launches do not depend on the grids.
   expect_ring_matches(world, {1, 512, 4, 2, 128, true, 3, 4}, seed + 3, options);
+}
+// One rank enqueues each call 50 ms after the others (the second call has no host exchange that
+// would absorb it): everything the others' streams hold for the call - exchange launches that
+// wait for this rank, and what follows them - is queued on the GPU before this rank's first op.
+// Nothing of this rank's may wait behind any of it (ring_nodes.cuh's header).
+TEST_P(RingNodes, LateRankDoesNotDeadlock) {
+  MKT_REQUIRE_GPU();
+  const auto [nodes, per_node] = GetParam();
+  const int world = nodes * per_node;
+  RingCase c{2, 384, 4, 1, 64, false};
+  c.late_rank = world - 1;
+  expect_ring_matches(world, c, fresh_seed(), virtual_nodes(per_node, 30));
 }
 // One captured call (the node launches, the exchanges' launches and copies), replayed 100 times
 // on new inputs, some checked bit for bit against eager calls.
