@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <functional>
+#include <thread>
 
 #include "gpu_test_util.h"
 
@@ -25,6 +26,24 @@ inline void ready(Communicator& comm, cudaStream_t stream) {
 inline void finished(Communicator& comm, cudaStream_t stream) {
   comm.synchronize(stream);
   comm.bootstrap().barrier();
+}
+
+// `call` (which enqueues one op on `stream`) `calls` times back to back, with no host
+// synchronisation between them; the last rank sleeps 50 ms before each of its calls. So the
+// others' streams hold whole calls - launches that wait for the late rank, and whatever the op
+// puts on the stream after them (copies, memsets, the next call's launches) - before the late
+// rank's work of the same call is queued. Ranks sharing a GPU share its queues: nothing of a
+// rank's may wait behind a peer's that waits for it (communicator.h; RingNodes 3x2 deadlocked
+// that way). A deadlock ends in the time limit's error, raised here. Call after ready(); ends
+// with every rank's stream idle and a barrier.
+inline void call_back_to_back_one_late(Communicator& comm, cudaStream_t stream, int calls,
+                                       const std::function<void()>& call) {
+  const bool late = comm.rank() == comm.world_size() - 1;
+  for (int i = 0; i < calls; ++i) {
+    if (late) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    call();
+  }
+  finished(comm, stream);
 }
 
 // Every rank but the last runs `launch` (which enqueues one op on `stream`); the last never does.

@@ -112,11 +112,64 @@ void expect_ag_gemm_cases(Communicator& comm) {
   expect_ag_gemm(comm, {517, 384, 256, BLayout::kNK, 0}, seed + 100, few);
 }
 
+// Three calls back to back with the last rank late before each (collective_checks.h), the
+// gathered A asked for (its copies follow each launch on the stream): none deadlocks, and the
+// last writes the bits of a call made alone.
+void expect_back_to_back(Communicator& comm, const AgCase& c, uint64_t seed,
+                         SymmetricBuffer* shared_ws = nullptr) {
+  const int world = comm.world_size(), rank = comm.rank();
+  SCOPED_TRACE(describe(c, world) + ", three calls back to back, the last rank late, rank " +
+               std::to_string(rank));
+  const int64_t m = c.shard_rows * world, n = c.n, k = c.k;
+  FusedGemmConfig config;
+  config.block_n = c.block_n;
+  SymmetricBuffer own_ws;
+  if (shared_ws == nullptr) own_ws = comm.alloc(ag_gemm_workspace_bytes(m, k));
+  SymmetricBuffer& ws = shared_ws != nullptr ? *shared_ws : own_ws;
+  cudaStream_t stream;
+  MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  void *a_shard, *b, *c_out, *gathered, *c_alone, *g_alone;
+  MKT_CUDA(cudaMalloc(&a_shard, c.shard_rows * k * 2));
+  MKT_CUDA(cudaMalloc(&b, n * k * 2));
+  for (void** p : {&c_out, &c_alone}) MKT_CUDA(cudaMalloc(p, m * n * 2));
+  for (void** p : {&gathered, &g_alone}) MKT_CUDA(cudaMalloc(p, m * k * 2));
+  fill_random_bf16(a_shard, c.shard_rows * k, shard_seed(seed, rank), stream);
+  fill_random_bf16(b, n * k, seed ^ (0x77 + rank), stream);
+  const auto call = [&] {
+    ag_gemm(comm, a_shard, b, c_out, m, n, k, c.layout, ws.data(), stream, config, gathered);
+  };
+  ready(comm, stream);
+  call();
+  finished(comm, stream);
+  MKT_CUDA(cudaMemcpyAsync(c_alone, c_out, m * n * 2, cudaMemcpyDeviceToDevice, stream));
+  MKT_CUDA(cudaMemcpyAsync(g_alone, gathered, m * k * 2, cudaMemcpyDeviceToDevice, stream));
+  MKT_CUDA(cudaMemsetAsync(c_out, 0xFF, m * n * 2, stream));
+  MKT_CUDA(cudaMemsetAsync(gathered, 0xFF, m * k * 2, stream));
+  ready(comm, stream);
+  call_back_to_back_one_late(comm, stream, 3, call);
+  EXPECT_EQ(count_different_bytes16(c_out, c_alone, m * n * 2, stream), 0u)
+      << "C: other bits than a call alone";
+  EXPECT_EQ(count_different_bytes16(gathered, g_alone, m * k * 2, stream), 0u)
+      << "gathered A: other bits than a call alone";
+  comm.bootstrap().barrier();  // no peer kernel is waiting for us while we free
+  for (void* p : {a_shard, b, c_out, gathered, c_alone, g_alone}) cudaFree(p);
+  cudaStreamDestroy(stream);
+}
+
 class InProcessAgGemm : public ::testing::TestWithParam<int> {};
 
 TEST_P(InProcessAgGemm, MatchesReference) {
   MKT_REQUIRE_GPU();
   run_in_process(GetParam(), expect_ag_gemm_cases);
+}
+
+TEST_P(InProcessAgGemm, BackToBackCallsWithALateRank) {
+  MKT_REQUIRE_GPU();
+  run_in_process(GetParam(), [](Communicator& comm) {
+    const uint64_t seed = shared_seed(comm);
+    expect_back_to_back(comm, {200, 264, 136, BLayout::kNK, 0}, seed);
+    expect_back_to_back(comm, {1000, 1024, 1024, BLayout::kKN, 0}, seed + 1);
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(World, InProcessAgGemm, ::testing::Values(1, 2, 4, 8),
@@ -154,6 +207,19 @@ TEST_P(AgGemmNodes, MatchesReference) {
   MKT_REQUIRE_GPU();
   const auto [nodes, per_node] = GetParam();
   run_in_process(nodes * per_node, expect_ag_gemm_across_nodes, virtual_nodes(per_node, 20));
+}
+TEST_P(AgGemmNodes, BackToBackCallsWithALateRank) {
+  MKT_REQUIRE_GPU();
+  const auto [nodes, per_node] = GetParam();
+  run_in_process(
+      nodes * per_node,
+      [](Communicator& comm) {
+        const uint64_t seed = shared_seed(comm);
+        SymmetricBuffer ws = comm.alloc(32 << 20);
+        expect_back_to_back(comm, {200, 264, 136, BLayout::kNK, 0}, seed, &ws);
+        expect_back_to_back(comm, {1000, 1024, 1024, BLayout::kNK, 0}, seed + 1, &ws);
+      },
+      virtual_nodes(per_node, 20));
 }
 INSTANTIATE_TEST_SUITE_P(AgGemmAcrossNodes, AgGemmNodes,
                          ::testing::Values(NodesLayout{2, 1}, NodesLayout{2, 2}, NodesLayout{3, 2},

@@ -307,6 +307,30 @@ void expect_layer(Communicator& comm, const LayerCase& c, uint64_t seed) {
   comm.bootstrap().barrier();
 }
 
+// Three calls back to back with the last rank late before each (collective_checks.h): none
+// deadlocks, and the last writes the bits of a call made alone.
+void expect_back_to_back(Communicator& comm, const LayerCase& c, uint64_t seed) {
+  const int rank = comm.rank();
+  SCOPED_TRACE(describe(c, comm.world_size()) +
+               ", three calls back to back, the last rank late, rank " + std::to_string(rank));
+  RankLayer l(comm, c, seed);
+  l.b.upload(inputs_of(c, rank, seed), l.s);
+  ready(comm, l.s);
+  l.call(comm);
+  finished(comm, l.s);
+  const std::size_t count = static_cast<std::size_t>(l.p.tokens * c.hidden);
+  const std::vector<uint16_t> alone = download(l.b, count, l.s);
+  MKT_CUDA(cudaMemsetAsync(l.b.out, 0xff, l.b.out_bytes, l.s));  // poison
+  ready(comm, l.s);
+  call_back_to_back_one_late(comm, l.s, 3, [&] { l.call(comm); });
+  EXPECT_TRUE(download(l.b, count, l.s) == alone) << "other bits than a call alone";
+  comm.bootstrap().barrier();
+}
+
+// 24 experts: every world of the tests below divides them.
+const std::vector<LayerCase> kBackToBackCases = {{24, 2, 256, 128, 150},
+                                                 {24, 4, 128, 64, 90, MoeLayout::kMasked, true}};
+
 void run_layer_cases(int world, const std::vector<LayerCase>& cases, uint64_t seed,
                      CommOptions options = {}) {
   run_in_process(
@@ -333,6 +357,25 @@ TEST_P(MoeLayerNodes, Layer) {
                    {8, 2, 128, 128, 90, MoeLayout::kMasked}},
                   1001, virtual_nodes(per_node, 30));
 }
+// The same with the layouts of three nodes (MoeLayerNodes' cases need no divisor of 3), where
+// the ring across nodes deadlocked with a late rank.
+class MoeLayerLateRank : public AcrossNodes {};
+TEST_P(MoeLayerLateRank, BackToBackCalls) {
+  MKT_REQUIRE_GPU();
+  const auto [nodes, per_node] = GetParam();
+  run_in_process(
+      nodes * per_node,
+      [](Communicator& comm) {
+        for (std::size_t i = 0; i < kBackToBackCases.size(); ++i) {
+          expect_back_to_back(comm, kBackToBackCases[i], 1201 + i);
+        }
+      },
+      virtual_nodes(per_node, 30));
+}
+INSTANTIATE_TEST_SUITE_P(MoeAcrossNodes, MoeLayerLateRank,
+                         ::testing::Values(NodesLayout{2, 2}, NodesLayout{3, 1}, NodesLayout{3, 2},
+                                           NodesLayout{2, 4}),
+                         layout_name);
 INSTANTIATE_TEST_SUITE_P(MoeAcrossNodes, MoeLayerNodes,
                          ::testing::Values(NodesLayout{2, 1}, NodesLayout{2, 2}, NodesLayout{4, 1},
                                            NodesLayout{2, 4}),
@@ -379,6 +422,17 @@ TEST(InProcessMoeLayer, World4) {
 TEST(InProcessMoeLayer, World8) {
   MKT_REQUIRE_GPU();
   run_layer_cases(8, {{8, 2, 128, 64, 48}, {16, 8, 128, 128, 40, MoeLayout::kMasked, true}}, 901);
+}
+
+TEST(InProcessMoeLayer, BackToBackCallsWithALateRank) {
+  MKT_REQUIRE_GPU();
+  for (int world : {2, 3, 4}) {
+    run_in_process(world, [](Communicator& comm) {
+      for (std::size_t i = 0; i < kBackToBackCases.size(); ++i) {
+        expect_back_to_back(comm, kBackToBackCases[i], 1101 + i);
+      }
+    });
+  }
 }
 
 // Masked, room for 20 rows an expert, skewed routing: the rows past an expert's room are not

@@ -244,6 +244,52 @@ void expect_ring_matches(int world, const RingCase& c, uint64_t seed,
   }
 }
 
+// Three calls back to back with the last rank late before each (collective_checks.h): none
+// deadlocks, and the last writes the bits of a call made alone.
+void expect_back_to_back(int world, const RingCase& c, uint64_t seed,
+                         const CommOptions& options = {}) {
+  SCOPED_TRACE(describe(c, world) + ", three calls back to back, the last rank late, seed " +
+               std::to_string(seed));
+  run_in_process(
+      world,
+      [&](Communicator& comm) {
+        const int rank = comm.rank();
+        cudaStream_t s;
+        MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        {
+          Local mine(c);
+          fill_random_bf16_scaled(mine.q, mine.q_count, 2.0f, seed + 3 * rank, s);
+          fill_random_bf16_scaled(mine.k, mine.kv_count, 2.0f, seed + 3 * rank + 1, s);
+          fill_random_bf16_scaled(mine.v, mine.kv_count, 1.0f, seed + 3 * rank + 2, s);
+          SymmetricBuffer ws = comm.alloc(ring_attention_workspace_bytes(comm, local_problem(c)));
+          ready(comm, s);
+          mine.run(comm, c, ws.data(), s);
+          finished(comm, s);
+          std::vector<char> alone(mine.q_count * 2);
+          MKT_CUDA(cudaMemcpy(alone.data(), mine.o, alone.size(), cudaMemcpyDeviceToHost));
+          MKT_CUDA(cudaMemsetAsync(mine.o, 0xFF, alone.size(), s));
+          ready(comm, s);
+          call_back_to_back_one_late(comm, s, 3, [&] { mine.run(comm, c, ws.data(), s); });
+          std::vector<char> last(alone.size());
+          MKT_CUDA(cudaMemcpy(last.data(), mine.o, last.size(), cudaMemcpyDeviceToHost));
+          EXPECT_TRUE(alone == last) << "rank " << rank << ": other bits than a call alone";
+          comm.bootstrap().barrier();
+        }
+        cudaStreamDestroy(s);
+      },
+      options);
+}
+
+TEST(InProcessRingAttention, BackToBackCallsWithALateRank) {
+  MKT_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  for (int world : {2, 4}) {
+    expect_back_to_back(world, {1, 512, 4, 2, 128, true}, seed);
+    expect_back_to_back(world, {2, 384, 4, 1, 64, false}, seed + 1);
+  }
+  expect_back_to_back(3, {1, 1024, 4, 4, 128, true, 7}, seed + 2);  // two rounds
+}
+
 TEST(InProcessRingAttention, MatchesFullSequenceAttention) {
   MKT_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
@@ -297,6 +343,16 @@ TEST_P(RingNodes, LateRankDoesNotDeadlock) {
   RingCase c{2, 384, 4, 1, 64, false};
   c.late_rank = world - 1;
   expect_ring_matches(world, c, fresh_seed(), virtual_nodes(per_node, 30));
+}
+// Three calls back to back with the last rank late before each: the across-node call's launches,
+// exchanges and copies of one call queued behind the others' whole calls.
+TEST_P(RingNodes, BackToBackCallsWithALateRank) {
+  MKT_REQUIRE_GPU();
+  const auto [nodes, per_node] = GetParam();
+  const int world = nodes * per_node;
+  const uint64_t seed = fresh_seed();
+  expect_back_to_back(world, {2, 384, 4, 1, 64, false}, seed, virtual_nodes(per_node, 30));
+  expect_back_to_back(world, {1, 512, 4, 4, 128, true}, seed + 1, virtual_nodes(per_node, 30));
 }
 // One captured call (the node launches, the exchanges' launches and copies), replayed 100 times
 // on new inputs, some checked bit for bit against eager calls.
