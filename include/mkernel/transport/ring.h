@@ -14,15 +14,10 @@
 // 0 on the first lap); any other value means the slot was overwritten by something that is not a
 // producer, and is reported as a fault rather than executed.
 //
-// Placement: the words may live in different memories. For GPU producers all of them are in
-// host-pinned memory mapped into the GPU (one allocation). All accesses use cuda::atomic_ref at
-// system scope, so this header compiles for host and device - but one: a GPU producer takes its
-// ticket (head's fetch_add) at device scope. Only producers touch head, and a ring's producers
-// are all host threads or all kernels of one GPU; a system-scope read-modify-write on mapped host
-// memory is atomic towards other devices and the host only where the device reports
-// cudaDevAttrHostNativeAtomicSupported (not on PCIe hosts), and compute-sanitizer's memcheck
-// stops the kernel there (2026-12-07, an H100: RingNodes 2x1). The host reads head only to
-// drain, after the kernels.
+// Placement: the words may live in different memories. For GPU producers, `slots`, `tail`, `done`
+// and `broken` are in host-pinned memory mapped into the GPU; `head` is best kept in GPU memory
+// (only producers touch it, and PCIe atomics to host memory are slow or unsupported). All
+// accesses use cuda::atomic_ref at system scope, so this header compiles for host and device.
 #pragma once
 
 #include <cstdint>
@@ -79,12 +74,7 @@ struct CommandRing {
     if (detail::sys_ref(*broken).load(cuda::std::memory_order_relaxed) != 0) {
       return {PushStatus::kBroken, 0};
     }
-#if defined(__CUDA_ARCH__)
-    const uint64_t t = cuda::atomic_ref<uint64_t, cuda::thread_scope_device>(*head).fetch_add(
-        1, cuda::std::memory_order_relaxed);  // device scope: see the header
-#else
     const uint64_t t = detail::sys_ref(*head).fetch_add(1, cuda::std::memory_order_relaxed);
-#endif
     for (uint64_t spins = 0;; ++spins) {
       if (t < detail::sys_ref(*tail).load(cuda::std::memory_order_acquire) + capacity) break;
       if (detail::sys_ref(*broken).load(cuda::std::memory_order_relaxed) != 0) {
