@@ -34,8 +34,10 @@ inline void finished(Communicator& comm, cudaStream_t stream) {
 // puts on the stream after them (copies, memsets, the next call's launches) - before the late
 // rank's work of the same call is queued. Ranks sharing a GPU share its queues: nothing of a
 // rank's may wait behind a peer's that waits for it (communicator.h; RingNodes 3x2 deadlocked
-// that way). A deadlock ends in the time limit's error, raised here. Call after ready(); ends
-// with every rank's stream idle and a barrier.
+// that way with stream copies through pinned host memory). A deadlock ends in the time limit's
+// error, raised here. Every call sees the same inputs, so this finds deadlocks and unwritten
+// outputs, not a call that reads what the call before it left. Call after ready(); ends with
+// every rank's stream idle and a barrier.
 inline void call_back_to_back_one_late(Communicator& comm, cudaStream_t stream, int calls,
                                        const std::function<void()>& call) {
   const bool late = comm.rank() == comm.world_size() - 1;

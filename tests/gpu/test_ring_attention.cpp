@@ -287,7 +287,7 @@ TEST(InProcessRingAttention, BackToBackCallsWithALateRank) {
     expect_back_to_back(world, {1, 512, 4, 2, 128, true}, seed);
     expect_back_to_back(world, {2, 384, 4, 1, 64, false}, seed + 1);
   }
-  expect_back_to_back(3, {1, 1024, 4, 4, 128, true, 7}, seed + 2);  // two rounds
+  expect_back_to_back(3, {1, 1024, 4, 4, 128, true, 7}, seed + 2);  // few CTAs: long items
 }
 
 TEST(InProcessRingAttention, MatchesFullSequenceAttention) {
