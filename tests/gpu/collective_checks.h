@@ -35,15 +35,16 @@ inline void finished(Communicator& comm, cudaStream_t stream) {
 // rank's work of the same call is queued. Ranks sharing a GPU share its queues: nothing of a
 // rank's may wait behind a peer's that waits for it (communicator.h; RingNodes 3x2 deadlocked
 // that way with stream copies through pinned host memory). A deadlock ends in the time limit's
-// error, raised here. Every call sees the same inputs, so this finds deadlocks and unwritten
-// outputs, not a call that reads what the call before it left. Call after ready(); ends with
-// every rank's stream idle and a barrier.
+// error, raised here. `call(i)` should give call i inputs and outputs of its own (buffers set up
+// before ready(): nothing but the op on the stream here), so that a call reading what the call
+// before it left - a chunk, a row, a count - shows as wrong bits, not only a deadlock or an
+// unwritten output. Call after ready(); ends with every rank's stream idle and a barrier.
 inline void call_back_to_back_one_late(Communicator& comm, cudaStream_t stream, int calls,
-                                       const std::function<void()>& call) {
+                                       const std::function<void(int)>& call) {
   const bool late = comm.rank() == comm.world_size() - 1;
   for (int i = 0; i < calls; ++i) {
     if (late) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    call();
+    call(i);
   }
   finished(comm, stream);
 }

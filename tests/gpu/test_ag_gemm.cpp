@@ -113,10 +113,12 @@ void expect_ag_gemm_cases(Communicator& comm) {
 }
 
 // Three calls back to back with the last rank late before each (collective_checks.h), the
-// gathered A asked for (its copies follow each launch on the stream): none deadlocks, and the
-// last writes the bits of a call made alone.
+// gathered A asked for (its copies follow each launch on the stream), each call on an A shard, a
+// B and outputs of its own and the same workspace: none deadlocks, and each writes the bits of
+// the same call made alone.
 void expect_back_to_back(Communicator& comm, const AgCase& c, uint64_t seed,
                          SymmetricBuffer* shared_ws = nullptr) {
+  constexpr int kCalls = 3;
   const int world = comm.world_size(), rank = comm.rank();
   SCOPED_TRACE(describe(c, world) + ", three calls back to back, the last rank late, rank " +
                std::to_string(rank));
@@ -128,31 +130,51 @@ void expect_back_to_back(Communicator& comm, const AgCase& c, uint64_t seed,
   SymmetricBuffer& ws = shared_ws != nullptr ? *shared_ws : own_ws;
   cudaStream_t stream;
   MKT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  void *a_shard, *b, *c_out, *gathered, *c_alone, *g_alone;
-  MKT_CUDA(cudaMalloc(&a_shard, c.shard_rows * k * 2));
-  MKT_CUDA(cudaMalloc(&b, n * k * 2));
-  for (void** p : {&c_out, &c_alone}) MKT_CUDA(cudaMalloc(p, m * n * 2));
-  for (void** p : {&gathered, &g_alone}) MKT_CUDA(cudaMalloc(p, m * k * 2));
-  fill_random_bf16(a_shard, c.shard_rows * k, shard_seed(seed, rank), stream);
-  fill_random_bf16(b, n * k, seed ^ (0x77 + rank), stream);
-  const auto call = [&] {
-    ag_gemm(comm, a_shard, b, c_out, m, n, k, c.layout, ws.data(), stream, config, gathered);
+  struct Call {
+    void *a_shard, *b, *c_out, *gathered, *c_alone, *g_alone;
   };
+  std::vector<Call> calls(kCalls);
+  for (int i = 0; i < kCalls; ++i) {
+    Call& x = calls[i];
+    MKT_CUDA(cudaMalloc(&x.a_shard, c.shard_rows * k * 2));
+    MKT_CUDA(cudaMalloc(&x.b, n * k * 2));
+    for (void** p : {&x.c_out, &x.c_alone}) MKT_CUDA(cudaMalloc(p, m * n * 2));
+    for (void** p : {&x.gathered, &x.g_alone}) MKT_CUDA(cudaMalloc(p, m * k * 2));
+    fill_random_bf16(x.a_shard, c.shard_rows * k, shard_seed(seed + 7 * i, rank), stream);
+    fill_random_bf16(x.b, n * k, (seed + 7 * i) ^ (0x77 + rank), stream);
+  }
+  const auto call = [&](int i) {
+    const Call& x = calls[i];
+    ag_gemm(comm, x.a_shard, x.b, x.c_out, m, n, k, c.layout, ws.data(), stream, config,
+            x.gathered);
+  };
+  for (int i = 0; i < kCalls; ++i) {
+    const Call& x = calls[i];
+    MKT_CUDA(cudaMemsetAsync(x.c_out, 0xFF, m * n * 2, stream));
+    MKT_CUDA(cudaMemsetAsync(x.gathered, 0xFF, m * k * 2, stream));
+    ready(comm, stream);
+    call(i);
+    finished(comm, stream);
+    MKT_CUDA(cudaMemcpyAsync(x.c_alone, x.c_out, m * n * 2, cudaMemcpyDeviceToDevice, stream));
+    MKT_CUDA(cudaMemcpyAsync(x.g_alone, x.gathered, m * k * 2, cudaMemcpyDeviceToDevice, stream));
+    MKT_CUDA(cudaMemsetAsync(x.c_out, 0xFF, m * n * 2, stream));
+    MKT_CUDA(cudaMemsetAsync(x.gathered, 0xFF, m * k * 2, stream));
+  }
   ready(comm, stream);
-  call();
-  finished(comm, stream);
-  MKT_CUDA(cudaMemcpyAsync(c_alone, c_out, m * n * 2, cudaMemcpyDeviceToDevice, stream));
-  MKT_CUDA(cudaMemcpyAsync(g_alone, gathered, m * k * 2, cudaMemcpyDeviceToDevice, stream));
-  MKT_CUDA(cudaMemsetAsync(c_out, 0xFF, m * n * 2, stream));
-  MKT_CUDA(cudaMemsetAsync(gathered, 0xFF, m * k * 2, stream));
-  ready(comm, stream);
-  call_back_to_back_one_late(comm, stream, 3, call);
-  EXPECT_EQ(count_different_bytes16(c_out, c_alone, m * n * 2, stream), 0u)
-      << "C: other bits than a call alone";
-  EXPECT_EQ(count_different_bytes16(gathered, g_alone, m * k * 2, stream), 0u)
-      << "gathered A: other bits than a call alone";
+  call_back_to_back_one_late(comm, stream, kCalls, call);
+  for (int i = 0; i < kCalls; ++i) {
+    const Call& x = calls[i];
+    EXPECT_EQ(count_nans_bf16(x.c_alone, m * n, stream), 0u)
+        << "call " << i << " alone: C unwritten";
+    EXPECT_EQ(count_different_bytes16(x.c_out, x.c_alone, m * n * 2, stream), 0u)
+        << "call " << i << ": C has other bits than the call made alone";
+    EXPECT_EQ(count_different_bytes16(x.gathered, x.g_alone, m * k * 2, stream), 0u)
+        << "call " << i << ": the gathered A has other bits than the call made alone";
+  }
   comm.bootstrap().barrier();  // no peer kernel is waiting for us while we free
-  for (void* p : {a_shard, b, c_out, gathered, c_alone, g_alone}) cudaFree(p);
+  for (const Call& x : calls) {
+    for (void* p : {x.a_shard, x.b, x.c_out, x.gathered, x.c_alone, x.g_alone}) cudaFree(p);
+  }
   cudaStreamDestroy(stream);
 }
 

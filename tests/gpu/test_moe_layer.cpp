@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 
@@ -307,23 +308,47 @@ void expect_layer(Communicator& comm, const LayerCase& c, uint64_t seed) {
   comm.bootstrap().barrier();
 }
 
-// Three calls back to back with the last rank late before each (collective_checks.h): none
-// deadlocks, and the last writes the bits of a call made alone.
+// Three calls back to back with the last rank late before each (collective_checks.h), each on
+// tokens, routing and an output of its own and the same workspace: none deadlocks, each call
+// made alone matches the reference, and each of the three writes its bits.
 void expect_back_to_back(Communicator& comm, const LayerCase& c, uint64_t seed) {
+  constexpr int kCalls = 3;
   const int rank = comm.rank();
   SCOPED_TRACE(describe(c, comm.world_size()) +
                ", three calls back to back, the last rank late, rank " + std::to_string(rank));
-  RankLayer l(comm, c, seed);
-  l.b.upload(inputs_of(c, rank, seed), l.s);
-  ready(comm, l.s);
-  l.call(comm);
-  finished(comm, l.s);
-  const std::size_t count = static_cast<std::size_t>(l.p.tokens * c.hidden);
-  const std::vector<uint16_t> alone = download(l.b, count, l.s);
-  MKT_CUDA(cudaMemsetAsync(l.b.out, 0xff, l.b.out_bytes, l.s));  // poison
-  ready(comm, l.s);
-  call_back_to_back_one_late(comm, l.s, 3, [&] { l.call(comm); });
-  EXPECT_TRUE(download(l.b, count, l.s) == alone) << "other bits than a call alone";
+  ASSERT_EQ(c.experts % comm.world_size(), 0);
+  // Each layer: the same experts' weights (seed), its own inputs and buffers; the calls run on
+  // the first one's workspace and stream.
+  std::vector<std::unique_ptr<RankLayer>> l;
+  std::vector<Inputs> in;
+  for (int i = 0; i < kCalls; ++i) {
+    l.push_back(std::make_unique<RankLayer>(comm, c, seed));
+    in.push_back(inputs_of(c, rank, seed + 100 * (i + 1)));
+    l[i]->b.upload(in[i], l[i]->s);
+  }
+  RankLayer& first = *l[0];
+  const auto call = [&](int i) {
+    const LayerBuffers& b = l[i]->b;
+    moe_layer(comm, first.p, c.inter, b.x, b.topk, IndexType::kInt32, b.weights, b.w13, b.w2, b.out,
+              first.ws.data(), b.scratch, first.s, first.config);
+  };
+  const std::size_t count = static_cast<std::size_t>(first.p.tokens * c.hidden);
+  std::vector<std::vector<uint16_t>> alone;
+  for (int i = 0; i < kCalls; ++i) {
+    MKT_CUDA(cudaMemsetAsync(l[i]->b.out, 0xff, l[i]->b.out_bytes, first.s));  // poison
+    ready(comm, first.s);
+    call(i);
+    finished(comm, first.s);
+    alone.push_back(download(l[i]->b, count, first.s));
+    ASSERT_NO_FATAL_FAILURE(expect_matches(c, in[i], first.all, alone[i]));
+    MKT_CUDA(cudaMemsetAsync(l[i]->b.out, 0xff, l[i]->b.out_bytes, first.s));
+  }
+  ready(comm, first.s);
+  call_back_to_back_one_late(comm, first.s, kCalls, call);
+  for (int i = 0; i < kCalls; ++i) {
+    EXPECT_TRUE(download(l[i]->b, count, first.s) == alone[i])
+        << "call " << i << ": other bits than the call made alone";
+  }
   comm.bootstrap().barrier();
 }
 

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -244,10 +245,12 @@ void expect_ring_matches(int world, const RingCase& c, uint64_t seed,
   }
 }
 
-// Three calls back to back with the last rank late before each (collective_checks.h): none
-// deadlocks, and the last writes the bits of a call made alone.
+// Three calls back to back with the last rank late before each (collective_checks.h), each on
+// inputs and outputs of its own and the same workspace: none deadlocks, and each writes the bits
+// of the same call made alone.
 void expect_back_to_back(int world, const RingCase& c, uint64_t seed,
                          const CommOptions& options = {}) {
+  constexpr int kCalls = 3;
   SCOPED_TRACE(describe(c, world) + ", three calls back to back, the last rank late, seed " +
                std::to_string(seed));
   run_in_process(
@@ -257,22 +260,34 @@ void expect_back_to_back(int world, const RingCase& c, uint64_t seed,
         cudaStream_t s;
         MKT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
         {
-          Local mine(c);
-          fill_random_bf16_scaled(mine.q, mine.q_count, 2.0f, seed + 3 * rank, s);
-          fill_random_bf16_scaled(mine.k, mine.kv_count, 2.0f, seed + 3 * rank + 1, s);
-          fill_random_bf16_scaled(mine.v, mine.kv_count, 1.0f, seed + 3 * rank + 2, s);
+          std::vector<std::unique_ptr<Local>> mine;
+          for (int i = 0; i < kCalls; ++i) {
+            mine.push_back(std::make_unique<Local>(c));
+            const uint64_t base = seed + 3 * (kCalls * rank + i);
+            fill_random_bf16_scaled(mine[i]->q, mine[i]->q_count, 2.0f, base, s);
+            fill_random_bf16_scaled(mine[i]->k, mine[i]->kv_count, 2.0f, base + 1, s);
+            fill_random_bf16_scaled(mine[i]->v, mine[i]->kv_count, 1.0f, base + 2, s);
+          }
           SymmetricBuffer ws = comm.alloc(ring_attention_workspace_bytes(comm, local_problem(c)));
+          const std::size_t o_bytes = mine[0]->q_count * 2;
+          std::vector<std::vector<char>> alone(kCalls, std::vector<char>(o_bytes));
+          for (int i = 0; i < kCalls; ++i) {
+            MKT_CUDA(cudaMemsetAsync(mine[i]->o, 0xFF, o_bytes, s));
+            ready(comm, s);
+            mine[i]->run(comm, c, ws.data(), s);
+            finished(comm, s);
+            MKT_CUDA(cudaMemcpy(alone[i].data(), mine[i]->o, o_bytes, cudaMemcpyDeviceToHost));
+            MKT_CUDA(cudaMemsetAsync(mine[i]->o, 0xFF, o_bytes, s));
+          }
           ready(comm, s);
-          mine.run(comm, c, ws.data(), s);
-          finished(comm, s);
-          std::vector<char> alone(mine.q_count * 2);
-          MKT_CUDA(cudaMemcpy(alone.data(), mine.o, alone.size(), cudaMemcpyDeviceToHost));
-          MKT_CUDA(cudaMemsetAsync(mine.o, 0xFF, alone.size(), s));
-          ready(comm, s);
-          call_back_to_back_one_late(comm, s, 3, [&] { mine.run(comm, c, ws.data(), s); });
-          std::vector<char> last(alone.size());
-          MKT_CUDA(cudaMemcpy(last.data(), mine.o, last.size(), cudaMemcpyDeviceToHost));
-          EXPECT_TRUE(alone == last) << "rank " << rank << ": other bits than a call alone";
+          call_back_to_back_one_late(comm, s, kCalls,
+                                     [&](int i) { mine[i]->run(comm, c, ws.data(), s); });
+          for (int i = 0; i < kCalls; ++i) {
+            std::vector<char> got(o_bytes);
+            MKT_CUDA(cudaMemcpy(got.data(), mine[i]->o, o_bytes, cudaMemcpyDeviceToHost));
+            EXPECT_TRUE(got == alone[i])
+                << "rank " << rank << ", call " << i << ": other bits than the call made alone";
+          }
           comm.bootstrap().barrier();
         }
         cudaStreamDestroy(s);

@@ -14,10 +14,16 @@
 // 0 on the first lap); any other value means the slot was overwritten by something that is not a
 // producer, and is reported as a fault rather than executed.
 //
-// Placement: the words may live in different memories. For GPU producers, `slots`, `tail`, `done`
-// and `broken` are in host-pinned memory mapped into the GPU; `head` is best kept in GPU memory
-// (only producers touch it, and PCIe atomics to host memory are slow or unsupported). All
-// accesses use cuda::atomic_ref at system scope, so this header compiles for host and device.
+// Placement: the words may live in different memories. For GPU producers all of them are in
+// host-pinned memory mapped into the GPU (one allocation). Accesses use cuda::atomic_ref at
+// system scope, so this header compiles for host and device; but a kernel does no system-scope
+// read-modify-write here. A system-scope read-modify-write on mapped host memory is atomic towards
+// other devices and the host only where the device reports cudaDevAttrHostNativeAtomicSupported
+// (not on PCIe hosts), and compute-sanitizer's memcheck stops the kernel there (2026-12-07, an
+// H100: RingNodes 2x1). So a GPU producer takes its ticket (head's fetch_add) at device scope:
+// only producers read-modify-write head, and a ring's producers are all host threads (Proxy::push,
+// the CPU tests) or all kernels of one GPU, never both; the host only reads head (drain). And a
+// kernel marks a ring broken with a load and a store (mark_broken).
 #pragma once
 
 #include <cstdint>
@@ -74,7 +80,12 @@ struct CommandRing {
     if (detail::sys_ref(*broken).load(cuda::std::memory_order_relaxed) != 0) {
       return {PushStatus::kBroken, 0};
     }
+#if defined(__CUDA_ARCH__)
+    const uint64_t t = cuda::atomic_ref<uint64_t, cuda::thread_scope_device>(*head).fetch_add(
+        1, cuda::std::memory_order_relaxed);  // device scope: see the header
+#else
     const uint64_t t = detail::sys_ref(*head).fetch_add(1, cuda::std::memory_order_relaxed);
+#endif
     for (uint64_t spins = 0;; ++spins) {
       if (t < detail::sys_ref(*tail).load(cuda::std::memory_order_acquire) + capacity) break;
       if (detail::sys_ref(*broken).load(cuda::std::memory_order_relaxed) != 0) {
@@ -112,9 +123,18 @@ struct CommandRing {
   }
 
   MK_HOST_DEVICE void mark_broken(RingBroken why) const {
+#if defined(__CUDA_ARCH__)
+    // No read-modify-write on the host's memory from a kernel (see the header): a load and a
+    // store. A reason the host or another producer wrote in between may be replaced by this one;
+    // the word never returns to 0 (no one stores 0), so the ring stays broken either way.
+    if (detail::sys_ref(*broken).load(cuda::std::memory_order_acquire) == 0) {
+      detail::sys_ref(*broken).store(static_cast<uint64_t>(why), cuda::std::memory_order_release);
+    }
+#else
     uint64_t expected = 0;
     detail::sys_ref(*broken).compare_exchange_strong(expected, static_cast<uint64_t>(why),
                                                      cuda::std::memory_order_acq_rel);
+#endif
   }
 
   // ---- the consumer (one thread) ----------------------------------------------------------------
