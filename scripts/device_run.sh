@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script sent to the GPU machine (see /work/.library/device/README.md).
 #
-#   bash scripts/device_run.sh [build|test|sanitize|python|bench|check|compare|trace|ab|nodes|host|profile|bisect|all]...
+#   bash scripts/device_run.sh [build|test|sanitize|python|bench|candidates|check|compare|trace|ab|nodes|host|profile|bisect|all]...
 #   (default: all)
 #
 # Steps run in the order given; `all` = build test sanitize python bench (`host`: the host time
@@ -35,7 +35,8 @@
 # (compare step: which kernels and shapes, without the bench_p2p table), TRACE_CASES, AB_OLD / AB_ROUNDS /
 # AB_CASES (ab step: the directory of the other build's bench_gemm and trace_fused, rounds, the
 # traced cases), PROFILE_CMD / PROFILE_KERNELS / PROFILE_COUNT / PROFILE_METRICS (profile step:
-# ncu on a command's kernels; see step_profile).
+# ncu on a command's kernels; see step_profile), CANDIDATE_SHAPES / CANDIDATE_TIMEOUT (candidates
+# step: bench_gemm --candidates's shapes, default the sweep's 84 up to M 2048; its limit, 300 s).
 
 # Results files record $MKERNEL_COMMIT (else `git rev-parse HEAD` there): pass the commit
 # checked out here (MKERNEL_COMMIT=$(git rev-parse --short HEAD) written into the command) - the
@@ -454,6 +455,31 @@ fit_out() {
   log "packed the JSON files of $OUT into bench-json.tar.gz ($n files were there)"
 }
 
+# ---- candidates -----------------------------------------------------------------------------
+# The GEMM plan's candidates (issue 28; docs/design/gemm_decode.md): bench_gemm --candidates at
+# CANDIDATE_SHAPES (default: the sweep's 84 shapes up to M 2048, those of
+# bench/data/gemm_candidates-h200.csv), B [N, K], cuBLAS in the same run; the log and the CSV
+# scripts/fit_gemm_plan.py reads go to $OUT (gemm_candidates-<gpu>.csv: copy it over
+# bench/data's to refit).
+step_candidates() {
+  local shapes="${CANDIDATE_SHAPES:-}" gpu m nk rc=0
+  [[ -x "$BUILD/bench/bench_gemm" ]] || { log "no $BUILD/bench/bench_gemm"; return 1; }
+  if [[ -z "$shapes" ]]; then
+    for nk in 8192x8192 14336x4096 4096x14336 7168x2048 2048x7168 28672x8192; do
+      for m in 1 8 32 64 128 192 256 384 512 640 768 1024 1536 2048; do shapes+="${shapes:+,}${m}x$nk"; done
+    done
+  fi
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 |
+        awk '{for (i = 1; i <= NF; i++) if ($i ~ /[0-9]/) { print tolower($i); exit }}')
+  limited "${CANDIDATE_TIMEOUT:-300}" "$BUILD/bench/bench_gemm" --candidates --layouts nk \
+    --shapes "$shapes" >"$OUT/candidates.log" 2>&1 || rc=1
+  tail -n 2 "$OUT/candidates.log"
+  python3 "$REPO/scripts/candidates_csv.py" "$OUT/candidates.log" \
+    --commit "${MKERNEL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" \
+    >"$OUT/gemm_candidates-${gpu:-unknown}.csv" || rc=1
+  return "$rc"
+}
+
 # ---- profile: Nsight Compute on the kernels of one command ----------------------------------
 # PROFILE_CMD (a command line, run from the checkout, e.g. "build/bench/bench_ring_attention
 # --ranks 2 --iters 2" or "python3 bench/bench_moe_layer.py --mode check --quick"),
@@ -491,8 +517,8 @@ plan=()
 for s in "${steps[@]}"; do
   case "$s" in
     all) plan+=(build test sanitize python bench) ;;
-    build | test | sanitize | python | bench | check | compare | trace | ab | nodes | host | profile | bisect) plan+=("$s") ;;
-    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|check|compare|trace|ab|nodes|host|profile|bisect|all]..." >&2; exit 2 ;;
+    build | test | sanitize | python | bench | candidates | check | compare | trace | ab | nodes | host | profile | bisect) plan+=("$s") ;;
+    *) echo "usage: bash scripts/device_run.sh [build|test|sanitize|python|bench|candidates|check|compare|trace|ab|nodes|host|profile|bisect|all]..." >&2; exit 2 ;;
   esac
 done
 
@@ -546,6 +572,7 @@ for s in "${plan[@]}"; do
     sanitize) step_sanitize ;;
     python) step_python ;;
     bench) step_bench ;;
+    candidates) step_candidates ;;
     check) step_check ;;
     compare) step_compare ;;
     trace) step_trace ;;
