@@ -256,14 +256,14 @@ TEST(GemmPlan, LosesLittleAgainstTheH200Candidates) {
   EXPECT_LE(j.untimed, 7);
 }
 
-// The H100's candidates (74 shapes: M 1-2048 of 2026-12-06, M 128-2048 with 64-row tiles up to
-// M 1024 and the step widths of 2026-12-07), B [N, K]: every plan is a candidate; 0.7% geomean
-// over the fastest (1.8% before 64-row tiles were weighed past M 64), at most 6.5% on a shape
-// (1536 x 28672 x 8192: 128 x 192 against 128 x 128, at the power limit).
+// The H100's candidates (the sweep's 84 shapes, M 1-2048, in one run at ef9f730 on 2026-12-07,
+// with 64-row tiles up to M 1024 and the step widths), B [N, K]: every plan is a candidate; 0.76%
+// geomean over the fastest (the run before, 74 shapes merged from two days: 0.7%), at most 7.0%
+// on a shape (1024 x 28672 x 8192: 128 x 256 against 128 x 128, at the power limit).
 TEST(GemmPlan, LosesLittleAgainstTheH100Candidates) {
-  const Judged j = judge("gemm_candidates-h100.csv", 74, true, true);
-  EXPECT_LE(j.loss, 1.007) << "geomean of the plans' times over the fastest measured";
-  EXPECT_LE(j.worst, 1.07) << "the worst shape's plan over its fastest measured";
+  const Judged j = judge("gemm_candidates-h100.csv", 84, true, true);
+  EXPECT_LE(j.loss, 1.008) << "geomean of the plans' times over the fastest measured";
+  EXPECT_LE(j.worst, 1.075) << "the worst shape's plan over its fastest measured";
   EXPECT_EQ(j.untimed, 0);
 }
 
