@@ -495,7 +495,8 @@ step_profile() {
   local cmd what
   read -r -a cmd <<<"$PROFILE_CMD"
   what=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats
-    --section WarpStateStats --section LaunchStats --section Occupancy)
+    --section WarpStateStats --section LaunchStats --section Occupancy
+    --section ComputeWorkloadAnalysis)
   # PROFILE_METRICS (ncu metric names, comma-separated) instead of the sections, e.g.
   # dram__bytes_read.sum,lts__t_sector_hit_rate.pct: how often tiles share their operands.
   [[ -n "${PROFILE_METRICS:-}" ]] && what=(--metrics "$PROFILE_METRICS")
