@@ -954,6 +954,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       fusion.consumer_prologue(threadIdx.x - 128, 128 * Cfg::kConsumers);
     }
     const int consumer = warpgroup - 1;  // rows [64 * consumer, 64 * consumer + 64) of the tile
+    // Its rows' offset in a stage's A, through a shuffle so that the compiler knows it is the same
+    // on every lane: A's descriptors then live in uniform registers (as a per-thread value, each
+    // wgmma's took two register-to-uniform moves).
+    const uint32_t a_offset = __shfl_sync(0xffffffffu, consumer * 64 * 128, 0);
     const bool leader = threadIdx.x % 128 == 0;
     float acc[Cfg::kAccRegs];
     typename Fusion::ConsumerState state{};
@@ -973,29 +977,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int kb_begin = kTraits.split_k ? tile.kb_begin : 0;
       const int kb_end = kTraits.split_k && tile.kb_end >= 0 ? tile.kb_end : k_iters;
       for (int kb = kb_begin; kb < kb_end; ++kb, ++it) {
-        const int s = it % Cfg::kStages;
-        const uint32_t phase = (it / Cfg::kStages) & 1;
+        const int s = static_cast<int>(static_cast<unsigned>(it) % Cfg::kStages);
+        const uint32_t phase = (static_cast<unsigned>(it) / Cfg::kStages) & 1;
         dev::mbarrier_wait(&full[s], phase);
         // A gathered: its rows came by cp.async, which writes through the generic proxy - the
         // PTX ISA asks for a proxy fence before wgmma (the async proxy) reads them.
         if constexpr (kTraits.gather_a) dev::fence_proxy_async_shared();
         dev::wgmma_fence_operands(acc);
         dev::wgmma_fence();
+        // The stage's descriptors once; a k16 slice's are theirs moved on (wgmma_desc_advance):
+        // A's and B [N, K]'s start 32 bytes further, B [K, N]'s 16 rows further.
+        const uint64_t da0 = dev::wgmma_desc_sw128(stage_a(s) + a_offset);
+        const uint64_t db0 = kTransB ? dev::wgmma_desc_sw128_mn(stage_b(s), kMnBoxBytes)
+                                     : dev::wgmma_desc_sw128(stage_b(s));
 #pragma unroll
         for (int kk = 0; kk < Cfg::kBlockK / 16; ++kk) {
-          const uint64_t da = dev::wgmma_desc_sw128(stage_a(s) + consumer * 64 * 128 + kk * 32);
+          const uint64_t da = dev::wgmma_desc_advance(da0, kk * 32);
           const bool accumulate = kb > kb_begin || kk > 0;
-          const uint64_t db =
-              kTransB ? dev::wgmma_desc_sw128_mn(stage_b(s) + kk * 16 * 128, kMnBoxBytes)
-                      : dev::wgmma_desc_sw128(stage_b(s) + kk * 32);
+          const uint64_t db = dev::wgmma_desc_advance(db0, kTransB ? kk * 16 * 128 : kk * 32);
           if constexpr (kTransB && Cfg::kBlockN % 64 != 0) {
             // B [K, N] at a step width: the 64-wide chunks, then the last 16 or 32 columns
             // (their own swizzle) into the accumulators that follow - the fragment of an
             // N-wide wgmma is its 8-column blocks in order, so the two are one tile's.
             constexpr int kMain = Cfg::kBlockN / 64 * 64, kTail = Cfg::kBlockN - kMain;
             static_assert(kTail == 16 || kTail == 32, "B [K, N]: a 16- or 32-column tail");
-            const uint64_t dt = dev::wgmma_desc_mn_tail<2 * kTail>(
-                stage_b(s) + kMain / 64 * kMnBoxBytes + kk * 16 * (2 * kTail));
+            const uint64_t dt = dev::wgmma_desc_advance(
+                dev::wgmma_desc_mn_tail<2 * kTail>(stage_b(s) + kMain / 64 * kMnBoxBytes),
+                kk * 16 * (2 * kTail));
             dev::wgmma_bf16<kMain, true>(*reinterpret_cast<float(*)[kMain / 2]>(&acc[0]), da, db,
                                          accumulate);
             dev::wgmma_bf16<kTail, true>(*reinterpret_cast<float(*)[kTail / 2]>(&acc[kMain / 2]),
@@ -1008,7 +1016,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         dev::wgmma_fence_operands(acc);
         // The group of the previous stage has retired once at most this one is pending.
         dev::wgmma_wait<1>();
-        if (kb > kb_begin && leader) dev::mbarrier_arrive(&empty[(it - 1) % Cfg::kStages]);
+        if (kb > kb_begin && leader) {
+          dev::mbarrier_arrive(&empty[static_cast<unsigned>(it - 1) % Cfg::kStages]);
+        }
         if constexpr (kTraits.mid_tile) {
           if (kb == (kb_begin + kb_end) / 2 && leader) fusion.mid_tile(state);
         }

@@ -27,6 +27,15 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* smem) {
          (uint64_t{1} << 62);
 }
 
+// `desc` moved `bytes` further into shared memory: its start address field counts 16 bytes. Exact
+// while the address stays inside the shared window (the 14-bit field spans 256 KiB), so a stage's
+// descriptor computed once serves each of its k16 slices (one add, in uniform registers).
+__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) {
+  // (On the low word alone: the compiler cannot know that the add never carries into the high.)
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // N-major (transposed) B with 128-byte swizzling: the tile is stored as [N / 64][K][64 N values],
 // each K row 128 bytes. Stride-dimension offset: 1024 B between groups of 8 K rows; leading-
 // dimension offset: `chunk_bytes` between 64-wide N chunks. A k16 slice starts 16 rows (2 KiB)
