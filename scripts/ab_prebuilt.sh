@@ -18,6 +18,9 @@
 #   attention  bench/bench_attention.py --mode bench (against SDPA) on the variant's module
 #         (_C*.so: prebuild.sh's mkernel_python), installed once a variant into /tmp/ab-site-<i>
 #         (scripts/python_gpu_test.sh); not in the default runs
+#   grouped  bench/bench_grouped.py --mode bench (against torch._grouped_mm) on the variant's
+#         module as attention's, with AB_GROUPED_ARGS (default --quick: a few points; "" for
+#         issue 28's whole grouped sweep); not in the default runs
 # AB_TESTS: a gtest filter each variant's mkernel_gpu_tests runs after the benchmarks (e.g.
 # '*Moe*:*RingAttention*'), AB_TESTS_TIMEOUT (200 s) a variant. AB_DEADLINE: seconds from the
 # start after which nothing new starts (default 540: a call's 600 s less a margin).
@@ -83,7 +86,7 @@ for ((r = 1; r <= rounds; ++r)); do
           [[ -x "$dir/bench_ring_attention" ]] || continue
           run "$i" "$r" ring_attention-ab-w1.json "$dir/bench_ring_attention" --ranks 2 \
             --commit "${names[$i]}" ;;
-        attention)
+        attention | grouped)
           compgen -G "$dir/_C*.so" >/dev/null || continue
           site="/tmp/ab-site-$i"
           if [[ ! -d "$site/mkernel" ]]; then
@@ -91,9 +94,15 @@ for ((r = 1; r <= rounds; ++r)); do
               bash scripts/python_gpu_test.sh >/dev/null 2>&1 ||
               { echo "ab_prebuilt: ${names[$i]}: its module did not install"; continue; }
           fi
-          run "$i" "$r" attention-ab-w1.json env PYTHONPATH="$site" python3 \
-            bench/bench_attention.py --mode bench ;;
-        *) echo "ab_prebuilt: unknown run '$what' (moe, gemm, ring, attention)"; exit 2 ;;
+          if [[ "$what" == attention ]]; then
+            run "$i" "$r" attention-ab-w1.json env PYTHONPATH="$site" python3 \
+              bench/bench_attention.py --mode bench
+          else
+            # shellcheck disable=SC2086  # (AB_GROUPED_ARGS: words)
+            run "$i" "$r" grouped_gemm-ab-w1.json env PYTHONPATH="$site" python3 \
+              bench/bench_grouped.py --mode bench ${AB_GROUPED_ARGS---quick}
+          fi ;;
+        *) echo "ab_prebuilt: unknown run '$what' (moe, gemm, ring, attention, grouped)"; exit 2 ;;
       esac
     done
   done

@@ -98,3 +98,13 @@ def test_gemm_sweep_runs_bench_gemms_own_points(tmp_path):
     assert "--layouts nk,kn" in line and "--shapes" not in line
     r, _ = run(tree, tmp_path, "1", "a", AB_RUNS="gemm", AB_GEMM_SHAPES="8x8x8")
     assert "--shapes 8x8x8" in calls.read_text().splitlines()[-1]
+
+
+def test_module_runs_skip_a_variant_without_its_module(tmp_path):
+    # attention and grouped run on a variant's Python module (_C*.so), which these have not.
+    tree, calls = make_tree(tmp_path, {"a": (1.0, 0)})
+    r, _ = run(tree, tmp_path, "1", "a", AB_RUNS="attention grouped")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not calls.exists() or calls.read_text() == ""
+    r, _ = run(tree, tmp_path, "1", "a", AB_RUNS="groupd")
+    assert r.returncode == 2 and "(moe, gemm, ring, attention, grouped)" in r.stdout
